@@ -1,0 +1,1 @@
+"""Calibration presets shipped with Metronome (the repository's calibration/ folder)."""

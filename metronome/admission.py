@@ -1,0 +1,631 @@
+"""Admission controllers: may a new real-time session start now?
+
+Each session streams a frame every 80 ms to 2 s and every frame has a deadline. A controller is fed
+what the engine loop saw and answers admit/refuse. It is pure, like Netflix concurrency-limits' limit
+objects: **no clock** (the caller passes ``now_s``, a simulator's or a live driver's time), no engine,
+no threads. Time only matters through fixed **control intervals** of ``interval_s``:
+
+* the grid is anchored at the first call (``t0 = now_s`` of the first ``observe``/``advance``/
+  ``may_admit``); interval ``k`` covers ``[t0 + k·I, t0 + (k+1)·I)``;
+* ``observe(now_s, latency_s, frames, silent)`` adds ``frames`` answered frames to the open interval
+  (first closing any interval that ended at or before ``now_s``); ``silent`` of them were *empty*
+  (the session got no token). Silent frames are congestion and **never** latency samples: an empty
+  frame answered "fast" is the worst case, not the best (Netflix #176: drops that read as fast RTTs);
+* ``advance(now_s, in_flight)`` closes every interval that ended at or before ``now_s``; each closed
+  interval gets exactly one decision (at most one change of the limit per interval, so one outlier
+  costs at most one multiplicative step, Netflix #155/#174, palantir/dialogue #722). A gap of several
+  intervals without calls closes each of them; an empty one counts as an interval with no samples;
+* ``may_admit(now_s, in_flight)`` advances, then answers ``in_flight < limit`` (and refuses while the
+  signal is dead). A refusal is never a latency sample.
+
+The ``in_flight`` a closed interval is judged by is the **peak** reported during it (by ``advance`` /
+``may_admit``, and by the call that closes it), as Netflix's ``WindowedLimit`` keeps ``maxInFlight``; an
+interval closed from ``observe`` uses the last ``in_flight`` reported. It is what the app-limited guard
+and the dead-signal rule compare, and what :meth:`AdmissionController.trace` reports.
+
+Controllers: :class:`NoAdmission` (baseline, always admits), :class:`StaticCap` (fixed cap),
+:class:`AIMDController` (the Metronome controller) and :class:`GradientController` (a Netflix
+Gradient2-style baseline with the lessons from its issue tracker applied). :func:`make_controller`
+builds one from a CLI spec. Queueing of refused sessions (``on_refuse="queue"``) is the driver's job;
+the controller only carries the setting (``on_refuse``, ``queue_timeout_s``) so every driver reads it
+from one place.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from metronome.errors import MetronomeError
+
+__all__ = [
+    "AIMDParams",
+    "AdmissionController",
+    "NoAdmission",
+    "StaticCap",
+    "AIMDController",
+    "GradientController",
+    "make_controller",
+    "weighted_percentile",
+    "DECISIONS",
+    "ON_REFUSE",
+]
+
+DECISIONS = ("increase", "decrease", "hold", "dead")
+ON_REFUSE = ("reject", "queue")
+
+# Interval ends are t0 + (k+1)·I in floating point; a call at "exactly" the end must close it.
+_REL_EPS = 1e-9
+
+
+# ---------------------------------------------------------------------------------------------------
+# Weighted nearest-rank percentile
+# ---------------------------------------------------------------------------------------------------
+def weighted_percentile(values, weights, q: float) -> float | None:
+    """Weighted nearest-rank ("higher", inverted-CDF) percentile; ``None`` when the total weight is 0.
+
+    The result is the smallest value ``v`` whose cumulative weight reaches ``q/100`` of the total
+    weight, i.e. ``min{v : W(x <= v) >= q/100 · W}``. With unit weights this is the classic nearest-rank
+    percentile (``numpy.percentile(..., method="inverted_cdf")``): always one of the observed values,
+    never an interpolation, so a p99 over 100 frames is the 99th-fastest frame. Ties in value are
+    broken by a stable sort, so the result is deterministic. ``q`` is in (0, 100]; ``q = 100`` is the
+    maximum. Zero-weight samples are ignored; negative weights are an error.
+    """
+    v = np.asarray(values, dtype=float).ravel()
+    w = np.asarray(weights, dtype=float).ravel()
+    if v.shape != w.shape:
+        raise ValueError(f"values and weights differ in length: {v.size} vs {w.size}")
+    if not 0.0 < q <= 100.0:
+        raise ValueError(f"percentile must be in (0, 100], got {q}")
+    if np.any(w < 0) or not np.all(np.isfinite(w)):
+        raise ValueError("weights must be finite and >= 0")
+    keep = w > 0
+    if not np.any(keep):
+        return None
+    v, w = v[keep], w[keep]
+    order = np.argsort(v, kind="stable")
+    v, cum = v[order], np.cumsum(w[order])
+    total = cum[-1]
+    # The small relative slack keeps q·W/100 == an exact cumulative weight from being missed by
+    # rounding (e.g. 99.9 · 1000 / 100 = 999.0000000000001).
+    threshold = q * total / 100.0 - 1
+    i = int(np.searchsorted(cum, threshold, side="left"))
+    return float(v[min(i, v.size - 1)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------------------------------
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return (isinstance(x, (int, float, np.integer, np.floating))
+            and not isinstance(x, (bool, np.bool_)) and math.isfinite(float(x)))
+
+
+@dataclass(frozen=True)
+class AIMDParams:
+    """Settings of the AIMD controller (the Gradient controller reads the shared ones).
+
+    ``target_fraction`` and ``percentile`` define congestion by latency: the interval's weighted
+    ``percentile`` of non-silent frame latencies above ``target_fraction · deadline_s``. The limits
+    are in sessions. ``on_refuse``/``queue_timeout_s`` are read by the driver, not by the controller.
+    ``dead_intervals · interval_s`` should exceed the longest frame period (2 s for the slowest models),
+    or a healthy session between two frames reads as a dead signal.
+    """
+
+    additive_increase: float = 1.0
+    decrease_factor: float = 0.9
+    target_fraction: float = 0.8
+    percentile: float = 99.0
+    interval_s: float = 1.0
+    min_limit: int = 1
+    max_limit: int = 10_000
+    initial_limit: int | None = None
+    on_refuse: str = "reject"
+    queue_timeout_s: float = 30.0
+    silent_tolerance: float = 0.0
+    dead_intervals: int = 3
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def start_limit(self) -> int:
+        """The limit a fresh controller starts at: ``initial_limit``, or ``min_limit`` by default."""
+        return self.min_limit if self.initial_limit is None else int(self.initial_limit)
+
+    def validate(self) -> None:
+        """Raise :class:`MetronomeError` (one line, naming the field) if any setting is invalid."""
+
+        def real(key, what):
+            x = getattr(self, key)
+            if not _is_real(x):
+                raise MetronomeError(f"{what} must be a finite number, got {x!r} ({key})")
+            return float(x)
+
+        def integer(key, what):
+            x = getattr(self, key)
+            if not _is_int(x):
+                raise MetronomeError(f"{what} must be an integer, got {x!r} ({key})")
+            return int(x)
+
+        a = real("additive_increase", "additive increase")
+        if a <= 0:
+            raise MetronomeError(f"additive increase must be > 0, got {a:g} (additive_increase)")
+        b = real("decrease_factor", "decrease factor")
+        if not 0 < b < 1:
+            raise MetronomeError(f"decrease factor must be in (0, 1), got {b:g} (decrease_factor)")
+        tf = real("target_fraction", "target fraction")
+        if not 0 < tf <= 1:
+            raise MetronomeError(f"target fraction must be in (0, 1], got {tf:g} (target_fraction)")
+        p = real("percentile", "percentile")
+        if not 0 < p <= 100:
+            raise MetronomeError(f"percentile must be in (0, 100], got {p:g} (percentile)")
+        i = real("interval_s", "control interval")
+        if i <= 0:
+            raise MetronomeError(f"control interval must be > 0 s, got {i:g} (interval_s)")
+        lo = integer("min_limit", "minimum limit")
+        hi = integer("max_limit", "maximum limit")
+        if lo < 1:
+            raise MetronomeError(f"minimum limit must be >= 1, got {lo} (min_limit)")
+        if hi < lo:
+            raise MetronomeError(f"maximum limit ({hi}) must be >= minimum limit ({lo}) (max_limit)")
+        if self.initial_limit is not None:
+            il = integer("initial_limit", "initial limit")
+            if not lo <= il <= hi:
+                raise MetronomeError(
+                    f"initial limit must be in [min_limit, max_limit] = [{lo}, {hi}], got {il} (initial_limit)")
+        if self.on_refuse not in ON_REFUSE:
+            raise MetronomeError(f"on_refuse must be one of {', '.join(ON_REFUSE)}, got {self.on_refuse!r} (on_refuse)")
+        qt = real("queue_timeout_s", "queue timeout")
+        if qt < 0:
+            raise MetronomeError(f"queue timeout must be >= 0 s, got {qt:g} (queue_timeout_s)")
+        st = real("silent_tolerance", "silent tolerance")
+        if not 0 <= st < 1:
+            raise MetronomeError(f"silent tolerance must be in [0, 1), got {st:g} (silent_tolerance)")
+        d = integer("dead_intervals", "dead intervals")
+        if d < 1:
+            raise MetronomeError(f"dead intervals must be >= 1, got {d} (dead_intervals)")
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of every field (``from_dict(to_dict())`` gives an equal object)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AIMDParams":
+        """Build from a dict (e.g. parsed JSON); missing keys take their defaults.
+
+        Unknown keys, wrong types and out-of-range values raise :class:`MetronomeError` naming the key.
+        """
+        if not isinstance(d, dict):
+            raise MetronomeError(f"admission parameters must be a JSON object, got {type(d).__name__}")
+        known = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in known:
+                raise MetronomeError(f"unknown admission parameter {key!r} (known: {', '.join(known)})")
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The interface and the interval machinery
+# ---------------------------------------------------------------------------------------------------
+class AdmissionController(ABC):
+    """The interface the simulator and the live driver call; also the per-interval bookkeeping.
+
+    Subclasses give :attr:`limit`, and :meth:`_decide`, called once per closed interval with its
+    aggregates, which may change the limit and returns one of :data:`DECISIONS`.
+    """
+
+    name: str = "controller"
+
+    def __init__(self, interval_s: float = 1.0, percentile: float = 99.0,
+                 on_refuse: str = "reject", queue_timeout_s: float = 30.0):
+        if not _is_real(interval_s) or interval_s <= 0:
+            raise MetronomeError(f"control interval must be > 0 s, got {interval_s!r}")
+        if not _is_real(percentile) or not 0 < percentile <= 100:
+            raise MetronomeError(f"percentile must be in (0, 100], got {percentile!r}")
+        if on_refuse not in ON_REFUSE:
+            raise MetronomeError(f"on_refuse must be one of {', '.join(ON_REFUSE)}, got {on_refuse!r}")
+        self.interval_s = float(interval_s)
+        self.percentile = float(percentile)
+        self.on_refuse = on_refuse
+        self.queue_timeout_s = float(queue_timeout_s)
+        self._t0: float | None = None
+        self._k = 0                      # index of the open interval
+        self._lat: list[float] = []      # non-silent latencies of the open interval
+        self._w: list[int] = []          # their weights (frames - silent)
+        self._frames = 0
+        self._silent = 0
+        self._peak = 0                   # peak in_flight reported in the open interval
+        self._last_in_flight = 0
+        self._trace: list[tuple] = []
+
+    # -- the interface -------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def limit(self) -> int:
+        """The current concurrency limit (sessions)."""
+
+    @property
+    def dead(self) -> bool:
+        """True while the controller refuses everything because the signal is dead (adaptive ones)."""
+        return False
+
+    def observe(self, now_s: float, latency_s: float, frames: int = 1, silent: int = 0) -> None:
+        """``frames`` frames were answered at ``now_s`` with latency ``latency_s``; ``silent`` were empty.
+
+        The ``frames - silent`` non-silent frames enter the interval's latency statistic with that
+        latency; silent frames only count (their latency is ignored). Bad arguments are a caller bug
+        (``ValueError``). A sample timed before the open interval (out-of-order delivery) goes into
+        the open interval: closed intervals are never reopened.
+        """
+        now_s = self._check_time(now_s)
+        if not _is_int(frames) or frames < 0:
+            raise ValueError(f"frames must be an integer >= 0, got {frames!r}")
+        if not _is_int(silent) or not 0 <= silent <= frames:
+            raise ValueError(f"silent must be an integer in [0, frames={frames}], got {silent!r}")
+        if not _is_real(latency_s) or latency_s < 0:
+            raise ValueError(f"latency must be finite and >= 0 s, got {latency_s!r}")
+        self._close_through(now_s, self._last_in_flight)
+        frames, silent = int(frames), int(silent)
+        if frames == 0:
+            return
+        self._frames += frames
+        self._silent += silent
+        if frames > silent:
+            self._lat.append(float(latency_s))
+            self._w.append(frames - silent)
+        self._on_frames()
+
+    def advance(self, now_s: float, in_flight: int) -> None:
+        """Close every control interval that ended at or before ``now_s`` (one decision each)."""
+        now_s = self._check_time(now_s)
+        in_flight = self._check_in_flight(in_flight)
+        self._last_in_flight = in_flight
+        self._close_through(now_s, in_flight)
+        self._peak = max(self._peak, in_flight)
+
+    def may_admit(self, now_s: float, in_flight: int) -> bool:
+        """Advance to ``now_s``, then: may one more session start with ``in_flight`` running?"""
+        self.advance(now_s, in_flight)
+        return (not self.dead) and int(in_flight) < self.limit
+
+    def trace(self) -> list[dict]:
+        """One dict per closed interval, oldest first.
+
+        Keys: ``t_s`` (the interval's end), ``limit`` (after the decision), ``in_flight`` (the peak
+        reported in the interval), ``p_latency_s`` (the weighted percentile of non-silent latencies,
+        ``None`` without any), ``frames``, ``silent`` and ``decision`` (one of :data:`DECISIONS`).
+        """
+        keys = ("t_s", "limit", "in_flight", "p_latency_s", "frames", "silent", "decision")
+        return [dict(zip(keys, row)) for row in self._trace]
+
+    # -- machinery -------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_time(now_s) -> float:
+        if not _is_real(now_s):
+            raise ValueError(f"now_s must be a finite number, got {now_s!r}")
+        return float(now_s)
+
+    @staticmethod
+    def _check_in_flight(in_flight) -> int:
+        if not _is_int(in_flight) or in_flight < 0:
+            raise ValueError(f"in_flight must be an integer >= 0, got {in_flight!r}")
+        return int(in_flight)
+
+    def _close_through(self, now_s: float, in_flight: int) -> None:
+        if self._t0 is None:
+            self._t0 = now_s
+            return
+        elapsed = (now_s - self._t0) / self.interval_s     # in intervals
+        while elapsed >= self._k + 1 - _REL_EPS:
+            end = self._t0 + (self._k + 1) * self.interval_s
+            peak = max(self._peak, in_flight)
+            p = weighted_percentile(self._lat, self._w, self.percentile) if self._w else None
+            decision = self._decide(peak, p, self._frames, self._silent)
+            self._trace.append((end, self.limit, peak, p, self._frames, self._silent, decision))
+            self._k += 1
+            self._lat, self._w = [], []
+            self._frames = self._silent = 0
+            self._peak = in_flight   # what is in flight now was in flight when the next one began
+
+    def _on_frames(self) -> None:
+        """Hook: frames were observed (the adaptive controllers clear a dead signal here)."""
+
+    @abstractmethod
+    def _decide(self, in_flight: int, p_latency_s: float | None, frames: int, silent: int) -> str:
+        """Judge one closed interval; may change the limit; returns one of :data:`DECISIONS`."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Baselines
+# ---------------------------------------------------------------------------------------------------
+class NoAdmission(AdmissionController):
+    """Admit everything (the baseline that shows the KV cliff). ``limit`` is ``sys.maxsize``.
+
+    It still closes intervals, so its :meth:`trace` has the same per-interval latencies as the others;
+    every decision is ``"hold"``.
+    """
+
+    name = "none"
+
+    @property
+    def limit(self) -> int:
+        return sys.maxsize
+
+    def may_admit(self, now_s: float, in_flight: int) -> bool:
+        self.advance(now_s, in_flight)
+        return True
+
+    def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
+        return "hold"
+
+
+class StaticCap(AdmissionController):
+    """Admit while ``in_flight < n``: a fixed cap, e.g. from the fill model's memory ceiling."""
+
+    def __init__(self, n: int, interval_s: float = 1.0, percentile: float = 99.0,
+                 on_refuse: str = "reject", queue_timeout_s: float = 30.0):
+        if not _is_int(n):
+            raise MetronomeError(f"static admission limit must be an integer, got {n!r}")
+        if n < 1:
+            raise MetronomeError(f"static admission limit must be >= 1, got {n}")
+        super().__init__(interval_s, percentile, on_refuse, queue_timeout_s)
+        self._n = int(n)
+        self.name = f"static:{self._n}"
+
+    @property
+    def limit(self) -> int:
+        return self._n
+
+    def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
+        return "hold"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Adaptive controllers
+# ---------------------------------------------------------------------------------------------------
+class _Adaptive(AdmissionController):
+    """Shared by AIMD and Gradient: params, the float limit, the latency target and the dead signal.
+
+    Dead signal: an interval with sessions in flight (peak > 0) but not a single frame answered counts
+    toward it; ``dead_intervals`` such intervals in a row make the controller refuse every admission
+    and freeze the limit (decision ``"dead"``) until frames are seen again (``observe`` with
+    ``frames > 0`` clears it at once). An interval with nothing in flight and no frames is a plain
+    ``"hold"`` (cold start must admit) and also clears the dead state: with nothing in flight there
+    is nothing to wait for, and refusing forever would deadlock (no session, so never a frame).
+    """
+
+    def __init__(self, params: AIMDParams | None, deadline_s: float):
+        params = AIMDParams() if params is None else params
+        if not isinstance(params, AIMDParams):
+            raise MetronomeError(f"admission parameters must be AIMDParams, got {type(params).__name__}")
+        if not _is_real(deadline_s) or deadline_s <= 0:
+            raise MetronomeError(f"frame deadline must be > 0 s, got {deadline_s!r}")
+        super().__init__(params.interval_s, params.percentile, params.on_refuse, params.queue_timeout_s)
+        self.params = params
+        self.deadline_s = float(deadline_s)
+        self.target_s = params.target_fraction * self.deadline_s
+        self._limit = float(params.start_limit)
+        self._dead = False
+        self._dead_run = 0
+
+    @property
+    def limit(self) -> int:
+        return int(math.floor(self._limit + 1e-9))
+
+    @property
+    def dead(self) -> bool:
+        return self._dead
+
+    def _on_frames(self) -> None:
+        self._dead = False
+        self._dead_run = 0
+
+    def _no_frames(self, in_flight: int) -> str:
+        """Bookkeeping of an interval without a single frame; returns its decision."""
+        if in_flight > 0:
+            self._dead_run += 1
+            if self._dead_run >= self.params.dead_intervals:
+                self._dead = True
+        else:
+            self._dead_run = 0
+            self._dead = False
+        return "dead" if self._dead else "hold"
+
+    def _congested(self, p_latency_s: float | None, frames: int, silent: int) -> bool:
+        """Absolute congestion: too many silent frames, or the latency percentile over the target."""
+        if silent / frames > self.params.silent_tolerance:
+            return True
+        return p_latency_s is not None and p_latency_s > self.target_s
+
+    def _clamp(self, x: float) -> float:
+        return min(float(self.params.max_limit), max(float(self.params.min_limit), x))
+
+
+class AIMDController(_Adaptive):
+    """Additive increase, multiplicative decrease, once per control interval.
+
+    Per closed interval (``a = additive_increase``, ``b = decrease_factor``):
+
+    * no frame at all: the dead-signal bookkeeping (see :class:`_Adaptive`), limit unchanged;
+    * **congestion** (silent fraction > ``silent_tolerance`` (any silent frame at 0), or the weighted
+      ``percentile`` of non-silent latencies > ``target_fraction · deadline_s``): ``L ← max(min_limit,
+      min(floor(b·L), floor(L) − 1))`` so even a small limit drops by at least one session;
+    * otherwise, with non-silent samples and the interval's peak ``in_flight >= L/2`` (the app-limited
+      guard: no growth while the limit is far above what is used): ``L ← min(max_limit, L + a)``;
+    * otherwise hold.
+
+    ``L`` is kept as a float (so ``a < 1`` works); :attr:`limit` is ``floor(L)``. Against a server of
+    capacity ``K`` this gives the textbook sawtooth between about ``b·K`` and ``K + a``, mean
+    ``(1+b)/2·K``.
+    """
+
+    name = "aimd"
+
+    def __init__(self, params: AIMDParams | None = None, deadline_s: float = 1.0):
+        super().__init__(params, deadline_s)
+
+    def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
+        if frames == 0:
+            return self._no_frames(in_flight)
+        L = self._limit
+        if self._congested(p_latency_s, frames, silent):
+            cut = min(math.floor(L * self.params.decrease_factor + 1e-9), math.floor(L + 1e-9) - 1)
+            self._limit = self._clamp(float(cut))
+            return "decrease"
+        if p_latency_s is not None and 2 * in_flight >= L:
+            self._limit = self._clamp(L + self.params.additive_increase)
+            return "increase"
+        return "hold"
+
+
+class GradientController(_Adaptive):
+    """A Netflix ``Gradient2Limit``-style baseline on per-interval aggregates, with its known bugs fixed.
+
+    The Gradient2 core (defaults as in Netflix): per closed interval, ``short`` = the interval's weighted
+    latency percentile (non-silent frames), ``long`` = an EMA of ``short`` over ``long_window`` intervals
+    (factor ``2/(long_window+1)``, a plain mean over the first ``warmup`` intervals), ::
+
+        gradient = clamp(rtt_tolerance · long / short, 0.5, 1.0)
+        L ← (1 − smoothing)·L + smoothing·(gradient·L + queue_size)
+
+    so it grows ``smoothing·queue_size`` = +0.8 per interval when unloaded, and, as in Gradient2, not at
+    all while the interval's peak in_flight < L/2 (app-limited guard; growth only, a cut always applies).
+    Then clamped to ``[min_limit, max_limit]``; :attr:`limit` is ``floor(L)``.
+
+    Lessons applied (see the research note, Part A):
+
+    * **Silent frames are congestion** (Netflix #176): a silent fraction over ``silent_tolerance``
+      counts as the hardest cut (gradient 0.5) and the silent frames never enter ``short``.
+    * **Absolute SLO check** (Netflix #137, "stable timeout"): a ratio alone is blind to a
+      constant-but-bad latency, so ``short > target_fraction·deadline_s`` also counts as the hardest
+      cut. A hard cut drops the ``+queue_size`` term (``L ← (1 − smoothing/2)·L``, ×0.9): with it,
+      Gradient2's fixed point under gradient 0.5 is ``queue_size/0.5 = 8`` sessions, so from below 8 a
+      sustained overload would *raise* the limit.
+    * **No ratchet of the baseline** (Netflix #134, Envoy #11579): intervals that are congested
+      (silent, over the target, or ``short > rtt_tolerance·long``) never feed ``long``, so overload
+      cannot drag the baseline up to itself. Within the tolerance band, ``long`` follows a higher
+      ``short`` only ``drift_fraction`` (0.1) times as fast as it follows a lower one (slow upward
+      re-learning, e.g. for a permanently slower engine), and it is clamped to
+      ``target / rtt_tolerance`` so the band never reaches past the SLO. The limit can therefore
+      still drift up slowly under sub-target latency inflation, but never past the latency target.
+    * Netflix's recovery rule is kept: when ``long > 2·short`` (overload ended), ``long ← 0.95·long``.
+    """
+
+    name = "gradient"
+
+    def __init__(self, params: AIMDParams | None = None, deadline_s: float = 1.0, *,
+                 smoothing: float = 0.2, rtt_tolerance: float = 1.5, queue_size: float = 4.0,
+                 long_window: int = 600, warmup: int = 10, drift_fraction: float = 0.1):
+        super().__init__(params, deadline_s)
+        if not _is_real(smoothing) or not 0 < smoothing <= 1:
+            raise MetronomeError(f"gradient smoothing must be in (0, 1], got {smoothing!r}")
+        if not _is_real(rtt_tolerance) or rtt_tolerance < 1:
+            raise MetronomeError(f"gradient rtt tolerance must be >= 1, got {rtt_tolerance!r}")
+        if not _is_real(queue_size) or queue_size < 0:
+            raise MetronomeError(f"gradient queue size must be >= 0, got {queue_size!r}")
+        if not _is_int(long_window) or long_window < 1:
+            raise MetronomeError(f"gradient long window must be an integer >= 1, got {long_window!r}")
+        if not _is_int(warmup) or warmup < 0:
+            raise MetronomeError(f"gradient warmup must be an integer >= 0, got {warmup!r}")
+        if not _is_real(drift_fraction) or not 0 <= drift_fraction <= 1:
+            raise MetronomeError(f"gradient drift fraction must be in [0, 1], got {drift_fraction!r}")
+        self.smoothing = float(smoothing)
+        self.rtt_tolerance = float(rtt_tolerance)
+        self.queue_size = float(queue_size)
+        self.long_window = int(long_window)
+        self.warmup = int(warmup)
+        self.drift_fraction = float(drift_fraction)
+        self._ema = 2.0 / (self.long_window + 1)
+        self._long: float | None = None
+        self._n_long = 0
+
+    @property
+    def long_latency_s(self) -> float | None:
+        """The baseline (long) latency, ``None`` before the first healthy interval."""
+        return self._long
+
+    def _update_long(self, short: float) -> None:
+        if self._long is None or self._n_long < self.warmup:
+            n = self._n_long
+            self._long = short if self._long is None else (self._long * n + short) / (n + 1)
+        else:
+            rate = self._ema if short <= self._long else self._ema * self.drift_fraction
+            self._long += rate * (short - self._long)
+        self._n_long += 1
+        if short > 0 and self._long / short > 2.0:
+            self._long *= 0.95
+        self._long = min(self._long, self.target_s / self.rtt_tolerance)
+
+    def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
+        if frames == 0:
+            return self._no_frames(in_flight)
+        L = self._limit
+        if self._congested(p_latency_s, frames, silent):
+            self._limit = self._clamp(L * (1.0 - self.smoothing * 0.5))
+            return "decrease"
+        if p_latency_s is None:          # only silent frames, within the tolerance: nothing to learn
+            return "hold"
+        short = p_latency_s
+        if self._long is None or short <= self.rtt_tolerance * self._long:
+            self._update_long(short)
+        if short <= 0:
+            gradient = 1.0
+        else:
+            gradient = min(1.0, max(0.5, self.rtt_tolerance * self._long / short))
+        new = (1.0 - self.smoothing) * L + self.smoothing * (gradient * L + self.queue_size)
+        if new > L and 2 * in_flight < L:
+            new = L                       # app-limited: do not grow
+        new = self._clamp(new)
+        self._limit = new
+        if new > L + 1e-12:
+            return "increase"
+        if new < L - 1e-12:
+            return "decrease"
+        return "hold"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Factory
+# ---------------------------------------------------------------------------------------------------
+CONTROLLER_SPECS = ("none", "static:N", "aimd", "gradient")
+
+
+def make_controller(spec: str, deadline_s: float, aimd_params: AIMDParams | None = None) -> AdmissionController:
+    """Build a controller from a CLI spec: ``none``, ``static:N``, ``aimd`` or ``gradient``.
+
+    ``aimd_params`` configures the adaptive controllers; its ``interval_s``, ``percentile``,
+    ``on_refuse`` and ``queue_timeout_s`` also apply to ``none`` and ``static:N``. Bad specs raise
+    :class:`MetronomeError` with one line.
+    """
+    if not isinstance(spec, str):
+        raise MetronomeError(f"admission controller spec must be a string, got {spec!r}")
+    if aimd_params is not None and not isinstance(aimd_params, AIMDParams):
+        raise MetronomeError(f"admission parameters must be AIMDParams, got {type(aimd_params).__name__}")
+    params = aimd_params if aimd_params is not None else AIMDParams()
+    common = dict(interval_s=params.interval_s, percentile=params.percentile,
+                  on_refuse=params.on_refuse, queue_timeout_s=params.queue_timeout_s)
+    s = spec.strip().lower()
+    if s == "none":
+        return NoAdmission(**common)
+    if s == "aimd":
+        return AIMDController(params, deadline_s)
+    if s == "gradient":
+        return GradientController(params, deadline_s)
+    if s == "static" or s.startswith("static:"):
+        arg = s.partition(":")[2].strip()
+        try:
+            n = int(arg)
+        except ValueError:
+            raise MetronomeError(
+                f"bad admission spec {spec!r}: static needs an integer limit, e.g. static:64") from None
+        return StaticCap(n, **common)
+    raise MetronomeError(f"unknown admission controller {spec!r} (one of {', '.join(CONTROLLER_SPECS)})")

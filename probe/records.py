@@ -1,0 +1,89 @@
+"""Append-only sample journals: every sample is on disk the moment it is taken.
+
+A Parquet file is unreadable until its footer is written, so a crash, a Ctrl-C or an engine death
+mid-run would lose a Parquet-only record. Samples are therefore appended as JSON lines (flushed per
+line) to ``NAME.jsonl``, which survives a kill (a torn last line is skipped on read), and converted to
+``NAME.parquet`` when a run ends or resumes. The JSONL journal stays the source of truth.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+
+class Journal:
+    """One table of samples: ``append(dict)`` writes a line and flushes it."""
+
+    def __init__(self, directory: str | Path, name: str):
+        self.path = Path(directory) / f"{name}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)  # line-buffered: each sample reaches the OS at once
+
+    def append(self, row: dict) -> None:
+        self._f.write(json.dumps(row, default=_jsonable) + "\n")
+
+    def extend(self, rows) -> None:
+        for r in rows:
+            self.append(r)
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def parquet_path(self) -> Path:
+        return self.path.with_suffix(".parquet")
+
+    def to_parquet(self) -> Path | None:
+        return journal_to_parquet(self.path)
+
+
+def _jsonable(v):
+    if hasattr(v, "item"):  # numpy scalars
+        return v.item()
+    if isinstance(v, (set, tuple)):
+        return list(v)
+    return str(v)
+
+
+def read_journal(path: str | Path) -> list[dict]:
+    """All complete rows of a journal; a torn last line (the process was killed mid-write) is skipped."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    rows = []
+    with open(p) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def journal_to_parquet(path: str | Path) -> Path | None:
+    """Convert a journal to Parquet next to it (None when it is empty). Lists are stored as JSON text."""
+    rows = read_journal(path)
+    if not rows:
+        return None
+    df = pd.DataFrame(rows)
+    for col in df.columns:
+        if df[col].map(lambda v: isinstance(v, (list, dict))).any():
+            df[col] = df[col].map(lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v)
+        elif df[col].dtype == object:
+            df[col] = df[col].map(lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+    out = Path(path).with_suffix(".parquet")
+    tmp = out.with_suffix(".parquet.tmp")
+    df.to_parquet(tmp, index=False)
+    tmp.replace(out)
+    return out

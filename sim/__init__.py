@@ -1,0 +1,1 @@
+"""The SimPy simulator of a vLLM-like engine serving real-time sessions."""

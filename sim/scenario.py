@@ -1,0 +1,294 @@
+"""One simulated run: a scenario in, steps/frames/sessions tables and a summary out.
+
+**Collapsed** (the definition every report uses): the pool saturated — some step needed a block when
+none was free, so a session was preempted — *and* afterwards at least ``COLLAPSE_SILENT_FRACTION`` (1%)
+of all frames answered were silent frames of sessions that had been admitted and then lost their place
+(preempted sessions waiting or re-prefilling). A run that only queues new arrivals at the memory
+ceiling is not collapsed: nobody already talking went silent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from metronome.calibration import Calibration
+from metronome.errors import MetronomeError
+from metronome.fill_model import FillModel
+from metronome.kv_policy import KVPolicy
+from metronome.workload import Arrivals, Durations
+
+from metronome.sim.engine import END_REASONS, SimEngine
+from metronome.sim.recorder import weighted_quantile
+
+COLLAPSE_SILENT_FRACTION = 0.01
+
+
+@dataclass(frozen=True)
+class Scenario:
+    calibration: Calibration
+    policy: KVPolicy
+    arrivals: Arrivals
+    horizon_s: float
+    durations: Durations | None = None  # None: sessions last until the horizon
+    seed: int = 0
+    deadline_s: float | None = None  # default: the frame period
+    admission: object = None  # a factory () -> controller, or None (admit everything)
+    admission_label: str = "none"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not (self.horizon_s > 0) or not math.isfinite(self.horizon_s):
+            raise MetronomeError(f"--horizon must be a positive number of seconds, got {self.horizon_s}")
+        if self.deadline_s is not None and not (self.deadline_s > 0):
+            raise MetronomeError(f"--deadline must be positive seconds, got {self.deadline_s}")
+        if self.policy.block_size != self.calibration.engine.block_size_tokens:
+            raise MetronomeError("the KV policy's block size differs from the calibration's")
+        fm = FillModel(self.calibration, self.policy)
+        one = self.policy.resident_blocks(self.calibration.stream.prompt_tokens + self.calibration.stream.kv_tokens_per_frame)
+        if fm.usable_blocks < int(one):
+            raise MetronomeError(
+                f"the pool ({self.calibration.engine.num_blocks} blocks) is too small for one session's first frame")
+        if self.policy.bounded and fm.usable_blocks < (fm.peak_resident_blocks or 0):
+            raise MetronomeError(
+                f"the pool ({self.calibration.engine.num_blocks} blocks) is too small for one session under "
+                f"{self.policy.describe()} ({fm.peak_resident_blocks} blocks)")
+
+    @property
+    def deadline(self) -> float:
+        return self.deadline_s if self.deadline_s is not None else self.calibration.stream.frame_period_s
+
+    def with_seed(self, seed: int) -> "Scenario":
+        return replace(self, seed=seed)
+
+
+@dataclass
+class Result:
+    scenario: Scenario
+    summary: dict
+    steps: pd.DataFrame
+    frames: pd.DataFrame
+    sessions: pd.DataFrame
+    controller_trace: list | None = None
+
+
+def workload(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
+    """Arrival times and durations, drawn from one seeded generator (arrivals first, then durations)."""
+    rng = np.random.default_rng(sc.seed)
+    arrival = sc.arrivals.times(rng, sc.horizon_s)
+    if sc.durations is None:
+        duration = np.full(arrival.size, math.inf)
+    else:
+        duration = sc.durations.sample(rng, arrival.size)
+    return arrival, duration
+
+
+def run(sc: Scenario, fast_forward: bool = True) -> Result:
+    wall0 = time.perf_counter()
+    arrival, duration = workload(sc)
+    env = simpy.Environment()
+    controller = sc.admission() if callable(sc.admission) else None
+    eng = SimEngine(env, sc.calibration, sc.policy, arrival, duration, sc.horizon_s, sc.deadline,
+                    controller=controller, fast_forward=fast_forward)
+    eng.start()
+    env.run(until=sc.horizon_s)
+    eng.finalize()
+    steps, frames = eng.steps.frame(), eng.frames.frame()
+    sessions = pd.DataFrame({
+        "session": np.arange(arrival.size),
+        "arrival_s": eng.arrival,
+        "admitted_s": eng.s_admitted,
+        "ended_s": eng.s_ended,
+        "end_reason": [END_REASONS[int(r)] for r in eng.s_end_reason],
+        "frames": eng.s_frames,
+        "silent_frames": eng.s_silent,
+        "deadline_misses": eng.s_late,
+        "tokens": eng.s_tokens,
+        "preemptions": eng.s_preempt,
+        "rebases": eng.s_rebase,
+    })
+    summary = summarize(sc, eng, steps, frames, sessions)
+    summary["wall_s"] = round(time.perf_counter() - wall0, 4)
+    trace = controller.trace() if controller is not None and hasattr(controller, "trace") else None
+    return Result(sc, summary, steps, frames, sessions, trace)
+
+
+def _predictions(sc: Scenario) -> dict:
+    fm = FillModel(sc.calibration, sc.policy)
+    out = {"t_sat_predicted_s": None, "p_saturate_predicted": None,
+           "memory_ceiling": fm.memory_ceiling(sc.durations.mean_s if sc.durations else sc.horizon_s)}
+    if sc.arrivals.kind == "all":
+        t = fm.t_sat(sc.arrivals.sessions)
+        out["t_sat_predicted_s"] = t
+        durations = sc.durations or Durations("fixed", sc.horizon_s * 2)
+        out["p_saturate_predicted"] = fm.p_saturate_fixed(sc.arrivals.sessions, durations, sc.horizon_s)
+    elif sc.arrivals.kind == "poisson":
+        durations = sc.durations or Durations("fixed", sc.horizon_s * 2)
+        out["p_saturate_predicted"] = fm.p_saturate_poisson(sc.arrivals.rate_per_s, durations, sc.horizon_s)
+    return out
+
+
+def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.DataFrame,
+              sessions: pd.DataFrame) -> dict:
+    n_frames = int(frames["frames"].sum())
+    n_silent = int(frames["silent"].sum())
+    lat, w = frames["latency_s"].to_numpy(), frames["frames"].to_numpy()
+    t_sat = eng.t_sat
+    collapsed = False
+    if t_sat is not None:
+        after = frames["tick_s"].to_numpy() >= t_sat
+        f_after = int(frames["frames"].to_numpy()[after].sum())
+        s_after = int(frames["silent_preempted"].to_numpy()[after].sum())
+        collapsed = f_after > 0 and s_after / f_after >= COLLAPSE_SILENT_FRACTION
+    pred = _predictions(sc)
+    rng_fit = sc.calibration.step_latency.fitted_range
+    outside = 0
+    if len(steps) and rng_fit:
+        bad = np.zeros(len(steps), dtype=bool)
+        for key, col in (("batch", "batch"), ("context_tokens", "context_tokens"), ("new_tokens", "new_tokens")):
+            if key in rng_fit:
+                lo, hi = rng_fit[key]
+                v = steps[col].to_numpy()
+                bad |= (v < lo) | (v > hi)
+        outside = int(bad.sum())
+    st = steps["step_s"].to_numpy()
+
+    def r(x, nd=6):
+        return None if x is None else round(float(x), nd)
+
+    return {
+        "calibration": sc.calibration.name,
+        "provenance": sc.calibration.provenance.kind,
+        "policy": sc.policy.describe(),
+        "workload": sc.arrivals.describe() + (f", durations {sc.durations.describe()}" if sc.durations else ""),
+        "admission": sc.admission_label,
+        "horizon_s": sc.horizon_s,
+        "deadline_s": sc.deadline,
+        "t_sat_predicted_s": r(pred["t_sat_predicted_s"], 4),
+        "t_sat_observed_s": r(t_sat, 4),
+        "p_saturate_predicted": r(pred["p_saturate_predicted"], 6),
+        "memory_ceiling": pred["memory_ceiling"],
+        "silent_frame_fraction": r(n_silent / n_frames if n_frames else 0.0),
+        "silent_preempted_fraction": r(int(frames["silent_preempted"].sum()) / n_frames if n_frames else 0.0),
+        "deadline_miss_fraction": r(int(frames["late"].sum()) / n_frames if n_frames else 0.0),
+        "p50_frame_latency_s": r(weighted_quantile(lat, w, 0.50)),
+        "p99_frame_latency_s": r(weighted_quantile(lat, w, 0.99)),
+        "p50_step_latency_s": r(np.quantile(st, 0.5) if st.size else None),
+        "p99_step_latency_s": r(np.quantile(st, 0.99) if st.size else None),
+        "peak_pool_occupancy": r(eng.peak_used / eng.num_blocks),
+        "collapsed": bool(collapsed),
+        "preemptions": int(sessions["preemptions"].sum()),
+        "rebases": int(sessions["rebases"].sum()),
+        "length_capped": int((sessions["end_reason"] == "length").sum()),
+        "sessions_offered": int(len(sessions)),
+        "sessions_admitted": int(np.isfinite(sessions["admitted_s"].to_numpy()).sum()),
+        "sessions_refused": int(sessions["end_reason"].isin(["refused", "queue_timeout"]).sum()),
+        "frames_total": n_frames,
+        "silent_frames": n_silent,
+        "tokens_total": int(sessions["tokens"].sum()),
+        "steps": int(len(steps)),
+        "steps_outside_fit": outside,
+        "seed": sc.seed,
+    }
+
+
+# ------------------------------------------------------------------------------------------ output
+def write(result: Result, out_dir: str | Path) -> Path:
+    """Write summary.json, steps/frames/sessions Parquet into ``out_dir`` atomically.
+
+    Everything is written into a temporary folder beside ``out_dir`` and moved into place at the end,
+    so a failure leaves nothing half-written."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        result.steps.to_parquet(tmp / "steps.parquet", index=False)
+        result.frames.to_parquet(tmp / "frames.parquet", index=False)
+        result.sessions.to_parquet(tmp / "sessions.parquet", index=False)
+        if result.controller_trace is not None:
+            pd.DataFrame(result.controller_trace).to_parquet(tmp / "controller.parquet", index=False)
+        (tmp / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+        out.mkdir(parents=True, exist_ok=True)
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------------------------- from plain options
+def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "unbounded",
+                  window: int | None = None, sinks: int | None = None, sessions: int | None = None,
+                  arrival_rate: float | None = None, ramp_s: float | None = None,
+                  session_duration: str | float | None = None, horizon: float = 600.0, seed: int = 0,
+                  deadline: float | None = None, admission: str = "none", aimd_params: str | dict | None = None,
+                  num_blocks: int | None = None) -> Scenario:
+    """Build a scenario from the CLI's plain values (a what-if grid point is such a dict)."""
+    from metronome import calibration as calmod
+    from metronome.kv_policy import make_policy
+
+    cal = calibration if isinstance(calibration, Calibration) else calmod.load(calibration)
+    if num_blocks is not None:
+        if num_blocks <= 0:
+            raise MetronomeError(f"--num-blocks must be positive, got {num_blocks}")
+        cal = replace(cal, engine=replace(cal.engine, num_blocks=int(num_blocks)))
+    policy = make_policy(kv, cal.engine.block_size_tokens, window, sinks)
+    if arrival_rate is not None:
+        if sessions is not None and ramp_s is None:
+            raise MetronomeError("give either --sessions or --arrival-rate, not both")
+        if not session_duration:
+            raise MetronomeError("--arrival-rate needs --session-duration (sessions must also leave)")
+        arrivals = Arrivals("poisson", rate_per_s=float(arrival_rate))
+    elif ramp_s is not None:
+        arrivals = Arrivals("ramp", sessions=int(sessions or 0), ramp_s=float(ramp_s))
+    else:
+        if sessions is None:
+            raise MetronomeError("give --sessions N or --arrival-rate R")
+        arrivals = Arrivals("all", sessions=int(sessions))
+    durations = None
+    if session_duration not in (None, ""):
+        durations = Durations.parse(str(session_duration))
+    label, factory = _admission(admission, aimd_params, deadline or cal.stream.frame_period_s)
+    return Scenario(cal, policy, arrivals, float(horizon), durations=durations, seed=int(seed),
+                    deadline_s=deadline, admission=factory, admission_label=label)
+
+
+def _admission(spec: str | None, aimd_params, deadline_s: float):
+    """``none``, ``static:N``, ``aimd`` or ``gradient`` → (label, picklable controller factory)."""
+    import functools
+
+    spec = (spec or "none").strip()
+    if spec == "none":
+        return "none", None
+    from metronome import admission as adm
+
+    params = None
+    if aimd_params is not None:
+        params = adm.AIMDParams.from_dict(aimd_params if isinstance(aimd_params, dict) else _read_params(aimd_params))
+    adm.make_controller(spec, deadline_s, params)  # validate now: one-line error before any work
+    return spec, functools.partial(adm.make_controller, spec, deadline_s, params)
+
+
+def _read_params(path: str) -> dict:
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise MetronomeError(f"{p}: no such AIMD parameter file") from None
+    except json.JSONDecodeError as exc:
+        raise MetronomeError(f"{p}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if isinstance(obj, dict) and "params" in obj and isinstance(obj["params"], dict):
+        obj = obj["params"]  # the file tune-aimd writes: {"params": {...}, "figures": {...}}
+    if not isinstance(obj, dict):
+        raise MetronomeError(f"{p}: an AIMD parameter file must be a JSON object")
+    return obj
