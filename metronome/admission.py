@@ -92,7 +92,7 @@ def weighted_percentile(values, weights, q: float) -> float | None:
     total = cum[-1]
     # The small relative slack keeps q·W/100 == an exact cumulative weight from being missed by
     # rounding (e.g. 99.9 · 1000 / 100 = 999.0000000000001).
-    threshold = q * total / 100.0 - 1
+    threshold = q * total / 100.0 - _REL_EPS * total
     i = int(np.searchsorted(cum, threshold, side="left"))
     return float(v[min(i, v.size - 1)])
 

@@ -165,18 +165,20 @@ class _Reader:
     def __init__(self, origin: str, obj: Any, prefix: str = ""):
         self.origin, self.obj, self.prefix = origin, obj, prefix
         if not isinstance(obj, Mapping):
-            self._fail(prefix.rstrip(".") or "<root>", "must be a JSON object")
+            if not prefix:
+                raise CalibrationError(f"{origin}: a calibration must be a JSON object")
+            raise CalibrationError(f"{origin}: field '{prefix.rstrip('.')}': must be a JSON object")
 
     def _fail(self, key: str, why: str):
-        raise CalibrationError(f"{self.origin}: field '{key}': {why}")
+        raise CalibrationError(f"{self.origin}: field '{self.prefix}{key}': {why}")
 
     def section(self, key: str) -> "_Reader":
         if key not in self.obj:
-            self._fail(self.prefix + key, "missing")
+            self._fail(key, "missing")
         return _Reader(self.origin, self.obj[key], f"{self.prefix}{key}.")
 
     def get(self, key: str, kind: type, *, default: Any = ..., positive=False, nonneg=False):
-        name = self.prefix + key
+        name = key
         if key not in self.obj or self.obj[key] is None:
             if default is ...:
                 self._fail(name, "missing")

@@ -12,8 +12,10 @@ Only this module touches vLLM internals; it is the one place to change for a new
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -109,6 +111,7 @@ class StepInfo:
     context_tokens: int  # sum over scheduled requests of tokens computed once the step is done
     prefill_tokens: int  # tokens of requests scheduled with more than one token
     preempted: list[str] = field(default_factory=list)
+    computed: dict[str, int] = field(default_factory=dict)  # scheduled request -> tokens computed after the step
     outputs: dict[str, list[int]] = field(default_factory=dict)  # session id -> tokens produced this step
     finished: list[str] = field(default_factory=list)  # requests the engine finished (not paused)
 
@@ -126,11 +129,19 @@ class PoolState:
 class Engine:
     """One in-process vLLM engine. Start it once and share it: startup takes ~35 s on a small CPU."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, log_path: str | os.PathLike | None = None):
+        """Start the engine. With ``log_path``, everything vLLM prints while importing and starting goes
+        to that file, so a failure surfaces as one line (the MetronomeError) instead of pages of log."""
         self.config = config
         self.dist, self.version = check_version()
         _prepare_env(config.device)
         self._pending_schedule: list = []
+        self.log_path = log_path
+        with _fds_to(log_path):
+            self._start()
+
+    def _start(self) -> None:
+        config = self.config
         try:
             from vllm import EngineArgs, SamplingParams, TokensPrompt
             from vllm.sampling_params import RequestOutputKind
@@ -144,7 +155,9 @@ class Engine:
         try:
             self.llm = LLMEngine.from_engine_args(EngineArgs(**_engine_args(config)))
         except Exception as exc:
-            raise MetronomeError(f"the vLLM engine failed to start: {type(exc).__name__}: {_one_line(exc)}") from None
+            where = f" (log: {self.log_path})" if self.log_path else ""
+            raise MetronomeError(
+                f"the vLLM engine failed to start: {type(exc).__name__}: {_one_line(exc)}{where}") from None
         self.scheduler = self.llm.engine_core.engine_core.scheduler
         self._wrap_schedule()
         self._supported = self.llm.get_supported_tasks()
@@ -260,7 +273,9 @@ class Engine:
                 req = self.scheduler.requests.get(rid)
                 # _update_after_schedule already advanced num_computed_tokens by n; a request that
                 # finished this step is gone, so fall back to what its output said it computed.
-                info.context_tokens += req.num_computed_tokens if req is not None else n
+                done = req.num_computed_tokens if req is not None else n
+                info.computed[rid] = done
+                info.context_tokens += done
                 if n > 1:
                     info.prefill_tokens += n
             info.preempted.extend(sorted(so.preempted_req_ids or ()))
@@ -314,11 +329,11 @@ class Engine:
         """Abort every request, so the next measurement starts on an empty pool."""
         ids = list(self.scheduler.requests)
         if ids:
-            self.llm.abort_request(ids)
-        # aborts are applied on the next step
-        while self.scheduler.requests and self.llm.has_unfinished_requests():
+            self.llm.abort_request(ids)  # in-process: the scheduler frees their blocks at once
+        for _ in range(3):  # anything left is cleared on the next step
+            if not self.scheduler.requests:
+                break
             self.llm.step()
-        self.llm.step() if self.scheduler.requests else None
 
     def describe(self) -> str:
         return f"{self.dist} {self.version}"
@@ -349,6 +364,30 @@ def _engine_args(c: EngineConfig) -> dict:
     else:
         args["gpu_memory_utilization"] = c.gpu_memory_utilization
     return {k: v for k, v in args.items() if v is not None}
+
+
+@contextlib.contextmanager
+def _fds_to(path):
+    """Send this process's stdout and stderr (file descriptors 1 and 2, so C code and vLLM's logging too)
+    to ``path`` for the duration of the block."""
+    if path is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
 
 
 def _one_line(exc: BaseException) -> str:

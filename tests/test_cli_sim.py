@@ -1,0 +1,94 @@
+"""metronome-sim as a user runs it: what it prints, what it writes, and how it fails."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from conftest import run_cli
+
+SUMMARY_KEYS = {"t_sat_predicted_s", "t_sat_observed_s", "silent_frame_fraction", "deadline_miss_fraction",
+                "p50_frame_latency_s", "p99_frame_latency_s", "peak_pool_occupancy", "collapsed",
+                "sessions_admitted", "frames_total", "seed", "wall_s"}
+
+
+def test_run_prints_t_sat_and_writes_its_files(tmp_path):
+    out = tmp_path / "run"
+    r = run_cli("run", "--sessions", "300", "--horizon", "90", "--num-blocks", "6000", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "t_sat" in r.stdout and "predicted 25.7 s" in r.stdout and "observed" in r.stdout
+    assert "COLLAPSED" in r.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["frames.parquet", "sessions.parquet", "steps.parquet",
+                                                     "summary.json"]
+    s = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(s)
+    assert s["collapsed"] is True and s["seed"] == 0
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert {"t_s", "batch", "resident_blocks", "free_blocks", "step_s", "tokens_out", "silent_frames",
+            "preemptions"} <= set(steps.columns)
+    sessions = pd.read_parquet(out / "sessions.parquet")
+    assert {"admitted_s", "ended_s", "frames", "silent_frames", "deadline_misses"} <= set(sessions.columns)
+    assert len(sessions) == 300
+
+
+def test_run_bounded_is_healthy():
+    r = run_cli("run", "--sessions", "300", "--horizon", "90", "--num-blocks", "9000", "--kv", "sinks",
+                "--sinks", "16", "--window", "368", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["collapsed"] is False and s["t_sat_observed_s"] is None and s["silent_frame_fraction"] == 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--calibration", "no-such-preset", "--sessions", "2"], "unknown calibration preset"),
+    (["--calibration", "BROKEN", "--sessions", "2"], "not valid JSON"),
+    (["--kv", "window", "--window", "8", "--sessions", "2"], "under one block"),
+    (["--kv", "sinks", "--sinks", "400", "--window", "368", "--sessions", "2"], "fewer than the window"),
+    (["--arrival-rate", "-2", "--session-duration", "10"], "--arrival-rate must be a positive"),
+    (["--sessions", "5", "--horizon", "0"], "--horizon must be a positive"),
+    (["--sessions", "5", "--num-blocks", "3", "--kv", "sinks", "--sinks", "16", "--window", "368"], "too small"),
+    (["--sessions", "5", "--session-duration", "exp:-3"], "session duration must be positive"),
+    (["--sessions", "5", "--admission", "static:0"], "static admission limit must be >= 1"),
+    (["--sessions", "x"], "cannot read 'x'"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, needle):
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"name": ')
+    args = [str(broken) if a == "BROKEN" else a for a in args]
+    out = tmp_path / "out"
+    r = run_cli("run", *args, "--out", str(out))
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no temp leftovers
+
+
+def test_what_if_writes_one_row_per_point(tmp_path):
+    out = tmp_path / "wi"
+    r = run_cli("what-if", "--sessions", "100:300:100", "--kv", "unbounded,sinks", "--window", "368", "--sinks",
+                "16", "--horizon", "60", "--num-blocks", "9000", "--out", str(out), "--workers", "2")
+    assert r.returncode == 0, r.stderr
+    table = pd.read_parquet(out / "what_if.parquet")
+    assert len(table) == 6 and len(pd.read_csv(out / "what_if.csv")) == 6
+    assert SUMMARY_KEYS <= set(table.columns)
+    assert set(table.opt_kv) == {"unbounded", "sinks"} and set(table.opt_sessions) == {100, 200, 300}
+    unb = table[table.opt_kv == "unbounded"].set_index("opt_sessions")
+    assert unb.loc[300, "collapsed"] and not unb.loc[100, "collapsed"]
+    assert not table[table.opt_kv == "sinks"].collapsed.any()  # 300 sessions < the 360-session ceiling
+
+
+def test_what_if_bad_point_fails_before_any_work(tmp_path):
+    out = tmp_path / "wi"
+    r = run_cli("what-if", "--sessions", "10", "--kv", "window", "--window", "64,8", "--out", str(out))
+    assert r.returncode == 2 and "under one block" in r.stderr and "window=8" in r.stderr
+    assert not out.exists()
+
+
+def test_calibrations_lists_presets_with_provenance():
+    r = run_cli("calibrations")
+    assert r.returncode == 0
+    for name in ("moshi-7b-h200", "qwen3-omni-30b-a3b-b200", "minicpm-o-4.5-h200", "qwen2.5-omni-7b-b200"):
+        assert name in r.stdout
+    assert "estimated" in r.stdout

@@ -1,0 +1,115 @@
+"""KV policies: block-granular residency, the way a paged engine frees blocks."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from metronome.errors import MetronomeError
+from metronome.kv_policy import KVPolicy, make_policy
+
+block_sizes = st.sampled_from([1, 2, 16, 32])
+
+
+@st.composite
+def policies(draw):
+    bs = draw(block_sizes)
+    kind = draw(st.sampled_from(["unbounded", "window", "sinks"]))
+    if kind == "unbounded":
+        return KVPolicy.unbounded(bs)
+    w = draw(st.integers(max(bs, 2), 40 * bs))
+    if kind == "window":
+        return KVPolicy.window(bs, w)
+    s = draw(st.integers(1, w - 1))
+    return KVPolicy.sinks(bs, s, w)
+
+
+def kept_positions(p: KVPolicy, n: int) -> set[int]:
+    """Brute force: the token positions the next query (at n) may attend to, from the cache."""
+    if not p.bounded:
+        return set(range(n))
+    return {k for k in range(n) if k < p.sink_tokens or n - k < p.window_tokens}
+
+
+def blocks_brute(p: KVPolicy, n: int) -> int:
+    """A paged engine keeps a block while any position in it is kept (blocks past n are not allocated)."""
+    return len({k // p.block_size for k in kept_positions(p, n)} | ({(n - 1) // p.block_size} if n else set()))
+
+
+@given(policies(), st.integers(0, 3000))
+def test_resident_blocks_match_a_brute_force_paged_cache(p, n):
+    assert int(p.resident_blocks(n)) == blocks_brute(p, n)
+
+
+@given(policies(), st.integers(0, 3000))
+def test_blocks_never_negative_and_tokens_fill_blocks(p, n):
+    b, t = int(p.resident_blocks(n)), int(p.resident_tokens(n))
+    assert b >= 0 and t >= 0
+    assert t <= b * p.block_size  # resident tokens live in resident blocks
+    assert t >= len(kept_positions(p, n))  # and include every kept position
+
+
+@given(policies(), st.integers(0, 3000))
+def test_unbounded_is_monotone_and_bounded_is_capped(p, n):
+    if not p.bounded:
+        assert p.resident_tokens(n + 1) == p.resident_tokens(n) + 1
+        assert p.resident_blocks(n + 1) >= p.resident_blocks(n)
+    else:
+        cap = p.sink_blocks + p.window_blocks + 1
+        assert p.max_resident_blocks == cap
+        assert p.resident_blocks(n) <= cap
+        assert p.resident_tokens(n) <= cap * p.block_size
+
+
+@given(st.integers(1, 64), st.integers(1, 200), st.integers(0, 5000))
+def test_sink_blocks_are_never_freed(bs, s, n):
+    w = s + bs + 7
+    p = KVPolicy.sinks(bs, s, w)
+    kept = {k // bs for k in kept_positions(p, n)}
+    sink_blocks = set(range(min(p.sink_blocks, -(-n // bs))))
+    assert sink_blocks <= kept
+    # and the count includes them: dropping sinks (window only) never holds more
+    assert p.resident_blocks(n) >= KVPolicy.window(bs, w).resident_blocks(n)
+
+
+@given(policies(), st.integers(0, 3000), st.integers(0, 500))
+def test_canonical_form_preserves_residency_for_every_future(p, n, d):
+    n_c, b_off, t_off = p.canonical(n)
+    assert p.resident_blocks(n + d) == p.resident_blocks(n_c + d) + b_off
+    assert p.resident_tokens(n + d) == p.resident_tokens(n_c + d) + t_off
+
+
+@given(policies(), st.integers(0, 3000))
+def test_attended_tokens_is_the_mask_size(p, n):
+    q = n  # the next query
+    mask = [k for k in range(q + 1) if not p.bounded or k < p.sink_tokens or q - k < p.window_tokens]
+    assert p.attended_tokens(n) == len(mask)
+
+
+def test_vectorised_equals_scalar():
+    p = KVPolicy.sinks(16, 20, 100)
+    n = np.arange(0, 1000)
+    assert list(p.resident_blocks(n)) == [int(p.resident_blocks(int(x))) for x in n]
+
+
+def test_window_example_by_hand():
+    # W=64, bs=32: after 65 tokens the next query needs positions 2..64 -> blocks 0,1,2 all still held
+    p = KVPolicy.window(32, 64)
+    assert p.resident_blocks(65) == 3
+    # after 96 tokens: positions 33..95 -> blocks 1,2 (block 0 wholly out of the window is freed)
+    assert p.resident_blocks(96) == 2
+    s = KVPolicy.sinks(32, 4, 64)
+    assert s.resident_blocks(96) == 3  # sink block 0 stays pinned
+
+
+@pytest.mark.parametrize("kind,w,s,msg", [
+    ("window", 8, None, "under one block"),
+    ("sinks", 64, 64, "fewer than the window"),
+    ("sinks", 64, 0, "needs --sinks"),
+    ("window", None, None, "needs --window"),
+    ("bogus", 64, None, "unknown KV policy"),
+])
+def test_bad_policies_are_one_line_errors(kind, w, s, msg):
+    with pytest.raises(MetronomeError, match=msg) as e:
+        make_policy(kind, 16, w, s)
+    assert "\n" not in str(e.value)
