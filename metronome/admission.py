@@ -458,7 +458,10 @@ class AIMDController(_Adaptive):
     * no frame at all: the dead-signal bookkeeping (see :class:`_Adaptive`), limit unchanged;
     * **congestion** (silent fraction > ``silent_tolerance`` (any silent frame at 0), or the weighted
       ``percentile`` of non-silent latencies > ``target_fraction · deadline_s``): ``L ← max(min_limit,
-      min(floor(b·L), floor(L) − 1))`` so even a small limit drops by at least one session;
+      min(floor(b·L), floor(L) − 1))`` so even a small limit drops by at least one session — unless the
+      interval's peak in-flight is still above ``L`` (decision ``"draining"``): admission never evicts,
+      so after a cut the load falls only as sessions end, and the congestion seen meanwhile is the
+      one already answered (TCP likewise cuts once per window of data, not once per loss);
     * otherwise, with non-silent samples and the interval's peak ``in_flight >= L/2`` (the app-limited
       guard: no growth while the limit is far above what is used): ``L ← min(max_limit, L + a)``;
     * otherwise hold.
@@ -478,6 +481,10 @@ class AIMDController(_Adaptive):
             return self._no_frames(in_flight)
         L = self._limit
         if self._congested(p_latency_s, frames, silent):
+            if in_flight > math.floor(L + 1e-9):
+                # the last cut has not taken effect yet: sessions are admitted, not evicted, so the
+                # load only falls as sessions leave; cutting again would punish the same congestion twice
+                return "draining"
             cut = min(math.floor(L * self.params.decrease_factor + 1e-9), math.floor(L + 1e-9) - 1)
             self._limit = self._clamp(float(cut))
             return "decrease"

@@ -16,7 +16,7 @@ from scipy import stats
 from metronome.errors import MetronomeError
 
 DURATION_KINDS = ("fixed", "exponential", "lognormal", "list")
-ARRIVAL_KINDS = ("all", "ramp", "poisson")
+ARRIVAL_KINDS = ("all", "ramp", "poisson", "pattern")
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,14 @@ class Durations:
 @dataclass(frozen=True)
 class Arrivals:
     """``all``: ``sessions`` at t=0; ``ramp``: ``sessions`` evenly over ``ramp_s``;
-    ``poisson``: rate ``rate_per_s`` until the horizon."""
+    ``poisson``: rate ``rate_per_s`` until the horizon; ``pattern``: Poisson with a piecewise-constant
+    rate, ``segments`` of ``(seconds, rate_per_s)`` one after the other (rate 0 after the last)."""
 
     kind: str
     sessions: int = 0
     rate_per_s: float = 0.0
     ramp_s: float = 0.0
+    segments: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         if self.kind not in ARRIVAL_KINDS:
@@ -119,12 +121,63 @@ class Arrivals:
             raise MetronomeError(f"--ramp must be positive seconds, got {self.ramp_s}")
         if self.kind == "poisson" and not (self.rate_per_s > 0 and math.isfinite(self.rate_per_s)):
             raise MetronomeError(f"--arrival-rate must be a positive number of sessions/s, got {self.rate_per_s}")
+        if self.kind == "pattern":
+            if not self.segments:
+                raise MetronomeError("a rate pattern needs at least one SECONDS:RATE segment")
+            for d, r in self.segments:
+                if not (d > 0 and math.isfinite(d)) or not (r >= 0 and math.isfinite(r)):
+                    raise MetronomeError(f"rate pattern segment {d:g}:{r:g} needs seconds > 0 and rate >= 0")
+
+    @classmethod
+    def parse_pattern(cls, spec: str) -> "Arrivals":
+        """``SECONDS:RATE,SECONDS:RATE,...`` (e.g. ``120:0.5,120:2,120:0.5``), or a file holding that text,
+        one segment per line, or a JSON list of ``[seconds, rate]`` pairs."""
+        from pathlib import Path
+
+        text, origin = spec, "--rate-pattern"
+        p = Path(spec)
+        if ":" not in spec or p.is_file():
+            try:
+                text, origin = p.read_text(), str(p)
+            except OSError:
+                raise MetronomeError(f"{spec}: no such rate pattern file") from None
+        try:
+            if text.lstrip().startswith("["):
+                import json
+
+                pairs = [(float(d), float(r)) for d, r in json.loads(text)]
+            else:
+                items = [x.strip() for x in text.replace("\n", ",").split(",") if x.strip() and not x.strip().startswith("#")]
+                pairs = [(float(a), float(b)) for a, b in (x.split(":") for x in items)]
+        except (ValueError, TypeError):
+            raise MetronomeError(f"{origin}: cannot parse the rate pattern (want SECONDS:RATE,... or [[seconds, rate], ...])") from None
+        return cls("pattern", segments=tuple(pairs))
+
+    def rate_at(self, t_s: float) -> float:
+        """The offered arrival rate at time ``t_s`` (sessions per second)."""
+        if self.kind == "poisson":
+            return self.rate_per_s
+        if self.kind == "pattern":
+            start = 0.0
+            for d, r in self.segments:
+                if t_s < start + d:
+                    return r
+                start += d
+        return 0.0
 
     def times(self, rng: np.random.Generator, horizon_s: float) -> np.ndarray:
         if self.kind == "all":
             return np.zeros(self.sessions)
         if self.kind == "ramp":
             return np.linspace(0.0, self.ramp_s, self.sessions, endpoint=False)
+        if self.kind == "pattern":
+            out, start = [], 0.0
+            for d, r in self.segments:
+                end = min(start + d, horizon_s)
+                if end > start and r > 0:
+                    out.append(np.sort(rng.uniform(start, end, rng.poisson(r * (end - start)))))
+                start += d
+            return np.concatenate(out) if out else np.zeros(0)
         # Poisson: draw the count, then uniform order statistics (no loop, deterministic per seed)
         n = rng.poisson(self.rate_per_s * horizon_s)
         return np.sort(rng.uniform(0.0, horizon_s, n))
@@ -134,4 +187,6 @@ class Arrivals:
             return f"{self.sessions} sessions at t=0"
         if self.kind == "ramp":
             return f"{self.sessions} sessions ramped over {self.ramp_s:g} s"
+        if self.kind == "pattern":
+            return "Poisson arrivals, rate pattern " + ", ".join(f"{d:g} s at {r:g}/s" for d, r in self.segments)
         return f"Poisson arrivals at {self.rate_per_s:g}/s"

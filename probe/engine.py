@@ -112,6 +112,7 @@ class StepInfo:
     prefill_tokens: int  # tokens of requests scheduled with more than one token
     preempted: list[str] = field(default_factory=list)
     computed: dict[str, int] = field(default_factory=dict)  # scheduled request -> tokens computed after the step
+    scheduled: dict[str, int] = field(default_factory=dict)  # scheduled request -> tokens computed in the step
     outputs: dict[str, list[int]] = field(default_factory=dict)  # session id -> tokens produced this step
     finished: list[str] = field(default_factory=list)  # requests the engine finished (not paused)
 
@@ -275,6 +276,7 @@ class Engine:
                 # finished this step is gone, so fall back to what its output said it computed.
                 done = req.num_computed_tokens if req is not None else n
                 info.computed[rid] = done
+                info.scheduled[rid] = n
                 info.context_tokens += done
                 if n > 1:
                     info.prefill_tokens += n
@@ -390,9 +392,13 @@ def _fds_to(path):
             os.close(saved[1])
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException, limit: int = 240) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return (lines[0] if lines else type(exc).__name__)[:300]
+    text = lines[0] if lines else type(exc).__name__
+    if len(text) > limit:  # keep whole sentences: vLLM's messages run on with advice that is not ours
+        cut = text.rfind(". ", 0, limit)
+        text = text[: cut + 1] if cut > 40 else text[:limit] + "..."
+    return text
 
 
 def hardware_description(device: str) -> str:

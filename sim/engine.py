@@ -148,7 +148,7 @@ class SimEngine:
         return t
 
     def controller_poll_s(self) -> float:
-        return float(getattr(getattr(self.controller, "params", None), "interval_s", 1.0))
+        return float(getattr(self.controller, "interval_s", 1.0))
 
     # --------------------------------------------------------------------------------- bookkeeping
     @property
@@ -184,7 +184,7 @@ class SimEngine:
         ctl = self.controller
         if ctl is None or ctl.may_admit(now, self._in_flight()):
             self._enter(i, now)
-        elif getattr(getattr(ctl, "params", None), "on_refuse", "reject") == "queue":
+        elif getattr(ctl, "on_refuse", "reject") == "queue":
             self._set_state(i, QUEUED)
             self.queued.append(i)
         else:
@@ -193,7 +193,7 @@ class SimEngine:
             self.s_ended[i] = now
 
     def _retry_queue(self, now: float):
-        timeout = float(getattr(self.controller.params, "queue_timeout_s", math.inf))
+        timeout = float(getattr(self.controller, "queue_timeout_s", math.inf))
         while self.queued:
             i = self.queued[0]
             if now - self.arrival[i] > timeout:
@@ -414,6 +414,7 @@ class SimEngine:
         self.frames.add(frame=f, tick_s=f * self.P, done_s=done, latency_s=latency, frames=n, silent=n_silent,
                         silent_preempted=n_pre, late=n if late else 0, tokens=int(tok.sum()))
         if self.controller is not None and n:
+            self.controller.advance(done, self._in_flight())
             self.controller.observe(done, latency, frames=n, silent=n_silent)
         return n, n_silent
 
@@ -498,7 +499,9 @@ class SimEngine:
                 self.s_late[waiting] += n_late
                 self.hist[waiting] += self.n_in * n_done
             if self.controller is not None and n_frames:
+                in_flight = self._in_flight()
                 for dt_, lt_ in zip(done_t.tolist(), latency.tolist()):
+                    self.controller.advance(dt_, in_flight)
                     self.controller.observe(dt_, lt_, frames=n_frames, silent=n_silent)
         self.steps.add(t_s=starts, step_s=lat, batch=part.size, new_tokens=part.size * tok, context_tokens=ctx,
                        resident_blocks=used, free_blocks=self.num_blocks - used, tokens_out=part.size,

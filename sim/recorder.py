@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from metronome.admission import weighted_percentile
+
 STEP_COLUMNS = (
     "t_s", "step_s", "batch", "new_tokens", "context_tokens", "resident_blocks", "free_blocks",
     "tokens_out", "frames_done", "silent_frames", "preemptions", "running", "waiting",
@@ -55,13 +57,7 @@ def frame_table() -> Table:
 
 
 def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float | None:
-    """Nearest-rank quantile of ``values`` where value ``i`` occurs ``weights[i]`` times."""
-    w = np.asarray(weights, dtype=np.float64)
-    mask = w > 0
-    if not mask.any():
-        return None
-    v, w = np.asarray(values, dtype=np.float64)[mask], w[mask]
-    order = np.argsort(v, kind="stable")
-    v, cw = v[order], np.cumsum(w[order])
-    rank = max(1.0, np.ceil(q * cw[-1]))
-    return float(v[np.searchsorted(cw, rank - 1e-9)])
+    """Nearest-rank quantile (q in (0, 1]) of ``values`` where value ``i`` occurs ``weights[i]`` times.
+
+    The same statistic the admission controllers use (:func:`metronome.admission.weighted_percentile`)."""
+    return weighted_percentile(values, weights, 100.0 * q)

@@ -132,7 +132,7 @@ def _predictions(sc: Scenario) -> dict:
         out["t_sat_predicted_s"] = t
         durations = sc.durations or Durations("fixed", sc.horizon_s * 2)
         out["p_saturate_predicted"] = fm.p_saturate_fixed(sc.arrivals.sessions, durations, sc.horizon_s)
-    elif sc.arrivals.kind == "poisson":
+    elif sc.arrivals.kind == "poisson":  # (a rate pattern has no closed form here)
         durations = sc.durations or Durations("fixed", sc.horizon_s * 2)
         out["p_saturate_predicted"] = fm.p_saturate_poisson(sc.arrivals.rate_per_s, durations, sc.horizon_s)
     return out
@@ -162,6 +162,9 @@ def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.Data
                 bad |= (v < lo) | (v > hi)
         outside = int(bad.sum())
     st = steps["step_s"].to_numpy()
+    # goodput: frames delivered non-silent and on time, per simulated second
+    on_time = ~(frames["late"].to_numpy() > 0)
+    good = int(((frames["frames"].to_numpy() - frames["silent"].to_numpy()) * on_time).sum())
 
     def r(x, nd=6):
         return None if x is None else round(float(x), nd)
@@ -194,6 +197,8 @@ def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.Data
         "sessions_admitted": int(np.isfinite(sessions["admitted_s"].to_numpy()).sum()),
         "sessions_refused": int(sessions["end_reason"].isin(["refused", "queue_timeout"]).sum()),
         "frames_total": n_frames,
+        "goodput_frames_per_s": r(good / sc.horizon_s, 4),
+        "goodput_sessions": r(good / sc.horizon_s * sc.calibration.stream.frame_period_s, 3),
         "silent_frames": n_silent,
         "tokens_total": int(sessions["tokens"].sum()),
         "steps": int(len(steps)),
@@ -232,7 +237,7 @@ def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "u
                   arrival_rate: float | None = None, ramp_s: float | None = None,
                   session_duration: str | float | None = None, horizon: float = 600.0, seed: int = 0,
                   deadline: float | None = None, admission: str = "none", aimd_params: str | dict | None = None,
-                  num_blocks: int | None = None) -> Scenario:
+                  num_blocks: int | None = None, rate_pattern: str | None = None) -> Scenario:
     """Build a scenario from the CLI's plain values (a what-if grid point is such a dict)."""
     from metronome import calibration as calmod
     from metronome.kv_policy import make_policy
@@ -243,7 +248,13 @@ def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "u
             raise MetronomeError(f"--num-blocks must be positive, got {num_blocks}")
         cal = replace(cal, engine=replace(cal.engine, num_blocks=int(num_blocks)))
     policy = make_policy(kv, cal.engine.block_size_tokens, window, sinks)
-    if arrival_rate is not None:
+    if rate_pattern is not None:
+        if sessions is not None or arrival_rate is not None:
+            raise MetronomeError("give one of --sessions, --arrival-rate or --rate-pattern")
+        if not session_duration:
+            raise MetronomeError("--rate-pattern needs --session-duration (sessions must also leave)")
+        arrivals = Arrivals.parse_pattern(rate_pattern)
+    elif arrival_rate is not None:
         if sessions is not None and ramp_s is None:
             raise MetronomeError("give either --sessions or --arrival-rate, not both")
         if not session_duration:

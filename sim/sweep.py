@@ -1,46 +1,20 @@
-"""Fan runs out over cores: what-if grids (and, built on the same helper, Monte Carlo and tuning).
+"""What-if grids: the cartesian product of option lists, one simulated run per point.
 
 Each run is seeded by its own point, never by the worker that runs it, so the results are identical
-whichever executor runs them and in whatever order the runs finish.
+whichever executor (:mod:`metronome.sim.executors`) runs them.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import pandas as pd
 
 from metronome.errors import MetronomeError
 
 from metronome.sim import scenario as scn
-
-
-def fan_out(fn: Callable[[Any], Any], items: Sequence[Any], workers: int | None = None,
-            progress: Callable[[int], None] | None = None) -> list[Any]:
-    """``[fn(x) for x in items]`` on a local process pool (``workers`` defaults to every core).
-
-    Results come back in the order of ``items``. With one worker (or one item) it runs in-process."""
-    workers = workers or os.cpu_count() or 1
-    if workers <= 1 or len(items) <= 1:
-        out = []
-        for x in items:
-            out.append(fn(x))
-            if progress:
-                progress(1)
-        return out
-    results: list[Any] = [None] * len(items)
-    with ProcessPoolExecutor(max_workers=min(workers, len(items))) as pool:
-        futures = {pool.submit(fn, x): k for k, x in enumerate(items)}
-        from concurrent.futures import as_completed
-
-        for fut in as_completed(futures):
-            results[futures[fut]] = fut.result()
-            if progress:
-                progress(1)
-    return results
+from metronome.sim.executors import LocalExecutor
 
 
 def grid(axes: dict[str, Iterable[Any]]) -> list[dict[str, Any]]:
@@ -65,8 +39,8 @@ def validate_points(points: list[dict[str, Any]]) -> None:
             raise MetronomeError(f"{exc} (at what-if point {shown})") from None
 
 
-def what_if(points: list[dict[str, Any]], workers: int | None = None,
+def what_if(points: list[dict[str, Any]], executor=None,
             progress: Callable[[int], None] | None = None) -> pd.DataFrame:
     validate_points(points)
-    rows = fan_out(run_point, points, workers=workers, progress=progress)
+    rows = (executor or LocalExecutor()).map(run_point, points, progress=progress)
     return pd.DataFrame(rows)

@@ -35,7 +35,13 @@ SLOW = 0.95             # s; over the target, under the deadline
 # Drivers: one control interval per step, time in whole seconds (interval_s = 1)
 # ---------------------------------------------------------------------------------------------------
 def interval(c, k, in_flight, latency=FAST, frames=None, silent=0):
-    """Play interval k: report in_flight, answer `frames` frames (default: one per session)."""
+    """Play interval k: report in_flight, answer `frames` frames (default: one per session).
+
+    ``in_flight=None`` means the server holds exactly the limit in force once interval k-1 has closed
+    (its sessions left at the boundary), so a cut takes effect at once."""
+    if in_flight is None:
+        c.advance(float(k), 0)
+        in_flight = c.limit
     c.advance(float(k), in_flight)
     frames = in_flight if frames is None else frames
     if frames:
@@ -299,11 +305,11 @@ def test_aimd_bursty_demand_still_grows():
 def test_aimd_clamps_at_min_and_max():
     c = aimd(min_limit=5, max_limit=8, initial_limit=7)
     for k in range(5):
-        interval(c, k, c.limit)
+        interval(c, k, None)
     c.advance(5.0, 8)
     assert c.limit == 8
     for k in range(5, 40):
-        interval(c, k, c.limit, latency=SLOW)
+        interval(c, k, None, latency=SLOW)
     c.advance(40.0, 5)
     assert c.limit == 5
     assert c.may_admit(40.0, 4) and not c.may_admit(40.0, 5)
@@ -412,7 +418,7 @@ def test_silent_frames_with_tiny_latency_are_congestion(make):
     c = make(initial_limit=50, max_limit=1000)
     start = c.limit
     for k in range(15):
-        interval(c, k, c.limit, latency=0.001, silent=max(1, c.limit // 10))
+        interval(c, k, None, latency=0.001, silent=max(1, c.limit // 10))
     c.advance(15.0, c.limit)
     assert c.limit < start * 0.5
     assert all(r["decision"] == "decrease" for r in c.trace())
@@ -420,7 +426,7 @@ def test_silent_frames_with_tiny_latency_are_congestion(make):
     # the same frames, none silent, grow the limit: the test above can fail
     c = make(initial_limit=50, max_limit=1000)
     for k in range(30):
-        interval(c, k, c.limit, latency=0.001)
+        interval(c, k, None, latency=0.001)
     c.advance(30.0, c.limit)
     assert c.limit > start
 
@@ -480,7 +486,7 @@ def test_dead_signal_stops_admission_and_growth_then_recovers(make):
     c.observe(9.2, FAST, frames=15)                        # frames are back
     assert not c.dead and c.may_admit(9.3, 15)
     for k in range(10, 20):
-        interval(c, k, c.limit)
+        interval(c, k, None)
     c.advance(20.0, c.limit)
     assert c.limit > lim
 
@@ -731,7 +737,7 @@ def test_property_silent_frames_never_move_the_percentile(params, events):
     b.advance(float(len(events)), 0)
     assert [r["p_latency_s"] for r in a.trace()] == [r["p_latency_s"] for r in b.trace()]
     for ra, rb in zip(a.trace(), b.trace()):
-        assert rb["decision"] in ("decrease", "dead") or ra["decision"] in ("hold", "dead")
+        assert rb["decision"] in ("decrease", "draining", "dead") or ra["decision"] in ("hold", "dead")
 
 
 def test_bad_observations_are_caller_bugs():
@@ -744,3 +750,20 @@ def test_bad_observations_are_caller_bugs():
         c.observe(0.0, -1.0)
     with pytest.raises(ValueError):
         c.may_admit(0.0, -1)
+
+
+def test_a_cut_is_not_repeated_while_the_load_it_asked_to_shed_is_still_draining():
+    # admission never evicts: after a cut, in-flight sessions leave only as they end. Congestion seen
+    # while in-flight is still above the new limit is the congestion already answered.
+    c = AIMDController(AIMDParams(initial_limit=100, decrease_factor=0.9), DEADLINE)
+    interval(c, 0, 100, latency=SLOW)
+    c.advance(1.0, 100)
+    assert c.limit == 90
+    for k in range(1, 6):  # sessions drain slowly: 100, 98, 96, 94, 92 still in flight, all slow
+        interval(c, k, 100 - 2 * (k - 1), latency=SLOW)
+    c.advance(6.0, 90)
+    assert c.limit == 90
+    assert [r["decision"] for r in c.trace()] == ["decrease"] + ["draining"] * 5
+    interval(c, 6, 90, latency=SLOW)  # drained to the limit and still slow: cut again
+    c.advance(7.0, 81)
+    assert c.limit == 81 and c.trace()[-1]["decision"] == "decrease"

@@ -28,6 +28,7 @@ SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "sessions": (int, "N sessions start at t=0 (or over --ramp seconds)"),
     "arrival_rate": (float, "Poisson session arrivals per second (needs --session-duration)"),
     "ramp_s": (float, "spread --sessions evenly over this many seconds"),
+    "rate_pattern": (str, "Poisson arrivals with a piecewise rate: SECONDS:RATE,... or a file (needs --session-duration)"),
     "session_duration": (str, "SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default: the horizon)"),
     "horizon": (float, "simulated seconds (default 600)"),
     "seed": (int, "random seed (default 0)"),
@@ -36,7 +37,7 @@ SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "admission": (str, "none | static:N | aimd | gradient (default none)"),
 }
 FLAG = {"ramp_s": "--ramp", "arrival_rate": "--arrival-rate", "session_duration": "--session-duration",
-        "num_blocks": "--num-blocks"}
+        "num_blocks": "--num-blocks", "rate_pattern": "--rate-pattern"}
 
 
 def flag(name: str) -> str:
@@ -74,7 +75,7 @@ def parse_values(name: str, text: str) -> list:
             out.append(kind(a + k * c))
             k += 1
         return out
-    if name == "session_duration" and text.startswith("list:"):
+    if (name == "session_duration" and text.startswith("list:")) or name == "rate_pattern":
         return [text]
     return [_parse_one(name, x.strip()) for x in text.split(",") if x.strip()]
 
@@ -188,9 +189,10 @@ def cmd_what_if(args) -> int:
     sweep.validate_points(points)
     out = Path(args.out or "what-if")
     con = _console()
+    executor = _executor(args)
     with Progress(console=con, transient=False) as bar:
         task = bar.add_task(f"what-if: {len(points)} runs", total=len(points))
-        table = sweep.what_if(points, workers=args.workers, progress=lambda n: bar.advance(task, n))
+        table = sweep.what_if(points, executor=executor, progress=lambda n: bar.advance(task, n))
     _write_table_atomic(table, out, "what_if")
     varying = [f"opt_{k}" for k, v in axes.items() if len(v) > 1]
     show = varying + ["t_sat_predicted_s", "t_sat_observed_s", "silent_frame_fraction", "deadline_miss_fraction",
@@ -228,6 +230,180 @@ def _write_table_atomic(table, out: Path, stem: str):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _executor(args):
+    from metronome.sim.executors import make_executor
+
+    return make_executor(args.executor, args.workers, args.ray_address)
+
+
+def add_executor_options(p: argparse.ArgumentParser):
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="local process pool on every core (default) or a Ray cluster")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (HOST:PORT, ray://HOST:PORT or auto)")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
+
+
+def _single_point(args) -> dict[str, Any]:
+    kw = scenario_kwargs(args)
+    return kw
+
+
+def _write_json_atomic(obj: dict, files: dict[str, Any], out: Path):
+    """Write a summary JSON and tables (name -> DataFrame) into ``out`` all at once."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        for name, value in files.items():
+            if name.endswith(".json"):
+                (tmp / name).write_text(json.dumps(value, indent=2, default=_json_default) + "\n")
+            else:
+                value.to_parquet(tmp / f"{name}.parquet", index=False)
+                value.to_csv(tmp / f"{name}.csv", index=False)
+        out.mkdir(parents=True, exist_ok=True)
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    raise TypeError(type(o).__name__)
+
+
+def cmd_metastability(args) -> int:
+    from rich.progress import Progress
+
+    from metronome.sim.montecarlo import metastability
+
+    point = _single_point(args)
+    seed = point.pop("seed", 0)
+    if args.runs < 1:
+        raise MetronomeError(f"--runs must be >= 1, got {args.runs}")
+    executor = _executor(args)
+    con = _console()
+    with Progress(console=con) as bar:
+        task = bar.add_task(f"metastability: {args.runs} runs", total=args.runs)
+        summary, table = metastability(point, args.runs, seed, executor, progress=lambda n: bar.advance(task, n))
+    out = Path(args.out) if args.out else None
+    if out:
+        _write_json_atomic(summary, {"summary.json": summary, "runs": table}, out)
+    sc = summary["scenario"]
+    con.print(f"[bold]metastability[/] · {sc['calibration']} · {sc['policy']} · {sc['workload']} · {sc['horizon_s']:g} s")
+    pred = summary["predicted_collapse_probability"]
+    con.print(f"  collapsed {summary['collapsed_runs']} of {summary['runs']} runs "
+              f"({100 * summary['collapse_fraction']:.0f}%), pool saturated in {summary['saturated_runs']} "
+              f"({100 * summary['saturation_fraction']:.0f}%)")
+    if pred is not None:
+        con.print(f"  fill model: P(saturate) = {100 * pred:.0f}% · gap to observed saturation "
+                  f"{100 * summary['saturation_prediction_gap']:+.0f} points, to collapse "
+                  f"{100 * summary['prediction_gap']:+.0f} points")
+    ct = summary["collapse_time_s"]
+    if ct:
+        con.print(f"  collapse time: min {ct['min']:.1f} s · p50 {ct['p50']:.1f} s · max {ct['max']:.1f} s")
+    con.print(f"  {summary['wall_s']:.1f} s wall on the {executor.name} executor")
+    if out:
+        con.print(f"  wrote {out}/summary.json and {out}/runs.parquet")
+    return 0
+
+
+def cmd_capacity(args) -> int:
+    from metronome import calibration as calmod
+    from metronome.kv_policy import make_policy
+    from metronome.sim.capacity import capacity
+    from metronome.workload import Durations
+
+    cal = calmod.load(args.calibration or DEFAULT_CALIBRATION)
+    if args.num_blocks is not None:
+        from dataclasses import replace
+
+        nb = _parse_one("num_blocks", args.num_blocks)
+        if nb <= 0:
+            raise MetronomeError(f"--num-blocks must be positive, got {nb}")
+        cal = replace(cal, engine=replace(cal.engine, num_blocks=nb))
+    window = _parse_one("window", args.window) if args.window is not None else None
+    sinks = _parse_one("sinks", args.sinks) if args.sinks is not None else None
+    if not 0 < args.target_fraction <= 1:
+        raise MetronomeError(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
+    policy = make_policy(args.kv or "unbounded", cal.engine.block_size_tokens, window, sinks)
+    duration = Durations.parse(args.session_duration).mean_s if args.session_duration else None
+    if args.deadline is not None and not args.deadline > 0:
+        raise MetronomeError(f"--deadline must be positive seconds, got {args.deadline}")
+    con = _console()
+    with con.status("bisecting on N ...") as status:
+        res = capacity(cal, policy, args.deadline, args.target_fraction, args.percentile, duration,
+                       progress=lambda n, v: status.update(f"N={n}: p{args.percentile:g} {1e3 * v:.1f} ms"))
+    con.print(f"[bold]capacity[/] · {res['calibration']} ({res['provenance']}) · {res['policy']} · "
+              f"deadline {1e3 * res['deadline_s']:g} ms, target p{res['percentile']:g} <= {1e3 * res['target_latency_s']:.1f} ms")
+    mc = res["memory_ceiling"]
+    con.print(f"  memory ceiling      {mc if mc is not None else 'n/a'} sessions"
+              + ("" if policy.bounded else f" (sessions of {duration or 600:g} s)"))
+    con.print(f"  deadline-bound N*   {res['deadline_n_star']} sessions")
+    con.print(f"  binds               [bold]{res['binding']}[/]: N* = {res['n_star']} sessions")
+    if args.out:
+        _write_json_atomic(res, {"capacity.json": res}, Path(args.out))
+        con.print(f"  wrote {args.out}/capacity.json")
+    return 0
+
+
+def _list_floats(flag_name: str, text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise MetronomeError(f"{flag_name}: cannot read {text!r} as a list of numbers") from None
+
+
+def cmd_tune_aimd(args) -> int:
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from metronome.sim.tuning import DEFAULT_GRID, tune_aimd
+
+    point = _single_point(args)
+    point.pop("admission", None)
+    point.pop("aimd_params", None)
+    seed = point.pop("seed", 0)
+    grid = {}
+    for key, flag_name in (("additive_increase", "--additive-increase"), ("decrease_factor", "--decrease-factor"),
+                           ("target_fraction", "--target-fraction"), ("interval_s", "--interval")):
+        v = _list_floats(flag_name, getattr(args, key))
+        if v is not None:
+            grid[key] = v
+    n = 1
+    for k, v in {**DEFAULT_GRID, **grid}.items():
+        n *= len(v)
+    total = n * args.seeds
+    executor = _executor(args)
+    con = _console()
+    with Progress(console=con) as bar:
+        task = bar.add_task(f"tune-aimd: {n} settings x {args.seeds} seeds", total=total)
+        best, table = tune_aimd(point, grid, args.seeds, seed, args.miss_budget, executor=executor,
+                                progress=lambda k: bar.advance(task, k))
+    out = Path(args.out or "tune-aimd")
+    _write_json_atomic(best, {"best_aimd.json": best, "tradeoff": table}, out)
+    p, f = best["params"], best["figures"]
+    con.print(f"[bold]best AIMD[/]: +{p['additive_increase']:g} per {p['interval_s']:g} s, x{p['decrease_factor']:g} on "
+              f"congestion, target {p['target_fraction']:g} x deadline (p{p['percentile']:g})")
+    con.print(f"  goodput {f['goodput_frames_per_s']:.1f} frames/s (= {f['goodput_sessions']:.1f} healthy sessions), "
+              f"worst deadline misses {100 * f['worst_deadline_miss_fraction']:.2f}%, collapsed seeds {f['collapsed_seeds']}")
+    t = Table(title="trade-off (top 10 of %d)" % len(table))
+    cols = ["additive_increase", "decrease_factor", "target_fraction", "interval_s", "goodput_sessions",
+            "worst_deadline_miss_fraction", "collapsed_seeds", "feasible"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    for _, row in table.head(10).iterrows():
+        t.add_row(*[_fmt(row[c]) for c in cols])
+    con.print(t)
+    con.print(f"wrote {out}/best_aimd.json (use: metronome-sim run --admission aimd --aimd-params {out}/best_aimd.json) "
+              f"and {out}/tradeoff.parquet/.csv")
+    return 0
+
+
 def cmd_calibrations(args) -> int:
     from rich.table import Table
 
@@ -262,8 +438,30 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_run)
     w = sub.add_parser("what-if", help="run a grid of scenarios (any option may be a list or range)")
     add_scenario_options(w, lists=True)
-    w.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
+    add_executor_options(w)
     w.set_defaults(fn=cmd_what_if)
+    m = sub.add_parser("metastability", help="run one scenario R times: collapse statistics vs the fill model")
+    add_scenario_options(m, lists=False)
+    m.add_argument("--runs", type=int, default=20, help="runs, seeds SEED..SEED+R-1 (default 20)")
+    add_executor_options(m)
+    m.set_defaults(fn=cmd_metastability)
+    cp = sub.add_parser("capacity", help="memory ceiling, deadline-bound N* and which binds")
+    for name in ("calibration", "kv", "window", "sinks", "session_duration", "num_blocks"):
+        cp.add_argument(flag(name), dest=name, default=None, help=SCENARIO_OPTIONS[name][1])
+    cp.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
+    cp.add_argument("--target-fraction", type=float, default=0.8, help="p99 target as a fraction of the deadline")
+    cp.add_argument("--percentile", type=float, default=99.0)
+    cp.add_argument("--out", default=None)
+    cp.set_defaults(fn=cmd_capacity)
+    t = sub.add_parser("tune-aimd", help="search AIMD parameters for goodput under a miss budget and no collapse")
+    add_scenario_options(t, lists=False)
+    t.add_argument("--seeds", type=int, default=2, help="seeds per setting (default 2)")
+    t.add_argument("--miss-budget", type=float, default=0.01, help="deadline-miss budget per seed (default 0.01)")
+    for name in ("additive-increase", "decrease-factor", "target-fraction", "interval"):
+        t.add_argument("--" + name, dest=name.replace("-", "_") if name != "interval" else "interval_s", default=None,
+                       help="comma list of values to search")
+    add_executor_options(t)
+    t.set_defaults(fn=cmd_tune_aimd)
     c = sub.add_parser("calibrations", help="list the calibration presets with their provenance")
     c.set_defaults(fn=cmd_calibrations)
     return p

