@@ -8,6 +8,11 @@ VENV="${VENV:-.venv}"
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 python -m pip install -q -e '.[test]'
+# the report's browser test needs Debian's chromium; install it when we can (root), else that test skips
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+    || echo "note: could not install chromium; the browser test will skip" >&2
+fi
 if [ "${METRONOME_SKIP_LIVE:-0}" != 1 ]; then
   bash scripts/install_live_cpu.sh
 fi

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +23,7 @@ from metronome.calibration import Calibration
 from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
 from metronome.kv_policy import KVPolicy
+from metronome.outputs import atomic_dir, write_json
 from metronome.workload import Arrivals, Durations
 
 from metronome.sim.engine import END_REASONS, SimEngine
@@ -209,26 +207,15 @@ def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.Data
 
 # ------------------------------------------------------------------------------------------ output
 def write(result: Result, out_dir: str | Path) -> Path:
-    """Write summary.json, steps/frames/sessions Parquet into ``out_dir`` atomically.
-
-    Everything is written into a temporary folder beside ``out_dir`` and moved into place at the end,
-    so a failure leaves nothing half-written."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    """Write summary.json and the steps/frames/sessions Parquet into ``out_dir``, all at once."""
+    with atomic_dir(out_dir) as tmp:
         result.steps.to_parquet(tmp / "steps.parquet", index=False)
         result.frames.to_parquet(tmp / "frames.parquet", index=False)
         result.sessions.to_parquet(tmp / "sessions.parquet", index=False)
         if result.controller_trace is not None:
             pd.DataFrame(result.controller_trace).to_parquet(tmp / "controller.parquet", index=False)
-        (tmp / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
-        out.mkdir(parents=True, exist_ok=True)
-        for f in tmp.iterdir():
-            os.replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        write_json(tmp / "summary.json", result.summary)
+    return Path(out_dir)
 
 
 # ------------------------------------------------------------------------------- from plain options

@@ -8,14 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 from metronome.errors import MetronomeError
+from metronome.outputs import write_outputs
 
 DEFAULT_CALIBRATION = "moshi-7b-h200"
 
@@ -193,7 +191,7 @@ def cmd_what_if(args) -> int:
     with Progress(console=con, transient=False) as bar:
         task = bar.add_task(f"what-if: {len(points)} runs", total=len(points))
         table = sweep.what_if(points, executor=executor, progress=lambda n: bar.advance(task, n))
-    _write_table_atomic(table, out, "what_if")
+    write_outputs(out, {"what_if": table})
     varying = [f"opt_{k}" for k, v in axes.items() if len(v) > 1]
     show = varying + ["t_sat_predicted_s", "t_sat_observed_s", "silent_frame_fraction", "deadline_miss_fraction",
                       "p99_frame_latency_s", "peak_pool_occupancy", "collapsed"]
@@ -217,19 +215,6 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _write_table_atomic(table, out: Path, stem: str):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        table.to_parquet(tmp / f"{stem}.parquet", index=False)
-        table.to_csv(tmp / f"{stem}.csv", index=False)
-        out.mkdir(parents=True, exist_ok=True)
-        for f in tmp.iterdir():
-            os.replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _executor(args):
     from metronome.sim.executors import make_executor
 
@@ -243,43 +228,12 @@ def add_executor_options(p: argparse.ArgumentParser):
     p.add_argument("--workers", type=int, default=None, help="processes (default: every core)")
 
 
-def _single_point(args) -> dict[str, Any]:
-    kw = scenario_kwargs(args)
-    return kw
-
-
-def _write_json_atomic(obj: dict, files: dict[str, Any], out: Path):
-    """Write a summary JSON and tables (name -> DataFrame) into ``out`` all at once."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        for name, value in files.items():
-            if name.endswith(".json"):
-                (tmp / name).write_text(json.dumps(value, indent=2, default=_json_default) + "\n")
-            else:
-                value.to_parquet(tmp / f"{name}.parquet", index=False)
-                value.to_csv(tmp / f"{name}.csv", index=False)
-        out.mkdir(parents=True, exist_ok=True)
-        for f in tmp.iterdir():
-            os.replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _json_default(o):
-    if hasattr(o, "item"):
-        return o.item()
-    if isinstance(o, (set, tuple)):
-        return list(o)
-    raise TypeError(type(o).__name__)
-
-
 def cmd_metastability(args) -> int:
     from rich.progress import Progress
 
     from metronome.sim.montecarlo import metastability
 
-    point = _single_point(args)
+    point = scenario_kwargs(args)
     seed = point.pop("seed", 0)
     if args.runs < 1:
         raise MetronomeError(f"--runs must be >= 1, got {args.runs}")
@@ -290,7 +244,7 @@ def cmd_metastability(args) -> int:
         summary, table = metastability(point, args.runs, seed, executor, progress=lambda n: bar.advance(task, n))
     out = Path(args.out) if args.out else None
     if out:
-        _write_json_atomic(summary, {"summary.json": summary, "runs": table}, out)
+        write_outputs(out, {"summary.json": summary, "runs": table})
     sc = summary["scenario"]
     con.print(f"[bold]metastability[/] · {sc['calibration']} · {sc['policy']} · {sc['workload']} · {sc['horizon_s']:g} s")
     pred = summary["predicted_collapse_probability"]
@@ -344,7 +298,7 @@ def cmd_capacity(args) -> int:
     con.print(f"  deadline-bound N*   {res['deadline_n_star']} sessions")
     con.print(f"  binds               [bold]{res['binding']}[/]: N* = {res['n_star']} sessions")
     if args.out:
-        _write_json_atomic(res, {"capacity.json": res}, Path(args.out))
+        write_outputs(args.out, {"capacity.json": res})
         con.print(f"  wrote {args.out}/capacity.json")
     return 0
 
@@ -364,7 +318,7 @@ def cmd_tune_aimd(args) -> int:
 
     from metronome.sim.tuning import DEFAULT_GRID, tune_aimd
 
-    point = _single_point(args)
+    point = scenario_kwargs(args)
     point.pop("admission", None)
     point.pop("aimd_params", None)
     seed = point.pop("seed", 0)
@@ -385,7 +339,7 @@ def cmd_tune_aimd(args) -> int:
         best, table = tune_aimd(point, grid, args.seeds, seed, args.miss_budget, executor=executor,
                                 progress=lambda k: bar.advance(task, k))
     out = Path(args.out or "tune-aimd")
-    _write_json_atomic(best, {"best_aimd.json": best, "tradeoff": table}, out)
+    write_outputs(out, {"best_aimd.json": best, "tradeoff": table})
     p, f = best["params"], best["figures"]
     con.print(f"[bold]best AIMD[/]: +{p['additive_increase']:g} per {p['interval_s']:g} s, x{p['decrease_factor']:g} on "
               f"congestion, target {p['target_fraction']:g} x deadline (p{p['percentile']:g})")

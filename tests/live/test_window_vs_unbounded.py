@@ -87,3 +87,50 @@ def test_real_time_sessions_cliff_unbounded_not_windowed(unbounded, windowed, tm
     # both runs were journaled as they went
     assert (tmp_path / "frames.jsonl").read_text().count('"run": "unbounded"') == cliff.summary["frames"] + sum(
         1 for f in cliff.frames if f["censored"])
+
+
+def test_prometheus_export(windowed):
+    import socket
+    import urllib.request
+
+    from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    windowed.reset()
+    cfg = DriverConfig(stream=STREAM, horizon_s=1.0, run="prom", prometheus_port=port)
+    Driver(windowed, cfg).run([SessionPlan("prom0"), SessionPlan("prom1")])
+    windowed.reset()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for name in ("metronome_frame_latency_p99_seconds", "metronome_silent_frames_total", "metronome_kv_pool_usage",
+                 "metronome_admission_limit", "metronome_frames_total"):
+        assert name in text
+    frames = [ln for ln in text.splitlines() if ln.startswith("metronome_frames_total")]
+    assert float(frames[0].split()[-1]) > 0
+
+
+class _Cap:
+    """An admission controller that admits at most `limit` sessions and records what it observed."""
+
+    def __init__(self, limit):
+        self.limit, self.observed = limit, []
+
+    def observe(self, now_s, latency_s, frames=1, silent=0):
+        self.observed.append((now_s, latency_s, frames, silent))
+
+    def may_admit(self, now_s, in_flight):
+        return in_flight < self.limit
+
+
+def test_driver_uses_the_admission_controller(windowed):
+    from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+
+    windowed.reset()
+    cap = _Cap(2)
+    res = Driver(windowed, DriverConfig(stream=STREAM, horizon_s=1.0, run="cap"), admission=cap).run(
+        [SessionPlan(f"c{i}", arrival_s=0.01 * i) for i in range(4)])
+    windowed.reset()
+    assert res.summary["sessions_admitted"] == 2 and res.summary["sessions_rejected"] == 2
+    assert len(cap.observed) == res.summary["frames"] > 0
+    assert {f["session"] for f in res.frames} == {"c0", "c1"}
