@@ -3,20 +3,21 @@
 This is the one place that answers "blocks held by a session after n tokens"; the simulator, the
 fill model, the live probe and the vLLM plugin all call it.
 
-Semantics (the same in the simulator, the reference mask and the plugin). After ``n`` tokens, the
-next query sits at position ``n`` and attends to keys ``k`` with::
+Semantics (the same in the simulator, the reference mask and the vLLM plugin, which imports nothing
+but this definition). Memory is paged in blocks of ``bs`` tokens, and a paged engine frees a block
+only once *every* token in it has left the window, so the bound is **block-granular**. After ``n``
+tokens, the next query sits at position ``n``; with ``S* = ceil(S/bs)·bs`` (the sinks are whole blocks)
+and the first window block ``ws(n) = floor(max(n − W + 1, 0) / bs)`` (vLLM's own rule,
+``num_skipped_tokens = num_computed_tokens − sliding_window + 1``), the cache keeps:
 
-    k < S  or  n - k < W          (causal, S sinks, a window of W positions including itself)
+* sink blocks ``0 .. ceil(S/bs) − 1``, never freed;
+* window blocks ``ws(n) .. ceil(n/bs) − 1``;
+* so a bounded session never holds more than ``ceil(S/bs) + ceil(W/bs) + 1`` blocks.
 
-so the cache must keep the sink tokens ``[0, S)`` and the window tokens ``[n - W + 1, n)``. This is
-vLLM's own rule (``num_skipped_tokens = num_computed_tokens - sliding_window + 1``). Memory is paged
-in blocks of ``block_size`` tokens, and a paged engine frees a block only once *every* token in it has
-left the window, so residency is counted at block granularity:
-
-* sink blocks are blocks ``0 .. ceil(S/bs) - 1``, never freed;
-* window blocks run from ``floor((n - W + 1)/bs)`` to ``ceil(n/bs) - 1``;
-* resident blocks are the union of the two, so a bounded session never holds more than
-  ``ceil(S/bs) + ceil(W/bs) + 1`` blocks.
+The query attends to key ``k`` iff ``k <= n and (k < S* or k >= bs·ws(n))``: every resident token and
+itself, nothing else (``attended_tokens(n) == resident_tokens(n) + 1``). That is between ``W`` and
+``W + bs − 1`` recent keys plus the sink blocks. With ``bs = 1`` it is exactly StreamingLLM's
+``k < S or n − k < W``.
 
 Resident *tokens* are the tokens stored in resident blocks (a partly filled last block counts only
 its filled slots). Every function accepts an integer or a numpy integer array for ``n``.
@@ -125,13 +126,9 @@ class KVPolicy:
         return kept_sinks * self.block_size + (n - lo * self.block_size)
 
     def attended_tokens(self, n):
-        """Keys the query at position ``n`` attends to (itself included): ``|[0,S) ∪ (n-W, n]|``."""
-        n = np.asarray(n, dtype=np.int64)
-        if not self.bounded:
-            return n + 1
-        window = np.minimum(n + 1, self.window_tokens)
-        sinks = np.clip(n + 1 - window, 0, self.sink_tokens)
-        return window + sinks
+        """Keys the query at position ``n`` attends to, itself included: every resident token plus itself
+        (block-granular; see the module docstring)."""
+        return self.resident_tokens(n) + 1
 
     def canonical(self, n):
         """Fold ``n`` onto a small representative: ``(n_c, block_offset, token_offset)`` such that for

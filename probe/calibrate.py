@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import zlib
 from dataclasses import asdict, dataclass, field, replace
@@ -65,6 +66,7 @@ class CalibrateOptions:
     decode_steps: int = 12
     chunk_sizes: tuple[int, ...] = (16, 128)
     chunk_repeats: int = 2
+    growth_tokens: int = 2048  # how far the kv-growth session grows (capped by max_model_len)
     fill_sessions: int = 4
     fill_seconds: float | None = None  # default: max(5 s, 8 frames), at most 30 s
     save: bool = False
@@ -75,7 +77,8 @@ class CalibrateOptions:
     def identity(self) -> dict:
         """The options that must match for --resume to continue a run."""
         keep = ("model", "weights", "device", "dtype", "kv", "window", "num_blocks", "block_size", "max_model_len",
-                "max_num_batched_tokens", "grid_sessions", "grid_context", "decode_steps", "chunk_sizes", "seed")
+                "max_num_batched_tokens", "grid_sessions", "grid_context", "decode_steps", "chunk_sizes", "growth_tokens",
+                "seed")
         d = {k: getattr(self, k) for k in keep}
         d["stream"] = asdict(self.stream) if self.stream else None
         return json.loads(json.dumps(d))
@@ -168,6 +171,7 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
     the raw samples, so ``validate`` can simulate the same scenario with what was just measured.
     """
     t_start = time.perf_counter()
+    load_before = os.getloadavg()[0]  # other processes on the cores skew every timing; say so in the result
     policy = policy_for(opts)
     if opts.num_blocks is not None and opts.num_blocks < 2:
         raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {opts.num_blocks}")
@@ -188,7 +192,9 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
         with _progress(opts.progress, len(points) + 2) as bar:
             if "kv_growth" not in run.done:
                 bar.describe("kv growth")
-                growth = measure_kv_growth(engine, policy, stream, run.journals["kv_growth"], run.attempt)
+                growth_to = max(opts.growth_tokens, 4 * policy.window_tokens)  # several windows long
+                growth = measure_kv_growth(engine, policy, stream, run.journals["kv_growth"], run.attempt,
+                                           max_tokens=growth_to)
                 run.mark_done("kv_growth", growth)
             bar.advance()
             _warm_up(engine)
@@ -210,6 +216,7 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
             "pool": run.done["pool"]["result"], "kv_growth": run.done["kv_growth"]["result"],
             "fill_rate": run.done["fill"]["result"], "step_fit": fit,
             "grid_points": [list(p) for p in points],
+            "host": {"cpus": os.cpu_count(), "load_avg_start": load_before, "load_avg_end": os.getloadavg()[0]},
         }
         cal = build_calibration(engine, opts, policy, stream, pool, fit, measurements)
         out = run.dir / "calibration.json"
@@ -471,6 +478,9 @@ def measure_fill(engine: Engine, stream: TokenStream, opts: CalibrateOptions, ou
     nominal = stream.kv_tokens_per_s
     if len(steps) < 3:
         return {"nominal_tokens_per_s": nominal, "measured_tokens_per_s": None, "run": run}
+    t_sat = result.summary["t_sat_observed_s"]
+    if t_sat is not None and (steps.t_s < t_sat).sum() >= 3:  # the rate of a filling pool, not of a stalled one
+        steps = steps[steps.t_s < t_sat]
     t = steps.t_s.to_numpy(float)
     tok_slope = np.polyfit(t, steps.held_tokens.to_numpy(float), 1)[0] / opts.fill_sessions
     blk_slope = np.polyfit(t, steps.used_blocks.to_numpy(float), 1)[0] / opts.fill_sessions
@@ -480,7 +490,7 @@ def measure_fill(engine: Engine, stream: TokenStream, opts: CalibrateOptions, ou
         "nominal_tokens_per_s": nominal, "nominal_blocks_per_s": nominal / bs,
         "measured_tokens_per_s": float(tok_slope), "measured_blocks_per_s": float(blk_slope),
         "ratio": float(tok_slope / nominal) if nominal else None,
-        "frames": result.summary["frames"], "silent_frame_fraction": result.summary["silent_frame_fraction"],
+        "t_sat_s": t_sat, "frames": result.summary["frames"], "silent_frame_fraction": result.summary["silent_frame_fraction"],
         "p50_frame_latency_s": result.summary["p50_frame_latency_s"],
         "p99_frame_latency_s": result.summary["p99_frame_latency_s"],
     }
@@ -513,6 +523,10 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
     if fill.get("measured_tokens_per_s") is not None:
         notes.append(f"fill rate: measured {fill['measured_tokens_per_s']:.2f} tokens/s per session "
                      f"(nominal {fill['nominal_tokens_per_s']:.2f}), {fill['measured_blocks_per_s']:.3f} blocks/s")
+    host = measurements["host"]
+    if engine.config.device == "cpu" and max(host["load_avg_start"], host["load_avg_end"]) > 0.5 * host["cpus"]:
+        notes.append(f"other processes loaded the CPU during measurement (load average {host['load_avg_start']:.1f}"
+                     f"..{host['load_avg_end']:.1f} on {host['cpus']} cores): step latencies are inflated")
     if m.load_format == "dummy":
         notes.append("weights are random (load_format=dummy): KV size, pool and step cost follow the shape only")
     return Calibration(

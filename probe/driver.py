@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from metronome.calibration import TokenStream
+from metronome.kv_policy import KVPolicy
 from metronome.probe.engine import Engine
 from metronome.probe.records import Journal
 
@@ -112,6 +113,8 @@ class RunResult:
 
 
 class Driver:
+    """Runs one scenario (a list of :class:`SessionPlan`) against the engine; use one Driver per run."""
+
     def __init__(self, engine: Engine, config: DriverConfig, admission: AdmissionController | None = None,
                  out_dir: str | Path | None = None):
         self.engine, self.cfg = engine, config
@@ -122,6 +125,10 @@ class Driver:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self._journals = {}
         self._metrics = _Metrics(config.prometheus_port) if config.prometheus_port else None
+        # True after a step that scheduled nothing: every request waits for blocks that only the driver can
+        # free (paused sessions hold them and are not preemptible: the deadlock of notes Q4). Stepping again
+        # would spin; the driver waits for its next event instead.
+        self._stalled = False
         self.frames: list[dict] = []
         self.steps: list[dict] = []
         self.sessions: list[dict] = []
@@ -172,11 +179,13 @@ class Driver:
         if len(s.history) + len(chunk) + st.output_tokens_per_frame >= self.max_len:
             if self.cfg.cap == "finish":
                 return False
+            # rebase: a new request whose prompt is the last tokens of the history plus this frame
             self.engine.abort(s.rid)
             s.rebases += 1
             s.rid = f"{s.plan.sid}.r{s.rebases}"
-            keep = s.history[-self.rebase_keep:] if self.rebase_keep else []
-            s.history = list(keep)
+            s.history = s.history[-self.rebase_keep:] if self.rebase_keep else []
+            chunk = s.history + chunk
+            s.history = []
         s.history.extend(chunk)
         self.engine.append(s.rid, chunk, st.output_tokens_per_frame)
         f.submitted_s = now
@@ -185,6 +194,7 @@ class Driver:
 
     def _end(self, s: _Session, now: float, reason: str, active: dict) -> None:
         self.engine.abort(s.rid)
+        self._stalled = False  # the freed blocks may unblock the others
         pending = ([s.inflight] if s.inflight else []) + list(s.queue)
         for f in pending:
             self._record_frame(s, f, now, censored=f.tick_s + self.cfg.deadline > now)
@@ -196,7 +206,7 @@ class Driver:
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self, plans: list[SessionPlan]) -> RunResult:
         cfg, eng = self.cfg, self.engine
-        period, deadline = cfg.stream.frame_period_s, cfg.deadline
+        period = cfg.stream.frame_period_s
         arrivals = deque(sorted(plans, key=lambda p: p.arrival_s))
         active: dict[str, _Session] = {}  # by current engine request id
         clock = time.perf_counter
@@ -222,12 +232,13 @@ class Driver:
                         s.frames += 1
                         s.next_tick_s += period
                     if s.inflight is None and s.queue:
+                        self._stalled = False  # new input may unblock the engine
                         old = s.rid
                         if not self._submit(s, s.queue.popleft(), now):
                             self._end(s, now, "max_model_len", active)
                         elif s.rid != old:
                             active[s.rid] = active.pop(old)
-                if eng.has_work():
+                if eng.has_work() and not self._stalled:
                     self._step(t0, active)
                 else:
                     nxt = min([s.next_tick_s for s in active.values()] + [s.end_s for s in active.values()]
@@ -269,8 +280,10 @@ class Driver:
         for rid in info.finished:  # the engine ended a request on its own (e.g. length cap)
             if rid in active:
                 self._end(active[rid], now, "engine_finished", active)
+        if info.batch == 0:
+            self._stalled = True
         p = eng.pool()
-        row = {"t_s": now, "step_s": info.duration_s, "batch": info.batch, "new_tokens": info.new_tokens,
+        row = {"t_s": now, "stalled": info.batch == 0, "step_s": info.duration_s, "batch": info.batch, "new_tokens": info.new_tokens,
                "context_tokens": info.context_tokens, "prefill_tokens": info.prefill_tokens,
                "preemptions": len(info.preempted), "preempted": info.preempted, "free_blocks": p.free_blocks,
                "used_blocks": p.used_blocks, "kv_usage": p.kv_usage, "running": p.running,
@@ -281,6 +294,26 @@ class Driver:
             self._metrics.step(row, getattr(self.admission, "limit", None))
 
 
+def run_live(engine: Engine, stream: TokenStream, plans: list[SessionPlan], horizon_s: float, *,
+             policy: KVPolicy | None = None, admission: AdmissionController | None = None,
+             out_dir: str | Path | None = None, run: str | None = None, **config) -> RunResult:
+    """Run one scenario live on an idle engine and return every frame, step and session plus a summary.
+
+    The engine must already run the policy (``EngineConfig.sliding_window`` for a window); ``policy`` only
+    sets what a session keeps when it is rebased near max_model_len (its sinks and window).
+    Extra keyword arguments go to :class:`DriverConfig` (deadline_s, cap, seed, prometheus_port, ...).
+    """
+    if policy is not None and policy.bounded:
+        config.setdefault("rebase_tokens", policy.rebase_tokens())
+    cfg = DriverConfig(stream=stream, horizon_s=horizon_s, run=run or (policy.describe() if policy else "run"),
+                       **config)
+    engine.reset()
+    try:
+        return Driver(engine, cfg, admission=admission, out_dir=out_dir).run(plans)
+    finally:
+        engine.reset()
+
+
 def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_blocks: int) -> dict:
     """Per-run figures: frame latency, silent/late fractions, and when the pool saturated."""
     done = [f for f in frames if not f["censored"]]
@@ -288,7 +321,8 @@ def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_b
     n = len(done)
     first_preempt = next((s["t_s"] for s in steps if s["preemptions"]), None)
     # a stall: requests want tokens but the step scheduled nothing (the paused-sessions deadlock of notes Q4)
-    first_full = next((s["t_s"] for s in steps if s["free_blocks"] == 0 and s["waiting"] > 0), None)
+    first_full = next((s["t_s"] for s in steps if (s["free_blocks"] == 0 and s["waiting"] > 0) or s["stalled"]),
+                      None)
     sat = [t for t in (first_preempt, first_full) if t is not None]
     return {
         "frames": n,
@@ -301,6 +335,7 @@ def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_b
         "t_first_preemption_s": first_preempt,
         "t_pool_full_s": first_full,
         "t_sat_observed_s": min(sat) if sat else None,
+        "stalls": sum(1 for s in steps if s["stalled"]),
         "peak_used_blocks": max((s["used_blocks"] for s in steps), default=0),
         "num_blocks": num_blocks,
         "steps": len(steps),

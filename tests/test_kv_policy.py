@@ -25,10 +25,15 @@ def policies(draw):
 
 
 def kept_positions(p: KVPolicy, n: int) -> set[int]:
-    """Brute force: the token positions the next query (at n) may attend to, from the cache."""
+    """Brute force: the token positions the next query (at n) may attend to, from the cache.
+
+    Block-granular sinks+window: k < S* (sinks rounded up to whole blocks) or k >= bs*floor((n-W+1)/bs)."""
     if not p.bounded:
         return set(range(n))
-    return {k for k in range(n) if k < p.sink_tokens or n - k < p.window_tokens}
+    bs = p.block_size
+    s_star = -(-p.sink_tokens // bs) * bs
+    first = max(n - p.window_tokens + 1, 0) // bs * bs
+    return {k for k in range(n) if k < s_star or k >= first}
 
 
 def blocks_brute(p: KVPolicy, n: int) -> int:
@@ -81,9 +86,22 @@ def test_canonical_form_preserves_residency_for_every_future(p, n, d):
 
 @given(policies(), st.integers(0, 3000))
 def test_attended_tokens_is_the_mask_size(p, n):
-    q = n  # the next query
-    mask = [k for k in range(q + 1) if not p.bounded or k < p.sink_tokens or q - k < p.window_tokens]
+    q = n  # the next query attends to the kept positions and itself
+    assert p.attended_tokens(n) == len(kept_positions(p, n)) + 1
+
+
+@given(st.integers(2, 200), st.integers(0, 3000))
+def test_with_one_token_blocks_the_mask_is_streaming_llms(w, n):
+    s = max(1, w // 4)
+    p = KVPolicy.sinks(1, s, w)
+    mask = [k for k in range(n + 1) if k < s or n - k < w]
     assert p.attended_tokens(n) == len(mask)
+
+
+def test_the_window_keeps_between_w_and_w_plus_a_block_of_recent_keys():
+    p = KVPolicy.window(32, 64)
+    recent = [int(p.attended_tokens(n)) for n in range(200, 400)]
+    assert min(recent) == 64 and max(recent) == 64 + 31
 
 
 def test_vectorised_equals_scalar():

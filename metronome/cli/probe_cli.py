@@ -128,6 +128,9 @@ def calibrate_main(argv: list[str]) -> int:
     if f.get("measured_tokens_per_s") is not None:
         print(f"fill rate: {f['measured_tokens_per_s']:.2f} tokens/s per session (nominal "
               f"{f['nominal_tokens_per_s']:.2f}), {f['measured_blocks_per_s']:.3f} blocks/s")
+    busy = [n for n in cal.provenance.notes if n.startswith("other processes")]
+    if busy:
+        print(f"warning: {busy[0]}")
     print(f"took {res.seconds:.0f} s")
     return 0
 

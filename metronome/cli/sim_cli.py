@@ -381,6 +381,39 @@ def cmd_calibrations(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    import shlex
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from metronome.report import ReportOptions, build_report, check_out_dir, write_report
+
+    options = ReportOptions(
+        calibrations=tuple(args.calibration or [DEFAULT_CALIBRATION]), kv=args.kv, sinks=args.sinks,
+        window=args.window, session_duration=args.session_duration, deadline_s=args.deadline,
+        arrival_rate=args.arrival_rate, seed=args.seed, mc_runs=args.mc_runs, live=tuple(args.live or ()))
+    out = check_out_dir(args.out)
+    executor = _executor(args)
+    con = _console()
+    command = " ".join(shlex.quote(a) for a in ["metronome-sim", *sys.argv[1:]])
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=con) as bar:
+        def phase(label: str, total: int):
+            task = bar.add_task(label, total=total)
+            return lambda n: bar.advance(task, n)
+
+        data = build_report(options, executor=executor, progress=phase, command=command)
+    write_report(data, out)
+    from metronome.report.answer import headline
+
+    for c in data["calibrations"]:
+        con.print(f"[bold]{c['name']}[/] ({c['provenance']['kind']}): {headline(c)}")
+    size_mb = (out / "report.html").stat().st_size / 1e6
+    con.print(f"wrote {out}/report.html ({size_mb:.1f} MB), {out}/report.md and {out}/report.json "
+              f"in {data['wall_s']:.0f} s ({data['simulated_runs']} simulated runs)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="metronome-sim",
                       description="Simulate a vLLM-like engine serving real-time sessions: the KV cliff, the bound, t_sat.")
@@ -416,6 +449,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma list of values to search")
     add_executor_options(t)
     t.set_defaults(fn=cmd_tune_aimd)
+    rp = sub.add_parser("report", help="capacity-planning report (report.html + report.md) for one or more calibrations")
+    rp.add_argument("--calibration", action="append", default=None,
+                    help="preset name or calibration JSON; repeat to compare side by side (default moshi-7b-h200)")
+    rp.add_argument("--kv", choices=("sinks", "window"), default="sinks", help="the bounded policy to recommend")
+    rp.add_argument("--sinks", type=int, default=None, help="sink tokens S (default 16)")
+    rp.add_argument("--window", type=int, default=None,
+                    help="window W in tokens (default: about the last 30 s of conversation, whole blocks)")
+    rp.add_argument("--session-duration", dest="session_duration", default="exp:300",
+                    help="session length mix: SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default exp:300)")
+    rp.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
+    rp.add_argument("--arrival-rate", dest="arrival_rate", type=float, default=None,
+                    help="offered sessions/s for AIMD tuning and goodput (default: 1.5x what N* carries)")
+    rp.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    rp.add_argument("--mc-runs", dest="mc_runs", type=int, default=5,
+                    help="Monte Carlo runs per metastability cell (default 5)")
+    rp.add_argument("--live", action="append", default=None,
+                    help="folder written by metronome-probe validate (its summary.json); once per --calibration, in order")
+    rp.add_argument("--out", required=True, help="output folder for report.html, report.md and report.json")
+    add_executor_options(rp)
+    rp.set_defaults(fn=cmd_report)
     c = sub.add_parser("calibrations", help="list the calibration presets with their provenance")
     c.set_defaults(fn=cmd_calibrations)
     return p

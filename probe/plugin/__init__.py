@@ -72,8 +72,6 @@ def engine_overrides(sink_tokens: int, window_tokens: int, block_size: int) -> d
     Returns ``{"env": {...}, "engine_args": {...}, "policy": KVPolicy}``: put ``env`` into ``os.environ``
     and call :func:`install` (or just :func:`activate`) before building the engine, merge ``engine_args``
     into the ``EngineArgs``. The policy is the simulator's matching ``KVPolicy.sinks``."""
-    from metronome.kv_policy import KVPolicy
-
     sw = SinkWindow(int(sink_tokens), int(window_tokens))
     sw.check_block_size(int(block_size))
     return {
@@ -83,6 +81,5 @@ def engine_overrides(sink_tokens: int, window_tokens: int, block_size: int) -> d
             "enable_prefix_caching": False,  # a hit would re-pin freed gap blocks until the next step
             "enforce_eager": True,  # the pseudo-request count changes per step: no CUDA graphs
         },
-        "policy": (KVPolicy.sinks(int(block_size), sw.sink_tokens, sw.window_tokens) if sw.sink_tokens
-                   else KVPolicy.window(int(block_size), sw.window_tokens)),
+        "policy": sw.policy(int(block_size)),
     }

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from metronome.errors import MetronomeError
+from metronome.kv_policy import KVPolicy
 
 ENV_VAR = "METRONOME_KV_SINKS"
 
@@ -43,12 +44,14 @@ class SinkWindow:
         if self.window_tokens < 1:
             raise MetronomeError(f"window must be at least 1 token, got {self.window_tokens}")
 
+    def policy(self, block_size: int) -> KVPolicy:
+        """The simulator's KV policy for this bound: the one definition of residency and attention."""
+        if self.sink_tokens:
+            return KVPolicy.sinks(block_size, self.sink_tokens, self.window_tokens)
+        return KVPolicy.window(block_size, self.window_tokens)
+
     def check_block_size(self, block_size: int) -> None:
-        if self.window_tokens < block_size:
-            raise MetronomeError(f"window of {self.window_tokens} tokens is under one block ({block_size} tokens)")
-        if self.sink_tokens >= self.window_tokens:
-            raise MetronomeError(
-                f"sinks ({self.sink_tokens}) must be fewer than the window ({self.window_tokens} tokens)")
+        self.policy(block_size)  # raises the same one-line errors as the simulator's --kv options
 
     def sink_blocks(self, block_size: int) -> int:
         return _cdiv(self.sink_tokens, block_size)
@@ -65,10 +68,8 @@ class SinkWindow:
                            or k >= block_size * self.window_start_block(q, block_size))
 
     def attended(self, q: int, block_size: int) -> int:
-        """Keys the query at position q sees, itself included."""
-        ws = self.window_start_block(q, block_size) * block_size
-        s = self.effective_sinks(block_size)
-        return q + 1 if ws <= s else s + (q + 1 - ws)
+        """Keys the query at position q sees, itself included (``KVPolicy.attended_tokens``)."""
+        return int(self.policy(block_size).attended_tokens(q))
 
     def admission_blocks(self, block_size: int, max_in_flight_tokens: int, max_model_len: int) -> int:
         """Most blocks one request holds at any time, in-flight chunk included (the admission cap).

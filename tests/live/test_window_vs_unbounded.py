@@ -134,3 +134,22 @@ def test_driver_uses_the_admission_controller(windowed):
     assert res.summary["sessions_admitted"] == 2 and res.summary["sessions_rejected"] == 2
     assert len(cap.observed) == res.summary["frames"] > 0
     assert {f["session"] for f in res.frames} == {"c0", "c1"}
+
+
+def test_history_is_capped_below_max_model_len(windowed):
+    """vLLM does not enforce max_model_len across chunks (it dies past it): the driver rebases instead."""
+    from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+
+    windowed.reset()
+    cfg = DriverConfig(stream=TokenStream(0.05, 62, 2), horizon_s=5.0, run="rebase", rebase_tokens=200)
+    res = Driver(windowed, cfg).run([SessionPlan("long", prompt_tokens=800)])
+    windowed.reset()
+    (session,) = res.sessions
+    assert session["rebases"] >= 1 and session["reason"] == "horizon"
+    done = [f for f in res.frames if f["done_s"] is not None]
+    # 800 + 3 frames of 64 pass 992 tokens: frames from the 4th on ran on the rebased request
+    assert len(done) >= 4 and all(f["tokens_delivered"] == 2 for f in done)
+    # and the engine is still healthy
+    windowed.append("after", [11, 12, 13], 2)
+    assert sum(len(s.outputs.get("after", [])) for s in windowed.drain()) == 2
+    windowed.reset()

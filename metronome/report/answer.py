@@ -1,0 +1,320 @@
+"""The report's words and numbers, formatted once: both report.md and report.html print these strings,
+so the two can never disagree."""
+
+from __future__ import annotations
+
+from metronome.report.plan import OVERLOAD, TARGET_FRACTION
+
+
+# ------------------------------------------------------------------------------------------ formats
+def secs(x: float | None) -> str:
+    if x is None:
+        return "never"
+    return f"{x:.0f} s" if x >= 100 else f"{x:.1f} s"
+
+
+def ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{1e3 * x:.1f} ms"
+
+
+def pct(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{100 * x:.0f}%" if x >= 0.1 else f"{100 * x:.2f}%"
+
+
+def count(n: int | float | None) -> str:
+    return "n/a" if n is None else f"{int(n):,}"
+
+
+def mib(b: int) -> str:
+    return f"{b / 2**20:,.0f} MiB"
+
+
+def rel(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def deadline_words(c: dict) -> str:
+    return f"{1e3 * c['deadline_s']:g} ms"
+
+
+def bound_words(c: dict) -> str:
+    p = c["policy"]
+    return f"sinks S={p['sinks']}, W={p['window']}" if p["kind"] == "sinks" else f"window W={p['window']}"
+
+
+def admission_words(c: dict) -> str:
+    t = c["tuning"]
+    n = c["capacity"]["n_star"]
+    if t["params"] is None:
+        return f"static:{n} (no AIMD setting in the small grid met the budget)"
+    p = t["params"]
+    return (f"AIMD +{p['additive_increase']:g} sessions per {p['interval_s']:g} s, ×{p['decrease_factor']:g} on "
+            f"congestion, p{p['percentile']:g} target {p['target_fraction']:g} × deadline, start at "
+            f"{p['initial_limit']}, max_limit {p['max_limit']} (or static:{n})")
+
+
+# ------------------------------------------------------------------------------------------ the answer
+def collapse_words(c: dict) -> str:
+    u = c["unbounded_at_n_star"]
+    if u["collapsed"]:
+        return (f"collapses: the pool runs dry after {secs(u['t_sat_predicted_s'])} (fill model; simulated "
+                f"{secs(u['t_sat_observed_s'])}), then {pct(u['silent_frame_fraction'])} of frames are silent "
+                f"while deadline misses stay at {pct(u['deadline_miss_fraction'])}")
+    if u["t_sat_observed_s"] is not None:
+        return (f"saturates after {secs(u['t_sat_observed_s'])} but does not collapse "
+                f"({pct(u['silent_frame_fraction'])} silent frames)")
+    return f"does not collapse in {secs(u['horizon_s'])} (the pool never ran dry)"
+
+
+def headline(c: dict) -> str:
+    """The answer in plain words, one paragraph per calibration."""
+    cap, u = c["capacity"], c["unbounded_at_n_star"]
+    n = cap["n_star"]
+    if cap["binding"] == "memory":
+        why = (f"memory binds: the pool holds {count(cap['memory_ceiling'])} bounded sessions, while latency "
+               f"would allow {count(cap['deadline_n_star'])}")
+    else:
+        why = (f"the deadline binds: beyond {count(cap['deadline_n_star'])} sessions p99 frame latency passes "
+               f"{ms(cap['target_latency_s'])} ({TARGET_FRACTION:g} × deadline), though memory would hold "
+               f"{count(cap['memory_ceiling'])}")
+    first = (f"One {c['hardware']} carries {count(n)} concurrent {c['model']} sessions at a frame deadline "
+             f"of {deadline_words(c)} with {bound_words(c)} ({why}).")
+    if u["collapsed"]:
+        second = (f"Without the bound, {count(n)} sessions run the pool dry after {secs(u['t_sat_predicted_s'])} "
+                  f"and {pct(u['silent_frame_fraction'])} of frames go silent, while deadline misses stay at "
+                  f"{pct(u['deadline_miss_fraction'])} and p99 latency at {ms(u['p99_frame_latency_s'])}: "
+                  f"conversations go quiet while latency looks fine.")
+    else:
+        if u["t_sat_observed_s"] is not None:
+            fate = (f"fill the pool after {secs(u['t_sat_observed_s'])} but do not collapse "
+                    f"({pct(u['silent_frame_fraction'])} silent frames)")
+        else:
+            fate = f"never run the pool dry in {secs(u['horizon_s'])}: enough of them end first"
+        second = (f"Without the bound, {count(n)} sessions of this mix {fate}; unbounded, the pool holds "
+                  f"only {count(c['memory_ceiling_unbounded'])} sessions of {secs(c['session_duration_mean_s'])}.")
+    return f"{first} {second}"
+
+
+def answer_rows(c: dict) -> list[tuple[str, str]]:
+    """(question, answer) rows of one calibration's answer table."""
+    cap, t, pol = c["capacity"], c["tuning"], c["policy"]
+    fig = t["figures"]
+    if fig is not None:
+        goodput = (f"{fig['goodput_sessions']:,.0f} healthy sessions ({fig['goodput_frames_per_s']:,.0f} frames/s) "
+                   f"with {t['offered_rate_per_s']:.2f} sessions/s offered"
+                   + (f" ({OVERLOAD:g}× N*)" if t["offered_is_overload"] else "")
+                   + f"; deadline misses ≤ {pct(fig['worst_deadline_miss_fraction'])}, "
+                   f"silent ≤ {pct(fig['worst_silent_frame_fraction'])}")
+    else:
+        goodput = "n/a: no AIMD setting met the deadline-miss budget without collapse"
+    window_note = f", about the last {c['policy']['window_context_s']:g} s of conversation" if pol["window_defaulted"] else ""
+    return [
+        ("hardware · model", f"{c['hardware']} · {c['model']}"),
+        ("calibration", f"{c['name']} ({c['provenance']['kind']})"),
+        ("workload", f"{deadline_words(c)} frame deadline · session length {c['session_duration']}"),
+        ("memory ceiling", f"{count(cap['memory_ceiling'])} sessions ({pol['describe']}: ≤ "
+                           f"{pol['peak_blocks_per_session']} blocks = {mib(pol['bytes_per_session'])} each)"),
+        ("deadline-bound N*", f"{count(cap['deadline_n_star'])} sessions (p{cap['percentile']:g} ≤ "
+                              f"{ms(cap['target_latency_s'])} = {TARGET_FRACTION:g} × deadline)"),
+        ("which binds", f"{cap['binding']} → N* = {count(cap['n_star'])} sessions"),
+        ("recommended S, W", f"{bound_words(c)}{window_note}"),
+        ("recommended admission", admission_words(c)),
+        ("expected goodput", goodput),
+        ("unbounded at N*", collapse_words(c)),
+        ("unbounded memory ceiling", f"{count(c['memory_ceiling_unbounded'])} sessions of "
+                                     f"{secs(c['session_duration_mean_s'])}"),
+    ]
+
+
+def answer_table(data: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows, calibrations side by side (the first column is the question)."""
+    cals = data["calibrations"]
+    per = [answer_rows(c) for c in cals]
+    header = [""] + [c["name"] for c in cals]
+    rows = [[per[0][i][0]] + [p[i][1] for p in per] for i in range(len(per[0]))]
+    return header, rows
+
+
+# ------------------------------------------------------------------------------------------ fidelity
+def fidelity(c: dict) -> tuple[str, list[list[str]] | None]:
+    """A sentence and, with live results, rows: policy, metric, measured, predicted, error."""
+    kind = c["provenance"]["kind"]
+    live = c.get("live")
+    if live is None:
+        if kind == "estimated":
+            return (f"{c['name']} is estimated: its pool size and step latency were computed from datasheet numbers "
+                    f"by {c['provenance']['source']}, not measured. The shape of every curve "
+                    "(the cliff, the bound, the race) follows from the KV arithmetic and holds; the absolute N*, "
+                    "t_sat and latencies are as good as the roofline. Measure the target with metronome-probe and "
+                    "pass --live DIR from metronome-probe validate to see predicted against measured here.", None)
+        return (f"{c['name']} is measured ({c['provenance']['source']}, {c['provenance']['date']}) but no live "
+                "validation was given: pass --live DIR from metronome-probe validate to compare.", None)
+    rows = []
+    for name, p in live["policies"].items():
+        rows.append([name, "t_sat", secs(p["t_sat_observed_s"]), secs(p["t_sat_predicted_s"]),
+                     rel(p["t_sat_relative_error"])])
+        for metric, label in (("p50_frame_latency_s", "p50 frame latency"), ("p99_frame_latency_s", "p99 frame latency")):
+            m = p[metric]
+            rows.append([name, label, ms(m["live"]), ms(m["simulated"]), rel(m["relative_error"])])
+        s = p.get("silent_frame_fraction")
+        if s:
+            rows.append([name, "silent frames", pct(s["live"]), pct(s["simulated"]), rel(s["relative_error"])])
+    meta = ", ".join(f"{k} {v}" for k, v in live.get("meta", {}).items())
+    return (f"Live validation from {live['source']}{' (' + meta + ')' if meta else ''}: the engine measured, the "
+            f"simulator predicted from the calibration just measured. Errors are (predicted − measured) / measured.",
+            rows)
+
+
+FIDELITY_HEADER = ["policy", "figure", "measured", "predicted", "error"]
+
+
+# ------------------------------------------------------------------------------------------ provenance
+def provenance_rows(c: dict) -> list[tuple[str, str]]:
+    p = c["provenance"]
+    rows = [("calibration", f"{c['name']} ({p['kind']}) from {p['path'] or c['spec']}"),
+            ("source", p["source"]), ("hardware", p["hardware"]), ("date", p["date"])]
+    if p["engine"]:
+        rows.append(("engine", p["engine"]))
+    if p["weights"]:
+        rows.append(("weights", p["weights"]))
+    rows.append(("pool", f"{c['pool']['num_blocks']:,} blocks × {c['pool']['block_size_tokens']} tokens "
+                         f"({c['pool']['pool_bytes'] / 1e9:.1f} GB)"))
+    rows.append(("stream", f"a frame every {1e3 * c['stream']['frame_period_s']:g} ms, "
+                           f"{c['stream']['kv_tokens_per_s']:g} KV tokens/s per session"))
+    return rows
+
+
+def seeds_words(data: dict) -> str:
+    o = data["options"]
+    return (f"scenario seed {o['seed']}; Monte Carlo seeds {o['seed']}…{o['seed'] + o['mc_runs'] - 1} per cell; "
+            f"AIMD tuning seed {o['seed']} (one seed per setting)")
+
+
+
+# ------------------------------------------------------------------------------------------ sections
+Table = tuple[list[str], list[list[str]]]
+
+
+def fill_table(data: dict) -> Table:
+    rows = []
+    for c in data["calibrations"]:
+        for k in c["fill"]["curves"]:
+            rows.append([c["name"], k["label"], count(k["sessions"]), secs(k["t_sat_predicted_s"]),
+                         secs(k["t_sat_observed_s"]), pct(max(k["occupancy_simulated"] or [0.0])),
+                         "yes" if k["collapsed"] else "no"])
+    return ["calibration", "policy", "N", "t_sat predicted", "t_sat simulated", "peak occupancy", "collapsed"], rows
+
+
+def fill_note(data: dict) -> str:
+    parts = []
+    for c in data["calibrations"]:
+        u = [k for k in c["fill"]["curves"] if k["policy"] == "unbounded"]
+        b = [k for k in c["fill"]["curves"] if k["policy"] == "bounded"]
+        fast, slow = u[-1], u[0]
+        below = [k for k in b if k["t_sat_observed_s"] is None]
+        parts.append(
+            f"{c['name']}: unbounded, {count(slow['sessions'])} sessions run the pool dry after "
+            f"{secs(slow['t_sat_predicted_s'])} (simulated {secs(slow['t_sat_observed_s'])}) and "
+            f"{count(fast['sessions'])} after {secs(fast['t_sat_predicted_s'])}; with {bound_words(c)} every session "
+            f"stops growing at {c['policy']['peak_blocks_per_session']} blocks, so up to "
+            f"{count(max([k['sessions'] for k in below] or [0]))} sessions the pool levels off below 100%.")
+    return (" ".join(parts) + " Lines are the fill model ρ(t) (N sessions started together, block by block); points "
+            "are the simulator; dotted verticals mark the predicted t_sat, crosses the simulated one.")
+
+
+def metastability_tables(data: dict) -> list[tuple[str, Table]]:
+    """One grid per calibration and policy: predicted / simulated collapse per (mean duration, N)."""
+    out = []
+    for c in data["calibrations"]:
+        m = c["metastability"]
+        for key in ("unbounded", "bounded"):
+            p = m["policies"][key]
+            header = ["mean length ↓  N →"] + [count(n) for n in m["sessions"]]
+            rows = []
+            for i, d in enumerate(m["mean_duration_s"]):
+                rows.append([f"{d:g} s"] + [f"{pct(a)} / {pct(b)}" for a, b in
+                                             zip(p["predicted"][i], p["simulated_collapse"][i])])
+            out.append((f"{c['name']} · {p['label']} (predicted / simulated)", (header, rows)))
+    return out
+
+
+def metastability_note(data: dict) -> str:
+    c0 = data["calibrations"][0]
+    m = c0["metastability"]
+    return (f"N sessions start together with exponentially distributed lengths of the given mean and run for "
+            f"{m['horizon_factor']:g} mean lengths. Predicted: the fill model's exact probability that the pool runs dry "
+            f"(a race between fill and sessions ending). Simulated: the share of {m['runs_per_cell']} seeded runs per "
+            f"cell that collapsed (the pool ran dry and at least 1% of the frames after that were silent frames of "
+            f"sessions that had lost their place). The mean lengths are multiples of the unbounded t_sat at N*. "
+            f"Without the bound, collapse is metastable: the same N can survive or collapse depending on how long "
+            f"conversations happen to last. With it, collapse needs more sessions than the memory ceiling.")
+
+
+def signal_table(data: dict) -> Table:
+    rows = []
+    for c in data["calibrations"]:
+        for key in ("unbounded", "bounded"):
+            s = c["signal"][key]
+            for i, n in enumerate(s["sessions"]):
+                rows.append([c["name"], s["label"], count(n), ms(s["p50_frame_latency_s"][i]),
+                             ms(s["p99_frame_latency_s"][i]), pct(s["silent_frame_fraction"][i]),
+                             pct(s["deadline_miss_fraction"][i])])
+    return ["calibration", "policy", "N", "p50 latency", "p99 latency", "silent frames", "deadline misses"], rows
+
+
+def signal_note(data: dict) -> str:
+    parts = []
+    for c in data["calibrations"]:
+        u, b = c["signal"]["unbounded"], c["signal"]["bounded"]
+        lo, hi = 0, len(u["sessions"]) - 1
+        ceiling = c["capacity"]["memory_ceiling"]
+        at = max((i for i, n in enumerate(b["sessions"]) if n <= ceiling), default=lo)
+        above = (f", and past the ceiling it jumps to {ms(b['p99_frame_latency_s'][hi])} at "
+                 f"{count(b['sessions'][hi])}" if b["sessions"][hi] > ceiling else "")
+        parts.append(
+            f"{c['name']}: from {count(u['sessions'][lo])} to {count(u['sessions'][hi])} sessions, unbounded p99 "
+            f"moves from {ms(u['p99_frame_latency_s'][lo])} to {ms(u['p99_frame_latency_s'][hi])} while silent frames "
+            f"climb to {pct(u['silent_frame_fraction'][hi])}; bounded p99 ramps from {ms(b['p99_frame_latency_s'][lo])} "
+            f"to {ms(b['p99_frame_latency_s'][at])} at {count(b['sessions'][at])} sessions with no silent frames"
+            f"{above}.")
+    d = data["calibrations"][0]["session_duration_mean_s"]
+    return (f"N sessions run together for one mean session length ({secs(d)}). " + " ".join(parts) +
+            " Unbounded, p50 stays flat (the full pool caps the context a step attends to) while silent frames "
+            "climb: the wall shows up as silence, which a latency dashboard does not see. Bounded, latency rises "
+            "smoothly with load up to the memory ceiling (blue dotted) with no silent frames: a signal an admission "
+            "controller can hold at N* (green).")
+
+
+def admission_table(data: dict) -> Table:
+    rows = []
+    for c in data["calibrations"]:
+        for key in ("unbounded", "bounded"):
+            p = c["admission"]["policies"][key]
+            s = p["summary"]
+            rows.append([c["name"], p["label"], count(s["sessions_offered"]), count(s["sessions_admitted"]),
+                         count(s["sessions_refused"]), f"{s['goodput_sessions']:,.0f}", ms(s["p99_frame_latency_s"]),
+                         pct(s["silent_frame_fraction"]), pct(s["deadline_miss_fraction"]),
+                         "yes" if s["collapsed"] else "no"])
+    return ["calibration", "policy", "offered", "admitted", "refused", "goodput (sessions)", "p99 latency",
+            "silent frames", "deadline misses", "collapsed"], rows
+
+
+def admission_note(data: dict) -> str:
+    c0 = data["calibrations"][0]
+    steps = ", ".join(f"{r * c0['admission']['mean_duration_s']:,.0f}" for _, r in c0["admission"]["pattern"])
+    parts = []
+    for c in data["calibrations"]:
+        u = c["admission"]["policies"]["unbounded"]["summary"]
+        b = c["admission"]["policies"]["bounded"]["summary"]
+        parts.append(f"{c['name']}: with {bound_words(c)} the controller keeps {b['goodput_sessions']:,.0f} healthy "
+                     f"sessions on average with {pct(b['silent_frame_fraction'])} silent frames; unbounded, the same "
+                     f"controller admits sessions that later lose their place in the pool, and "
+                     f"{pct(u['silent_frame_fraction'])} of frames go silent while only "
+                     f"{pct(u['deadline_miss_fraction'])} miss the deadline ({u['goodput_sessions']:,.0f} healthy "
+                     f"sessions).")
+    return (f"Poisson arrivals whose rate rises and falls, one mean session length per step (for {c0['name']}, an "
+            f"offered load of {steps} sessions), with the tuned AIMD controller in front of the engine. The "
+            f"controller sees only frame latency and silent frames. " + " ".join(parts) +
+            " The plotted latency and silence are per controller interval (the worst interval in each bucket).")

@@ -1,0 +1,382 @@
+"""The report's numbers: every figure and table, computed from the sim layer into one plain dict.
+
+Three phases, each fanned out over the executor with its own progress:
+
+1. **capacity** per calibration: memory ceiling, deadline-bound N*, which binds;
+2. **AIMD tuning** per calibration on an overload mix at 1.5× N* (a small grid);
+3. **simulation**: everything else in one batch — the unbounded verdict at N*, pool fill for several
+   N, the latency signal against N, the Monte Carlo metastability grid and the admission traces.
+
+Every simulated run is seeded by its own point, so the report is the same whichever executor and how
+many workers run it. The dict is JSON-ready; :mod:`metronome.report.answer` turns it into the words and
+numbers both renderers print.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from metronome import __version__
+from metronome import calibration as calmod
+from metronome.errors import MetronomeError
+from metronome.workload import Durations
+
+from metronome.report.live import read_live
+from metronome.report.plan import (FILL_FRACTIONS, MC_FRACTIONS, MC_HORIZON_FACTOR, MISS_BUDGET, OVERLOAD,
+                                   PERCENTILE, SIGNAL_FRACTIONS, TARGET_FRACTION, TUNING_GRID, WINDOW_CONTEXT_S,
+                                   Plan,
+                                   ReportOptions, make_plan)
+from metronome.sim import scenario as scn
+from metronome.sim.capacity import capacity
+from metronome.sim.executors import LocalExecutor
+from metronome.sim.montecarlo import run_one as mc_run_one
+from metronome.sim.tuning import tune_aimd
+
+# progress(label, total) -> advance(n): one phase of work with a known number of tasks
+Progress = Callable[[str, int], Callable[[int], None]]
+
+FILL_POINTS = 48  # simulated points per pool-fill curve
+FILL_LINE_POINTS = 240
+TRACE_POINTS = 300  # buckets per admission trace
+
+
+# ------------------------------------------------------------------------------------------- tasks
+# Module-level so that a process pool or Ray can pickle them. Each returns plain numbers.
+def _capacity_task(task: tuple[str, str, int, int | None, float, float | None]) -> dict:
+    spec, kind, window, sinks, deadline_s, duration_s = task
+    cal = calmod.load(spec)
+    from metronome.kv_policy import make_policy
+
+    policy = make_policy(kind, cal.engine.block_size_tokens, window, sinks)
+    return capacity(cal, policy, deadline_s, TARGET_FRACTION, PERCENTILE, duration_s)
+
+
+def _sim_task(task: tuple[str, dict]) -> dict:
+    kind, point = task
+    if kind == "mc":
+        return mc_run_one(point)
+    res = scn.run(scn.make_scenario(**point))
+    out = {"summary": res.summary}
+    if kind == "fill":
+        st = res.steps
+        t = st["t_s"].to_numpy()
+        want = np.linspace(0.0, point["horizon"], FILL_POINTS + 1)[1:]
+        idx = np.clip(np.searchsorted(t, want, side="right") - 1, 0, max(len(t) - 1, 0))
+        pool = res.scenario.calibration.engine.num_blocks
+        out["t_s"] = [round(float(x), 3) for x in t[idx]] if len(t) else []
+        out["occupancy"] = [round(float(x) / pool, 5) for x in st["resident_blocks"].to_numpy()[idx]] if len(t) else []
+    elif kind == "admission":
+        out["trace"] = _bucket_trace(res.controller_trace or [], point["horizon"])
+    return out
+
+
+def _bucket_trace(trace: list[dict], horizon_s: float) -> dict:
+    """Downsample a controller trace to about ``TRACE_POINTS`` buckets: the limit at the bucket's end,
+    the peak sessions in flight, the worst interval percentile latency, silent frames / frames."""
+    if not trace:
+        return {"t_s": [], "limit": [], "in_flight": [], "p_latency_s": [], "silent_fraction": [], "bucket_s": 0}
+    t = np.array([r["t_s"] for r in trace], dtype=float)
+    width = max(horizon_s / TRACE_POINTS, float(np.median(np.diff(t))) if t.size > 1 else 1.0)
+    b = np.floor((t - 1e-9) / width).astype(int)
+    out = {"t_s": [], "limit": [], "in_flight": [], "p_latency_s": [], "silent_fraction": [], "bucket_s": width}
+    for k in np.unique(b):
+        rows = [trace[i] for i in np.nonzero(b == k)[0]]
+        lat = [r["p_latency_s"] for r in rows if r["p_latency_s"] is not None]
+        frames = sum(r["frames"] for r in rows)
+        out["t_s"].append(round(float((k + 1) * width), 3))
+        out["limit"].append(int(rows[-1]["limit"]))
+        out["in_flight"].append(int(max(r["in_flight"] for r in rows)))
+        out["p_latency_s"].append(round(max(lat), 6) if lat else None)
+        out["silent_fraction"].append(round(sum(r["silent"] for r in rows) / frames, 5) if frames else 0.0)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _short_hardware(cal) -> str:
+    return cal.provenance.hardware.split(" (")[0]
+
+
+def _short_model(cal) -> str:
+    return cal.model.name.split(" (")[0]
+
+
+def _clean(x: Any) -> Any:
+    """numpy scalars and NaN -> plain JSON values."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (list, dict, str)):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def _noop_progress(label: str, total: int) -> Callable[[int], None]:
+    return lambda n: None
+
+
+def _versions() -> dict:
+    import pandas
+    import plotly
+    import scipy
+    import simpy
+
+    return {"metronome": __version__, "python": platform.python_version(), "numpy": np.__version__,
+            "scipy": scipy.__version__, "pandas": pandas.__version__, "simpy": simpy.__version__,
+            "plotly": plotly.__version__}
+
+
+def load_plans(options: ReportOptions) -> tuple[list[Plan], list[dict | None]]:
+    """Validate every input before any work: calibrations, the bound, the mix, the live folders."""
+    options.validate()
+    plans = []
+    for spec in options.calibrations:
+        cal = calmod.load(spec)
+        plans.append(make_plan(spec, cal, options))
+    names = [p.calibration.name for p in plans]
+    if len(set(names)) != len(names):
+        raise MetronomeError(f"--calibration given twice for {names[0]!r}: compare two different calibrations")
+    live = [read_live(d) for d in options.live] + [None] * (len(plans) - len(options.live))
+    for plan in plans:  # build one scenario of each kind now: a bad combination fails before the work
+        scn.make_scenario(**plan.base(**plan.bound_options(), sessions=plan.memory_ceiling, horizon=1.0,
+                                      session_duration=plan.session_duration))
+    return plans, live
+
+
+# ------------------------------------------------------------------------------------------- build
+def build_report(options: ReportOptions, executor=None, progress: Progress | None = None,
+                 command: str | None = None) -> dict:
+    """Compute the report's data (see the module docstring). Raises MetronomeError on bad input."""
+    t0 = time.perf_counter()
+    progress = progress or _noop_progress
+    executor = executor or LocalExecutor()
+    plans, live = load_plans(options)
+
+    # 1. capacity
+    tasks = [(p.spec, p.policy.kind, p.policy.window_tokens, p.policy.sink_tokens or None, p.deadline_s,
+              p.mean_duration_s) for p in plans]
+    caps = executor.map(_capacity_task, tasks, progress=progress("capacity: N* per calibration", len(tasks)))
+    for plan, cap in zip(plans, caps):
+        if cap["n_star"] < 1:
+            raise MetronomeError(f"{plan.calibration.name}: even one session misses the p99 target of "
+                                 f"{1e3 * TARGET_FRACTION * plan.deadline_s:.1f} ms "
+                                 f"({TARGET_FRACTION:g} x the {1e3 * plan.deadline_s:g} ms deadline): raise --deadline")
+
+    # 2. AIMD tuning on the overload mix
+    tunings = []
+    n_cand = math.prod(len(v) for v in TUNING_GRID.values())
+    for plan, cap in zip(plans, caps):
+        point = plan.tuning_point(cap["n_star"])
+        adv = progress(f"tuning AIMD: {plan.calibration.name} ({n_cand} settings)", n_cand)
+        try:
+            # the limit never needs to pass N*: past the memory ceiling only silence would tell the controller;
+            # it starts at N*/2 so that goodput measures the controller, not a climb from one session
+            base = {"max_limit": cap["n_star"], "initial_limit": max(1, cap["n_star"] // 2)}
+            best, table = tune_aimd({k: v for k, v in point.items() if v is not None}, TUNING_GRID, seeds=1,
+                                    seed=plan.seed, miss_budget=MISS_BUDGET, base_params=base,
+                                    executor=executor, progress=adv)
+            tunings.append({"best": best, "table": table.to_dict(orient="records"), "point": point, "error": None})
+        except MetronomeError as exc:  # no feasible setting: recommend the static limit instead
+            tunings.append({"best": None, "table": [], "point": point, "error": str(exc)})
+
+    # 3. one batch of simulations
+    batch: list[tuple[str, dict]] = []
+    index: list[tuple[int, str, Any]] = []
+
+    def add(ci: int, section: str, key: Any, kind: str, point: dict):
+        batch.append((kind, {k: v for k, v in point.items() if v is not None}))
+        index.append((ci, section, key))
+
+    for ci, (plan, cap, tun) in enumerate(zip(plans, caps, tunings)):
+        n_star = cap["n_star"]
+        bound = plan.bound_options()
+        policies = {"unbounded": {"kv": "unbounded"}, "bounded": bound}
+        add(ci, "verdict", None, "summary", plan.base(kv="unbounded", sessions=n_star, seed=plan.seed,
+                                                      session_duration=plan.session_duration,
+                                                      horizon=2.0 * plan.mean_duration_s))
+        h_fill = plan.fill_horizon_s()
+        for pol, kw in policies.items():
+            for n in plan.sessions_grid(FILL_FRACTIONS):
+                add(ci, "fill", (pol, n), "fill", plan.base(**kw, sessions=n, horizon=h_fill, seed=plan.seed))
+            for n in plan.sessions_grid(SIGNAL_FRACTIONS):
+                add(ci, "signal", (pol, n), "summary", plan.base(**kw, sessions=n, horizon=plan.mean_duration_s,
+                                                                  seed=plan.seed))
+            for n in plan.sessions_grid(MC_FRACTIONS):
+                for d in plan.mc_durations_s(n_star):
+                    for r in range(plan.mc_runs):
+                        add(ci, "mc", (pol, n, d), "mc",
+                            plan.base(**kw, sessions=n, session_duration=f"exp:{d:g}",
+                                      horizon=MC_HORIZON_FACTOR * d, seed=plan.seed + r))
+            params = tun["best"]["params"] if tun["best"] else None
+            add(ci, "admission", pol, "admission",
+                {**plan.admission_point(n_star, kw["kv"]), "aimd_params": params, "seed": plan.seed})
+    results = executor.map(_sim_task, batch, progress=progress(f"simulating: {len(batch)} runs", len(batch)))
+
+    per_cal: list[dict[str, dict]] = [{"fill": {}, "signal": {}, "mc": {}, "admission": {}} for _ in plans]
+    for (ci, section, key), res in zip(index, results):
+        if section == "verdict":
+            per_cal[ci]["verdict"] = res["summary"]
+        elif section == "mc":
+            per_cal[ci]["mc"].setdefault(key, []).append(res)
+        else:
+            per_cal[ci][section][key] = res
+
+    cals = [_calibration_data(plan, cap, tun, raw, lv)
+            for plan, cap, tun, raw, lv in zip(plans, caps, tunings, per_cal, live)]
+    return _clean({
+        "title": "Capacity plan: " + " vs ".join(c["name"] for c in cals),
+        "options": {"calibrations": list(options.calibrations), "kv": options.kv, "sinks": options.sinks,
+                    "window": options.window, "session_duration": options.session_duration,
+                    "deadline_s": options.deadline_s, "arrival_rate": options.arrival_rate, "seed": options.seed,
+                    "mc_runs": options.mc_runs, "live": list(options.live)},
+        "command": command or reproduce_command(options),
+        "reproduce": reproduce_command(options),
+        "versions": _versions(),
+        "executor": getattr(executor, "name", type(executor).__name__),
+        "simulated_runs": len(batch) + sum(len(t["table"]) for t in tunings),
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "calibrations": cals,
+    })
+
+
+def reproduce_command(options: ReportOptions, out: str = "OUT") -> str:
+    """The command that rebuilds this report, every option explicit that changes a number."""
+    parts = ["metronome-sim", "report"]
+    for c in options.calibrations:
+        parts += ["--calibration", c]
+    parts += ["--kv", options.kv]
+    if options.sinks is not None:
+        parts += ["--sinks", str(options.sinks)]
+    if options.window is not None:
+        parts += ["--window", str(options.window)]
+    parts += ["--session-duration", options.session_duration]
+    if options.deadline_s is not None:
+        parts += ["--deadline", f"{options.deadline_s:g}"]
+    if options.arrival_rate is not None:
+        parts += ["--arrival-rate", f"{options.arrival_rate:g}"]
+    parts += ["--seed", str(options.seed), "--mc-runs", str(options.mc_runs)]
+    for d in options.live:
+        parts += ["--live", d]
+    parts += ["--out", out]
+    import shlex
+
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | None) -> dict:
+    cal = plan.calibration
+    n_star = cap["n_star"]
+    fm_b, fm_u = plan.fill_bounded, plan.fill_unbounded
+    pol = plan.policy
+    peak_blocks = fm_b.peak_resident_blocks
+    labels = {"unbounded": "unbounded", "bounded": pol.describe()}
+
+    # pool fill: predicted line from the fill model, simulated points, t_sat both ways
+    h_fill = plan.fill_horizon_s()
+    t_line = np.linspace(0.0, h_fill, FILL_LINE_POINTS)
+    usable = fm_b.usable_blocks
+    fill = []
+    for key, res in sorted(raw["fill"].items(), key=lambda kv: (kv[0][0] != "unbounded", kv[0][1])):
+        policy_key, n = key
+        fm = fm_u if policy_key == "unbounded" else fm_b
+        rho = np.minimum(fm.occupancy_blocks(t_line, n) / usable, 1.0)
+        s = res["summary"]
+        fill.append({"policy": policy_key, "label": labels[policy_key], "sessions": n,
+                     "t_line_s": [round(float(x), 3) for x in t_line], "occupancy_predicted": [round(float(x), 5) for x in rho],
+                     "t_sim_s": res["t_s"], "occupancy_simulated": res["occupancy"],
+                     "t_sat_predicted_s": s["t_sat_predicted_s"], "t_sat_observed_s": s["t_sat_observed_s"],
+                     "collapsed": s["collapsed"]})
+
+    # the signal: latency and silence against N
+    signal: dict[str, dict] = {}
+    for (policy_key, n), res in sorted(raw["signal"].items(), key=lambda kv: kv[0][1]):
+        s = res["summary"]
+        d = signal.setdefault(policy_key, {"label": labels[policy_key], "sessions": [], "p50_frame_latency_s": [],
+                                           "p99_frame_latency_s": [], "silent_frame_fraction": [],
+                                           "deadline_miss_fraction": [], "collapsed": [], "t_sat_observed_s": []})
+        d["sessions"].append(n)
+        for k in ("p50_frame_latency_s", "p99_frame_latency_s", "silent_frame_fraction", "deadline_miss_fraction",
+                  "collapsed", "t_sat_observed_s"):
+            d[k].append(s[k])
+
+    # metastability: predicted P(saturate) and the Monte Carlo fractions per cell
+    ns = plan.sessions_grid(MC_FRACTIONS)
+    ds = plan.mc_durations_s(n_star)
+    meta = {"sessions": ns, "mean_duration_s": ds, "runs_per_cell": plan.mc_runs,
+            "horizon_factor": MC_HORIZON_FACTOR, "policies": {}}
+    for policy_key in ("unbounded", "bounded"):
+        fm = fm_u if policy_key == "unbounded" else fm_b
+        pred = [[fm.p_saturate_fixed(n, Durations("exponential", d), MC_HORIZON_FACTOR * d) for n in ns] for d in ds]
+        sim_c, sim_s = [], []
+        for d in ds:
+            rc, rs = [], []
+            for n in ns:
+                runs = raw["mc"][(policy_key, n, d)]
+                rc.append(sum(bool(r["collapsed"]) for r in runs) / len(runs))
+                rs.append(sum(r["t_sat_observed_s"] is not None and not (isinstance(r["t_sat_observed_s"], float)
+                                                                          and math.isnan(r["t_sat_observed_s"]))
+                              for r in runs) / len(runs))
+            sim_c.append(rc)
+            sim_s.append(rs)
+        meta["policies"][policy_key] = {"label": labels[policy_key], "predicted": [[round(x, 4) for x in r] for r in pred],
+                                        "simulated_collapse": sim_c, "simulated_saturation": sim_s}
+
+    # admission traces on the rising-then-falling pattern
+    admission = {"pattern": [[d, round(r, 6)] for d, r in plan.admission_pattern(n_star)],
+                 "mean_duration_s": plan.mean_duration_s, "policies": {}}
+    for policy_key in ("unbounded", "bounded"):
+        res = raw["admission"][policy_key]
+        s = res["summary"]
+        admission["policies"][policy_key] = {
+            "label": labels[policy_key], "trace": res["trace"],
+            "summary": {k: s[k] for k in ("collapsed", "silent_frame_fraction", "deadline_miss_fraction",
+                                          "p99_frame_latency_s", "goodput_sessions", "goodput_frames_per_s",
+                                          "sessions_offered", "sessions_admitted", "sessions_refused",
+                                          "t_sat_observed_s")}}
+
+    v = raw["verdict"]
+    tuned = tun["best"]
+    return {
+        "name": cal.name,
+        "spec": plan.spec,
+        "model": _short_model(cal),
+        "hardware": _short_hardware(cal),
+        "provenance": {"kind": cal.provenance.kind, "source": cal.provenance.source,
+                       "hardware": cal.provenance.hardware, "date": cal.provenance.date,
+                       "engine": cal.provenance.engine, "weights": cal.provenance.weights,
+                       "notes": list(cal.provenance.notes), "path": cal.path, "description": cal.description},
+        "stream": {"frame_period_s": cal.stream.frame_period_s, "kv_tokens_per_s": cal.stream.kv_tokens_per_s},
+        "pool": {"num_blocks": cal.engine.num_blocks, "block_size_tokens": cal.engine.block_size_tokens,
+                 "bytes_per_block": cal.engine.bytes_per_block, "pool_bytes": cal.engine.pool_bytes},
+        "deadline_s": plan.deadline_s,
+        "session_duration": plan.durations.describe(),
+        "session_duration_mean_s": plan.mean_duration_s,
+        "seed": plan.seed,
+        "policy": {"kind": pol.kind, "sinks": pol.sink_tokens, "window": pol.window_tokens,
+                   "describe": pol.describe(), "peak_blocks_per_session": peak_blocks,
+                   "bytes_per_session": peak_blocks * cal.engine.bytes_per_block,
+                   "window_defaulted": plan.window_defaulted, "window_context_s": WINDOW_CONTEXT_S},
+        "capacity": cap,
+        "memory_ceiling_unbounded": fm_u.memory_ceiling(plan.mean_duration_s),
+        "tuning": {"params": tuned["params"] if tuned else None, "figures": tuned["figures"] if tuned else None,
+                   "grid": TUNING_GRID, "miss_budget": MISS_BUDGET, "seeds": tuned["seeds"] if tuned else [plan.seed],
+                   "offered_rate_per_s": tun["point"]["arrival_rate"], "overload": OVERLOAD,
+                   "horizon_s": tun["point"]["horizon"], "error": tun["error"], "table": tun["table"],
+                   "offered_is_overload": plan.arrival_rate is None},
+        "unbounded_at_n_star": {k: v[k] for k in ("t_sat_predicted_s", "t_sat_observed_s", "p_saturate_predicted",
+                                                  "collapsed", "silent_frame_fraction", "deadline_miss_fraction",
+                                                  "p50_frame_latency_s", "p99_frame_latency_s", "horizon_s", "workload")}
+                               | {"sessions": n_star},
+        "fill": {"horizon_s": h_fill, "curves": fill},
+        "signal": signal,
+        "metastability": meta,
+        "admission": admission,
+        "live": live,
+    }

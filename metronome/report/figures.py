@@ -1,0 +1,209 @@
+"""The report's plotly figures, calibrations side by side (one column each). Unbounded is always red,
+the bound always blue; the fill model is a line, the simulator points."""
+
+from __future__ import annotations
+
+import math
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+UNBOUNDED = "#d62728"
+BOUNDED = "#1f77b4"
+GREY = "#7f7f7f"
+# shades for several N: light (few sessions) to dark (many)
+SHADES = {"unbounded": ["#fc9272", "#fb6a4a", "#de2d26", "#a50f15", "#67000d"],
+          "bounded": ["#9ecae1", "#6baed6", "#3182bd", "#08519c", "#08306b"]}
+COLOR = {"unbounded": UNBOUNDED, "bounded": BOUNDED}
+FONT = dict(family="Inter, Segoe UI, Helvetica, Arial, sans-serif", size=13)
+HEATMAP_SCALE = [[0.0, "#ffffff"], [0.05, "#fff5eb"], [0.3, "#fdae6b"], [0.7, "#e6550d"], [1.0, "#7f2704"]]
+
+
+def _layout(fig: go.Figure, height: int, **kw) -> go.Figure:
+    fig.update_layout(template="plotly_white", height=height, font=FONT, margin=dict(l=70, r=30, t=70, b=60),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.04, xanchor="left", x=0), **kw)
+    fig.update_annotations(font_size=14)
+    return fig
+
+
+def _titles(cals: list[dict], rows: list[str]) -> list[str]:
+    return [f"<b>{c['name']}</b> · {r}" for r in rows for c in cals]
+
+
+def _policy_label(c: dict, key: str) -> str:
+    return "unbounded" if key == "unbounded" else c["policy"]["describe"]
+
+
+# ------------------------------------------------------------------------------------------ 2. pool fill
+def pool_fill(data: dict) -> go.Figure:
+    cals = data["calibrations"]
+    fig = make_subplots(rows=2, cols=len(cals), shared_yaxes=True, vertical_spacing=0.14, horizontal_spacing=0.06,
+                        subplot_titles=_titles(cals, ["unbounded", "bounded"]))
+    for j, c in enumerate(cals, start=1):
+        for i, key in enumerate(("unbounded", "bounded"), start=1):
+            curves = [k for k in c["fill"]["curves"] if k["policy"] == key]
+            for s, k in enumerate(curves):
+                col = SHADES[key][min(s, len(SHADES[key]) - 1)]
+                name = f"N={k['sessions']:,}"
+                fig.add_trace(go.Scatter(x=k["t_line_s"], y=[100 * v for v in k["occupancy_predicted"]], mode="lines",
+                                         line=dict(color=col, width=2), name=name, legendgroup="model",
+                                         showlegend=False, hovertemplate=f"{name} fill model<br>%{{x:.0f}} s: %{{y:.1f}}%<extra></extra>"),
+                              i, j)
+                fig.add_trace(go.Scatter(x=k["t_sim_s"], y=[100 * v for v in k["occupancy_simulated"]], mode="markers",
+                                         marker=dict(color=col, size=6, line=dict(color="white", width=0.5)), name=name,
+                                         showlegend=False,
+                                         hovertemplate=f"{name} simulated<br>%{{x:.0f}} s: %{{y:.1f}}%<extra></extra>"),
+                              i, j)
+                # the curve's label at its knee, where it reaches its final level (full pool or plateau)
+                occ = k["occupancy_predicted"]
+                knee = next(m for m, v in enumerate(occ) if v >= occ[-1] - 1e-9)
+                fig.add_trace(go.Scatter(x=[k["t_line_s"][knee]], y=[100 * occ[knee]], mode="text", text=[name],
+                                         textposition="top left", textfont=dict(color=col, size=12),
+                                         showlegend=False, hoverinfo="skip"), i, j)
+                if k["t_sat_predicted_s"] is not None:
+                    fig.add_vline(x=k["t_sat_predicted_s"], line=dict(color=col, dash="dot", width=1.5), row=i, col=j)
+                if k["t_sat_observed_s"] is not None:
+                    fig.add_trace(go.Scatter(x=[k["t_sat_observed_s"]], y=[100], mode="markers",
+                                             marker=dict(symbol="x", size=11, color=col, line=dict(width=2)),
+                                             showlegend=False,
+                                             hovertemplate=f"{name}: pool ran dry at %{{x:.1f}} s (simulated)<extra></extra>"),
+                                  i, j)
+            fig.update_yaxes(title_text="pool occupancy (% of blocks)" if j == 1 else None, range=[0, 108], row=i, col=j)
+            fig.update_xaxes(title_text="time since the sessions started (s)", row=i, col=j)
+    for name, kw in (("fill model ρ(t)", dict(mode="lines", line=dict(color=GREY, width=2))),
+                     ("simulated", dict(mode="markers", marker=dict(color=GREY, size=6))),
+                     ("t_sat predicted (dotted)", dict(mode="lines", line=dict(color=GREY, dash="dot"))),
+                     ("pool ran dry, simulated", dict(mode="markers", marker=dict(color=GREY, symbol="x", size=10)))):
+        fig.add_trace(go.Scatter(x=[None], y=[None], name=name, **kw), 1, 1)
+    return _layout(fig, 720)
+
+
+# ------------------------------------------------------------------------------------------ 3. metastability
+def metastability(data: dict) -> go.Figure:
+    cals = data["calibrations"]
+    titles = []
+    for key in ("unbounded", "bounded"):
+        for c in cals:
+            lab = _policy_label(c, key)
+            titles += [f"<b>{c['name']}</b> · {lab} · predicted", f"<b>{c['name']}</b> · {lab} · simulated"]
+    fig = make_subplots(rows=2, cols=2 * len(cals), vertical_spacing=0.16, horizontal_spacing=0.045,
+                        subplot_titles=titles)
+    first = True
+    for j, c in enumerate(cals):
+        m = c["metastability"]
+        xs = [f"{n:,}" for n in m["sessions"]]
+        ys = [f"{d:g} s" for d in m["mean_duration_s"]]
+        for i, key in enumerate(("unbounded", "bounded"), start=1):
+            p = m["policies"][key]
+            for k, (z, what) in enumerate(((p["predicted"], "P(saturate), fill model"),
+                                           (p["simulated_collapse"], f"collapsed, {m['runs_per_cell']} runs"))):
+                fig.add_trace(go.Heatmap(
+                    x=xs, y=ys, z=z, zmin=0, zmax=1, colorscale=HEATMAP_SCALE, showscale=first,
+                    colorbar=dict(title=dict(text="probability", side="right"), tickformat=".0%", len=0.8),
+                    texttemplate="%{z:.0%}", textfont=dict(size=11), xgap=2, ygap=2,
+                    hovertemplate=f"N=%{{x}} sessions<br>mean duration %{{y}}<br>{what}: %{{z:.0%}}<extra></extra>"),
+                    i, 2 * j + k + 1)
+                first = False
+                fig.update_xaxes(title_text="concurrent sessions N", type="category", row=i, col=2 * j + k + 1)
+                fig.update_yaxes(title_text="mean session duration (s)" if (j == 0 and k == 0) else None,
+                                 type="category", row=i, col=2 * j + k + 1)
+    return _layout(fig, 760)
+
+
+# ------------------------------------------------------------------------------------------ 4. the signal
+def signal(data: dict) -> go.Figure:
+    cals = data["calibrations"]
+    fig = make_subplots(rows=2, cols=len(cals), vertical_spacing=0.14, horizontal_spacing=0.07,
+                        subplot_titles=_titles(cals, ["frame latency against load", "silent frames against load"]))
+    for j, c in enumerate(cals, start=1):
+        for key in ("unbounded", "bounded"):
+            s = c["signal"][key]
+            lab = _policy_label(c, key)
+            col = COLOR[key]
+            show = j == 1
+            fig.add_trace(go.Scatter(x=s["sessions"], y=[None if v is None else 1e3 * v for v in s["p99_frame_latency_s"]],
+                                     mode="lines+markers", line=dict(color=col, width=2.5), name=f"{lab}: p99",
+                                     legendgroup=f"{key}99", showlegend=show,
+                                     hovertemplate=f"{lab}<br>N=%{{x}}: p99 %{{y:.1f}} ms<extra></extra>"), 1, j)
+            fig.add_trace(go.Scatter(x=s["sessions"], y=[None if v is None else 1e3 * v for v in s["p50_frame_latency_s"]],
+                                     mode="lines+markers", line=dict(color=col, width=1.5, dash="dash"),
+                                     marker=dict(symbol="circle-open"), name=f"{lab}: p50", legendgroup=f"{key}50",
+                                     showlegend=show,
+                                     hovertemplate=f"{lab}<br>N=%{{x}}: p50 %{{y:.1f}} ms<extra></extra>"), 1, j)
+            fig.add_trace(go.Scatter(x=s["sessions"], y=[100 * v for v in s["silent_frame_fraction"]], mode="lines+markers",
+                                     line=dict(color=col, width=2.5), name=f"{lab}: silent frames",
+                                     legendgroup=f"{key}silent", showlegend=show,
+                                     hovertemplate=f"{lab}<br>N=%{{x}}: %{{y:.1f}}% of frames silent<extra></extra>"), 2, j)
+            fig.add_trace(go.Scatter(x=s["sessions"], y=[100 * v for v in s["deadline_miss_fraction"]], mode="lines",
+                                     line=dict(color=col, width=1.5, dash="dot"), name=f"{lab}: deadline misses",
+                                     legendgroup=f"{key}miss", showlegend=show,
+                                     hovertemplate=f"{lab}<br>N=%{{x}}: %{{y:.2f}}% deadline misses<extra></extra>"), 2, j)
+        # (a log axis: the label is placed by hand, in log10 units)
+        fig.add_hline(y=1e3 * c["deadline_s"], line=dict(color=GREY, dash="dash"), row=1, col=j)
+        fig.add_annotation(x=0, xref="x domain" if j == 1 else f"x{j} domain", y=math.log10(1e3 * c["deadline_s"]),
+                           yref="y" if j == 1 else f"y{j}", text=f"deadline {1e3 * c['deadline_s']:g} ms",
+                           showarrow=False, xanchor="left", yanchor="bottom", font=dict(color=GREY))
+        cap = c["capacity"]
+        for r in (1, 2):
+            fig.add_vline(x=cap["memory_ceiling"], line=dict(color=BOUNDED, dash="dot"), row=r, col=j)
+            fig.add_vline(x=cap["n_star"], line=dict(color="#2ca02c", width=2), row=r, col=j)
+        fig.add_annotation(x=cap["n_star"], y=1.0, yref="y domain" if j == 1 else f"y{j} domain",
+                           xref="x" if j == 1 else f"x{j}", text=f"N* = {cap['n_star']:,}", showarrow=False,
+                           xanchor="right", yanchor="top", font=dict(color="#2ca02c"))
+        ticks = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+        fig.update_yaxes(title_text="frame latency (ms)", type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks],
+                         row=1, col=j)
+        fig.update_yaxes(title_text="share of frames (%)", rangemode="tozero", row=2, col=j)
+        fig.update_xaxes(title_text="concurrent sessions N", row=2, col=j)
+        fig.update_xaxes(title_text="concurrent sessions N", row=1, col=j)
+    return _layout(fig, 760)
+
+
+# ------------------------------------------------------------------------------------------ 5. admission
+def admission(data: dict) -> go.Figure:
+    cals = data["calibrations"]
+    fig = make_subplots(rows=3, cols=len(cals), shared_xaxes=True, vertical_spacing=0.09, horizontal_spacing=0.07,
+                        subplot_titles=_titles(cals, ["admission limit and sessions admitted",
+                                                      "p99 frame latency per interval", "silent frames per interval"]))
+    for j, c in enumerate(cals, start=1):
+        a = c["admission"]
+        # offered load: the pattern's rate x mean duration = the sessions it would keep busy
+        t, y, start = [], [], 0.0
+        for d, r in a["pattern"]:
+            t += [start, start + d]
+            y += [r * a["mean_duration_s"]] * 2
+            start += d
+        fig.add_trace(go.Scatter(x=t, y=y, mode="lines", line=dict(color=GREY, dash="dash", width=1.5),
+                                 name="offered load (rate × mean duration)", showlegend=j == 1,
+                                 hovertemplate="offered %{y:.0f} sessions<extra></extra>"), 1, j)
+        for key in ("unbounded", "bounded"):
+            tr = a["policies"][key]["trace"]
+            lab = _policy_label(c, key)
+            col = COLOR[key]
+            show = j == 1
+            fig.add_trace(go.Scatter(x=tr["t_s"], y=tr["limit"], mode="lines", line=dict(color=col, width=2),
+                                     name=f"{lab}: AIMD limit", showlegend=show, legendgroup=f"{key}lim",
+                                     hovertemplate=f"{lab}<br>%{{x:.0f}} s: limit %{{y}}<extra></extra>"), 1, j)
+            fig.add_trace(go.Scatter(x=tr["t_s"], y=tr["in_flight"], mode="lines", line=dict(color=col, width=1.5, dash="dot"),
+                                     name=f"{lab}: sessions admitted", showlegend=show, legendgroup=f"{key}inf",
+                                     hovertemplate=f"{lab}<br>%{{x:.0f}} s: %{{y}} sessions<extra></extra>"), 1, j)
+            fig.add_trace(go.Scatter(x=tr["t_s"], y=[None if v is None else 1e3 * v for v in tr["p_latency_s"]],
+                                     mode="lines", line=dict(color=col, width=1.5), name=f"{lab}: p99", showlegend=False,
+                                     hovertemplate=f"{lab}<br>%{{x:.0f}} s: p99 %{{y:.1f}} ms<extra></extra>"), 2, j)
+            fig.add_trace(go.Scatter(x=tr["t_s"], y=[100 * v for v in tr["silent_fraction"]], mode="lines",
+                                     line=dict(color=col, width=1.5), fill="tozeroy", name=f"{lab}: silent",
+                                     showlegend=False,
+                                     hovertemplate=f"{lab}<br>%{{x:.0f}} s: %{{y:.1f}}% silent<extra></extra>"), 3, j)
+        fig.add_hline(y=1e3 * c["deadline_s"], line=dict(color=GREY, dash="dash"), row=2, col=j,
+                      annotation_text=f"deadline {1e3 * c['deadline_s']:g} ms", annotation_position="top left")
+        fig.update_yaxes(title_text="sessions", rangemode="tozero", row=1, col=j)
+        fig.update_yaxes(title_text="p99 latency (ms)", rangemode="tozero", row=2, col=j)
+        fig.update_yaxes(title_text="silent frames (%)", rangemode="tozero", row=3, col=j)
+        fig.update_xaxes(title_text="simulated time (s)", row=3, col=j)
+    return _layout(fig, 900)
+
+
+def all_figures(data: dict) -> dict[str, go.Figure]:
+    """Section id -> figure, in page order."""
+    return {"fill": pool_fill(data), "metastability": metastability(data), "signal": signal(data),
+            "admission": admission(data)}

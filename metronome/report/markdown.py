@@ -1,0 +1,53 @@
+"""report.md: the same sections and numbers as report.html, as text (tables instead of figures)."""
+
+from __future__ import annotations
+
+from metronome.report import answer as A
+
+
+def md_cell(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(md_cell(h) for h in header) + " |",
+           "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(md_cell(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def answer_markdown(data: dict) -> str:
+    """The answer section alone (the README quotes it)."""
+    parts = [A.headline(c) for c in data["calibrations"]]
+    header, rows = A.answer_table(data)
+    return "\n\n".join(parts + [md_table(header, rows)])
+
+
+def render_markdown(data: dict) -> str:
+    cals = data["calibrations"]
+    s = [f"# {data['title']}", "",
+         f"Built by `metronome-sim report` in {data['wall_s']:.0f} s ({data['simulated_runs']} simulated runs). "
+         "The same numbers, with figures, are in report.html.", "",
+         "## 1. The answer", "", answer_markdown(data), ""]
+    s += ["## 2. Pool fill", "", A.fill_note(data), "", md_table(*A.fill_table(data)), ""]
+    s += ["## 3. Metastability", "", A.metastability_note(data), ""]
+    for title, table in A.metastability_tables(data):
+        s += [f"**{title}**", "", md_table(*table), ""]
+    s += ["## 4. The signal", "", A.signal_note(data), "", md_table(*A.signal_table(data)), ""]
+    s += ["## 5. Admission", "", A.admission_note(data), "", md_table(*A.admission_table(data)), ""]
+    s += ["## 6. Fidelity", ""]
+    for c in cals:
+        text, rows = A.fidelity(c)
+        s += [f"**{c['name']}.** {text}", ""]
+        if rows:
+            s += [md_table(A.FIDELITY_HEADER, rows), ""]
+    s += ["## 7. Provenance", ""]
+    for c in cals:
+        s += [f"**{c['name']}**", "", md_table(["field", "value"], [list(r) for r in A.provenance_rows(c)]), ""]
+        if c["provenance"]["notes"]:
+            s += ["How the numbers were derived:", ""] + [f"- {n}" for n in c["provenance"]["notes"]] + [""]
+    s += [f"Seeds: {A.seeds_words(data)}. Versions: "
+          + ", ".join(f"{k} {v}" for k, v in data["versions"].items()) + ".", "",
+          "Reproduce (the report is the same on any executor and worker count):", "",
+          "```bash", data["reproduce"], "```", ""]
+    return "\n".join(s)

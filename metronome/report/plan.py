@@ -1,0 +1,204 @@
+"""What a report simulates for one calibration, and why those defaults are meaningful for it.
+
+Everything here is derived from the calibration and the fill model, never picked per preset by hand:
+
+* **the bound to recommend** — ``sinks`` with ``S = 16`` and ``W`` ≈ the last ``WINDOW_CONTEXT_S``
+  (30 s) of conversation, rounded so that ``S + W`` fills whole blocks (Moshi at 12.5 tokens/s:
+  S=16, W=368 = 29.4 s, S+W = 24 blocks);
+* **the session mix** — exponential durations with a 5-minute mean (``DEFAULT_SESSION_DURATION``);
+  the window is then a tenth of a mean conversation;
+* **concurrency** — fractions of the bounded memory ceiling ``c``, up to ``1.5·c``, so every sweep
+  shows both sides of the ceiling;
+* **mean session duration** (metastability) — multiples of the unbounded ``t_sat`` at the
+  recommended N*, so the grid straddles the race between fill and session length;
+* **offered load** (AIMD tuning and goodput) — Poisson arrivals at ``OVERLOAD × N* / mean duration``,
+  i.e. 1.5× what N* sessions can carry, so admission has something to refuse;
+* **the admission trace** — a rising-then-falling rate pattern, one mean duration per step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from metronome.calibration import Calibration
+from metronome.errors import MetronomeError
+from metronome.fill_model import FillModel
+from metronome.kv_policy import KVPolicy, make_policy
+from metronome.workload import Durations
+
+DEFAULT_KV = "sinks"
+DEFAULT_SINK_TOKENS = 16
+WINDOW_CONTEXT_S = 30.0
+DEFAULT_SESSION_DURATION = "exp:300"
+DEFAULT_MC_RUNS = 5
+TARGET_FRACTION = 0.8  # N*: p99 frame latency at most this fraction of the deadline (as `capacity`)
+PERCENTILE = 99.0
+OVERLOAD = 1.5
+MISS_BUDGET = 0.01
+
+SIGNAL_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
+FILL_FRACTIONS = (0.25, 0.5, 1.0, 1.5)
+MC_FRACTIONS = (0.1, 0.25, 0.5, 1.0, 1.5)
+MC_DURATION_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)
+MC_HORIZON_FACTOR = 3.0  # each cell runs 3 mean durations: ~95% of the sessions have ended by then
+# Small on purpose: the default report must stay fast. `metronome-sim tune-aimd` searches wider.
+TUNING_GRID = {"additive_increase": [1.0, 4.0], "decrease_factor": [0.75, 0.9], "target_fraction": [0.8, 0.9],
+               "interval_s": [1.0]}
+ADMISSION_PATTERN = (0.5, 1.5, 3.0, 1.0, 0.25)  # offered rate, in units of N*/mean duration
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """The report's inputs, as the user gave them (``None``: derive the default per calibration)."""
+
+    calibrations: tuple[str, ...]
+    kv: str = DEFAULT_KV
+    sinks: int | None = None
+    window: int | None = None
+    session_duration: str = DEFAULT_SESSION_DURATION
+    deadline_s: float | None = None
+    arrival_rate: float | None = None
+    seed: int = 0
+    mc_runs: int = DEFAULT_MC_RUNS
+    live: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if not self.calibrations:
+            raise MetronomeError("give at least one --calibration NAME|PATH")
+        if len(self.calibrations) > 4:
+            raise MetronomeError(f"a report compares at most 4 calibrations, got {len(self.calibrations)}")
+        if self.kv not in ("sinks", "window"):
+            raise MetronomeError(f"--kv {self.kv!r}: the report recommends a bounded policy (sinks or window); "
+                                 "the unbounded one is always shown beside it")
+        if self.deadline_s is not None and not (self.deadline_s > 0 and math.isfinite(self.deadline_s)):
+            raise MetronomeError(f"--deadline must be positive seconds, got {self.deadline_s}")
+        if self.arrival_rate is not None and not (self.arrival_rate > 0 and math.isfinite(self.arrival_rate)):
+            raise MetronomeError(f"--arrival-rate must be a positive number of sessions/s, got {self.arrival_rate}")
+        if self.mc_runs < 1:
+            raise MetronomeError(f"--mc-runs must be >= 1, got {self.mc_runs}")
+        if self.live and len(self.live) > len(self.calibrations):
+            raise MetronomeError(f"--live given {len(self.live)} times for {len(self.calibrations)} calibration(s) "
+                                 "(one per --calibration, in the same order)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One calibration's report scenario: the bound, the mix, the deadline and the sweep grids."""
+
+    spec: str  # the preset name or path, as given (tasks reload it in the worker)
+    calibration: Calibration
+    policy: KVPolicy  # the bounded policy to recommend
+    durations: Durations
+    session_duration: str
+    deadline_s: float
+    seed: int
+    mc_runs: int
+    arrival_rate: float | None
+    window_defaulted: bool = False
+
+    @property
+    def unbounded(self) -> KVPolicy:
+        return KVPolicy.unbounded(self.calibration.engine.block_size_tokens)
+
+    @property
+    def fill_bounded(self) -> FillModel:
+        return FillModel(self.calibration, self.policy)
+
+    @property
+    def fill_unbounded(self) -> FillModel:
+        return FillModel(self.calibration, self.unbounded)
+
+    @property
+    def memory_ceiling(self) -> int:
+        return int(self.fill_bounded.memory_ceiling())
+
+    @property
+    def mean_duration_s(self) -> float:
+        return float(self.durations.mean_s)
+
+    def bound_options(self) -> dict:
+        """The bounded policy as make_scenario options."""
+        p = self.policy
+        return {"kv": p.kind, "window": p.window_tokens, "sinks": p.sink_tokens if p.kind == "sinks" else None}
+
+    def base(self, **kw) -> dict:
+        return {"calibration": self.spec, "deadline": self.deadline_s, **kw}
+
+    # -- the grids ------------------------------------------------------------------------------------
+    def sessions_grid(self, fractions) -> list[int]:
+        c = self.memory_ceiling
+        return sorted({max(1, int(round(f * c))) for f in fractions})
+
+    def fill_horizon_s(self) -> float:
+        """Long enough for the smallest N's unbounded cliff and for the bounded windows to fill."""
+        n_min = self.sessions_grid(FILL_FRACTIONS)[0]
+        t_small = self.fill_unbounded.t_sat(n_min)
+        p = self.policy
+        window_fill_s = (p.sink_tokens + p.window_tokens + p.block_size) / self.calibration.stream.kv_tokens_per_s
+        return float(max(1.25 * (t_small or 0.0), 2.0 * window_fill_s, 10 * self.calibration.stream.frame_period_s))
+
+    def mc_durations_s(self, n_star: int) -> list[float]:
+        t = self.fill_unbounded.t_sat(max(n_star, 1)) or self.mean_duration_s
+        return [_round_s(f * t) for f in MC_DURATION_FACTORS]
+
+    def offered_rate(self, n_star: int) -> float:
+        """Sessions/s for tuning and goodput: the user's --arrival-rate, or 1.5× what N* carries."""
+        if self.arrival_rate is not None:
+            return float(self.arrival_rate)
+        return OVERLOAD * n_star / self.mean_duration_s
+
+    def tuning_point(self, n_star: int) -> dict:
+        return self.base(**self.bound_options(), arrival_rate=self.offered_rate(n_star),
+                         session_duration=self.session_duration, horizon=2.0 * self.mean_duration_s)
+
+    def admission_pattern(self, n_star: int) -> list[tuple[float, float]]:
+        base_rate = n_star / self.mean_duration_s
+        return [(self.mean_duration_s, f * base_rate) for f in ADMISSION_PATTERN]
+
+    def admission_point(self, n_star: int, kv: str) -> dict:
+        pattern = ",".join(f"{d:g}:{r:.6g}" for d, r in self.admission_pattern(n_star))
+        bound = self.bound_options() if kv != "unbounded" else {"kv": "unbounded"}
+        return self.base(**bound, rate_pattern=pattern, session_duration=self.session_duration,
+                         horizon=len(ADMISSION_PATTERN) * self.mean_duration_s, admission="aimd")
+
+
+def _round_s(x: float) -> float:
+    """Round a duration to 2 significant figures (grid labels people can read)."""
+    if x <= 0:
+        return x
+    digits = 1 - int(math.floor(math.log10(x)))
+    return float(round(x, digits))
+
+
+def default_window_tokens(cal: Calibration, sink_tokens: int) -> int:
+    """W ≈ the last ``WINDOW_CONTEXT_S`` of conversation, rounded so that S + W fills whole blocks (and
+    spans at least one block more than the sinks)."""
+    bs = cal.engine.block_size_tokens
+    want = sink_tokens + WINDOW_CONTEXT_S * cal.stream.kv_tokens_per_s
+    blocks = max(int(math.floor(want / bs + 0.5)), -(-sink_tokens // bs) + 1)
+    return int(blocks * bs - sink_tokens)
+
+
+def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
+    """Resolve the defaults for one calibration (one-line errors for a bad combination)."""
+    bs = cal.engine.block_size_tokens
+    sinks = 0
+    if options.kv == "sinks":
+        sinks = DEFAULT_SINK_TOKENS if options.sinks is None else int(options.sinks)
+    elif options.sinks:
+        raise MetronomeError("--sinks needs --kv sinks (the window policy keeps no sinks)")
+    window = options.window if options.window is not None else default_window_tokens(cal, sinks)
+    policy = make_policy(options.kv, bs, int(window), sinks if options.kv == "sinks" else None)
+    durations = Durations.parse(options.session_duration)
+    if not math.isfinite(durations.mean_s):
+        raise MetronomeError(f"--session-duration {options.session_duration!r}: needs a finite mean")
+    fm = FillModel(cal, policy)
+    if fm.usable_blocks < (fm.peak_resident_blocks or 0):
+        raise MetronomeError(f"{cal.name}: the pool ({cal.engine.num_blocks} blocks) is too small for one session "
+                             f"under {policy.describe()} ({fm.peak_resident_blocks} blocks)")
+    return Plan(spec=spec, calibration=cal, policy=policy, durations=durations,
+                session_duration=options.session_duration,
+                deadline_s=float(options.deadline_s or cal.stream.frame_period_s), seed=options.seed,
+                mc_runs=options.mc_runs, arrival_rate=options.arrival_rate,
+                window_defaulted=options.window is None)

@@ -1,0 +1,332 @@
+"""metronome-sim report: the answer first, the same numbers in report.md and report.html, both
+calibrations side by side, and one-line failures that write nothing.
+
+One report is built per test session (two small-pool Moshi calibrations given as files, so it takes
+seconds) and shared with test_report_browser.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import replace
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+SMALL = {"small-h200": ("moshi-7b-h200", 2000), "small-b200": ("moshi-7b-b200", 2600)}
+ARGS = ["--session-duration", "exp:120", "--mc-runs", "2", "--workers", "2"]
+
+
+def _write_small_calibrations(folder: Path) -> list[Path]:
+    from metronome import calibration
+
+    paths = []
+    for name, (preset, blocks) in SMALL.items():
+        cal = calibration.load(preset)
+        cal = replace(cal, name=name, engine=replace(cal.engine, num_blocks=blocks))
+        p = folder / f"{name}.json"
+        p.write_text(cal.to_json())
+        paths.append(p)
+    return paths
+
+
+LIVE_SUMMARY = {
+    "model": "tiny",
+    "policies": {
+        "unbounded": {"t_sat_observed_s": 4.1, "t_sat_predicted_s": 4.0, "silent_frame_fraction": 0.31,
+                      "p50_frame_latency_s": {"live": 0.020, "simulated": 0.021},
+                      "p99_frame_latency_s": {"live": 0.050, "simulated": 0.045}},
+        "window": {"t_sat_observed_s": None, "t_sat_predicted_s": None,
+                   "p50_frame_latency_live_s": 0.018, "p50_frame_latency_sim_s": 0.0175,
+                   "p99_frame_latency_live_s": 0.030, "p99_frame_latency_sim_s": 0.033},
+    },
+}
+
+
+def shared_report(tmp_path_factory) -> Path:
+    """Build the session's report once (as a user would: the CLI in a subprocess) and return its folder."""
+    base = tmp_path_factory.getbasetemp() / "shared-report"
+    out = base / "out"
+    if (out / "report.html").exists():
+        return out
+    base.mkdir(exist_ok=True)
+    cals = _write_small_calibrations(base)
+    live = base / "validate"
+    live.mkdir(exist_ok=True)
+    (live / "summary.json").write_text(json.dumps(LIVE_SUMMARY))
+    r = run_cli("report", "--calibration", str(cals[0]), "--calibration", str(cals[1]), *ARGS,
+                "--live", str(live), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    (base / "stdout.txt").write_text(r.stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = shared_report(tmp_path_factory)
+    return {"out": out, "md": (out / "report.md").read_text(), "html": (out / "report.html").read_text(),
+            "data": json.loads((out / "report.json").read_text()),
+            "stdout": (out.parent / "stdout.txt").read_text()}
+
+
+# ------------------------------------------------------------------------------------------ parsing
+def md_tables(md: str) -> list[list[list[str]]]:
+    """Every Markdown table as a list of rows (header first, the --- line dropped)."""
+    tables, cur = [], []
+    for line in md.splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if not all(set(c) <= {"-"} and c for c in cells):
+                cur.append(cells)
+        elif cur:
+            tables.append(cur)
+            cur = []
+    return tables
+
+
+def answer_rows_from_markdown(md: str) -> tuple[list[str], list[list[str]]]:
+    """The answer table of report.md: header and rows."""
+    section = md.split("## 1. The answer", 1)[1].split("\n## ", 1)[0]
+    t = md_tables(section)[0]
+    return t[0], t[1:]
+
+
+class _Tables(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tables, self._cell, self._row = [], None, None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self._row = []
+        elif tag in ("td", "th"):
+            self._cell = ""
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self._row.append(self._cell.strip())
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self.tables[-1].append(self._row)
+            self._row = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+
+def html_tables(page: str) -> list[list[list[str]]]:
+    p = _Tables()
+    p.feed(page)
+    return p.tables
+
+
+# ------------------------------------------------------------------------------------------ the files
+def test_report_writes_a_self_contained_page_and_markdown(report):
+    out, page = report["out"], report["html"]
+    assert sorted(p.name for p in out.iterdir()) == ["report.html", "report.json", "report.md"]
+    assert (out / "report.html").stat().st_size < 10e6
+    assert page.count("Plotly.newPlot(") == 4  # four figures ...
+    assert len(re.findall(r"plotly\.js v\d", page)) == 1  # ... drawn by one inlined copy of plotly.js
+    assert not re.search(r"<script[^>]+src=|<link[^>]+href=", page), "the page must open offline"
+    for sid in ("answer", "fill", "metastability", "signal", "admission", "fidelity", "provenance"):
+        assert f'<section id="{sid}">' in page
+    md = report["md"]
+    for n, title in enumerate(("The answer", "Pool fill", "Metastability", "The signal", "Admission", "Fidelity",
+                               "Provenance"), start=1):
+        assert f"## {n}. {title}" in md
+
+
+def test_long_work_shows_progress(report):
+    for phase in ("capacity", "tuning AIMD", "simulating"):
+        assert phase in report["stdout"]
+    assert "wrote" in report["stdout"] and "report.html" in report["stdout"]
+
+
+def test_markdown_and_html_carry_the_same_numbers(report):
+    md, page = md_tables(report["md"]), html_tables(report["html"])
+    assert len(md) >= 10
+    for t in md:
+        assert t in page, f"a report.md table is not in report.html: {t[:2]}"
+
+
+def test_the_answer_comes_first_in_plain_words(report):
+    md, data = report["md"], report["data"]
+    answer = md.split("## 1. The answer", 1)[1].split("\n## ", 1)[0]
+    for c in data["calibrations"]:
+        n = c["capacity"]["n_star"]
+        assert f"carries {n:,} concurrent Moshi 7B sessions" in answer
+        assert f"{c['capacity']['binding']} binds" in answer
+        assert "Without the bound" in answer
+    header, rows = answer_rows_from_markdown(md)
+    assert header[1:] == ["small-h200", "small-b200"]  # side by side
+    questions = [r[0] for r in rows]
+    for q in ("memory ceiling", "deadline-bound N*", "which binds", "recommended S, W", "recommended admission",
+              "expected goodput", "unbounded at N*"):
+        assert q in questions
+
+
+def test_answer_numbers_are_the_sim_layers(report):
+    from metronome import calibration
+    from metronome.fill_model import FillModel
+    from metronome.kv_policy import KVPolicy
+    from metronome.sim.capacity import capacity
+
+    _, rows = answer_rows_from_markdown(report["md"])
+    table = {r[0]: r[1:] for r in rows}
+    for j, c in enumerate(report["data"]["calibrations"]):
+        cal = calibration.load(c["spec"])
+        policy = KVPolicy.sinks(16, 16, 368)  # the default bound: S=16, W = 30 s of Moshi rounded to blocks
+        assert (c["policy"]["sinks"], c["policy"]["window"]) == (16, 368)
+        cap = capacity(cal, policy, deadline_s=0.08, duration_s=120.0)
+        assert c["capacity"]["n_star"] == cap["n_star"] and c["capacity"]["binding"] == cap["binding"]
+        assert table["memory ceiling"][j].startswith(f"{cap['memory_ceiling']:,} sessions")
+        assert table["deadline-bound N*"][j].startswith(f"{cap['deadline_n_star']:,} sessions")
+        assert table["which binds"][j] == f"{cap['binding']} → N* = {cap['n_star']:,} sessions"
+        t_sat = FillModel(cal, KVPolicy.unbounded(16)).t_sat(cap["n_star"])
+        assert c["unbounded_at_n_star"]["t_sat_predicted_s"] == pytest.approx(t_sat, abs=1e-3)
+        p = c["tuning"]["params"]
+        assert table["recommended admission"][j].startswith(
+            f"AIMD +{p['additive_increase']:g} sessions per {p['interval_s']:g} s, ×{p['decrease_factor']:g}")
+        assert f"{c['tuning']['figures']['goodput_sessions']:,.0f} healthy sessions" in table["expected goodput"][j]
+
+
+def test_the_bound_prevents_collapse_and_latency_becomes_the_signal(report):
+    for c in report["data"]["calibrations"]:
+        ceiling = c["capacity"]["memory_ceiling"]
+        u, b = c["signal"]["unbounded"], c["signal"]["bounded"]
+        below = [i for i, n in enumerate(b["sessions"]) if n <= ceiling]
+        assert all(b["silent_frame_fraction"][i] == 0 for i in below)
+        assert max(u["silent_frame_fraction"]) > 0.1  # unbounded goes silent ...
+        assert max(u["deadline_miss_fraction"]) < 0.05  # ... while deadline metrics look fine
+        p99 = [b["p99_frame_latency_s"][i] for i in below]
+        assert p99 == sorted(p99) and p99[-1] > 2 * p99[0]  # bounded latency ramps with load
+        for k in c["fill"]["curves"]:
+            if k["t_sat_predicted_s"] is not None:
+                assert k["t_sat_observed_s"] == pytest.approx(k["t_sat_predicted_s"], rel=0.05)
+            else:
+                assert k["policy"] == "bounded" and k["sessions"] <= ceiling and k["t_sat_observed_s"] is None
+
+
+def test_metastability_grid_is_predicted_and_simulated_side_by_side(report):
+    for c in report["data"]["calibrations"]:
+        m = c["metastability"]
+        assert m["sessions"][-1] == round(1.5 * c["capacity"]["memory_ceiling"])
+        for key in ("unbounded", "bounded"):
+            p = m["policies"][key]
+            assert len(p["predicted"]) == len(p["simulated_collapse"]) == len(m["mean_duration_s"])
+            assert all(0 <= x <= 1 for row in p["predicted"] + p["simulated_collapse"] for x in row)
+        u = m["policies"]["unbounded"]
+        assert max(map(max, u["predicted"])) > 0.9 and min(map(min, u["predicted"])) < 0.1  # both sides of the race
+        b = m["policies"]["bounded"]
+        ceiling = c["capacity"]["memory_ceiling"]
+        for i, _ in enumerate(m["mean_duration_s"]):
+            for j, n in enumerate(m["sessions"]):
+                if n <= ceiling:
+                    assert b["predicted"][i][j] == 0 and b["simulated_collapse"][i][j] == 0
+
+
+def test_admission_traces_cover_both_policies(report):
+    for c in report["data"]["calibrations"]:
+        for key in ("unbounded", "bounded"):
+            tr = c["admission"]["policies"][key]["trace"]
+            assert len(tr["t_s"]) > 50 and max(tr["limit"]) > 1 and max(tr["in_flight"]) > 1
+        assert c["admission"]["policies"]["bounded"]["summary"]["collapsed"] is False
+
+
+def test_fidelity_shows_live_errors_or_says_estimated(report):
+    md = report["md"]
+    fid = md.split("## 6. Fidelity", 1)[1].split("\n## ", 1)[0]
+    t = md_tables(fid)[0]
+    assert t[0] == ["policy", "figure", "measured", "predicted", "error"]
+    assert ["unbounded", "t_sat", "4.1 s", "4.0 s", "-2.4%"] in t
+    assert ["unbounded", "p99 frame latency", "50.0 ms", "45.0 ms", "-10.0%"] in t
+    assert ["window", "p50 frame latency", "18.0 ms", "17.5 ms", "-2.8%"] in t
+    assert "small-b200 is estimated" in fid and "roofline" in fid  # no --live for the second one
+
+
+def test_provenance_gives_sources_seeds_and_the_command(report):
+    from metronome.cli.sim_cli import build_parser
+
+    md, data = report["md"], report["data"]
+    prov = md.split("## 7. Provenance", 1)[1]
+    assert "metronome.roofline" in prov and "Seeds: scenario seed 0" in prov
+    cmd = data["reproduce"]
+    assert cmd in prov and cmd in report["html"].replace("&#x27;", "'")
+    args = shlex.split(cmd)
+    assert args[:2] == ["metronome-sim", "report"]
+    ns = build_parser().parse_args(args[1:])
+    assert ns.session_duration == "exp:120" and ns.mc_runs == 2 and len(ns.calibration) == 2 and len(ns.live) == 1
+
+
+def test_default_bound_is_thirty_seconds_of_conversation():
+    from metronome import calibration
+    from metronome.report.plan import default_window_tokens
+
+    assert default_window_tokens(calibration.load("moshi-7b-h200"), 16) == 368  # S+W = 24 blocks = 30.7 s
+    for name in calibration.preset_names():
+        cal = calibration.load(name)
+        w = default_window_tokens(cal, 16)
+        assert (16 + w) % cal.engine.block_size_tokens == 0
+        half_block_s = cal.engine.block_size_tokens / 2 / cal.stream.kv_tokens_per_s
+        assert abs(w / cal.stream.kv_tokens_per_s - 30.0) <= half_block_s + 1e-9
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def _live(tmp_path, obj, name="live") -> str:
+    d = tmp_path / name
+    d.mkdir()
+    if obj is not None:
+        (d / "summary.json").write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(d)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--calibration", "no-such-preset"], "unknown calibration preset"),
+    (["--kv", "unbounded"], "invalid choice"),
+    (["--window", "8"], "under one block"),
+    (["--sinks", "400", "--window", "368"], "fewer than the window"),
+    (["--mc-runs", "0"], "--mc-runs must be >= 1"),
+    (["--deadline", "-1"], "--deadline must be positive"),
+    (["--arrival-rate", "0"], "--arrival-rate must be a positive"),
+    (["--session-duration", "exp:-3"], "session duration must be positive"),
+    (["--deadline", "0.001"], "even one session misses"),
+    (["--live", "MISSING"], "no such folder"),
+    (["--live", "NOSUMMARY"], "summary.json: missing"),
+    (["--live", "BADJSON"], "not valid JSON"),
+    (["--live", "NOPOLICY"], "no policy with 't_sat_observed_s'"),
+    (["--live", "BADFIELD"], "field 'unbounded.p99_frame_latency_s.live' must be a non-negative number"),
+    (["--live", "NOLATENCY"], "has no live and simulated 'p50_frame_latency_s'"),
+    (["--calibration", "moshi-7b-h200", "--calibration", "moshi-7b-h200"], "given twice"),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, needle):
+    bad_field = json.loads(json.dumps(LIVE_SUMMARY))
+    bad_field["policies"]["unbounded"]["p99_frame_latency_s"]["live"] = "fast"
+    no_latency = {"unbounded": {"t_sat_observed_s": 1.0, "t_sat_predicted_s": 1.0}}
+    subst = {"MISSING": str(tmp_path / "nope"), "NOSUMMARY": lambda: _live(tmp_path, None),
+             "BADJSON": lambda: _live(tmp_path, '{"policies": '), "NOPOLICY": lambda: _live(tmp_path, {"a": 1}),
+             "BADFIELD": lambda: _live(tmp_path, bad_field), "NOLATENCY": lambda: _live(tmp_path, no_latency)}
+    args = [(subst[a]() if callable(subst[a]) else subst[a]) if a in subst else a for a in args]
+    out = tmp_path / "out"
+    r = run_cli("report", *args, "--workers", "1", "--out", str(out))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
+
+
+def test_out_that_is_a_file_fails_before_any_work(tmp_path):
+    f = tmp_path / "taken"
+    f.write_text("mine")
+    r = run_cli("report", "--out", str(f))
+    assert r.returncode == 2 and "not a folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert f.read_text() == "mine"
