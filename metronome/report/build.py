@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import platform
+import shlex
 import time
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ import numpy as np
 from metronome import __version__
 from metronome import calibration as calmod
 from metronome.errors import MetronomeError
+from metronome.kv_policy import make_policy
 from metronome.workload import Durations
 
 from metronome.report.live import read_live
@@ -50,8 +52,6 @@ TRACE_POINTS = 300  # buckets per admission trace
 def _capacity_task(task: tuple[str, str, int, int | None, float, float | None]) -> dict:
     spec, kind, window, sinks, deadline_s, duration_s = task
     cal = calmod.load(spec)
-    from metronome.kv_policy import make_policy
-
     policy = make_policy(kind, cal.engine.block_size_tokens, window, sinks)
     return capacity(cal, policy, deadline_s, TARGET_FRACTION, PERCENTILE, duration_s)
 
@@ -265,8 +265,6 @@ def reproduce_command(options: ReportOptions, out: str = "OUT") -> str:
     for d in options.live:
         parts += ["--live", d]
     parts += ["--out", out]
-    import shlex
-
     return " ".join(shlex.quote(p) for p in parts)
 
 

@@ -58,7 +58,8 @@ def pool_fill(data: dict) -> go.Figure:
                 occ = k["occupancy_predicted"]
                 knee = next(m for m, v in enumerate(occ) if v >= occ[-1] - 1e-9)
                 fig.add_trace(go.Scatter(x=[k["t_line_s"][knee]], y=[100 * occ[knee]], mode="text", text=[name],
-                                         textposition="top left", textfont=dict(color=col, size=12),
+                                         textposition="top left" if s % 2 == 0 else "bottom right",
+                                         textfont=dict(color=col, size=12),
                                          showlegend=False, hoverinfo="skip"), i, j)
                 if k["t_sat_predicted_s"] is not None:
                     fig.add_vline(x=k["t_sat_predicted_s"], line=dict(color=col, dash="dot", width=1.5), row=i, col=j)
