@@ -20,11 +20,3 @@ def small_cal():
 
     cal = calibration.load("moshi-7b-h200")
     return replace(cal, engine=replace(cal.engine, num_blocks=2_000))
-
-
-def run_cli(*args, cwd=None):
-    """Run metronome-sim in a subprocess, as a user would."""
-    import subprocess
-
-    return subprocess.run([sys.executable, "-m", "metronome.cli.sim_cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import run_cli
+from sim_cli_helpers import run_cli
 from metronome import calibration
 from metronome.kv_policy import KVPolicy
 from metronome.sim.capacity import capacity

@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from conftest import run_cli
+from sim_cli_helpers import run_cli
 
 SUMMARY_KEYS = {"t_sat_predicted_s", "t_sat_observed_s", "silent_frame_fraction", "deadline_miss_fraction",
                 "p50_frame_latency_s", "p99_frame_latency_s", "peak_pool_occupancy", "collapsed",

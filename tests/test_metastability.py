@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from conftest import run_cli
+from sim_cli_helpers import run_cli
 from metronome.sim.executors import LocalExecutor, RayExecutor, make_executor
 from metronome.sim.montecarlo import metastability, run_one
 from metronome.errors import MetronomeError

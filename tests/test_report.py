@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from sim_cli_helpers import run_cli
 
 SMALL = {"small-h200": ("moshi-7b-h200", 2000), "small-b200": ("moshi-7b-b200", 2600)}
 ARGS = ["--session-duration", "exp:120", "--mc-runs", "2", "--workers", "2"]
