@@ -67,6 +67,9 @@ class CalibrateOptions:
     decode_steps: int = 12
     chunk_sizes: tuple[int, ...] = (16, 128)
     chunk_repeats: int = 2
+    # seconds the engine sits idle before each timed chunk step: at a real-time cadence the engine idles
+    # between frames, and the first step after idle is measurably slower (caches, clocks) than one in a burst
+    chunk_idle_s: float = 0.0
     growth_tokens: int = 2048  # how far the kv-growth session grows (capped by max_model_len)
     fill_sessions: int = 4
     fill_seconds: float | None = None  # default: max(5 s, 8 frames), at most 30 s
@@ -84,6 +87,8 @@ class CalibrateOptions:
         d["stream"] = asdict(self.stream) if self.stream else None
         if self.sinks is not None:  # only when set, so runs journaled before the option existed still resume
             d["sinks"] = self.sinks
+        if self.chunk_idle_s:
+            d["chunk_idle_s"] = self.chunk_idle_s
         return json.loads(json.dumps(d))
 
 
@@ -396,6 +401,8 @@ def measure_point(engine: Engine, policy: KVPolicy, opts: CalibrateOptions, n: i
     run("decode")
     for p in opts.chunk_sizes:  # a frame-like chunk of p new tokens for every session in one step
         for _ in range(opts.chunk_repeats):
+            if opts.chunk_idle_s > 0:
+                time.sleep(opts.chunk_idle_s)
             for sid in sids:
                 engine.append(sid, [last[sid]] + rng.integers(10, 1000, p - 1).tolist(), 1)
             run("chunk", p)

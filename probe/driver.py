@@ -126,6 +126,7 @@ class _Session:
     inflight: _Frame | None = None
     work_step: int = -1  # engine step count when its current chunk or prefill was handed to the engine
     admit_seq: int = -1
+    running_since: float = 0.0  # when it last became RUNNING: frames that ticked before were not its to serve
     in_engine: bool = False  # an engine request exists (rid)
     frames: int = 0
     silent: int = 0
@@ -194,6 +195,9 @@ class Driver:
         })
         if not censored:
             observed = latency if latency is not None else now - f.tick_s
+            advance = getattr(self.admission, "advance", None)  # the simulator's controllers close intervals here
+            if advance is not None:
+                advance(now, len(getattr(self, "_active", ())))
             self.admission.observe(now, observed, frames=1, silent=int(silent))
             if self._metrics:
                 self._metrics.frame(observed, silent)
@@ -231,6 +235,7 @@ class Driver:
             s.admit_seq, self._seq = self._seq, self._seq + 1
             if not s.history and s.last_token is None:
                 s.state = RUNNING  # a new session: its first frame (prompt + input) is its prefill
+                s.running_since = s.next_frame * self.cfg.stream.frame_period_s  # it serves every frame from now
                 continue
             self._readmit(s, now, by_rid)
 
@@ -393,10 +398,13 @@ class Driver:
         period, n_in = self.cfg.stream.frame_period_s, self.cfg.stream.input_tokens_per_frame
         for s in list(self._active.values()):
             while s.next_frame * period <= now + _EPS:
-                f = _Frame(index=s.frames, tick_s=s.next_frame * period, state=s.state)
+                tick = s.next_frame * period
+                # a tick the driver notices late (it was inside a step) belongs to the state at the tick
+                state = s.state if s.state != RUNNING or tick >= s.running_since - _EPS else PREFILL
+                f = _Frame(index=s.frames, tick_s=tick, state=state)
                 s.frames += 1
                 s.next_frame += 1
-                if s.state == RUNNING:
+                if state == RUNNING:
                     s.queue.append(f)
                 else:
                     s.pending_input.extend(self._tokens(n_in))
@@ -441,6 +449,7 @@ class Driver:
             if s.state == PREFILL:  # the re-prefill is done: the sampled token starts the next chunk
                 s.last_token = toks[-1]
                 s.state = RUNNING
+                s.running_since = now
                 self._event("prefilled", s, now, computed_tokens=info.computed.get(rid, 0),
                             scheduled_tokens=info.scheduled.get(rid, 0))
                 continue

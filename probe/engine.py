@@ -237,8 +237,15 @@ class Engine:
 
     @property
     def policy(self):
-        """The KV policy the engine runs (the simulator's :class:`~metronome.kv_policy.KVPolicy`)."""
-        return self.config.policy
+        """The KV policy the engine runs (the simulator's :class:`~metronome.kv_policy.KVPolicy`), read from
+        its KV spec: vLLM's window, the sink+window plugin's spec, or full attention."""
+        from metronome.kv_policy import KVPolicy
+
+        if self.sink_tokens:
+            return KVPolicy.sinks(self.block_size, self.sink_tokens, self.sliding_window)
+        if self.sliding_window:
+            return KVPolicy.window(self.block_size, self.sliding_window)
+        return KVPolicy.unbounded(self.block_size)
 
     def model_shape(self) -> dict:
         mc = self.llm.vllm_config.model_config
@@ -397,18 +404,17 @@ class Engine:
 
 @contextlib.contextmanager
 def _sinks_plugin(c: EngineConfig):
-    """Build the engine with the sink+window plugin active when ``c.sinks`` is set, and with it inactive
-    otherwise (a ``METRONOME_KV_SINKS`` left in the environment must not turn an unbounded engine into a
-    bounded one). The plugin reads the variable only while the engine builds its KV specs."""
+    """Build the engine with the sink+window plugin active when ``c.sinks`` is set (restoring the environment
+    afterwards: the plugin reads ``METRONOME_KV_SINKS`` only while an engine builds its KV specs). With
+    ``c.sinks`` unset the environment is left alone, so ``plugin.activate()`` before building still works."""
+    if c.sinks is None:
+        yield
+        return
+    from metronome.probe import plugin
     from metronome.probe.plugin.semantics import ENV_VAR
 
     before = os.environ.get(ENV_VAR)
-    if c.sinks is None:
-        os.environ.pop(ENV_VAR, None)
-    else:
-        from metronome.probe import plugin
-
-        plugin.activate(c.sinks, c.sliding_window)
+    plugin.activate(c.sinks, c.sliding_window)
     try:
         yield
     finally:

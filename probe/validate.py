@@ -1,0 +1,289 @@
+"""``metronome-probe validate``: the simulator against the live engine, on the same scenario, in one command.
+
+1. **Calibrate** the engine once (:func:`~metronome.probe.calibrate.run_calibration`, a small grid) on the
+   same small pool the live runs use; the calibration lands in ``DIR/calibration/``.
+2. **Run live** N sessions that all start at t = 0 and stream frames until the horizon, once per KV
+   policy, each on its own engine with a deliberately small pool (``--num-blocks``):
+
+   * ``unbounded``: the pool fills and falls off the cliff (preemptions, silent frames);
+   * ``window``: vLLM's own sliding window (``EngineConfig.sliding_window``): bounded, no cliff;
+   * ``sinks`` (with ``--sinks``): the metronome sink+window plugin (``EngineConfig.sinks``).
+
+   The driver (:mod:`metronome.probe.driver`) follows the simulator's engine model, including
+   recompute preemption of the most recently admitted session when the pool runs dry (vLLM 0.32 would
+   deadlock instead: docs/live.md). Frames, steps, sessions and events are journaled into
+   ``DIR/<policy>/`` as they happen and converted to Parquet at the end of each run.
+3. **Simulate** each scenario with the calibration just measured (``make_scenario(calibration=<it>,
+   num_blocks=<the same pool>)``), written to ``DIR/<policy>/sim/``.
+4. **Compare**: ``DIR/summary.json`` holds, per policy, ``t_sat_observed_s`` (live), ``t_sat_predicted_s``
+   (the simulator's; the fill model's is ``t_sat_predicted_fill_s``), silent-frame fraction, p50/p99 frame
+   latency live and simulated, and relative errors ``(simulated − live) / live``. It is rewritten after
+   every policy, so a crash keeps the policies already compared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from metronome.calibration import TokenStream
+from metronome.errors import MetronomeError
+from metronome.kv_policy import KVPolicy, make_policy
+from metronome.outputs import write_json
+
+TABLES = ("frames", "steps", "sessions", "events")
+T_SAT_TARGET, LATENCY_TARGET = 0.05, 0.10
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    model: str
+    out: str
+    weights: str = "auto"
+    device: str | None = None
+    dtype: str | None = None
+    num_blocks: int = 96
+    block_size: int = 32
+    max_model_len: int | None = None  # default: the longest the pool accepts, at most the model's
+    max_num_batched_tokens: int = 2048
+    window: int = 128
+    sinks: int | None = None
+    sessions: int = 6
+    horizon_s: float = 8.0
+    stream: TokenStream | None = None  # default: the model's real-time stream
+    deadline_s: float | None = None
+    seed: int = 0
+    progress: bool = True
+    # the calibration's grid: small, so that validate takes a minute or two on a 2-core CPU
+    grid_sessions: tuple[int, ...] = (1, 2, 4, 8)
+    grid_context: tuple[int, ...] = (64, 128, 256, 512)
+    decode_steps: int = 8
+    fill_seconds: float = 2.0
+    fill_sessions: int = 2
+
+    def policies(self) -> list[tuple[str, KVPolicy]]:
+        out = [("unbounded", KVPolicy.unbounded(self.block_size)),
+               ("window", KVPolicy.window(self.block_size, self.window))]
+        if self.sinks is not None:
+            out.append(("sinks", KVPolicy.sinks(self.block_size, self.sinks, self.window)))
+        return out
+
+
+def check(opts: ValidateOptions) -> None:
+    """Bad input fails here, in one line, before any engine starts."""
+    if opts.num_blocks < 2:
+        raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {opts.num_blocks}")
+    if opts.sessions < 1:
+        raise MetronomeError(f"--sessions must be at least 1, got {opts.sessions}")
+    if not (opts.horizon_s > 0) or not math.isfinite(opts.horizon_s):
+        raise MetronomeError(f"--horizon must be a positive number of seconds, got {opts.horizon_s}")
+    if opts.deadline_s is not None and not opts.deadline_s > 0:
+        raise MetronomeError(f"--deadline must be positive seconds, got {opts.deadline_s}")
+    make_policy("window", opts.block_size, opts.window)  # a window under one block fails here
+    if opts.sinks is not None:
+        make_policy("sinks", opts.block_size, opts.window, opts.sinks)
+    usable = opts.num_blocks - 1
+    bounded = max(p.max_resident_blocks or 0 for _, p in opts.policies())
+    if usable < bounded + 1:
+        raise MetronomeError(f"--num-blocks {opts.num_blocks} is too small: one session under the window needs "
+                             f"{bounded} blocks, and vLLM wants one more")
+    if opts.max_model_len is not None and math.ceil(opts.max_model_len / opts.block_size) + 1 > usable:
+        raise MetronomeError(f"--max-model-len {opts.max_model_len} does not fit {opts.num_blocks} blocks: vLLM needs "
+                             f"ceil(max_model_len/{opts.block_size}) + 1 <= {usable} usable blocks")
+
+
+def _max_model_len(opts: ValidateOptions, resolved) -> int:
+    """The longest context vLLM accepts on this pool (it wants ceil(L/bs) + 1 usable blocks), at most the model's."""
+    fit = (opts.num_blocks - 2) * opts.block_size
+    model_max = resolved.max_model_len or resolved.hf_config.get("max_position_embeddings") or fit
+    return opts.max_model_len or min(fit, int(model_max))
+
+
+def run_validate(opts: ValidateOptions, echo=print) -> dict:
+    """Calibrate, run live per policy, simulate, compare. Returns the summary written to ``DIR/summary.json``."""
+    from metronome.probe import models
+    from metronome.probe.calibrate import CalibrateOptions, engine_config, run_calibration
+    from metronome.probe.engine import Engine, default_device, hardware_description
+
+    check(opts)
+    out = Path(opts.out)
+    if (out / "summary.json").exists() or (out / "calibration").exists():
+        raise MetronomeError(f"{out} already holds a validate run; choose another --out")
+    device = opts.device or default_device()
+    resolved = models.resolve(opts.model, opts.weights, device, opts.dtype, opts.stream)  # bad --model fails here
+    stream = opts.stream or resolved.stream
+    max_len = _max_model_len(opts, resolved)
+    horizon_tokens = stream.kv_tokens_per_s * opts.horizon_s + 1
+    if horizon_tokens + stream.kv_tokens_per_frame >= max_len:
+        echo(f"note: sessions reach max_model_len ({max_len}) before the horizon; unbounded ones finish there")
+    out.mkdir(parents=True, exist_ok=True)
+    copts = CalibrateOptions(
+        model=opts.model, out=str(out / "calibration"), weights=opts.weights, device=device, dtype=opts.dtype,
+        num_blocks=opts.num_blocks, block_size=opts.block_size, max_model_len=max_len,
+        max_num_batched_tokens=opts.max_num_batched_tokens, stream=stream, grid_sessions=opts.grid_sessions,
+        grid_context=opts.grid_context, decode_steps=opts.decode_steps,
+        chunk_sizes=(stream.input_tokens_per_frame + 1,), chunk_repeats=3, growth_tokens=min(1024, max_len),
+        chunk_idle_s=0.9 * stream.frame_period_s,  # chunk steps timed as they come in real time: after idle
+        fill_sessions=opts.fill_sessions, fill_seconds=opts.fill_seconds, progress=opts.progress, seed=opts.seed)
+    base = engine_config(copts, resolved)
+    t0 = time.perf_counter()
+    summary = {
+        "model": resolved.name, "weights": resolved.weights, "device": device, "hardware": hardware_description(device),
+        "num_blocks": opts.num_blocks, "usable_blocks": opts.num_blocks - 1, "block_size": opts.block_size,
+        "max_model_len": max_len, "sessions": opts.sessions, "horizon_s": opts.horizon_s,
+        "stream": {"frame_period_s": stream.frame_period_s, "input_tokens_per_frame": stream.input_tokens_per_frame,
+                   "output_tokens_per_frame": stream.output_tokens_per_frame},
+        "window": opts.window, "sinks": opts.sinks, "deadline_s": opts.deadline_s or stream.frame_period_s,
+        "targets": {"t_sat_relative_error": T_SAT_TARGET, "frame_latency_relative_error": LATENCY_TARGET},
+        "calibration": str(out / "calibration" / "calibration.json"), "policies": {},
+    }
+    cal = None
+    for name, policy in opts.policies():
+        config = replace(base, sliding_window=policy.window_tokens if policy.bounded else None,
+                         sinks=policy.sink_tokens if policy.kind == "sinks" else None)
+        echo(f"[{time.perf_counter() - t0:5.0f} s] {name}: starting the engine ({opts.num_blocks} blocks)")
+        engine = Engine(config, log_path=out / "engine.log")
+        try:
+            summary.setdefault("engine", engine.describe())
+            if cal is None:  # one calibration, on the unbounded engine (the step cost does not depend on the policy)
+                echo(f"[{time.perf_counter() - t0:5.0f} s] calibrating (small grid)")
+                res = run_calibration(copts, engine=engine)
+                cal = res.calibration
+                err = res.measurements["step_fit"]["error"]
+                summary["calibration_fit"] = {k: err[k] for k in ("median_abs_rel", "p90_abs_rel", "max_abs_rel")}
+                summary["calibration_seconds"] = round(res.seconds, 1)
+            echo(f"[{time.perf_counter() - t0:5.0f} s] {name}: {opts.sessions} sessions live for {opts.horizon_s:g} s")
+            live = run_policy_live(engine, policy, stream, opts, out / name, name)
+        finally:
+            engine.close()
+        sim = simulate(cal, policy, opts, out / name / "sim")
+        summary["policies"][name] = compare(live, sim, policy)
+        summary["seconds"] = round(time.perf_counter() - t0, 1)
+        write_json(out / "summary.json", summary)  # after every policy: a crash keeps what was compared
+    summary["cliff"] = {
+        "unbounded": bool(summary["policies"]["unbounded"]["cliff_live"]),
+        **{n: bool(summary["policies"][n]["cliff_live"]) for n, _ in opts.policies() if n != "unbounded"},
+    }
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def plans(opts: ValidateOptions):
+    from metronome.probe.driver import SessionPlan
+
+    return [SessionPlan(f"s{i}", arrival_s=0.0) for i in range(opts.sessions)]
+
+
+def run_policy_live(engine, policy: KVPolicy, stream: TokenStream, opts: ValidateOptions, out_dir: Path, name: str):
+    """One live run: N sessions at t = 0 until the horizon, journaled into ``out_dir`` (Parquet at the end).
+
+    Sessions finish at max_model_len (``cap="finish"``), as unbounded sessions do in the simulator; a
+    bounded one is rebased there, also as in the simulator."""
+    from metronome.probe.driver import run_live
+    from metronome.probe.records import journal_to_parquet
+
+    load = os.getloadavg()[0]
+    try:
+        res = run_live(engine, stream, plans(opts), opts.horizon_s, policy=policy, out_dir=out_dir, run=name,
+                       cap="rebase" if policy.bounded else "finish", deadline_s=opts.deadline_s, seed=opts.seed)
+    finally:
+        for t in TABLES:
+            journal_to_parquet(out_dir / f"{t}.jsonl")
+    res.summary["load_avg_start"], res.summary["load_avg_end"] = load, os.getloadavg()[0]
+    write_json(out_dir / "summary.json", res.summary)
+    return res
+
+
+def simulate(cal, policy: KVPolicy, opts: ValidateOptions, out_dir: Path):
+    from metronome.sim import scenario as sc_mod
+
+    sc = sc_mod.make_scenario(calibration=cal, kv=policy.kind, window=policy.window_tokens or None,
+                              sinks=policy.sink_tokens or None, sessions=opts.sessions, horizon=opts.horizon_s,
+                              deadline=opts.deadline_s, num_blocks=opts.num_blocks, seed=opts.seed)
+    result = sc_mod.run(sc)
+    sc_mod.write(result, out_dir)
+    return result
+
+
+def _rel(sim, live):
+    if sim is None or live is None or live == 0:
+        return None
+    return (sim - live) / live
+
+
+def compare(live, sim, policy: KVPolicy) -> dict:
+    """One policy's row of summary.json: live against simulated, with relative errors (sim − live) / live."""
+    ls, ss = live.summary, sim.summary
+    t_live, t_sim, t_fill = ls["t_sat_observed_s"], ss["t_sat_observed_s"], ss["t_sat_predicted_s"]
+    row = {
+        "policy": policy.describe(),
+        "t_sat_observed_s": t_live,
+        "t_sat_predicted_s": t_sim,
+        "t_sat_predicted_fill_s": t_fill,
+        "t_sat_relative_error": _rel(t_sim, t_live),
+        "t_sat_fill_relative_error": _rel(t_fill, t_live),
+        "silent_frame_fraction": {"live": ls["silent_frame_fraction"], "simulated": ss["silent_frame_fraction"]},
+        "preemptions": {"live": ls["preemptions"], "simulated": ss["preemptions"]},
+        "frames": {"live": ls["frames"], "simulated": ss["frames_total"]},
+        "peak_used_blocks": {"live": ls["peak_used_blocks"],
+                             "simulated": round(ss["peak_pool_occupancy"] * (ls["num_blocks"] - 1))},
+        "cliff_live": bool(ls["preemptions"] > 0 and ls["silent_frame_fraction"] > 0),
+        "cliff_simulated": bool(ss["preemptions"] > 0 and ss["silent_frame_fraction"] > 0),
+        "live": {k: ls[k] for k in ("preemptions_by_reason", "readmissions", "stalls", "steps", "p50_step_s",
+                                    "deadline_miss_fraction", "load_avg_start", "load_avg_end") if k in ls},
+        "simulated": {k: ss[k] for k in ("collapsed", "steps", "p50_step_latency_s", "steps_outside_fit",
+                                         "deadline_miss_fraction")},
+    }
+    for q in ("p50", "p99"):
+        k = f"{q}_frame_latency_s"
+        row[k] = {"live": ls[k], "simulated": ss[k], "relative_error": _rel(ss[k], ls[k])}
+    e = row["t_sat_relative_error"]
+    row["within_target"] = {
+        "t_sat": None if t_live is None and t_sim is None else (e is not None and abs(e) <= T_SAT_TARGET),
+        "p50": _ok(row["p50_frame_latency_s"]["relative_error"]),
+        "p99": _ok(row["p99_frame_latency_s"]["relative_error"]),
+    }
+    return row
+
+
+def _ok(e):
+    return None if e is None else abs(e) <= LATENCY_TARGET
+
+
+def table(summary: dict) -> str:
+    """The comparison as a fixed-width text table."""
+    def f(v, unit=""):
+        if v is None:
+            return "-"
+        if unit == "ms":
+            return f"{v * 1e3:.1f}"
+        if unit == "%":
+            return f"{v * 100:+.1f}%"
+        if unit == "frac":
+            return f"{v:.3f}"
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    head = ("policy", "t_sat live", "t_sat sim", "t_sat fill", "err", "silent live", "silent sim",
+            "p50 live ms", "p50 sim ms", "err", "p99 live ms", "p99 sim ms", "err", "preempt live/sim")
+    rows = [head]
+    for name, r in summary["policies"].items():
+        rows.append((name, f(r["t_sat_observed_s"]), f(r["t_sat_predicted_s"]), f(r["t_sat_predicted_fill_s"]),
+                     f(r["t_sat_relative_error"], "%"), f(r["silent_frame_fraction"]["live"], "frac"),
+                     f(r["silent_frame_fraction"]["simulated"], "frac"),
+                     f(r["p50_frame_latency_s"]["live"], "ms"), f(r["p50_frame_latency_s"]["simulated"], "ms"),
+                     f(r["p50_frame_latency_s"]["relative_error"], "%"),
+                     f(r["p99_frame_latency_s"]["live"], "ms"), f(r["p99_frame_latency_s"]["simulated"], "ms"),
+                     f(r["p99_frame_latency_s"]["relative_error"], "%"),
+                     f"{r['preemptions']['live']}/{r['preemptions']['simulated']}"))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)
+
+
+def dumps(summary: dict) -> str:
+    return json.dumps(summary, indent=2, default=float)
