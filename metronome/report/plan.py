@@ -4,7 +4,7 @@ Everything here is derived from the calibration and the fill model, never picked
 
 * **the bound to recommend** — ``sinks`` with ``S = 16`` and ``W`` ≈ the last ``WINDOW_CONTEXT_S``
   (30 s) of conversation, rounded so that ``S + W`` fills whole blocks (Moshi at 12.5 tokens/s:
-  S=16, W=368 = 29.4 s, S+W = 24 blocks);
+  S=16, W=368 = 29.4 s, S+W = 24 blocks), shortened if the pool would hold fewer than 8 such sessions;
 * **the session mix** — exponential durations with a 5-minute mean (``DEFAULT_SESSION_DURATION``);
   the window is then a tenth of a mean conversation;
 * **concurrency** — fractions of the bounded memory ceiling ``c``, up to ``1.5·c``, so every sweep
@@ -30,6 +30,7 @@ from metronome.workload import Durations
 DEFAULT_KV = "sinks"
 DEFAULT_SINK_TOKENS = 16
 WINDOW_CONTEXT_S = 30.0
+MIN_BOUNDED_SESSIONS = 8
 DEFAULT_SESSION_DURATION = "exp:300"
 DEFAULT_MC_RUNS = 5
 TARGET_FRACTION = 0.8  # N*: p99 frame latency at most this fraction of the deadline (as `capacity`)
@@ -173,10 +174,16 @@ def _round_s(x: float) -> float:
 
 def default_window_tokens(cal: Calibration, sink_tokens: int) -> int:
     """W ≈ the last ``WINDOW_CONTEXT_S`` of conversation, rounded so that S + W fills whole blocks (and
-    spans at least one block more than the sinks)."""
+    spans at least one block more than the sinks), and small enough that the pool holds at least
+    ``MIN_BOUNDED_SESSIONS`` bounded sessions (a small measured pool, e.g. the probe's, gets a shorter
+    window rather than a report that cannot run)."""
     bs = cal.engine.block_size_tokens
     want = sink_tokens + WINDOW_CONTEXT_S * cal.stream.kv_tokens_per_s
-    blocks = max(int(math.floor(want / bs + 0.5)), -(-sink_tokens // bs) + 1)
+    floor_blocks = -(-sink_tokens // bs) + 1
+    blocks = max(int(math.floor(want / bs + 0.5)), floor_blocks)
+    # a session holds up to S+W blocks plus one in flight
+    fit = (cal.engine.usable_blocks - cal.engine.watermark_blocks) // MIN_BOUNDED_SESSIONS - 1
+    blocks = max(min(blocks, fit), floor_blocks)
     return int(blocks * bs - sink_tokens)
 
 
