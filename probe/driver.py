@@ -93,6 +93,9 @@ class DriverConfig:
     vocab_size: int = 1000  # input token ids are drawn from [10, vocab_size)
     prometheus_port: int | None = None
     policy: KVPolicy | None = None  # the KV policy the engine runs (default: the engine's own)
+    # the engine is *silent* when frames are in flight and it produced no token for this long (default: the
+    # controller's interval, or 1 s): flagged in events ("engine_silent"), the summary and the metrics
+    silence_s: float | None = None
 
     @property
     def deadline(self) -> float:
@@ -165,12 +168,46 @@ class Driver:
         self._preempted = False  # the last step (or the check after it) preempted: admit nobody before the next
         self._seq = 0
         self._nsteps = 0
+        self._stop_reason: str | None = None  # set by stop() (e.g. from a SIGTERM handler): a clean stop
+        self._last_token_s = 0.0  # when the engine last produced a token (or nothing was waiting for one)
+        self._silent_since: float | None = None  # start of the current engine-silent episode
+        self.silence: list[tuple[float, float]] = []  # engine-silent episodes (start, end)
+        self.t_stopped_s: float | None = None
         self.waiting: deque[_Session] = deque()  # admitted by the controller, waiting for blocks (FCFS)
         self.silent_pending: list[tuple[_Session, _Frame]] = []  # answered with their tick's lockstep
         self.frames: list[dict] = []
         self.steps: list[dict] = []
         self.sessions: list[dict] = []
         self.events: list[dict] = []
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Ask the run to stop cleanly at its next loop turn (safe from a signal handler): every session is
+        ended (``reason`` in the sessions table), journals are closed, and the summary covers what ran."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+
+    def _silence_s(self) -> float:
+        if self.cfg.silence_s is not None:
+            return self.cfg.silence_s
+        return float(getattr(self.admission, "interval_s", 1.0) or 1.0)
+
+    def _watch_silence(self, now: float) -> None:
+        """Flag the engine silent when frames wait in it and no token came for ``silence_s``."""
+        waiting_for_tokens = any(s.inflight is not None or s.state == PREFILL for s in self._active.values())
+        if not waiting_for_tokens:
+            self._last_token_s = now
+        silent = waiting_for_tokens and now - self._last_token_s >= self._silence_s()
+        if silent and self._silent_since is None:
+            self._silent_since = self._last_token_s
+            self._record("events", {"t_s": now, "event": "engine_silent", "session": None, "rid": None,
+                                    "since_s": self._last_token_s})
+        elif not silent and self._silent_since is not None:
+            self.silence.append((self._silent_since, now))
+            self._record("events", {"t_s": now, "event": "engine_resumed", "session": None, "rid": None,
+                                    "since_s": self._silent_since})
+            self._silent_since = None
+        if self._metrics:
+            self._metrics.engine_silent.set(1 if silent else 0)
 
     # -- records ---------------------------------------------------------------------------------------
     def _record(self, table: str, row: dict) -> None:
@@ -358,11 +395,14 @@ class Driver:
         try:
             while True:
                 now = clock() - t0
-                if now >= cfg.horizon_s:
+                if now >= cfg.horizon_s or self._stop_reason is not None:
                     break
                 while arrivals and arrivals[0].arrival_s <= now:
                     plan = arrivals.popleft()
-                    if self.admission.may_admit(now, len(self._active)):
+                    admit = self.admission.may_admit(now, len(self._active))
+                    if self._metrics:
+                        self._metrics.admission(self.admission, admit)
+                    if admit:
                         s = self._start(plan, now)
                         self._active[plan.sid] = s
                         by_rid[s.rid] = s
@@ -375,6 +415,7 @@ class Driver:
                 self._admit(now, by_rid)
                 self._ticks(now, by_rid)
                 self._answer_silent(now)
+                self._watch_silence(now)
                 if eng.has_work() and not self._stalled:
                     self._step(t0, by_rid)
                 else:
@@ -382,15 +423,27 @@ class Driver:
                               + [s.end_s for s in self._active.values()]
                               + ([arrivals[0].arrival_s] if arrivals else []) + [cfg.horizon_s])
                     self._preempted = False  # no step ran: the next admission check is not "right after"
-                    time.sleep(max(0.0, min(nxt - (clock() - t0), period)))
+                    time.sleep(max(0.0, min(nxt - (clock() - t0), period, 0.05)))
             now = clock() - t0
+            if self._silent_since is not None:
+                self.silence.append((self._silent_since, now))
+                self._silent_since = None
+            if self._stop_reason is not None:
+                self.t_stopped_s = now
             for s in list(self._active.values()):
-                self._end(s, now, "horizon", by_rid)
+                self._end(s, now, self._stop_reason or "horizon", by_rid)
         finally:
             for j in self._journals.values():
                 j.close()
-        return RunResult(self.frames, self.steps, self.sessions,
-                         summarize(self.frames, self.steps, self.sessions, eng.num_blocks, self.events), self.events)
+        summary = summarize(self.frames, self.steps, self.sessions, eng.num_blocks, self.events)
+        summary.update({
+            "stopped": self._stop_reason is not None, "stop_reason": self._stop_reason, "t_stopped_s": self.t_stopped_s,
+            "engine_silent_episodes": len(self.silence),
+            "engine_silent_s": round(sum(b - a for a, b in self.silence), 6),
+            "t_first_engine_silent_s": self.silence[0][0] if self.silence else None,
+            "silence_threshold_s": self._silence_s(),
+        })
+        return RunResult(self.frames, self.steps, self.sessions, summary, self.events)
 
     def _ticks(self, now: float, by_rid: dict) -> None:
         """Frames that came due: queue (and submit) those of running sessions; waiting and re-prefilling
@@ -446,6 +499,8 @@ class Driver:
             s = by_rid.get(rid)
             if s is None:
                 continue
+            if toks:
+                self._last_token_s = now
             if s.state == PREFILL:  # the re-prefill is done: the sampled token starts the next chunk
                 s.last_token = toks[-1]
                 s.state = RUNNING
@@ -619,15 +674,43 @@ class _Metrics:
         self.running = Gauge("metronome_sessions_running", "Requests running in the engine", registry=r)
         self.waiting = Gauge("metronome_sessions_waiting", "Requests queued or preempted", registry=r)
         self.preempt = Counter("metronome_preemptions", "Engine preemptions", registry=r)
+        self.p50 = Gauge("metronome_frame_latency_p50_seconds", "p50 frame latency, last 500 frames", registry=r)
+        self.silent_rate = Gauge("metronome_silent_frame_rate", "Fraction of the last 500 frames that were silent",
+                                 registry=r)
+        self.admitted = Counter("metronome_sessions_admitted", "Sessions the admission controller admitted",
+                                registry=r)
+        self.rejected = Counter("metronome_sessions_rejected", "Sessions the admission controller refused",
+                                registry=r)
+        self.dead = Gauge("metronome_admission_dead", "1 while the controller sees a dead signal", registry=r)
+        self.engine_silent = Gauge("metronome_engine_silent", "1 while frames wait and the engine produces no token",
+                                   registry=r)
         self._recent = deque(maxlen=500)
-        start_http_server(port, registry=r)
+        self._recent_silent = deque(maxlen=500)
+        self.server, self.thread = start_http_server(port, registry=r) or (None, None)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def admission(self, controller, admitted: bool) -> None:
+        (self.admitted if admitted else self.rejected).inc()
+        limit = getattr(controller, "limit", None)
+        if limit is not None:
+            self.limit.set(math.inf if limit >= 2**62 else limit)
+        self.dead.set(1 if getattr(controller, "dead", False) else 0)
 
     def frame(self, latency: float, silent: bool) -> None:
         self.frames.inc()
         if silent:
             self.silent.inc()
-        self._recent.append(latency)
-        self.p99.set(float(np.percentile(self._recent, 99)))
+        self._recent_silent.append(bool(silent))
+        self.silent_rate.set(sum(self._recent_silent) / len(self._recent_silent))
+        if not silent:
+            self._recent.append(latency)
+        if self._recent:
+            self.p99.set(float(np.percentile(self._recent, 99)))
+            self.p50.set(float(np.percentile(self._recent, 50)))
 
     def step(self, row: dict, limit) -> None:
         self.usage.set(row["kv_usage"])
@@ -636,4 +719,4 @@ class _Metrics:
         if row["preemptions"]:
             self.preempt.inc(row["preemptions"])
         if limit is not None:
-            self.limit.set(limit)
+            self.limit.set(math.inf if limit >= 2**62 else limit)

@@ -4,6 +4,7 @@
     metronome-probe --model tiny --out runs/tiny [--kv window --window 256] [--save] [--resume]
     metronome-probe --model tiny --out runs/tiny-sinks --kv sinks --sinks 32 --window 128   # the plugin
     metronome-probe validate --model tiny --out runs/validate [--num-blocks 96] [--sinks 32]
+    metronome-probe run --model tiny --admission aimd --arrival-rate 2 --session-duration 10 --horizon 60 --out DIR
 
 User errors print one line on stderr and exit 2; Ctrl-C keeps what was measured (exit 130).
 vLLM is imported only when an engine starts, and is optional: without it this says which extra to install.
@@ -197,7 +198,59 @@ def validate_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"calibrate": calibrate_main, "quality": quality_main, "validate": validate_main}
+def run_parser() -> argparse.ArgumentParser:
+    from metronome.probe.models import model_names
+
+    p = _Parser(prog=f"{PROG} run", description="Drive arriving sessions live against the engine through the "
+                "simulator's admission controller; writes per-frame Parquet, DIR/controller.parquet (the controller's "
+                "trace) and DIR/summary.json. SIGTERM or Ctrl-C stops cleanly and keeps what ran.")
+    p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold a run)")
+    p.add_argument("--kv", choices=("unbounded", "window", "sinks"), default="unbounded", help="KV policy")
+    p.add_argument("--window", type=int, help="window in tokens (with --kv window or --kv sinks)")
+    p.add_argument("--sinks", type=int, help="sink tokens (with --kv sinks)")
+    p.add_argument("--num-blocks", type=int, help="the pool size in blocks")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
+    p.add_argument("--max-model-len", type=int, help="cap the context length")
+    p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT", help="override the model's real-time stream")
+    p.add_argument("--admission", default="none", metavar="none|static:N|aimd|gradient")
+    p.add_argument("--aimd-params", metavar="FILE", help="the JSON file metronome-sim tune-aimd wrote")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--arrival-rate", type=float, metavar="R", help="Poisson arrivals, sessions per second")
+    g.add_argument("--rate-pattern", metavar="SPEC|FILE", help="SECONDS:RATE,... (Poisson, piecewise rate)")
+    p.add_argument("--session-duration", default="30", metavar="SPEC",
+                   help="SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default 30)")
+    p.add_argument("--horizon", type=float, required=True, help="seconds the run lasts")
+    p.add_argument("--deadline", type=float, help="frame deadline in seconds (default: one frame period)")
+    p.add_argument("--metrics-port", type=int, metavar="P", help="export Prometheus metrics on this port")
+    p.add_argument("--prompt-tokens", type=int, default=1, help="extra tokens in each session's first frame")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weights", choices=("auto", "dummy"), default="auto")
+    p.add_argument("--device", choices=("cpu", "cuda"))
+    p.add_argument("--dtype")
+    p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO")
+    return p
+
+
+def run_main(argv: list[str]) -> int:
+    args = run_parser().parse_args(argv)
+    from metronome.probe import live_run
+
+    opts = live_run.RunOptions(
+        model=args.model, out=args.out, admission=args.admission, aimd_params=args.aimd_params,
+        arrival_rate=args.arrival_rate, rate_pattern=args.rate_pattern, session_duration=args.session_duration,
+        horizon_s=args.horizon, kv=args.kv, window=args.window, sinks=args.sinks, num_blocks=args.num_blocks,
+        block_size=args.block_size, max_model_len=args.max_model_len, stream=args.stream, deadline_s=args.deadline,
+        metrics_port=args.metrics_port, seed=args.seed, prompt_tokens=args.prompt_tokens, weights=args.weights,
+        device=args.device, dtype=args.dtype)
+    live_run.check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
+    _check_vllm()
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return live_run.main(opts, echo=print, err=lambda m: print(m, file=sys.stderr))
+
+
+COMMANDS = {"calibrate": calibrate_main, "quality": quality_main, "validate": validate_main, "run": run_main}
 
 
 def main(argv: list[str] | None = None) -> int:
