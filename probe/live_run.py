@@ -1,0 +1,281 @@
+"""``metronome-probe run``: arriving sessions, live, through the simulator's own admission controller.
+
+The workload (arrival times and durations) is drawn exactly as the simulator draws it
+(``metronome.sim.scenario.workload``: one ``numpy`` generator seeded with ``--seed``, arrivals first,
+then durations), and the controller is the object ``metronome.admission.make_controller`` builds for
+the simulator, with the ``--aimd-params`` file ``metronome-sim tune-aimd`` writes. The run writes, in
+``--out``:
+
+* ``frames``, ``steps``, ``sessions``, ``events`` as JSONL journals while it runs, Parquet at the end;
+* ``controller.parquet``: the controller's trace, one row per control interval (limit, in-flight peak,
+  latency percentile, frames, silent frames, silent fraction, decision);
+* ``summary.json``: the driver's summary plus the run's options, the controller's figures and the stop /
+  silence fields (``stopped``, ``stop_reason``, ``engine_silent_episodes``, ``engine_silent_s``).
+
+A SIGTERM or Ctrl-C stops the run cleanly: sessions are ended (aborted in the engine), the journals are
+closed and converted, and the summary covers what ran.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from metronome.errors import MetronomeError
+
+TABLES = ("frames", "steps", "sessions", "events")
+
+
+@dataclass
+class RunOptions:
+    model: str
+    out: str
+    admission: str = "none"
+    aimd_params: str | None = None
+    arrival_rate: float | None = None
+    rate_pattern: str | None = None
+    session_duration: str = "30"
+    horizon_s: float = 30.0
+    kv: str = "unbounded"
+    window: int | None = None
+    sinks: int | None = None
+    num_blocks: int | None = None
+    block_size: int = 32
+    max_model_len: int | None = None
+    stream: object | None = None  # TokenStream
+    deadline_s: float | None = None
+    metrics_port: int | None = None
+    seed: int = 0
+    prompt_tokens: int = 1
+    weights: str = "auto"
+    device: str | None = None
+    dtype: str | None = None
+
+
+@dataclass
+class Checked:
+    """What ``check`` parsed: the workload, the policy and a controller factory."""
+
+    arrivals: object
+    durations: object
+    policy: object
+    params: object | None
+    make_controller: object  # () -> controller
+
+
+def read_aimd_params(path: str):
+    """The file ``metronome-sim tune-aimd`` writes ({"params": {...}, ...}) or a bare params object."""
+    from metronome.admission import AIMDParams
+    from metronome.sim.scenario import _read_params
+
+    return AIMDParams.from_dict(_read_params(path))
+
+
+def check_port(port: int) -> None:
+    """Fail with one line if the metrics port cannot be bound (checked before the engine starts)."""
+    if not 0 < port < 65536:
+        raise MetronomeError(f"--metrics-port must be in 1..65535, got {port}")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError as exc:
+            raise MetronomeError(f"--metrics-port {port} is not available ({exc.strerror or exc})") from None
+
+
+def check(opts: RunOptions) -> Checked:
+    """Validate every option before any engine starts; raise MetronomeError (one line) on bad input."""
+    from metronome import admission as adm
+    from metronome.workload import Arrivals, Durations
+
+    if (opts.arrival_rate is None) == (opts.rate_pattern is None):
+        raise MetronomeError("give exactly one of --arrival-rate R and --rate-pattern SPEC|FILE")
+    if opts.arrival_rate is not None:
+        arrivals = Arrivals("poisson", rate_per_s=float(opts.arrival_rate))
+    else:
+        arrivals = Arrivals.parse_pattern(opts.rate_pattern)
+    durations = Durations.parse(str(opts.session_duration))
+    if not (opts.horizon_s > 0 and math.isfinite(opts.horizon_s)):
+        raise MetronomeError(f"--horizon must be positive seconds, got {opts.horizon_s}")
+    if opts.deadline_s is not None and not opts.deadline_s > 0:
+        raise MetronomeError(f"--deadline must be positive seconds, got {opts.deadline_s}")
+    if opts.num_blocks is not None and opts.num_blocks < 2:
+        raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {opts.num_blocks}")
+    if opts.prompt_tokens < 1:
+        raise MetronomeError(f"--prompt-tokens must be at least 1, got {opts.prompt_tokens}")
+    from metronome.probe.calibrate import CalibrateOptions, policy_for
+
+    policy = policy_for(CalibrateOptions(model=opts.model, out=opts.out, kv=opts.kv, window=opts.window,
+                                         sinks=opts.sinks, block_size=opts.block_size))
+    params = read_aimd_params(opts.aimd_params) if opts.aimd_params else None
+    deadline = opts.deadline_s or (opts.stream.frame_period_s if opts.stream is not None else 1.0)
+    adm.make_controller(opts.admission, deadline, params)  # bad specs (static:0, ...) fail here
+    if opts.metrics_port is not None:
+        check_port(opts.metrics_port)
+    return Checked(arrivals, durations, policy, params, lambda d: adm.make_controller(opts.admission, d, params))
+
+
+def make_plans(arrivals, durations, horizon_s: float, seed: int, prompt_tokens: int = 1):
+    """Session plans drawn as the simulator draws its workload (``sim.scenario.workload``)."""
+    from metronome.probe.driver import SessionPlan
+
+    rng = np.random.default_rng(seed)
+    times = arrivals.times(rng, horizon_s)
+    durs = durations.sample(rng, times.size) if durations is not None else np.full(times.size, math.inf)
+    return [SessionPlan(f"s{i}", arrival_s=float(t), duration_s=float(d), prompt_tokens=prompt_tokens)
+            for i, (t, d) in enumerate(zip(times, durs))]
+
+
+def controller_rows(controller) -> list[dict]:
+    rows = []
+    for r in controller.trace():
+        r = dict(r)
+        r["silent_fraction"] = (r["silent"] / r["frames"]) if r["frames"] else None
+        r["dead"] = r["decision"] == "dead"
+        if r["limit"] >= 2**62:  # NoAdmission: no limit
+            r["limit"] = None
+        rows.append(r)
+    return rows
+
+
+def write_outputs(out: Path, driver, controller, summary: dict, extra: dict) -> dict:
+    """Journals to Parquet, the controller trace, summary.json. Returns the summary written."""
+    import pandas as pd
+
+    from metronome.probe.records import journal_to_parquet
+
+    for t in TABLES:
+        journal_to_parquet(out / f"{t}.jsonl")
+    rows = controller_rows(controller)
+    cols = ["t_s", "limit", "in_flight", "p_latency_s", "frames", "silent", "silent_fraction", "decision", "dead"]
+    pd.DataFrame(rows, columns=cols).to_parquet(out / "controller.parquet", index=False)
+    limits = [r["limit"] for r in rows if r["limit"] is not None]
+    summary = {**summary, **extra,
+               "controller": {"name": getattr(controller, "name", type(controller).__name__),
+                              "intervals": len(rows), "final_limit": limits[-1] if limits else None,
+                              "max_limit": max(limits) if limits else None,
+                              "dead_intervals": sum(r["dead"] for r in rows),
+                              "cuts": sum(r["decision"] == "decrease" for r in rows)}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def run(engine, stream, plans, horizon_s: float, controller, out_dir, *, deadline_s=None, metrics_port=None,
+        seed: int = 0, cap: str = "rebase", extra: dict | None = None, on_driver=None, **config):
+    """One live run with a controller; writes every output. ``on_driver(driver)`` is called before the run
+    starts (tests and the CLI use it to hold the driver, e.g. to ``stop()`` it). Returns (RunResult, summary)."""
+    from metronome.probe.driver import Driver, DriverConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policy = engine.policy
+    if policy.bounded:
+        config.setdefault("rebase_tokens", policy.rebase_tokens())
+    cfg = DriverConfig(stream=stream, horizon_s=horizon_s, run=policy.describe(), policy=policy, deadline_s=deadline_s,
+                       prometheus_port=metrics_port, seed=seed, cap=cap, **config)
+    engine.reset()
+    driver = Driver(engine, cfg, admission=controller, out_dir=out)
+    if on_driver is not None:
+        on_driver(driver)
+    t0 = time.time()
+    try:
+        res = driver.run(plans)
+    finally:
+        engine.reset()
+    extra = {"sessions_planned": len(plans), "wall_s": round(time.time() - t0, 3), **(extra or {})}
+    summary = write_outputs(out, driver, controller, res.summary, extra)
+    res.summary = summary
+    return res, summary
+
+
+def main(opts: RunOptions, echo=print, err=print) -> int:
+    """The CLI body: check, start the engine, run with SIGTERM/SIGINT as a clean stop, report one line."""
+    checked = check(opts)
+    from metronome.probe.calibrate import CalibrateOptions, engine_config
+    from metronome.probe.engine import Engine
+
+    out = Path(opts.out)
+    if any((out / f"{t}.jsonl").exists() for t in TABLES):
+        raise MetronomeError(f"{out} already holds a run; choose another --out")
+    from metronome.probe import models
+    from metronome.probe.engine import default_device
+
+    resolved = models.resolve(opts.model, opts.weights, opts.device or default_device(), opts.dtype, opts.stream)
+    max_len = opts.max_model_len
+    if max_len is None and opts.num_blocks is not None:  # the longest context vLLM accepts on this pool
+        fit = (opts.num_blocks - 2) * opts.block_size
+        model_max = resolved.max_model_len or resolved.hf_config.get("max_position_embeddings") or fit
+        max_len = min(fit, int(model_max))
+    copts = CalibrateOptions(model=opts.model, out=opts.out, weights=opts.weights, device=opts.device,
+                             dtype=opts.dtype, kv=opts.kv, window=opts.window, sinks=opts.sinks,
+                             num_blocks=opts.num_blocks, block_size=opts.block_size,
+                             max_model_len=max_len, stream=opts.stream, seed=opts.seed)
+    signals = {}
+    stop_box: dict = {}
+
+    def on_signal(signum, frame):
+        name = signal.Signals(signum).name
+        stop_box.setdefault("signal", (signum, name))
+        if "driver" in stop_box:
+            stop_box["driver"].stop(name)
+
+    # installed before the engine starts: a signal during the start ends the run before it begins
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signals[sig] = signal.signal(sig, on_signal)
+    try:
+        ecfg = engine_config(copts, resolved)
+        engine = Engine(ecfg)
+        try:
+            if "signal" in stop_box:
+                raise KeyboardInterrupt
+            stream = ecfg.model.stream
+            deadline = opts.deadline_s or stream.frame_period_s
+            controller = checked.make_controller(deadline)
+            plans = make_plans(checked.arrivals, checked.durations, opts.horizon_s, opts.seed, opts.prompt_tokens)
+            options = {k: (v if not hasattr(v, "frame_period_s") else asdict(v)) for k, v in asdict(opts).items()
+                       if k != "stream"}
+            options["stream"] = {"period_s": stream.frame_period_s, "in": stream.input_tokens_per_frame,
+                                 "out": stream.output_tokens_per_frame}
+
+            def hold(driver):
+                stop_box["driver"] = driver
+                if "signal" in stop_box:
+                    driver.stop(stop_box["signal"][1])
+
+            res, summary = run(engine, stream, plans, opts.horizon_s, controller, out, deadline_s=deadline,
+                               metrics_port=opts.metrics_port, seed=opts.seed,
+                               cap="rebase" if checked.policy.bounded else "finish",
+                               extra={"options": options, "engine": engine.describe(),
+                                      "arrivals": checked.arrivals.describe(),
+                                      "durations": checked.durations.describe()},
+                               on_driver=hold)
+        finally:
+            engine.close()
+    except KeyboardInterrupt:
+        err(f"metronome-probe: interrupted while the engine started; nothing ran ({out})")
+        return 130
+    finally:
+        for sig, old in signals.items():
+            signal.signal(sig, old)
+    s = summary
+    line = (f"{s['frames']} frames, {s['sessions_admitted']} sessions admitted, {s['sessions_rejected']} rejected; "
+            f"p50 {_ms(s['p50_frame_latency_s'])} p99 {_ms(s['p99_frame_latency_s'])}; "
+            f"silent {s['silent_frame_fraction']:.3f}; preemptions {s['preemptions']}; "
+            f"final limit {s['controller']['final_limit']}; engine silent {s['engine_silent_s']:.1f} s; "
+            f"summary: {out / 'summary.json'}")
+    if s.get("stopped"):
+        signum = stop_box.get("signal", (signal.SIGTERM, "SIGTERM"))[0]
+        err(f"metronome-probe: stopped by {s['stop_reason']} at {s['t_stopped_s']:.1f} s; {line}")
+        return 128 + int(signum)
+    echo(line)
+    return 0
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f} ms"
