@@ -112,6 +112,7 @@ class _Frame:
     tokens: list[int] = field(default_factory=list)
     by_deadline: int = 0
     state: str = RUNNING  # the session's state when the frame came due
+    rebased: bool = False  # this frame restarted the session near max_model_len (its latency carries the prefill)
 
 
 @dataclass
@@ -229,6 +230,7 @@ class Driver:
             "tokens_expected": self.cfg.stream.output_tokens_per_frame, "tokens_delivered": len(f.tokens),
             "tokens_by_deadline": f.by_deadline, "silent": silent, "silent_by_deadline": f.by_deadline == 0,
             "met_deadline": met, "censored": censored, "state": f.state, "period_s": self.cfg.stream.frame_period_s,
+            "rebased": f.rebased,
         })
         if not censored:
             observed = latency if latency is not None else now - f.tick_s
@@ -276,13 +278,23 @@ class Driver:
                 continue
             self._readmit(s, now, by_rid)
 
+    def _rebase_prompt(self, tokens: list[int]) -> list[int]:
+        """What a session keeps when it restarts near max_model_len. Under the bound: its S sink tokens plus
+        its last W tokens, so the new request's sinks are the conversation's own (the simulator charges the
+        same S+W prefill, ``KVPolicy.rebase_tokens``). Unbounded: its last ``rebase_tokens`` tokens."""
+        p = self.policy
+        if p.bounded:
+            keep_s, keep_w = p.sink_tokens, p.window_tokens
+            return list(tokens) if len(tokens) <= keep_s + keep_w else tokens[:keep_s] + tokens[-keep_w:]
+        return tokens[-self.rebase_keep:] if self.rebase_keep else []
+
     def _readmit(self, s: _Session, now: float, by_rid: dict) -> None:
         """A preempted session comes back as a new request whose prompt is its whole token history."""
         st = self.cfg.stream
         prompt = s.history + s.pending_input
         s.pending_input = []
         if len(prompt) + st.kv_tokens_per_frame >= self.max_len:
-            prompt = prompt[-self.rebase_keep:] if self.cfg.cap == "rebase" else prompt
+            prompt = self._rebase_prompt(prompt) if self.cfg.cap == "rebase" else prompt
             if self.cfg.cap != "rebase":
                 s.history = prompt
                 self._end(s, now, "max_model_len", by_rid)
@@ -352,9 +364,11 @@ class Driver:
             by_rid.pop(s.rid, None)
             s.rid = f"{s.plan.sid}.r{s.incarnation}"
             by_rid[s.rid] = s
-            s.history = s.history[-self.rebase_keep:] if self.rebase_keep else []
-            chunk = s.history + chunk
+            kept = self._rebase_prompt(s.history)
+            chunk = kept + chunk
             s.history = []
+            f.rebased = True
+            self._event("rebase", s, now, prompt_tokens=len(chunk), kept_tokens=len(kept))
         s.history.extend(chunk)
         self.engine.append(s.rid, chunk, st.output_tokens_per_frame)
         s.in_engine = True
@@ -645,6 +659,10 @@ def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_b
         "preemptions_by_reason": {r: sum(1 for e in preempts if e.get("reason") == r)
                                   for r in sorted({e.get("reason") for e in preempts})},
         "readmissions": sum(1 for e in events if e["event"] == "readmit"),
+        "rebases": sum(1 for e in events if e["event"] == "rebase"),
+        # the rebase cost, measured where it happens: frames that carried an S+W prefill vs the rest
+        "p50_rebase_frame_latency_s": _pct([f["latency_s"] for f in done
+                                            if f.get("rebased") and f["latency_s"] is not None], 50),
         "frames_not_running": len(not_running),
         "t_first_preemption_s": first_preempt,
         "t_pool_full_s": first_full,
