@@ -111,8 +111,8 @@ class SimEngine:
         self.frames = frame_table()
         self._active_cache: np.ndarray | None = None
         self._wake = env.event()
-        self.fast_steps = 0
-        self.slow_steps = 0
+        self.fast_steps = 0  # steps computed in numpy spans (the summary does not depend on it)
+        self.slow_steps = 0  # steps taken one SimPy event each
 
     # ---------------------------------------------------------------------------------------- events
     def start(self):

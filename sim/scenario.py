@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +43,6 @@ class Scenario:
     deadline_s: float | None = None  # default: the frame period
     admission: object = None  # a factory () -> controller, or None (admit everything)
     admission_label: str = "none"
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not (self.horizon_s > 0) or not math.isfinite(self.horizon_s):
