@@ -65,15 +65,20 @@ def _model_options(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO")
 
 
-def calibrate_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=f"{PROG} calibrate", description="Measure a model on the live vLLM engine and write "
-                "DIR/calibration.json (provenance: measured) plus the raw samples as Parquet.")
-    _model_options(p, "output directory")
+def _pool_options(p: argparse.ArgumentParser) -> None:
+    """The KV policy and pool options shared by calibrate and run (validate fixes its own)."""
     p.add_argument("--kv", choices=("unbounded", "window", "sinks"), default="unbounded", help="KV policy")
     p.add_argument("--window", type=int, help="window in tokens (with --kv window or --kv sinks)")
     p.add_argument("--sinks", type=int, help="sink tokens (with --kv sinks: the metronome sink+window vLLM plugin)")
     p.add_argument("--num-blocks", type=int, help="force the pool size in blocks (vLLM num_gpu_blocks_override)")
-    p.add_argument("--max-model-len", type=int, help="cap the context length (default: the model's)")
+    p.add_argument("--max-model-len", type=int, help="cap the context length")
+
+
+def calibrate_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=f"{PROG} calibrate", description="Measure a model on the live vLLM engine and write "
+                "DIR/calibration.json (provenance: measured) plus the raw samples as Parquet.")
+    _model_options(p, "output directory")
+    _pool_options(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefill chunk budget per step")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: KV memory when --num-blocks is not given")
     p.add_argument("--grid-sessions", type=_ints, default=(1, 2, 4, 8, 16, 32), metavar="N,N,...")
@@ -199,11 +204,7 @@ def run_parser() -> argparse.ArgumentParser:
                 "simulator's admission controller; writes per-frame Parquet, DIR/controller.parquet (the controller's "
                 "trace) and DIR/summary.json. SIGTERM or Ctrl-C stops cleanly and keeps what ran.")
     _model_options(p, "output directory (must not hold a run)")
-    p.add_argument("--kv", choices=("unbounded", "window", "sinks"), default="unbounded", help="KV policy")
-    p.add_argument("--window", type=int, help="window in tokens (with --kv window or --kv sinks)")
-    p.add_argument("--sinks", type=int, help="sink tokens (with --kv sinks)")
-    p.add_argument("--num-blocks", type=int, help="the pool size in blocks")
-    p.add_argument("--max-model-len", type=int, help="cap the context length")
+    _pool_options(p)
     p.add_argument("--admission", default="none", metavar="none|static:N|aimd|gradient")
     p.add_argument("--aimd-params", metavar="FILE", help="the JSON file metronome-sim tune-aimd wrote")
     g = p.add_mutually_exclusive_group(required=True)
