@@ -50,6 +50,7 @@ from metronome.calibration import TokenStream
 from metronome.kv_policy import KVPolicy
 from metronome.probe.engine import Engine
 from metronome.probe.records import Journal
+from metronome.probe.remote import EngineDied
 
 _EPS = 1e-9
 RUNNING, PREFILL, WAITING = "running", "prefill", "waiting"
@@ -96,6 +97,10 @@ class DriverConfig:
     # the engine is *silent* when frames are in flight and it produced no token for this long (default: the
     # controller's interval, or 1 s): flagged in events ("engine_silent"), the summary and the metrics
     silence_s: float | None = None
+    # the engine's process died (probe.remote.EngineDied): with restart, start a new engine and readmit every
+    # session as a rebase (its KV is gone); frames are answered silent meanwhile. Without, the run stops.
+    restart: bool = False
+    max_restarts: int = 3
 
     @property
     def deadline(self) -> float:
@@ -138,6 +143,7 @@ class _Session:
     preemptions: int = 0
     readmissions: int = 0
     incarnation: int = 0
+    rebase_next: bool = False  # its KV was lost with the engine: the readmission restarts it as a rebase
 
 
 @dataclass
@@ -153,7 +159,7 @@ class Driver:
     """Runs one scenario (a list of :class:`SessionPlan`) against the engine; use one Driver per run."""
 
     def __init__(self, engine: Engine, config: DriverConfig, admission: AdmissionController | None = None,
-                 out_dir: str | Path | None = None):
+                 out_dir: str | Path | None = None, notify=None):
         self.engine, self.cfg = engine, config
         self.admission = admission if admission is not None else AdmitAll()
         self.policy = config.policy or engine.policy
@@ -173,6 +179,12 @@ class Driver:
         self._last_token_s = 0.0  # when the engine last produced a token (or nothing was waiting for one)
         self._silent_since: float | None = None  # start of the current engine-silent episode
         self.silence: list[tuple[float, float]] = []  # engine-silent episodes (start, end)
+        self.notify = notify  # notify(line): one line for the user when the engine dies or comes back
+        self._down_since: float | None = None  # the engine died at this time and a new one is loading
+        self.outages: list[tuple[float, float]] = []  # engine deaths: (died, back or run end)
+        self.engine_deaths = 0
+        self.engine_error: str | None = None  # why the run stopped, when the engine died for good
+        self.engine_restarts = 0
         self.t_stopped_s: float | None = None
         self.waiting: deque[_Session] = deque()  # admitted by the controller, waiting for blocks (FCFS)
         self.silent_pending: list[tuple[_Session, _Frame]] = []  # answered with their tick's lockstep
@@ -273,6 +285,7 @@ class Driver:
             self.waiting.popleft()
             s.admit_seq, self._seq = self._seq, self._seq + 1
             if not s.history and s.last_token is None:
+                s.rebase_next = False  # nothing was lost: it never reached the engine
                 s.state = RUNNING  # a new session: its first frame (prompt + input) is its prefill
                 s.running_since = s.next_frame * self.cfg.stream.frame_period_s  # it serves every frame from now
                 continue
@@ -293,6 +306,11 @@ class Driver:
         st = self.cfg.stream
         prompt = s.history + s.pending_input
         s.pending_input = []
+        if s.rebase_next:  # the engine died with its KV: it comes back the way a rebase does (S+W / last tokens)
+            s.rebase_next = False
+            prompt = self._rebase_prompt(prompt)
+            s.rebases += 1
+            self._event("rebase", s, now, prompt_tokens=len(prompt), kept_tokens=len(prompt), reason="engine_restart")
         if len(prompt) + st.kv_tokens_per_frame >= self.max_len:
             prompt = self._rebase_prompt(prompt) if self.cfg.cap == "rebase" else prompt
             if self.cfg.cap != "rebase":
@@ -312,9 +330,10 @@ class Driver:
         s.readmissions += 1
         self._event("readmit", s, now, prompt_tokens=len(prompt))
 
-    def _preempt(self, s: _Session, now: float, reason: str, held: int) -> None:
-        """Recompute preemption at the session level: abort the request, free every block, wait again."""
-        if s.in_engine:
+    def _preempt(self, s: _Session, now: float, reason: str, held: int, event: str = "preempt") -> None:
+        """Recompute preemption at the session level: abort the request, free every block, wait again.
+        ``event="lost"``: the engine died with the session's KV (nothing to abort; readmitted as a rebase)."""
+        if s.in_engine and event == "preempt":
             self.engine.abort(s.rid)
         s.in_engine = False
         if s.inflight is not None:  # its frame is answered with its tick's lockstep, with what it got
@@ -331,11 +350,14 @@ class Driver:
             s.pending_input.extend(self._tokens(self.cfg.stream.input_tokens_per_frame))
             self.silent_pending.append((s, f))
         s.state = WAITING
-        s.preemptions += 1
+        if event == "preempt":
+            s.preemptions += 1
+        else:
+            s.rebase_next = True
         self.waiting.appendleft(s)  # as vLLM (and the simulator) prepend the victim
         self._preempted = True
         self._stalled = False
-        self._event("preempt", s, now, reason=reason, blocks_freed=held, history_tokens=len(s.history))
+        self._event(event, s, now, reason=reason, blocks_freed=held, history_tokens=len(s.history))
 
     def _start(self, plan: SessionPlan, now: float) -> _Session:
         period = self.cfg.stream.frame_period_s
@@ -351,7 +373,6 @@ class Driver:
         first = s.last_token is None
         chunk = (self._tokens(max(s.plan.prompt_tokens, 1)) if first else [s.last_token])
         chunk += s.pending_input + self._tokens(st.input_tokens_per_frame)
-        s.pending_input = []
         # vLLM does not enforce max_model_len across chunks and dies if a session passes it (notes Q4),
         # so the driver caps the history itself.
         if len(s.history) + len(chunk) + st.output_tokens_per_frame >= self.max_len:
@@ -359,18 +380,22 @@ class Driver:
                 return False
             # rebase: a new request whose prompt is the last tokens of the history plus this frame
             self.engine.abort(s.rid)
+            kept = self._rebase_prompt(s.history)
+            rid = f"{s.plan.sid}.r{s.incarnation + 1}"
+            self.engine.append(rid, kept + chunk, st.output_tokens_per_frame)
             s.rebases += 1
             s.incarnation += 1
             by_rid.pop(s.rid, None)
-            s.rid = f"{s.plan.sid}.r{s.incarnation}"
+            s.rid = rid
             by_rid[s.rid] = s
-            kept = self._rebase_prompt(s.history)
             chunk = kept + chunk
             s.history = []
             f.rebased = True
             self._event("rebase", s, now, prompt_tokens=len(chunk), kept_tokens=len(kept))
+        else:
+            self.engine.append(s.rid, chunk, st.output_tokens_per_frame)
+        s.pending_input = []
         s.history.extend(chunk)
-        self.engine.append(s.rid, chunk, st.output_tokens_per_frame)
         s.in_engine = True
         s.work_step = self._nsteps
         f.submitted_s = now
@@ -406,39 +431,22 @@ class Driver:
         by_rid: dict[str, _Session] = {}  # by current engine request id
         clock = time.perf_counter
         t0 = clock()
+        if getattr(eng, "pid", None) is not None:  # an engine in its own process: say which, for operators
+            self._record("events", {"t_s": 0.0, "event": "engine_started", "session": None, "rid": None,
+                                    "pid": eng.pid})
         try:
             while True:
                 now = clock() - t0
                 if now >= cfg.horizon_s or self._stop_reason is not None:
                     break
-                while arrivals and arrivals[0].arrival_s <= now:
-                    plan = arrivals.popleft()
-                    admit = self.admission.may_admit(now, len(self._active))
-                    if self._metrics:
-                        self._metrics.admission(self.admission, admit)
-                    if admit:
-                        s = self._start(plan, now)
-                        self._active[plan.sid] = s
-                        by_rid[s.rid] = s
-                        self.waiting.append(s)
-                    else:
-                        self._record("sessions", {"session": plan.sid, "arrival_s": plan.arrival_s,
-                                                  "admitted": False, "reason": "rejected"})
-                for s in [s for s in self._active.values() if now >= s.end_s]:
-                    self._end(s, now, "ended", by_rid)
-                self._admit(now, by_rid)
-                self._ticks(now, by_rid)
-                self._answer_silent(now)
-                self._watch_silence(now)
-                if eng.has_work() and not self._stalled:
-                    self._step(t0, by_rid)
-                else:
-                    nxt = min([(s.next_frame * period) for s in self._active.values()]
-                              + [s.end_s for s in self._active.values()]
-                              + ([arrivals[0].arrival_s] if arrivals else []) + [cfg.horizon_s])
-                    self._preempted = False  # no step ran: the next admission check is not "right after"
-                    time.sleep(max(0.0, min(nxt - (clock() - t0), period, 0.05)))
+                try:
+                    self._turn(now, t0, arrivals, by_rid)
+                except EngineDied as exc:
+                    self._engine_died(exc, clock() - t0, by_rid)
             now = clock() - t0
+            if self._down_since is not None:
+                self.outages.append((self._down_since, now))
+                self._down_since = None
             if self._silent_since is not None:
                 self.silence.append((self._silent_since, now))
                 self._silent_since = None
@@ -449,6 +457,8 @@ class Driver:
         finally:
             for j in self._journals.values():
                 j.close()
+            if self._metrics:
+                self._metrics.close()
         summary = summarize(self.frames, self.steps, self.sessions, eng.num_blocks, self.events)
         summary.update({
             "stopped": self._stop_reason is not None, "stop_reason": self._stop_reason, "t_stopped_s": self.t_stopped_s,
@@ -456,8 +466,96 @@ class Driver:
             "engine_silent_s": round(sum(b - a for a, b in self.silence), 6),
             "t_first_engine_silent_s": self.silence[0][0] if self.silence else None,
             "silence_threshold_s": self._silence_s(),
+            "engine_deaths": self.engine_deaths, "engine_restarts": self.engine_restarts,
+            "engine_error": self.engine_error,
+            "engine_outage_s": round(sum(b - a for a, b in self.outages), 6),
+            "engine_outages": [[round(a, 6), round(b, 6)] for a, b in self.outages],
         })
         return RunResult(self.frames, self.steps, self.sessions, summary, self.events)
+
+    def _turn(self, now: float, t0: float, arrivals: deque, by_rid: dict) -> None:
+        """One turn of the loop: arrivals, ends, admission, due frames, then one engine step (or a nap)."""
+        cfg, eng, clock = self.cfg, self.engine, time.perf_counter
+        period = cfg.stream.frame_period_s
+        if self._down_since is not None:
+            self._engine_back(now)
+        else:
+            check = getattr(eng, "check_alive", None)  # an engine in a child process: notice its death at once
+            if check is not None:
+                check()
+        while arrivals and arrivals[0].arrival_s <= now:
+            plan = arrivals.popleft()
+            admit = self.admission.may_admit(now, len(self._active))
+            if self._metrics:
+                self._metrics.admission(self.admission, admit)
+            if admit:
+                s = self._start(plan, now)
+                self._active[plan.sid] = s
+                by_rid[s.rid] = s
+                self.waiting.append(s)
+            else:
+                self._record("sessions", {"session": plan.sid, "arrival_s": plan.arrival_s,
+                                          "admitted": False, "reason": "rejected"})
+        for s in [s for s in self._active.values() if now >= s.end_s]:
+            self._end(s, now, "ended", by_rid)
+        self._admit(now, by_rid)
+        self._ticks(now, by_rid)
+        self._answer_silent(now)
+        self._watch_silence(now)
+        if eng.has_work() and not self._stalled:
+            self._step(t0, by_rid)
+        else:
+            nxt = min([(s.next_frame * period) for s in self._active.values()]
+                      + [s.end_s for s in self._active.values()]
+                      + ([arrivals[0].arrival_s] if arrivals else []) + [cfg.horizon_s])
+            self._preempted = False  # no step ran: the next admission check is not "right after"
+            time.sleep(max(0.0, min(nxt - (clock() - t0), period, 0.05)))
+
+    # -- engine death ---------------------------------------------------------------------------------------
+    def _say(self, line: str) -> None:
+        if self.notify is not None:
+            self.notify(line)
+
+    def _engine_died(self, exc: EngineDied, now: float, by_rid: dict) -> None:
+        """The engine's process is gone, and every session's KV with it: each session in the engine goes back
+        to the head of the waiting queue (in admission order) to be readmitted as a rebase; its frames are
+        answered silent meanwhile. Then restart (``restart``) or stop the run (``stop_reason="engine_died"``)."""
+        self.engine_deaths += 1
+        back = self._down_since is not None  # it died again while (re)starting
+        if not back:
+            self._down_since = now
+        self._record("events", {"t_s": now, "event": "engine_died", "session": None, "rid": None, "error": str(exc)})
+        if self._metrics:
+            self._metrics.engine_up.set(0)
+        lost = sorted((s for s in self._active.values() if s not in self.waiting), key=lambda s: s.admit_seq)
+        for s in reversed(lost):  # appendleft in reverse: the oldest admitted ends up first
+            self._preempt(s, now, "engine_died", 0, event="lost")
+        self._preempted = False
+        if self.cfg.restart and self.engine_restarts < self.cfg.max_restarts:
+            self.engine_restarts += 1
+            self._say(f"{exc} at {now:.1f} s; restarting it ({self.engine_restarts} of {self.cfg.max_restarts}), "
+                      f"{len(lost)} session(s) will be readmitted as a rebase")
+            self.engine.restart()
+            self._record("events", {"t_s": now, "event": "engine_restarting", "session": None, "rid": None})
+        else:
+            why = "" if not self.cfg.restart else f" (gave up after {self.cfg.max_restarts} restarts)"
+            self.engine_error = f"{exc} at {now:.1f} s{why}"
+            self.stop("engine_died")
+
+    def _engine_back(self, now: float) -> None:
+        """While a new engine loads: is it up? (raises EngineDied if it failed to start)"""
+        if not self.engine.ready():
+            return
+        since = self._down_since
+        self.outages.append((since, now))
+        self._down_since = None
+        self._stalled = False
+        self._record("events", {"t_s": now, "event": "engine_restarted", "session": None, "rid": None,
+                                "outage_s": now - since, "pid": getattr(self.engine, "pid", None)})
+        if self._metrics:
+            self._metrics.engine_up.set(1)
+            self._metrics.restarts.inc()
+        self._say(f"the engine is back at {now:.1f} s after {now - since:.1f} s down; readmitting sessions")
 
     def _ticks(self, now: float, by_rid: dict) -> None:
         """Frames that came due: queue (and submit) those of running sessions; waiting and re-prefilling
@@ -478,8 +576,11 @@ class Driver:
                     self.silent_pending.append((s, f))
             if s.state == RUNNING and s.inflight is None and s.queue:
                 self._stalled = False  # new input may unblock the engine
-                if not self._submit(s, s.queue.popleft(), now, by_rid):
+                # the frame leaves the queue only once the engine took it (an engine that dies keeps it due)
+                if not self._submit(s, s.queue[0], now, by_rid):
                     self._end(s, now, "max_model_len", by_rid)
+                else:
+                    s.queue.popleft()
 
     def _answer_silent(self, now: float) -> None:
         """Answer silent frames once every running session's frame of the same tick is done."""
@@ -700,6 +801,10 @@ class _Metrics:
         self.rejected = Counter("metronome_sessions_rejected", "Sessions the admission controller refused",
                                 registry=r)
         self.dead = Gauge("metronome_admission_dead", "1 while the controller sees a dead signal", registry=r)
+        self.engine_up = Gauge("metronome_engine_up", "1 while the engine answers, 0 while it is dead or restarting",
+                               registry=r)
+        self.engine_up.set(1)
+        self.restarts = Counter("metronome_engine_restarts", "Times the engine came back after dying", registry=r)
         self.engine_silent = Gauge("metronome_engine_silent", "1 while frames wait and the engine produces no token",
                                    registry=r)
         self._recent = deque(maxlen=500)

@@ -57,6 +57,8 @@ class RunOptions:
     weights: str = "auto"
     device: str | None = None
     dtype: str | None = None
+    restart: bool = False
+    max_restarts: int = 3
 
 
 @dataclass
@@ -107,6 +109,8 @@ def check(opts: RunOptions) -> Checked:
         raise MetronomeError(f"--deadline must be positive seconds, got {opts.deadline_s}")
     if opts.num_blocks is not None and opts.num_blocks < 2:
         raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {opts.num_blocks}")
+    if opts.max_restarts < 0:
+        raise MetronomeError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
     if opts.prompt_tokens < 1:
         raise MetronomeError(f"--prompt-tokens must be at least 1, got {opts.prompt_tokens}")
     from metronome.probe.calibrate import CalibrateOptions, policy_for
@@ -158,7 +162,7 @@ def write_outputs(out: Path, driver, controller, summary: dict, extra: dict) -> 
     limits = [r["limit"] for r in rows if r["limit"] is not None]
     summary = {**summary, **extra,
                "controller": {"name": getattr(controller, "name", type(controller).__name__),
-                              "intervals": len(rows), "final_limit": limits[-1] if limits else None,
+                              "params": _params_of(controller), "intervals": len(rows), "final_limit": limits[-1] if limits else None,
                               "max_limit": max(limits) if limits else None,
                               "dead_intervals": sum(r["dead"] for r in rows),
                               "cuts": sum(r["decision"] == "decrease" for r in rows)}}
@@ -166,10 +170,18 @@ def write_outputs(out: Path, driver, controller, summary: dict, extra: dict) -> 
     return summary
 
 
+def _params_of(controller) -> dict | None:
+    """The controller's settings as ``metronome-sim tune-aimd`` writes them (None for none/static)."""
+    params = getattr(controller, "params", None)
+    return params.to_dict() if params is not None else None
+
+
 def run(engine, stream, plans, horizon_s: float, controller, out_dir, *, deadline_s=None, metrics_port=None,
-        seed: int = 0, cap: str = "rebase", extra: dict | None = None, on_driver=None, **config):
+        seed: int = 0, cap: str = "rebase", extra: dict | None = None, on_driver=None, notify=None, **config):
     """One live run with a controller; writes every output. ``on_driver(driver)`` is called before the run
-    starts (tests and the CLI use it to hold the driver, e.g. to ``stop()`` it). Returns (RunResult, summary)."""
+    starts (tests and the CLI use it to hold the driver, e.g. to ``stop()`` it); ``notify(line)`` hears when the
+    engine dies and comes back. Extra keywords go to :class:`~metronome.probe.driver.DriverConfig` (e.g.
+    ``restart=True``). Returns (RunResult, summary)."""
     from metronome.probe.driver import Driver, DriverConfig
 
     out = Path(out_dir)
@@ -180,14 +192,17 @@ def run(engine, stream, plans, horizon_s: float, controller, out_dir, *, deadlin
     cfg = DriverConfig(stream=stream, horizon_s=horizon_s, run=policy.describe(), policy=policy, deadline_s=deadline_s,
                        prometheus_port=metrics_port, seed=seed, cap=cap, **config)
     engine.reset()
-    driver = Driver(engine, cfg, admission=controller, out_dir=out)
+    driver = Driver(engine, cfg, admission=controller, out_dir=out, notify=notify)
     if on_driver is not None:
         on_driver(driver)
     t0 = time.time()
     try:
         res = driver.run(plans)
     finally:
-        engine.reset()
+        try:
+            engine.reset()
+        except MetronomeError:  # a dead engine has nothing left to reset; what ran is written below
+            pass
     extra = {"sessions_planned": len(plans), "wall_s": round(time.time() - t0, 3), **(extra or {})}
     summary = write_outputs(out, driver, controller, res.summary, extra)
     res.summary = summary
@@ -198,7 +213,7 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
     """The CLI body: check, start the engine, run with SIGTERM/SIGINT as a clean stop, report one line."""
     checked = check(opts)
     from metronome.probe.calibrate import CalibrateOptions, engine_config
-    from metronome.probe.engine import Engine
+    from metronome.probe.remote import RemoteEngine
 
     out = Path(opts.out)
     if any((out / f"{t}.jsonl").exists() for t in TABLES):
@@ -230,7 +245,9 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
         signals[sig] = signal.signal(sig, on_signal)
     try:
         ecfg = engine_config(copts, resolved)
-        engine = Engine(ecfg)
+        # the engine lives in its own process, so the driver (and what it recorded) outlives it
+        out.mkdir(parents=True, exist_ok=True)
+        engine = RemoteEngine(ecfg, log_path=out / "engine.log")  # vLLM's own output goes to the log
         try:
             if "signal" in stop_box:
                 raise KeyboardInterrupt
@@ -254,7 +271,8 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
                                extra={"options": options, "engine": engine.describe(),
                                       "arrivals": checked.arrivals.describe(),
                                       "durations": checked.durations.describe()},
-                               on_driver=hold)
+                               on_driver=hold, notify=lambda line: err(f"metronome-probe: {line}"),
+                               restart=opts.restart, max_restarts=opts.max_restarts)
         finally:
             engine.close()
     except KeyboardInterrupt:
@@ -268,7 +286,12 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
             f"p50 {_ms(s['p50_frame_latency_s'])} p99 {_ms(s['p99_frame_latency_s'])}; "
             f"silent {s['silent_frame_fraction']:.3f}; preemptions {s['preemptions']}; "
             f"final limit {s['controller']['final_limit']}; engine silent {s['engine_silent_s']:.1f} s; "
-            f"summary: {out / 'summary.json'}")
+            + (f"engine died {s['engine_deaths']}x, restarted {s['engine_restarts']}x, down "
+               f"{s['engine_outage_s']:.1f} s; " if s.get("engine_deaths") else "")
+            + f"summary: {out / 'summary.json'}")
+    if s.get("stop_reason") == "engine_died":
+        err(f"metronome-probe: error: {s['engine_error']}; what ran is kept: {line}")
+        return 1
     if s.get("stopped"):
         signum = stop_box.get("signal", (signal.SIGTERM, "SIGTERM"))[0]
         err(f"metronome-probe: stopped by {s['stop_reason']} at {s['t_stopped_s']:.1f} s; {line}")

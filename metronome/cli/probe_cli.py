@@ -216,6 +216,10 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, help="frame deadline in seconds (default: one frame period)")
     p.add_argument("--metrics-port", type=int, metavar="P", help="export Prometheus metrics on this port")
     p.add_argument("--prompt-tokens", type=int, default=1, help="extra tokens in each session's first frame")
+    p.add_argument("--restart", action="store_true",
+                   help="if the engine's process dies, start a new one and readmit every session as a rebase "
+                        "(frames are answered silent while it loads); without it the run stops and keeps its data")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="K", help="give up after K restarts (default 3)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -230,7 +234,7 @@ def run_main(argv: list[str]) -> int:
         horizon_s=args.horizon, kv=args.kv, window=args.window, sinks=args.sinks, num_blocks=args.num_blocks,
         block_size=args.block_size, max_model_len=args.max_model_len, stream=args.stream, deadline_s=args.deadline,
         metrics_port=args.metrics_port, seed=args.seed, prompt_tokens=args.prompt_tokens, weights=args.weights,
-        device=args.device, dtype=args.dtype)
+        device=args.device, dtype=args.dtype, restart=args.restart, max_restarts=args.max_restarts)
     live_run.check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
     _check_vllm()
     if not args.verbose:

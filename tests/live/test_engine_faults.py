@@ -1,0 +1,207 @@
+"""Faults on the live path, as a user sees them: the engine's process is killed mid-run (with and without
+``--restart``), and a burst of extra load on the machine hits a running AIMD controller.
+
+The CLI runs the engine in a child process (``probe.remote``); the tests kill that process with SIGKILL, the
+way the kernel's OOM killer or a crash ends it, and look at what the CLI prints and what it left on disk.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from metronome.calibration import TokenStream
+
+PERIOD = 0.1
+BASE = ["--model", "tiny", "--num-blocks", "256", "--kv", "window", "--window", "128", "--stream", "0.1:14:2",
+        "--arrival-rate", "2", "--session-duration", "60", "--admission", "static:6"]
+
+
+def _jsonl(path):
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # the line being written
+            pass
+    return rows
+
+
+def _start(out, *extra):
+    cmd = [sys.executable, "-m", "metronome.cli.probe_cli", "run", *BASE, "--out", str(out), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _kill_engine_after(proc, out, frames: int, timeout: float = 240.0):
+    """Wait until ``frames`` frames are journaled, then SIGKILL the engine's process; returns the wall time."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if len(_jsonl(out / "frames.jsonl")) >= frames:
+            started = [e for e in _jsonl(out / "events.jsonl") if e["event"] == "engine_started"]
+            assert started and started[0]["pid"] != proc.pid  # the engine is its own process
+            os.kill(started[0]["pid"], signal.SIGKILL)
+            return time.time()
+        time.sleep(0.1)
+    raise AssertionError("the run journaled too few frames before the timeout")
+
+
+def _last_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _frames_complete(frames: pd.DataFrame, sessions: pd.DataFrame) -> None:
+    """No frame record lost: each admitted session's frames are numbered 0..k-1 without a gap, and the session
+    table's frame count matches."""
+    per = frames.groupby("session").frame.agg(["min", "max", "count"])
+    assert (per["min"] == 0).all() and (per["count"] == per["max"] + 1).all(), per
+    adm = sessions[sessions.admitted].set_index("session")
+    joined = per.join(adm.frames, how="inner")
+    assert (joined["count"] == joined["frames"]).all(), joined
+
+
+def test_engine_killed_without_restart_stops_and_keeps_data(tmp_path):
+    out = tmp_path / "run"
+    proc = _start(out, "--horizon", "120")
+    try:
+        t_kill = _kill_engine_after(proc, out, frames=40)
+        stdout, stderr = proc.communicate(timeout=60)
+        t_exit = time.time()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    line = _last_line(stderr)
+    assert line.startswith("metronome-probe: error: the engine process (pid ") and "killed by SIGKILL" in line, line
+    assert "what ran is kept" in line and "Traceback" not in stderr
+    assert t_exit - t_kill < 30  # it noticed, wrote everything and left
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "engine_died" and summary["engine_deaths"] == 1
+    assert summary["engine_restarts"] == 0 and "SIGKILL" in summary["engine_error"]
+    # noticed within one control interval (1 s) of the engine's last step
+    events = pd.read_parquet(out / "events.parquet")
+    died = events[events.event == "engine_died"].t_s.iloc[0]
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert 0 <= died - steps.t_s.max() <= 1.0, (died, steps.t_s.max())
+    # everything recorded is on disk and readable; nothing was lost
+    frames = pd.read_parquet(out / "frames.parquet")
+    assert len(frames) >= 40 and len(frames) == len(_jsonl(out / "frames.jsonl")) == summary["frames"] + (
+        frames.censored.sum())
+    sessions = pd.read_parquet(out / "sessions.parquet")
+    assert (sessions[sessions.admitted].reason == "engine_died").any()
+    _frames_complete(frames, sessions)
+    assert (out / "controller.parquet").exists() and (out / "engine.log").exists()
+
+
+def test_engine_killed_with_restart_readmits_and_counts_the_outage(tmp_path):
+    out = tmp_path / "run"
+    horizon = 60
+    proc = _start(out, "--horizon", str(horizon), "--restart")
+    try:
+        _kill_engine_after(proc, out, frames=60)
+        stdout, stderr = proc.communicate(timeout=horizon + 240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    said = [ln for ln in stderr.splitlines() if ln.startswith("metronome-probe:")]
+    assert any("killed by SIGKILL" in ln and "restarting it (1 of 3)" in ln for ln in said), said
+    assert any("the engine is back" in ln for ln in said), said
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine_deaths"] == 1 and summary["engine_restarts"] == 1 and not summary["stopped"]
+    (down, up), = summary["engine_outages"]
+    assert summary["engine_outage_s"] == pytest.approx(up - down, abs=1e-3) and up > down
+    events = pd.read_parquet(out / "events.parquet")
+    lost = events[events.event == "lost"]
+    assert len(lost) >= 1
+    # every session that lost its KV came back as a rebase of its own history
+    rebased = events[(events.event == "rebase") & (events.reason == "engine_restart")]
+    assert set(lost.session) <= set(rebased.session), (lost.session.tolist(), rebased.session.tolist())
+    frames = pd.read_parquet(out / "frames.parquet")
+    done = frames[~frames.censored]
+    # while the engine was down frames were answered silent, on time (within a frame period of their tick)
+    outage = done[(done.tick_s > down + PERIOD) & (done.tick_s < up - PERIOD)]
+    assert len(outage) > 0 and outage.silent.all(), outage.head().to_string()
+    assert (outage.latency_s <= PERIOD + 0.1).all(), outage.latency_s.max()
+    # and after it the sessions spoke again
+    after = done[done.tick_s > up + 1.0]
+    assert len(after) > 0 and (~after.silent).mean() > 0.9
+    sessions = pd.read_parquet(out / "sessions.parquet")
+    _frames_complete(frames, sessions)
+    assert len(frames) == len(_jsonl(out / "frames.jsonl"))
+
+
+# -- a latency spike: extra load on the machine, injected here ---------------------------------------------------
+STREAM = TokenStream(PERIOD, 14, 2)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    from metronome.probe.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(tiny_model.with_stream(STREAM), num_blocks=64, max_model_len=62 * 32))
+    yield eng
+    eng.close()
+
+
+def test_latency_spike_costs_one_cut_per_interval_and_recovers(engine, tmp_path):
+    from metronome.admission import AIMDParams, make_controller
+    from metronome.probe.live_run import make_plans, run
+    from metronome.workload import Arrivals, Durations
+
+    interval, spike_at, spike_s, horizon = 0.5, 5.0, 3.0, 14.0
+    params = AIMDParams(interval_s=interval, initial_limit=2, max_limit=4, target_fraction=0.5,
+                        decrease_factor=0.5)
+    ctl = make_controller("aimd", 0.05, params)  # target: 25 ms; a frame here takes ~8 ms
+    plans = make_plans(Arrivals("poisson", rate_per_s=6.0), Durations.parse("1.5"), horizon, seed=3)
+    burners = []
+    t = {}
+
+    def hold(driver):
+        t["t0"] = time.perf_counter()
+
+    import threading
+
+    def inject():
+        while "t0" not in t:
+            time.sleep(0.01)
+        time.sleep(max(0.0, t["t0"] + spike_at - time.perf_counter()))
+        code = "import time\nend = time.time() + %f\nwhile time.time() < end: pass\n" % spike_s
+        burners.extend(subprocess.Popen([sys.executable, "-c", code]) for _ in range(4))
+
+    th = threading.Thread(target=inject)
+    th.start()
+    try:
+        res, summary = run(engine, STREAM, plans, horizon, ctl, tmp_path, deadline_s=0.05, on_driver=hold)
+    finally:
+        th.join()
+        for b in burners:
+            b.wait(timeout=30)
+    trace = pd.read_parquet(tmp_path / "controller.parquet")
+    print(trace[["t_s", "limit", "in_flight", "p_latency_s", "frames", "decision"]].to_string())  # shown on failure
+    limit_before = trace[trace.t_s <= spike_at].limit.iloc[-1]
+    during = trace[(trace.t_s > spike_at) & (trace.t_s <= spike_at + spike_s + interval)]
+    cuts = during[during.decision == "decrease"]
+    # the spike was seen...
+    assert len(cuts) >= 1, trace.to_string()
+    # ...and cost at most one multiplicative cut per control interval it lasted: each cut is one step of
+    # L <- max(1, min(floor(b L), L - 1)) from the limit the interval before
+    assert len(cuts) <= len(during)
+    prev = trace.limit.shift(1)
+    for i in cuts.index:
+        L = prev.loc[i]
+        assert trace.limit.loc[i] == max(1, min(int(L * 0.5 + 1e-9), L - 1)), trace.to_string()
+    assert during.limit.min() >= max(1, int(limit_before * 0.5 ** len(during)))
+    # ...and the limit recovered once the load was gone
+    after = trace[trace.t_s > spike_at + spike_s + 2 * interval]
+    assert (after.decision == "increase").any(), trace.to_string()
+    assert after.limit.max() > during.limit.min(), trace.to_string()
+    assert after.limit.max() >= limit_before - 1, trace.to_string()
