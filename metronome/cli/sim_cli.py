@@ -465,7 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--mc-runs", dest="mc_runs", type=int, default=5,
                     help="Monte Carlo runs per metastability cell (default 5)")
     rp.add_argument("--live", action="append", default=None,
-                    help="folder written by metronome-probe validate (its summary.json); once per --calibration, in order")
+                    help="live results for the fidelity section: the --out folder of metronome-probe validate, of "
+                         "metronome-probe run (re-simulated with this calibration unless it has a sim/ folder) or of "
+                         "benchmarks/bench_live_aimd.py (its run subfolders); once per --calibration, in order")
     rp.add_argument("--out", required=True, help="output folder for report.html, report.md and report.json")
     add_executor_options(rp)
     rp.set_defaults(fn=cmd_report)

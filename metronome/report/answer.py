@@ -139,6 +139,15 @@ def answer_table(data: dict) -> tuple[list[str], list[list[str]]]:
 
 
 # ------------------------------------------------------------------------------------------ fidelity
+LIVE_HINT = ("pass --live DIR (the --out folder of metronome-probe validate or run, or of "
+             "benchmarks/bench_live_aimd.py)")
+
+
+def sessions(x: float | None) -> str:
+    """A (mean) number of sessions."""
+    return "n/a" if x is None else f"{x:,.1f}"
+
+
 def fidelity(c: dict) -> tuple[str, list[list[str]] | None]:
     """A sentence and, with live results, rows: policy, metric, measured, predicted, error."""
     kind = c["provenance"]["kind"]
@@ -149,9 +158,11 @@ def fidelity(c: dict) -> tuple[str, list[list[str]] | None]:
                     f"by {c['provenance']['source']}, not measured. The shape of every curve "
                     "(the cliff, the bound, the race) follows from the KV arithmetic and holds; the absolute N*, "
                     "t_sat and latencies are as good as the roofline. Measure the target with metronome-probe and "
-                    "pass --live DIR from metronome-probe validate to see predicted against measured here.", None)
+                    f"{LIVE_HINT} to see predicted against measured here.", None)
         return (f"{c['name']} is measured ({c['provenance']['source']}, {c['provenance']['date']}) but no live "
-                "validation was given: pass --live DIR from metronome-probe validate to compare.", None)
+                f"results were given: {LIVE_HINT} to compare.", None)
+    if live.get("kind") == "runs":
+        return runs_fidelity(c, live)
     rows = []
     for name, p in live["policies"].items():
         rows.append([name, "t_sat", secs(p["t_sat_observed_s"]), secs(p["t_sat_predicted_s"]),
@@ -166,6 +177,80 @@ def fidelity(c: dict) -> tuple[str, list[list[str]] | None]:
     return (f"Live validation from {live['source']}{' (' + meta + ')' if meta else ''}: the engine measured, the "
             f"simulator predicted from the calibration just measured. Errors are (predicted − measured) / measured.",
             rows)
+
+
+def run_rows(run: dict) -> list[list[str]]:
+    """One live admission run's fidelity rows: live (measured) beside simulated (predicted)."""
+    f, lab = run["figures"], run["label"]
+
+    def row(figure: str, key: str, fmt) -> list[str]:
+        return [lab, figure, fmt(f[key]["live"]), fmt(f[key]["simulated"]), rel(f[key]["relative_error"])]
+
+    rows = [row("settled concurrency (mean admitted, 2nd half)", "settled_sessions", sessions)]
+    if f["settled_limit"]["live"] is not None or f["settled_limit"]["simulated"] is not None:
+        ctl = run.get("controller") or "admission"
+        rows.append(row(f"settled {ctl.upper() if ctl in ('aimd', 'static') else ctl} limit", "settled_limit",
+                        sessions))
+    if run.get("n_star") is not None:
+        on = f": {run['n_star_policy']}" if run.get("n_star_policy") else ""
+        rows.append([lab, f"N* (simulator{on})", "n/a", count(run["n_star"]), "n/a"])
+    off = f["sessions_offered"]
+    adm = f["sessions_admitted"]
+    rows.append([lab, "sessions admitted", f"{count(adm['live'])} of {count(off['live'])}",
+                 f"{count(adm['simulated'])} of {count(off['simulated'])}", rel(adm["relative_error"])])
+    rows.append(row("silent frames", "silent_frame_fraction", pct))
+    rows.append(row("preemptions", "preemptions", count))
+    rows.append(row("p50 frame latency", "p50_frame_latency_s", ms))
+    rows.append(row("p99 frame latency", "p99_frame_latency_s", ms))
+    return rows
+
+
+def run_meta_words(meta: dict) -> str:
+    """A live run's workload in words: deadline, pool, arrivals, session durations, controller, seed."""
+    words = {"model": lambda v: f"model {v}", "deadline_s": lambda v: f"{1e3 * v:g} ms deadline",
+             "num_blocks": lambda v: f"{v:,} blocks", "window": lambda v: f"window {v}",
+             "arrival_rate": lambda v: f"Poisson {v:g}/s", "rate_pattern": lambda v: f"rate pattern {v}",
+             "durations": lambda v: f"durations {v}", "session_duration": lambda v: f"durations {v}",
+             "admission": lambda v: f"admission {v}", "seed": lambda v: f"seed {v}"}
+    return ", ".join(words[k](v) if k in words else f"{k} {v}" for k, v in meta.items())
+
+
+def runs_fidelity(c: dict, live: dict) -> tuple[str, list[list[str]]]:
+    """The sentence and rows for live admission runs (a metronome-probe run folder or the benchmark's)."""
+    runs = list(live["runs"].values())
+    meta = run_meta_words(live.get("meta", {}))
+    what = ("Live AIMD runs of benchmarks/bench_live_aimd.py" if live["origin"] == "benchmark"
+            else "A live admission run (metronome-probe run)")
+    parts = [f"{what} from {live['source']}{' (' + meta + ')' if meta else ''}, beside the simulator."]
+    here = [r for r in runs if r.get("simulated_by") == "report"]
+    folder = [r for r in runs if r.get("simulated_by") == "sim/"]
+    if here:
+        where = c["provenance"]["path"] or c["spec"]
+        parts.append(f"{', '.join(r['label'] for r in here)}: re-simulated here with this report's calibration "
+                     f"{c['name']} ({c['provenance']['kind']}, {where}) on the run's own workload: the same seed, "
+                     "arrivals and session durations, the same controller and settings, KV policy, pool and "
+                     "deadline; N* is the simulator's for that policy, pool and deadline.")
+    if folder:
+        cals = sorted({r.get("simulated_with") or "an unnamed calibration" for r in folder})
+        same = cals == [c["name"]]
+        parts.append(f"{', '.join(r['label'] for r in folder)}: simulated by the "
+                     f"{'benchmark' if live['origin'] == 'benchmark' else 'run'} itself (its sim/ folder) with the "
+                     f"calibration {', '.join(cals)}"
+                     + ("." if same else f", not with this report's {c['name']}."))
+    for r in runs:
+        f = r["figures"]["settled_sessions"]
+        s = f"{r['label']}: live settled at {sessions(f['live'])} sessions, simulated {sessions(f['simulated'])}"
+        n = r.get("n_star")
+        if n:
+            vs = [f"{who} {rel(None if x is None else (x - n) / n)}" for who, x in
+                  (("live", f["live"]), ("simulated", f["simulated"]))]
+            s += f" (N* = {count(n)}: {', '.join(vs)})"
+        parts.append(s + ".")
+    parts.append("Settled concurrency is the mean of the admitted sessions over the second half of the run; "
+                 "errors are (simulated − live) / live. The figure in report.html shows admitted sessions and the "
+                 "controller's limit over time, live beside simulated.")
+    rows = [row for r in runs for row in run_rows(r)]
+    return " ".join(parts), rows
 
 
 FIDELITY_HEADER = ["policy", "figure", "measured", "predicted", "error"]

@@ -5,7 +5,9 @@ Three phases, each fanned out over the executor with its own progress:
 1. **capacity** per calibration: memory ceiling, deadline-bound N*, which binds;
 2. **AIMD tuning** per calibration on an overload mix at 1.5× N* (a small grid);
 3. **simulation**: everything else in one batch — the unbounded verdict at N*, pool fill for several
-   N, the latency signal against N, the Monte Carlo metastability grid and the admission traces.
+   N, the latency signal against N, the Monte Carlo metastability grid, the admission traces and, for a
+   ``--live`` run folder without a ``sim/`` folder, the run's workload re-simulated with the calibration
+   (and the simulator's N* for the run's policy, pool and deadline).
 
 Every simulated run is seeded by its own point, so the report is the same whichever executor and how
 many workers run it. The dict is JSON-ready; :mod:`metronome.report.answer` turns it into the words and
@@ -14,6 +16,7 @@ numbers both renderers print.
 
 from __future__ import annotations
 
+import copy
 import math
 import platform
 import shlex
@@ -21,6 +24,7 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+import pandas as pd
 
 from metronome import __version__
 from metronome import calibration as calmod
@@ -28,7 +32,7 @@ from metronome.errors import MetronomeError
 from metronome.kv_policy import make_policy
 from metronome.workload import Durations
 
-from metronome.report.live import read_live
+from metronome.report.live import attach_simulation, check_resimulation, read_live, sim_side
 from metronome.report.plan import (FILL_FRACTIONS, MC_FRACTIONS, MC_HORIZON_FACTOR, MISS_BUDGET, OVERLOAD,
                                    PERCENTILE, SIGNAL_FRACTIONS, TARGET_FRACTION, TUNING_GRID, WINDOW_CONTEXT_S,
                                    Plan,
@@ -72,7 +76,21 @@ def _sim_task(task: tuple[str, dict]) -> dict:
         out["occupancy"] = [round(float(x) / pool, 5) for x in st["resident_blocks"].to_numpy()[idx]] if len(t) else []
     elif kind == "admission":
         out["trace"] = _bucket_trace(res.controller_trace or [], point["horizon"])
+    elif kind == "live":
+        out.update(_live_sim(res))
     return out
+
+
+def _live_sim(res) -> dict:
+    """A live run re-simulated: the simulated side (as read from a sim/ folder) and the simulator's N* for the
+    run's policy, pool and deadline (p99 at most ``TARGET_FRACTION`` of it; unbounded: at the mean duration)."""
+    ctl = pd.DataFrame(res.controller_trace) if res.controller_trace else None
+    sc = res.scenario
+    mean = sc.durations.mean_s if sc.durations is not None else None
+    cap = capacity(sc.calibration, sc.policy, sc.deadline, TARGET_FRACTION, PERCENTILE,
+                   mean if mean is not None and math.isfinite(mean) else None)
+    return {"side": sim_side(res.summary, res.steps, ctl), "n_star": cap["n_star"],
+            "n_star_policy": f"{sc.policy.describe()}, {1e3 * sc.deadline:g} ms deadline, {cap['binding']} binds"}
 
 
 def _bucket_trace(trace: list[dict], horizon_s: float) -> dict:
@@ -144,6 +162,8 @@ def load_plans(options: ReportOptions) -> tuple[list[Plan], list[dict | None]]:
     if len(set(names)) != len(names):
         raise MetronomeError(f"--calibration given twice for {names[0]!r}: compare two different calibrations")
     live = [read_live(d) for d in options.live] + [None] * (len(plans) - len(options.live))
+    for plan, lv in zip(plans, live):  # a live run without sim/ is re-simulated with this plan's calibration
+        check_resimulation(lv, plan.calibration)
     for plan in plans:  # build one scenario of each kind now: a bad combination fails before the work
         scn.make_scenario(**plan.base(**plan.bound_options(), sessions=plan.memory_ceiling, horizon=1.0,
                                       session_duration=plan.session_duration))
@@ -217,9 +237,14 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
             params = tun["best"]["params"] if tun["best"] else None
             add(ci, "admission", pol, "admission",
                 {**plan.admission_point(n_star, kw["kv"]), "aimd_params": params, "seed": plan.seed})
+    for ci, (plan, lv) in enumerate(zip(plans, live)):  # live runs without a sim/ folder: simulate them here
+        for name, run in (lv["runs"].items() if lv and lv["kind"] == "runs" else ()):
+            if run["scenario"] is not None:
+                add(ci, "live", name, "live", {"calibration": plan.spec, **run["scenario"]["options"]})
     results = executor.map(_sim_task, batch, progress=progress(f"simulating: {len(batch)} runs", len(batch)))
 
-    per_cal: list[dict[str, dict]] = [{"fill": {}, "signal": {}, "mc": {}, "admission": {}} for _ in plans]
+    per_cal: list[dict[str, dict]] = [{"fill": {}, "signal": {}, "mc": {}, "admission": {}, "live": {}}
+                                      for _ in plans]
     for (ci, section, key), res in zip(index, results):
         if section == "verdict":
             per_cal[ci]["verdict"] = res["summary"]
@@ -266,6 +291,21 @@ def reproduce_command(options: ReportOptions, out: str = "OUT") -> str:
         parts += ["--live", d]
     parts += ["--out", out]
     return " ".join(shlex.quote(p) for p in parts)
+
+
+def _live_data(live: dict | None, raw: dict, plan: Plan) -> dict | None:
+    """The --live folder's data, with the report's own simulation beside each run that had no sim/ folder."""
+    if live is None or live["kind"] != "runs":
+        return live
+    live = copy.deepcopy(live)
+    for name, run in live["runs"].items():
+        sc = run.pop("scenario")
+        if sc is None:
+            continue
+        res = raw["live"][name]
+        attach_simulation(run, res["side"], plan.calibration.name, res["n_star"], res["n_star_policy"])
+        run["simulated_options"] = sc["options"]
+    return live
 
 
 def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | None) -> dict:
@@ -376,5 +416,5 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
         "signal": signal,
         "metastability": meta,
         "admission": admission,
-        "live": live,
+        "live": _live_data(live, raw, plan),
     }

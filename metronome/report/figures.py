@@ -204,7 +204,70 @@ def admission(data: dict) -> go.Figure:
     return _layout(fig, 900)
 
 
+# ------------------------------------------------------------------------------------------ 6. fidelity
+N_STAR = "#2ca02c"
+
+
+def live_runs(data: dict) -> go.Figure | None:
+    """Live admission runs (``--live`` run or benchmark folders) beside the simulator: admitted sessions and the
+    controller's limit over time, one subplot per run (rows) and calibration (columns); None without such runs.
+    Live in the policy's colour (red unbounded, blue bounded), simulated in grey; limits dotted; N* dashed."""
+    cals = [c for c in data["calibrations"] if (c.get("live") or {}).get("kind") == "runs"]
+    if not cals:
+        return None
+    per = [list(c["live"]["runs"].values()) for c in cals]
+    n_rows = max(len(r) for r in per)
+    titles = []
+    for i in range(n_rows):
+        for c, runs in zip(cals, per):
+            r = runs[i] if i < len(runs) else None
+            titles.append("" if r is None else f"<b>{c['name']}</b> · {r['label']}"
+                          + (f" · N* = {r['n_star']:,}" if r.get("n_star") else ""))
+    fig = make_subplots(rows=n_rows, cols=len(cals), vertical_spacing=min(0.14, 0.6 / n_rows),
+                        horizontal_spacing=0.07, subplot_titles=titles)
+    shown: set[str] = set()
+
+    def once(name: str) -> bool:
+        first = name not in shown
+        shown.add(name)
+        return first
+
+    for j, runs in enumerate(per, start=1):
+        for i, r in enumerate(runs, start=1):
+            col = BOUNDED if r["bounded"] else UNBOUNDED
+            lab = r["label"]
+            for side, color, who in (("live", col, f"{lab}: live"), ("simulated", GREY, "simulated")):
+                d = r.get(side)
+                if d is None:
+                    continue
+                ses, lim = d["series"]["sessions"], d["series"]["limit"]
+                name = f"{who} admitted"
+                fig.add_trace(go.Scatter(x=ses["t_s"], y=ses["value"], mode="lines", name=name, legendgroup=name,
+                                         line=dict(color=color, width=2.5 if side == "live" else 2),
+                                         showlegend=once(name),
+                                         hovertemplate=f"{lab} · {side}<br>%{{x:.0f}} s: %{{y:.1f}} sessions admitted"
+                                                       "<extra></extra>"), i, j)
+                if lim is not None:
+                    name = f"{who} limit"
+                    fig.add_trace(go.Scatter(x=lim["t_s"], y=lim["value"], mode="lines", name=name, legendgroup=name,
+                                             line=dict(color=color, width=1.5, dash="dot", shape="hv"),
+                                             showlegend=once(name),
+                                             hovertemplate=f"{lab} · {side}<br>%{{x:.0f}} s: limit %{{y:.0f}}"
+                                                           "<extra></extra>"), i, j)
+            if r.get("n_star"):
+                fig.add_hline(y=r["n_star"], line=dict(color=N_STAR, dash="dash", width=1.5), row=i, col=j,
+                              annotation_text=f"N* = {r['n_star']:,}", annotation_position="top left",
+                              annotation_font_color=N_STAR)
+            fig.update_yaxes(title_text="sessions" if j == 1 else None, rangemode="tozero", row=i, col=j)
+            fig.update_xaxes(title_text="time since the run started (s)", row=i, col=j)
+    return _layout(fig, 120 + 340 * n_rows)
+
+
 def all_figures(data: dict) -> dict[str, go.Figure]:
-    """Section id -> figure, in page order."""
-    return {"fill": pool_fill(data), "metastability": metastability(data), "signal": signal(data),
+    """Section id -> figure, in page order (``live`` only with live admission runs)."""
+    figs = {"fill": pool_fill(data), "metastability": metastability(data), "signal": signal(data),
             "admission": admission(data)}
+    live = live_runs(data)
+    if live is not None:
+        figs["live"] = live
+    return figs

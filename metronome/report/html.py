@@ -115,7 +115,9 @@ def render_html(data: dict) -> str:
         text, frows = A.fidelity(c)
         fid.append(f"<div><p><b>{esc(c['name'])}.</b> {esc(text)}</p>"
                    + (html_table(A.FIDELITY_HEADER, frows) if frows else "") + "</div>")
-    body.append('<section id="fidelity"><h2>6. Fidelity</h2><div class="grid2">' + "".join(fid) + "</div></section>")
+    live_fig = _figure(figs["live"], "live") if "live" in figs else ""
+    body.append('<section id="fidelity"><h2>6. Fidelity</h2><div class="grid2">' + "".join(fid) + "</div>"
+                + live_fig + "</section>")
 
     prov = []
     for c in cals:
