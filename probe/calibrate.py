@@ -71,6 +71,11 @@ class CalibrateOptions:
     # between frames, and the first step after idle is measurably slower (caches, clocks) than one in a burst
     chunk_idle_s: float = 0.0
     growth_tokens: int = 2048  # how far the kv-growth session grows (capped by max_model_len)
+    # paced runs: N sessions streaming on the frame clock through the real-time driver for paced_seconds each;
+    # their steps (timed from the frame's tick or the previous step, so the driver's hand-off and the cold first
+    # step after the idle gap are in) join the fit. Points whose sessions would not fit the pool are skipped.
+    paced_sessions: tuple[int, ...] = (1, 4, 8, 16, 24, 32)
+    paced_seconds: float = 3.0
     fill_sessions: int = 4
     fill_seconds: float | None = None  # default: max(5 s, 8 frames), at most 30 s
     save: bool = False
@@ -89,6 +94,8 @@ class CalibrateOptions:
             d["sinks"] = self.sinks
         if self.chunk_idle_s:
             d["chunk_idle_s"] = self.chunk_idle_s
+        if self.paced_sessions:
+            d["paced"] = [list(self.paced_sessions), self.paced_seconds]
         return json.loads(json.dumps(d))
 
 
@@ -215,6 +222,12 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
                     measure_point(engine, policy, opts, n, c, run.journals["grid"], run.attempt, key)
                     run.mark_done(key)
                 bar.advance()
+            for n in paced_points(opts, engine, policy, stream):
+                key = f"paced N={n}"
+                bar.describe(key)
+                if key not in run.done:
+                    run.mark_done(key, measure_paced(engine, policy, stream, opts, n, run.journals["grid"],
+                                                     run.attempt, key))
             if "fill" not in run.done:
                 bar.describe("fill rate")
                 fill = measure_fill(engine, stream, opts, run.dir, run.attempt)
@@ -226,6 +239,7 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
             "pool": run.done["pool"]["result"], "kv_growth": run.done["kv_growth"]["result"],
             "fill_rate": run.done["fill"]["result"], "step_fit": fit,
             "grid_points": [list(p) for p in points],
+            "paced": {k: v["result"] for k, v in run.done.items() if k.startswith("paced N=")},
             "host": {"cpus": os.cpu_count(), "load_avg_start": load_before, "load_avg_end": os.getloadavg()[0]},
         }
         cal = build_calibration(engine, opts, policy, stream, pool, fit, measurements)
@@ -362,6 +376,65 @@ def grid_points(opts: CalibrateOptions, engine: Engine, policy: KVPolicy) -> lis
     return pts
 
 
+def paced_points(opts: CalibrateOptions, engine: Engine, policy: KVPolicy, stream: TokenStream) -> list[int]:
+    """The paced session counts whose sessions all fit the pool (and max_model_len) for the whole paced run."""
+    if not opts.paced_sessions or opts.paced_seconds <= 0:
+        return []
+    tokens = int(stream.kv_tokens_per_s * opts.paced_seconds) + 3 * stream.kv_tokens_per_frame
+    if tokens >= engine.max_model_len and not policy.bounded:
+        return []
+    blocks = int(policy.resident_blocks(tokens)) + 1
+    return [n for n in sorted(set(opts.paced_sessions))
+            if n <= opts.max_num_seqs and n * blocks <= engine.num_blocks - 1]
+
+
+def effective_step_s(steps: pd.DataFrame, period_s: float) -> np.ndarray:
+    """Each step's time as a frame sees it: from the previous step's end or the frame's tick, whichever is later,
+    to its own end. Summed over a frame's steps this is the frame's latency; it includes the driver's hand-off
+    between steps and its wake-up at the tick, which an engine timed alone does not show."""
+    end = steps.t_s.to_numpy(float)
+    start = steps.t_start_s.to_numpy(float)
+    tick = np.floor(start / period_s + 1e-9) * period_s
+    prev = np.concatenate([[-np.inf], end[:-1]])
+    return end - np.maximum(prev, tick), tick > prev
+
+
+def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: CalibrateOptions, n: int,
+                  journal: Journal | None, attempt: int, key: str) -> dict:
+    """N sessions on the frame clock for ``paced_seconds``; journals each step (kind ``paced``) and returns the
+    frame latencies measured, which ``validate``-style checks compare with the fitted model."""
+    from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+
+    engine.reset()
+    cfg = DriverConfig(stream=stream, horizon_s=opts.paced_seconds, run=key, seed=opts.seed + n, policy=policy,
+                       cap="rebase" if policy.bounded else "finish",
+                       rebase_tokens=policy.rebase_tokens() if policy.bounded else None)
+    res = Driver(engine, cfg).run([SessionPlan(f"paced{n}.{i}") for i in range(n)])
+    engine.reset()
+    steps = pd.DataFrame(res.steps)
+    if steps.empty:
+        return {"sessions": n, "steps": 0}
+    steps["eff"], steps["first"] = effective_step_s(steps, stream.frame_period_s)
+    warm = 3 * stream.frame_period_s  # the sessions' first frames carry their prefill and the engine warms up
+    keep = steps[(steps.t_start_s >= warm) & (steps.preemptions == 0)]
+    for r in keep.itertuples():
+        row = {"attempt": attempt, "phase": key, "kind": "paced", "sessions": n, "context": 0, "chunk_tokens": 0,
+               "step_s": float(r.eff), "engine_step_s": float(r.step_s), "batch": int(r.batch), "first": bool(r.first),
+               "new_tokens": int(r.new_tokens), "context_tokens": int(r.resident_tokens),
+               "raw_context_tokens": int(r.context_tokens), "prefill_tokens": int(r.prefill_tokens),
+               "preemptions": 0}
+        if journal is not None:
+            journal.append(row)
+    frames = [f for f in res.frames if not f["censored"] and f["latency_s"] is not None and f["tick_s"] >= warm]
+    lat = np.array([f["latency_s"] for f in frames], float)
+    return {"sessions": n, "seconds": opts.paced_seconds, "steps": int(len(keep)), "frames": int(lat.size),
+            "p50_frame_latency_s": float(np.percentile(lat, 50)) if lat.size else None,
+            "p99_frame_latency_s": float(np.percentile(lat, 99)) if lat.size else None,
+            "median_engine_step_s": float(keep.step_s.median()) if len(keep) else None,
+            "median_effective_step_s": float(keep.eff.median()) if len(keep) else None,
+            "silent_frame_fraction": res.summary["silent_frame_fraction"]}
+
+
 def _warm_up(engine: Engine) -> None:
     """A few untimed steps first: the first forward passes pay one-off costs (allocation, kernel selection)."""
     engine.reset()
@@ -387,6 +460,7 @@ def measure_point(engine: Engine, policy: KVPolicy, opts: CalibrateOptions, n: i
             resident = int(sum(policy.resident_tokens(k) for k in info.computed.values()))
             row = {"attempt": attempt, "phase": key, "kind": phase, "sessions": n, "context": c,
                    "chunk_tokens": chunk_tokens, "step_s": info.duration_s, "batch": info.batch,
+                   "first": bool(phase == "chunk" and opts.chunk_idle_s > 0),  # the first step after an idle gap
                    "new_tokens": info.new_tokens, "context_tokens": resident, "raw_context_tokens": info.context_tokens,
                    "prefill_tokens": info.prefill_tokens, "preemptions": len(info.preempted)}
             rows.append(row)
@@ -414,21 +488,56 @@ def _groups(grid: pd.DataFrame) -> pd.DataFrame:
     """One row per measured situation, with the median step time over its repeats.
 
     Decode steps group per grid point, chunk steps per (point, chunk size), prefill steps per identical
-    (point, batch, new, context) shape. Medians keep a stray slow step (another process on the cores)
-    from pulling the fit.
+    (point, batch, new, context) shape, paced steps per (run, batch, new tokens, first step of a frame or not).
+    Medians keep a stray slow step (another process on the cores) from pulling the fit. ``first`` marks a
+    situation whose steps came right after an idle gap (a frame's first step).
     """
     g = grid[grid["preemptions"] == 0].copy()
+    g["first"] = g["first"].fillna(False).astype(bool) if "first" in g else False
     g["point"] = g["phase"].str.replace("grid ", "", regex=False)
-    cols = ["batch", "context_tokens", "new_tokens", "step_s"]
-    dec = g[g.kind == "decode"].groupby("point")[cols].median().reset_index()
+    cols = ["batch", "context_tokens", "new_tokens", "step_s", "first"]
+    med = ["batch", "context_tokens", "new_tokens", "step_s"]
+    dec = g[g.kind == "decode"].groupby(["point", "first"])[med].median().reset_index()
     dec["label"] = "decode " + dec["point"]
-    chk = g[g.kind == "chunk"].groupby(["point", "chunk_tokens"])[cols].median().reset_index()
+    chk = g[g.kind == "chunk"].groupby(["point", "chunk_tokens", "first"])[med].median().reset_index()
     chk["label"] = "chunk" + chk["chunk_tokens"].astype(str) + " " + chk["point"]
-    pre = g[g.kind == "prefill"].groupby(["point", "batch", "new_tokens", "context_tokens"])["step_s"].median()
+    pre = g[g.kind == "prefill"].groupby(["point", "batch", "new_tokens", "context_tokens", "first"])["step_s"].median()
     pre = pre.reset_index()
     pre["label"] = ("prefill " + pre["point"] + " b" + pre["batch"].astype(str) + " new" + pre["new_tokens"].astype(str)
                     + " ctx" + pre["context_tokens"].astype(str))
-    return pd.concat([dec[["label"] + cols], chk[["label"] + cols], pre[["label"] + cols]], ignore_index=True)
+    parts = [dec[["label"] + cols], chk[["label"] + cols], pre[["label"] + cols]]
+    paced = g[g.kind == "paced"]
+    if len(paced):  # real-time steps: one situation per (run, batch, new tokens, first step or not), 5+ samples
+        keys = ["point", "batch", "new_tokens", "first"]
+        grp = paced.groupby(keys)
+        pac = grp[["context_tokens", "step_s"]].median().reset_index()
+        pac = pac[grp.size().to_numpy() >= 5]
+        pac["label"] = (pac["point"] + " b" + pac["batch"].astype(str) + " new" + pac["new_tokens"].astype(str)
+                        + np.where(pac["first"], " first", ""))
+        parts.append(pac[["label"] + cols])
+    return pd.concat(parts, ignore_index=True)
+
+
+JITTER_P = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
+
+
+def step_jitter(grid: pd.DataFrame) -> list[list[float]]:
+    """``(p, ratio)`` points of paced steps' time over the median of their situation (run, batch, new tokens,
+    first step or not): the spread a real-time engine adds around the model. The top point is the 99.9th
+    percentile, so one freak step does not set the tail. Empty without paced steps."""
+    if "kind" not in grid or not (grid.kind == "paced").any():
+        return []
+    g = grid[(grid.kind == "paced") & (grid.preemptions == 0)].copy()
+    g["first"] = g["first"].fillna(False).astype(bool) if "first" in g else False
+    keys = ["phase", "batch", "new_tokens", "first"]
+    size = g.groupby(keys).step_s.transform("size")
+    g = g[size >= 5]
+    if len(g) < 50:
+        return []
+    r = (g.step_s / g.groupby(keys).step_s.transform("median")).to_numpy(float)
+    q = np.quantile(r, [min(p, 0.999) for p in JITTER_P])
+    q = np.maximum.accumulate(np.maximum(q, 1e-3))
+    return [[p, round(float(v), 6)] for p, v in zip(JITTER_P, q)]
 
 
 def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -437,7 +546,8 @@ def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_step_latency(grid: pd.DataFrame) -> dict:
-    """Fit ``step_s = base + per_seq·batch + per_ctx·context + per_new·new`` (all ≥ 0) on relative error.
+    """Fit ``step_s = base + per_seq·batch + per_ctx·context + per_new·new (+ frame_first for a step that comes
+    after an idle gap)`` (all ≥ 0) on relative error; also the paced steps' jitter (:func:`step_jitter`).
 
     Small decode steps weigh as much as big prefill steps. One outlier pass drops points the first fit
     misses by more than max(50%, 4 × the median miss) (interference, not the engine) and refits; the error
@@ -446,28 +556,37 @@ def fit_step_latency(grid: pd.DataFrame) -> dict:
     if grid.empty:
         raise MetronomeError("no step-latency samples to fit")
     pts = _groups(grid)
-    X = np.column_stack([np.ones(len(pts)), pts.batch, pts.context_tokens, pts.new_tokens]).astype(float)
+    X = np.column_stack([np.ones(len(pts)), pts.batch, pts.context_tokens, pts.new_tokens,
+                         pts["first"].astype(float)]).astype(float)
     y = pts.step_s.to_numpy(float)
-    coef = _nnls_rel(X, y)
+    paced = pts.label.str.startswith("paced").to_numpy()
+    # With paced runs, decode and chunk steps come from them: the grid's back-to-back steps are a busier,
+    # warmer engine than a real-time one (they stay in per_point_rel_error, not in the fit). Prefill shapes
+    # come from the grid either way.
+    used = (paced | pts.label.str.startswith("prefill").to_numpy()) if paced.sum() >= 4 else np.ones(len(y), bool)
+    coef = _nnls_rel(X[used], y[used])
     miss = np.abs(X @ coef - y) / y
-    inlier = miss <= max(0.5, 4 * float(np.median(miss)))
+    inlier = used & (miss <= max(0.5, 4 * float(np.median(miss[used]))))
     if inlier.sum() >= 4:
         coef = _nnls_rel(X[inlier], y[inlier])
     pred = X @ coef
     rel = (pred - y) / y
     a = np.abs(rel[inlier])
+    decode = pts.label.str.startswith("decode").to_numpy()
     return {
         "base_s": float(coef[0]), "per_seq_s": float(coef[1]), "per_context_token_s": float(coef[2]),
-        "per_new_token_s": float(coef[3]),
+        "per_new_token_s": float(coef[3]), "frame_first_s": float(coef[4]), "jitter": step_jitter(grid),
         "fitted_range": {"batch": [float(pts.batch.min()), float(pts.batch.max())],
                          "context_tokens": [float(pts.context_tokens.min()), float(pts.context_tokens.max())],
                          "new_tokens": [float(pts.new_tokens.min()), float(pts.new_tokens.max())]},
         "error": {"median_abs_rel": float(np.median(a)), "p90_abs_rel": float(np.percentile(a, 90)),
                   "max_abs_rel": float(np.max(a)), "rmse_s": float(np.sqrt(np.mean((pred - y)[inlier] ** 2))),
-                  "points": float(len(y)), "outliers": float((~inlier).sum()),
-                  "median_abs_rel_decode": float(np.median(np.abs(rel[pts.label.str.startswith("decode").to_numpy()])))},
+                  "points": float(used.sum()), "outliers": float((used & ~inlier).sum()),
+                  "points_not_fitted": float((~used).sum()),
+                  **({"median_abs_rel_decode": float(np.median(np.abs(rel[decode])))} if decode.any() else {}),
+                  **({"median_abs_rel_paced": float(np.median(np.abs(rel[paced])))} if paced.any() else {})},
         "per_point_rel_error": {lab: float(e) for lab, e in zip(pts.label, rel)},
-        "outliers": [lab for lab, ok in zip(pts.label, inlier) if not ok],
+        "outliers": [lab for lab, ok, u in zip(pts.label, inlier, used) if u and not ok],
     }
 
 
@@ -554,7 +673,8 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
                           reserved_blocks=1),  # vLLM's null block: counted in num_gpu_blocks, never allocated
         step_latency=StepLatencyModel(
             base_s=fit["base_s"], per_seq_s=fit["per_seq_s"], per_context_token_s=fit["per_context_token_s"],
-            per_new_token_s=fit["per_new_token_s"],
+            per_new_token_s=fit["per_new_token_s"], frame_first_s=fit.get("frame_first_s", 0.0),
+            jitter=tuple(tuple(pt) for pt in fit.get("jitter", ())),
             fitted_range={k: tuple(v) for k, v in fit["fitted_range"].items()},
             fit_error={**err, **fit["per_point_rel_error"]}),
         provenance=Provenance(

@@ -649,6 +649,8 @@ class Driver:
         p = eng.pool()
         row = {"t_s": now, "t_start_s": t_start, "stalled": stalled, "step_s": info.duration_s,
                "batch": info.batch, "new_tokens": info.new_tokens, "context_tokens": info.context_tokens,
+               # the KV the step attended over under the policy (the simulator's context_tokens)
+               "resident_tokens": int(sum(self.policy.resident_tokens(k) for k in info.computed.values())),
                "prefill_tokens": info.prefill_tokens, "preemptions": len(preempted),
                "preempted": [v for v, _ in preempted], "engine_preempted": info.preempted,
                "free_blocks": p.free_blocks, "used_blocks": p.used_blocks, "kv_usage": p.kv_usage,

@@ -54,7 +54,7 @@ class SimEngine:
     def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy,
                  arrival_s: np.ndarray, duration_s: np.ndarray, horizon_s: float, deadline_s: float,
                  controller=None, fast_forward: bool = True, max_span_steps: int = 256,
-                 check_invariants: bool = False):
+                 check_invariants: bool = False, seed: int = 0):
         self.env, self.cal, self.policy = env, calibration, policy
         self.horizon = float(horizon_s)
         self.deadline = float(deadline_s)
@@ -72,6 +72,10 @@ class SimEngine:
         self.watermark = calibration.engine.watermark_blocks
         self.budget = calibration.engine.max_num_batched_tokens
         self.lat = calibration.step_latency
+        self.first_s = float(self.lat.frame_first_s)  # extra time of a frame's first step (after the idle gap)
+        self.jitter = bool(self.lat.jitter)  # step i takes the model's time x lat.ratio(i, seed)
+        self.seed = int(seed)
+        self.n_steps = 0  # steps taken: the index of the next step's jitter draw
         self.rebase_tokens = policy.rebase_tokens()
 
         order = np.argsort(arrival_s, kind="stable")
@@ -343,6 +347,11 @@ class SimEngine:
         self.peak_used = max(self.peak_used, self.used)
         ctx = int(pol.resident_tokens(new).sum())
         lat = float(self.lat.step_s(sched.size, ctx, int(tokens.sum())))
+        if first and part.size:
+            lat += self.first_s
+        if self.jitter:
+            lat *= float(self.lat.ratio(self.n_steps, self.seed)[0])
+        self.n_steps += 1
         self._pending = dict(t=now, lat=lat, batch=sched.size, new=int(tokens.sum()), ctx=ctx, pre=preempted)
         self.slow_steps += 1
         return lat
@@ -455,7 +464,9 @@ class SimEngine:
         if S == 0:
             return None
         ctx = weight @ pol.resident_tokens(n_after[:, :S]) + int(t_off.sum())
-        lat = self.lat.step_s(part.size, ctx, part.size * tok[:S])
+        lat = self.lat.step_s(part.size, ctx, part.size * tok[:S]) + self.first_s * (jj[:S] == 0)
+        if self.jitter:
+            lat = lat * self.lat.ratio(self.n_steps + np.arange(S), self.seed)
         # timing: a frame's first step starts at its tick or when the engine frees up
         t_next = self._next_event_time()
         starts = np.empty(S)
@@ -471,6 +482,7 @@ class SimEngine:
             starts[s] = t
             t = t + float(lat[s])
         S = n_ok
+        self.n_steps += S
         if S == 0:
             return None
         starts, lat, ctx = starts[:S], lat[:S], ctx[:S]

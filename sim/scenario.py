@@ -96,7 +96,8 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False)
     env = simpy.Environment()
     controller = sc.admission() if callable(sc.admission) else None
     eng = SimEngine(env, sc.calibration, sc.policy, arrival, duration, sc.horizon_s, sc.deadline,
-                    controller=controller, fast_forward=fast_forward, check_invariants=check_invariants)
+                    controller=controller, fast_forward=fast_forward, check_invariants=check_invariants,
+                    seed=sc.seed)
     eng.start()
     env.run(until=sc.horizon_s)
     eng.finalize()

@@ -86,6 +86,10 @@ def calibrate_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=12, help="decode steps timed per grid point")
     p.add_argument("--fill-sessions", type=int, default=4, help="sessions in the fill-rate run")
     p.add_argument("--fill-seconds", type=float, help="length of the fill-rate run (default: max(5 s, 8 frames))")
+    p.add_argument("--paced-sessions", type=_ints, default=(1, 4, 8, 16, 24, 32), metavar="N,N,...",
+                   help="session counts run on the frame clock; their steps set the real-time step model, the "
+                        "frame's first-step cost and the jitter (counts that do not fit the pool are skipped)")
+    p.add_argument("--paced-seconds", type=float, default=3.0, help="seconds per paced run (0: no paced runs)")
     p.add_argument("--save", action="store_true", help="also write calibration/<name>.json (a preset)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -104,6 +108,8 @@ def calibrate_main(argv: list[str]) -> int:
         raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {args.num_blocks}")
     if args.decode_steps < 1 or args.fill_sessions < 1:
         raise MetronomeError("--decode-steps and --fill-sessions must be at least 1")
+    if not args.paced_seconds >= 0 or any(n < 1 for n in args.paced_sessions):
+        raise MetronomeError("--paced-seconds must be >= 0 and --paced-sessions at least 1 each")
     _check_vllm()
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -115,7 +121,8 @@ def calibrate_main(argv: list[str]) -> int:
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         sinks=args.sinks, kv_cache_gib=args.kv_cache_gib, stream=args.stream, grid_sessions=args.grid_sessions,
         grid_context=args.grid_context, decode_steps=args.decode_steps, fill_sessions=args.fill_sessions,
-        fill_seconds=args.fill_seconds, save=args.save, resume=args.resume, progress=not args.no_progress)
+        fill_seconds=args.fill_seconds, paced_sessions=args.paced_sessions, paced_seconds=args.paced_seconds,
+        save=args.save, resume=args.resume, progress=not args.no_progress)
     policy_for(opts)  # bad --kv/--window combinations fail here, before any engine starts
     try:
         res = run_calibration(opts)
@@ -135,6 +142,14 @@ def calibrate_main(argv: list[str]) -> int:
           f"ns/context token + {sl.per_new_token_s * 1e6:.2f} us/new token; |rel err| median "
           f"{err['median_abs_rel']:.3f} p90 {err['p90_abs_rel']:.3f} max {err['max_abs_rel']:.3f} "
           f"({int(err['points'])} points)")
+    if sl.frame_first_s or sl.jitter:
+        tail = dict(sl.jitter).get(0.99)
+        print(f"real time: a frame's first step +{sl.frame_first_s * 1e3:.3f} ms; step jitter p99 "
+              f"x{tail:.2f}" if tail else f"real time: a frame's first step +{sl.frame_first_s * 1e3:.3f} ms")
+    for key, r in sorted(m.get("paced", {}).items(), key=lambda kv: kv[1].get("sessions", 0)):
+        if r.get("frames"):
+            print(f"paced {r['sessions']:>3} sessions: frame p50 {r['p50_frame_latency_s'] * 1e3:.2f} ms, "
+                  f"p99 {r['p99_frame_latency_s'] * 1e3:.2f} ms ({r['frames']} frames)")
     f = m["fill_rate"]
     if f.get("measured_tokens_per_s") is not None:
         print(f"fill rate: {f['measured_tokens_per_s']:.2f} tokens/s per session (nominal "
