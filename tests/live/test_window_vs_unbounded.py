@@ -98,11 +98,25 @@ def test_prometheus_export(windowed):
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    import threading
+    import time
+
     windowed.reset()
-    cfg = DriverConfig(stream=STREAM, horizon_s=1.0, run="prom", prometheus_port=port)
-    Driver(windowed, cfg).run([SessionPlan("prom0"), SessionPlan("prom1")])
+    cfg = DriverConfig(stream=STREAM, horizon_s=3.0, run="prom", prometheus_port=port)
+    th = threading.Thread(target=lambda: Driver(windowed, cfg).run([SessionPlan("prom0"), SessionPlan("prom1")]))
+    th.start()
+    text = ""
+    while th.is_alive():  # the endpoint lives as long as the run: scrape it while frames complete
+        try:
+            got = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            if "metronome_frames_total" in got:
+                text = got
+        except OSError:
+            pass
+        time.sleep(0.2)
+    th.join()
     windowed.reset()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert text, "the metrics endpoint never answered during the run"
     for name in ("metronome_frame_latency_p99_seconds", "metronome_silent_frames_total", "metronome_kv_pool_usage",
                  "metronome_admission_limit", "metronome_frames_total"):
         assert name in text
