@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 
@@ -69,13 +70,13 @@ def main(argv=None) -> int:
 
     def sample():
         while not done.wait(5.0):
-            samples.append(rss_mib())
+            samples.append((time.time() - t0, rss_mib()))
             engine_samples.append(rss_mib(engine.pid))
 
     th = threading.Thread(target=sample, daemon=True)
     rss_start, engine_start = rss_mib(), rss_mib(engine.pid)
-    th.start()
     t0 = time.time()
+    th.start()
     try:
         res, summary = run(engine, stream, plans, horizon, ctl, out, deadline_s=stream.frame_period_s, seed=args.seed)
         engine_end = rss_mib(engine.pid)
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
         done.set()
         engine.close()
     rss_end = rss_mib()
+    late = [(t, r) for t, r in samples if t >= 60]
     frames = pd.read_parquet(out / "frames.parquet")
     sessions = pd.read_parquet(out / "sessions.parquet")
     adm = sessions[sessions.admitted]
@@ -103,8 +105,15 @@ def main(argv=None) -> int:
         "sessions_planned": len(plans), "sessions_admitted": int(len(adm)),
         "frames_recorded": recorded, "frames_expected_from_ticks": expected,
         "frames_counted_by_driver": int(adm.frames.sum()), "sessions_with_frame_mismatch": mismatch,
-        "rss_start_mib": round(rss_start, 1), "rss_end_mib": round(rss_end, 1),
-        "rss_peak_sampled_mib": round(max(samples + [rss_end]), 1),
+        # the driver's RSS while the run lasts (sampled every 5 s): after the first minute's warm-up it should not
+        # grow; the slope is a least-squares fit over the samples after 60 s
+        "rss_start_mib": round(rss_start, 1),
+        "rss_at_1min_mib": round(next((r for t, r in samples if t >= 60), float("nan")), 1),
+        "rss_last_sample_mib": round(samples[-1][1], 1) if samples else None,
+        "rss_peak_sampled_mib": round(max(r for _, r in samples), 1) if samples else None,
+        "rss_slope_after_1min_mib_per_min": round(float(np.polyfit(
+            [t / 60 for t, _ in late], [r for _, r in late], 1)[0]), 3) if len(late) >= 3 else None,
+        "rss_after_run_mib": round(rss_end, 1),  # includes the rows read back from the journals for the summary
         "engine_rss_start_mib": round(engine_start, 1), "engine_rss_end_mib": round(engine_end, 1),
         "engine_rss_peak_sampled_mib": round(max(engine_samples + [engine_end]), 1),
         "p50_frame_latency_s": summary["p50_frame_latency_s"], "p99_frame_latency_s": summary["p99_frame_latency_s"],

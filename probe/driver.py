@@ -159,7 +159,7 @@ class Driver:
     """Runs one scenario (a list of :class:`SessionPlan`) against the engine; use one Driver per run."""
 
     def __init__(self, engine: Engine, config: DriverConfig, admission: AdmissionController | None = None,
-                 out_dir: str | Path | None = None, notify=None):
+                 out_dir: str | Path | None = None, notify=None, retain: bool = True):
         self.engine, self.cfg = engine, config
         self.admission = admission if admission is not None else AdmitAll()
         self.policy = config.policy or engine.policy
@@ -167,6 +167,9 @@ class Driver:
         self.max_len = engine.max_model_len
         self.rebase_keep = config.rebase_tokens or self.max_len // 2
         self.out_dir = Path(out_dir) if out_dir is not None else None
+        # retain=False (with out_dir): rows go only to the journals while the run lasts, so a long run's memory
+        # stays flat; they are read back from the journals once it ends (for the summary and the RunResult)
+        self.retain = retain or self.out_dir is None
         self._journals = {}
         self._metrics = _Metrics(config.prometheus_port) if config.prometheus_port else None
         # True after a step that scheduled nothing and left nothing the driver could preempt: stepping again
@@ -225,7 +228,8 @@ class Driver:
     # -- records ---------------------------------------------------------------------------------------
     def _record(self, table: str, row: dict) -> None:
         row = {"run": self.cfg.run, **row}
-        getattr(self, table).append(row)
+        if self.retain:
+            getattr(self, table).append(row)
         if self.out_dir is not None:
             if table not in self._journals:
                 self._journals[table] = Journal(self.out_dir, table)
@@ -459,6 +463,9 @@ class Driver:
                 j.close()
             if self._metrics:
                 self._metrics.close()
+        if not self.retain:
+            for table, j in self._journals.items():
+                setattr(self, table, j.read_own())
         summary = summarize(self.frames, self.steps, self.sessions, eng.num_blocks, self.events)
         summary.update({
             "stopped": self._stop_reason is not None, "stop_reason": self._stop_reason, "t_stopped_s": self.t_stopped_s,

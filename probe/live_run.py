@@ -192,7 +192,8 @@ def run(engine, stream, plans, horizon_s: float, controller, out_dir, *, deadlin
     cfg = DriverConfig(stream=stream, horizon_s=horizon_s, run=policy.describe(), policy=policy, deadline_s=deadline_s,
                        prometheus_port=metrics_port, seed=seed, cap=cap, **config)
     engine.reset()
-    driver = Driver(engine, cfg, admission=controller, out_dir=out, notify=notify)
+    # rows live in the journals, not in memory, while the run lasts: a long run's memory stays flat
+    driver = Driver(engine, cfg, admission=controller, out_dir=out, notify=notify, retain=False)
     if on_driver is not None:
         on_driver(driver)
     t0 = time.time()

@@ -21,6 +21,7 @@ class Journal:
     def __init__(self, directory: str | Path, name: str):
         self.path = Path(directory) / f"{name}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.start = self.path.stat().st_size if self.path.exists() else 0  # where this writer's rows begin
         self._f = open(self.path, "a", buffering=1)  # line-buffered: each sample reaches the OS at once
 
     def append(self, row: dict) -> None:
@@ -39,6 +40,18 @@ class Journal:
 
     def __exit__(self, *exc):
         self.close()
+
+    def read_own(self) -> list[dict]:
+        """The complete rows this writer appended (not those already in the file when it was opened)."""
+        rows = []
+        with open(self.path, "rb") as f:
+            f.seek(self.start)
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return rows
 
     @property
     def parquet_path(self) -> Path:
