@@ -43,15 +43,9 @@ class Journal:
 
     def read_own(self) -> list[dict]:
         """The complete rows this writer appended (not those already in the file when it was opened)."""
-        rows = []
         with open(self.path, "rb") as f:
             f.seek(self.start)
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return rows
+            return _rows(f)
 
     @property
     def parquet_path(self) -> Path:
@@ -74,13 +68,18 @@ def read_journal(path: str | Path) -> list[dict]:
     p = Path(path)
     if not p.is_file():
         return []
+    with open(p, "rb") as f:
+        return _rows(f)
+
+
+def _rows(lines) -> list[dict]:
+    """Parse JSON lines, skipping a torn one."""
     rows = []
-    with open(p) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
     return rows
 
 

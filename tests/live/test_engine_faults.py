@@ -23,15 +23,9 @@ BASE = ["--model", "tiny", "--num-blocks", "256", "--kv", "window", "--window", 
 
 
 def _jsonl(path):
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # the line being written
-            pass
-    return rows
+    from metronome.probe.records import read_journal
+
+    return read_journal(path)  # complete rows; the line being written is skipped
 
 
 def _start(out, *extra):
