@@ -174,3 +174,18 @@ def make_policy(kind: str, block_size: int, window_tokens: int | None = None, si
     if kind == "window":
         return KVPolicy("window", block_size, window_tokens=int(window_tokens))
     return KVPolicy(kind, block_size, window_tokens=int(window_tokens or 0), sink_tokens=int(sink_tokens or 0))
+
+
+def admit_fcfs(waiting, need, free: int) -> list:
+    """vLLM's FCFS admission from a waiting queue (a deque, oldest first): pop the head while ``need(head)``
+    blocks fit in ``free`` (less what the heads admitted before it take), and stop at the first that does not —
+    a later, smaller request never jumps the queue. Returns the admitted, in order. Shared by the simulator's
+    engine and the live driver, which each size ``need`` from their own view of a session's history."""
+    admitted = []
+    while waiting:
+        n = need(waiting[0])
+        if n > free:
+            break
+        free -= n
+        admitted.append(waiting.popleft())
+    return admitted

@@ -47,7 +47,7 @@ import numpy as np
 
 from metronome.admission import weighted_percentile
 from metronome.calibration import TokenStream
-from metronome.kv_policy import KVPolicy
+from metronome.kv_policy import KVPolicy, admit_fcfs
 from metronome.probe.engine import Engine
 from metronome.probe.records import Journal
 from metronome.probe.remote import EngineDied
@@ -183,6 +183,7 @@ class Driver:
         self._silent_since: float | None = None  # start of the current engine-silent episode
         self.silence: list[tuple[float, float]] = []  # engine-silent episodes (start, end)
         self.notify = notify  # notify(line): one line for the user when the engine dies or comes back
+        self._check_alive = getattr(engine, "check_alive", None)  # RemoteEngine: raises EngineDied if it is gone
         self._down_since: float | None = None  # the engine died at this time and a new one is loading
         self.outages: list[tuple[float, float]] = []  # engine deaths: (died, back or run end)
         self.engine_deaths = 0
@@ -279,14 +280,7 @@ class Driver:
         """FCFS: admit waiting sessions while the head fits (whole history counted, as vLLM checks)."""
         if self._preempted:
             return
-        free = self._free()
-        while self.waiting:
-            s = self.waiting[0]
-            need = self._admission_need(s)
-            if need > free:
-                break
-            free -= need
-            self.waiting.popleft()
+        for s in admit_fcfs(self.waiting, self._admission_need, self._free()):
             s.admit_seq, self._seq = self._seq, self._seq + 1
             if not s.history and s.last_token is None:
                 s.rebase_next = False  # nothing was lost: it never reached the engine
@@ -486,10 +480,6 @@ class Driver:
         period = cfg.stream.frame_period_s
         if self._down_since is not None:
             self._engine_back(now)
-        else:
-            check = getattr(eng, "check_alive", None)  # an engine in a child process: notice its death at once
-            if check is not None:
-                check()
         while arrivals and arrivals[0].arrival_s <= now:
             plan = arrivals.popleft()
             admit = self.admission.may_admit(now, len(self._active))
@@ -516,6 +506,8 @@ class Driver:
                       + [s.end_s for s in self._active.values()]
                       + ([arrivals[0].arrival_s] if arrivals else []) + [cfg.horizon_s])
             self._preempted = False  # no step ran: the next admission check is not "right after"
+            if self._check_alive is not None:
+                self._check_alive()  # an engine in its own process, idle: a step would have noticed its death
             time.sleep(max(0.0, min(nxt - (clock() - t0), period, 0.05)))
 
     # -- engine death ---------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ import numpy as np
 import simpy
 
 from metronome.calibration import Calibration
-from metronome.kv_policy import KVPolicy
+from metronome.kv_policy import KVPolicy, admit_fcfs
 
 from metronome.sim.recorder import frame_table, step_table
 
@@ -232,13 +232,7 @@ class SimEngine:
     def _admit(self, now: float):
         """FCFS: admit waiting sessions while the head fits (vLLM checks the full sequence)."""
         free = self.num_blocks - self.used - self.watermark
-        while self.waiting:
-            i = self.waiting[0]
-            need = self._admission_need(i)
-            if need > free:
-                break
-            free -= need
-            self.waiting.popleft()
+        for i in admit_fcfs(self.waiting, self._admission_need, free):
             self.admit_seq[i] = self.seq
             self.seq += 1
             if not self.ever_admitted[i]:

@@ -131,3 +131,17 @@ def test_bad_policies_are_one_line_errors(kind, w, s, msg):
     with pytest.raises(MetronomeError, match=msg) as e:
         make_policy(kind, 16, w, s)
     assert "\n" not in str(e.value)
+
+
+@given(needs=st.lists(st.integers(0, 50), max_size=30), free=st.integers(0, 300))
+def test_admit_fcfs_admits_the_longest_prefix_that_fits(needs, free):
+    from collections import deque
+
+    from metronome.kv_policy import admit_fcfs
+
+    queue = deque(range(len(needs)))
+    admitted = admit_fcfs(queue, lambda i: needs[i], free)
+    k = len(admitted)
+    assert admitted == list(range(k)) and list(queue) == list(range(k, len(needs)))  # order kept, head first
+    assert sum(needs[:k]) <= free  # what it admitted fits
+    assert k == len(needs) or sum(needs[:k + 1]) > free  # and it stopped at the first head that did not
