@@ -92,9 +92,7 @@ def main(argv=None) -> int:
     device = default_device()
     resolved = models.resolve("tiny", "auto", device)
     stream = resolved.stream
-    fit = (args.num_blocks - 2) * bs
-    model_max = resolved.max_model_len or resolved.hf_config.get("max_position_embeddings") or fit
-    max_len = min(fit, int(model_max))
+    max_len = resolved.max_len_on_pool(args.num_blocks, bs)
     copts = CalibrateOptions(
         model="tiny", out=str(out / "calibration"), device=device, num_blocks=args.num_blocks, block_size=bs,
         kv="window", window=args.window, paced_sessions=tuple(args.paced), paced_seconds=args.paced_seconds,
@@ -104,7 +102,6 @@ def main(argv=None) -> int:
         fill_seconds=2.0, progress=False, seed=args.seed)
     base = engine_config(copts, resolved)
     bounded = KVPolicy.window(bs, args.window)
-    unbounded = KVPolicy.unbounded(bs)
 
     def log(msg):
         print(f"[{time.perf_counter() - t0:6.1f} s, load {os.getloadavg()[0]:.2f}] {msg}", flush=True)

@@ -388,10 +388,11 @@ def paced_points(opts: CalibrateOptions, engine: Engine, policy: KVPolicy, strea
             if n <= opts.max_num_seqs and n * blocks <= engine.num_blocks - 1]
 
 
-def effective_step_s(steps: pd.DataFrame, period_s: float) -> np.ndarray:
+def effective_step_s(steps: pd.DataFrame, period_s: float) -> tuple[np.ndarray, np.ndarray]:
     """Each step's time as a frame sees it: from the previous step's end or the frame's tick, whichever is later,
     to its own end. Summed over a frame's steps this is the frame's latency; it includes the driver's hand-off
-    between steps and its wake-up at the tick, which an engine timed alone does not show."""
+    between steps and its wake-up at the tick, which an engine timed alone does not show. Also whether the
+    step began at a tick (after an idle gap: a frame's first step)."""
     end = steps.t_s.to_numpy(float)
     start = steps.t_start_s.to_numpy(float)
     tick = np.floor(start / period_s + 1e-9) * period_s
@@ -492,8 +493,7 @@ def _groups(grid: pd.DataFrame) -> pd.DataFrame:
     Medians keep a stray slow step (another process on the cores) from pulling the fit. ``first`` marks a
     situation whose steps came right after an idle gap (a frame's first step).
     """
-    g = grid[grid["preemptions"] == 0].copy()
-    g["first"] = g["first"].fillna(False).astype(bool) if "first" in g else False
+    g = _usable(grid)
     g["point"] = g["phase"].str.replace("grid ", "", regex=False)
     cols = ["batch", "context_tokens", "new_tokens", "step_s", "first"]
     med = ["batch", "context_tokens", "new_tokens", "step_s"]
@@ -506,16 +506,29 @@ def _groups(grid: pd.DataFrame) -> pd.DataFrame:
     pre["label"] = ("prefill " + pre["point"] + " b" + pre["batch"].astype(str) + " new" + pre["new_tokens"].astype(str)
                     + " ctx" + pre["context_tokens"].astype(str))
     parts = [dec[["label"] + cols], chk[["label"] + cols], pre[["label"] + cols]]
-    paced = g[g.kind == "paced"]
-    if len(paced):  # real-time steps: one situation per (run, batch, new tokens, first step or not), 5+ samples
-        keys = ["point", "batch", "new_tokens", "first"]
-        grp = paced.groupby(keys)
-        pac = grp[["context_tokens", "step_s"]].median().reset_index()
-        pac = pac[grp.size().to_numpy() >= 5]
-        pac["label"] = (pac["point"] + " b" + pac["batch"].astype(str) + " new" + pac["new_tokens"].astype(str)
+    paced = _paced_situations(g)
+    if len(paced):
+        pac = paced.groupby(PACED_SITUATION)[["context_tokens", "step_s"]].median().reset_index()
+        pac["label"] = (pac["phase"] + " b" + pac["batch"].astype(str) + " new" + pac["new_tokens"].astype(str)
                         + np.where(pac["first"], " first", ""))
         parts.append(pac[["label"] + cols])
     return pd.concat(parts, ignore_index=True)
+
+
+PACED_SITUATION = ["phase", "batch", "new_tokens", "first"]  # one paced run's steps of one shape
+
+
+def _usable(grid: pd.DataFrame) -> pd.DataFrame:
+    """Samples without a preemption, with ``first`` as a bool (journals written before it existed: False)."""
+    g = grid[grid["preemptions"] == 0].copy()
+    g["first"] = g["first"].fillna(False).astype(bool) if "first" in g else False
+    return g
+
+
+def _paced_situations(g: pd.DataFrame) -> pd.DataFrame:
+    """The paced steps (of :func:`_usable` samples) in situations measured at least 5 times."""
+    paced = g[g.kind == "paced"]
+    return paced[paced.groupby(PACED_SITUATION).step_s.transform("size") >= 5]
 
 
 JITTER_P = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
@@ -525,16 +538,10 @@ def step_jitter(grid: pd.DataFrame) -> list[list[float]]:
     """``(p, ratio)`` points of paced steps' time over the median of their situation (run, batch, new tokens,
     first step or not): the spread a real-time engine adds around the model. The top point is the 99.9th
     percentile, so one freak step does not set the tail. Empty without paced steps."""
-    if "kind" not in grid or not (grid.kind == "paced").any():
-        return []
-    g = grid[(grid.kind == "paced") & (grid.preemptions == 0)].copy()
-    g["first"] = g["first"].fillna(False).astype(bool) if "first" in g else False
-    keys = ["phase", "batch", "new_tokens", "first"]
-    size = g.groupby(keys).step_s.transform("size")
-    g = g[size >= 5]
+    g = _paced_situations(_usable(grid))
     if len(g) < 50:
         return []
-    r = (g.step_s / g.groupby(keys).step_s.transform("median")).to_numpy(float)
+    r = (g.step_s / g.groupby(PACED_SITUATION).step_s.transform("median")).to_numpy(float)
     q = np.quantile(r, [min(p, 0.999) for p in JITTER_P])
     q = np.maximum.accumulate(np.maximum(q, 1e-3))
     return [[p, round(float(v), 6)] for p, v in zip(JITTER_P, q)]

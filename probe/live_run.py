@@ -30,7 +30,7 @@ import numpy as np
 
 from metronome.errors import MetronomeError
 
-TABLES = ("frames", "steps", "sessions", "events")
+from metronome.probe.records import RUN_TABLES as TABLES
 
 
 @dataclass
@@ -224,10 +224,8 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
 
     resolved = models.resolve(opts.model, opts.weights, opts.device or default_device(), opts.dtype, opts.stream)
     max_len = opts.max_model_len
-    if max_len is None and opts.num_blocks is not None:  # the longest context vLLM accepts on this pool
-        fit = (opts.num_blocks - 2) * opts.block_size
-        model_max = resolved.max_model_len or resolved.hf_config.get("max_position_embeddings") or fit
-        max_len = min(fit, int(model_max))
+    if max_len is None and opts.num_blocks is not None:
+        max_len = resolved.max_len_on_pool(opts.num_blocks, opts.block_size)
     copts = CalibrateOptions(model=opts.model, out=opts.out, weights=opts.weights, device=opts.device,
                              dtype=opts.dtype, kv=opts.kv, window=opts.window, sinks=opts.sinks,
                              num_blocks=opts.num_blocks, block_size=opts.block_size,

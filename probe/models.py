@@ -111,6 +111,12 @@ class ResolvedModel:
     def with_stream(self, stream: TokenStream) -> "ResolvedModel":
         return replace(self, stream=stream)
 
+    def max_len_on_pool(self, num_blocks: int, block_size: int) -> int:
+        """The longest context vLLM accepts on a pool of ``num_blocks`` (one null block, one block of headroom),
+        at most the model's own."""
+        fit = (num_blocks - 2) * block_size
+        return min(fit, int(self.max_model_len or self.hf_config.get("max_position_embeddings") or fit))
+
 
 def model_names() -> list[str]:
     return [*PRESETS, "tiny", "smollm2"]

@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-import pandas as pd
+RUN_TABLES = ("frames", "steps", "sessions", "events")  # the journals a driver run writes
 
 
 class Journal:
@@ -88,6 +88,8 @@ def journal_to_parquet(path: str | Path) -> Path | None:
     rows = read_journal(path)
     if not rows:
         return None
+    import pandas as pd  # only here: importing the journals (the CLI's option checks) stays light
+
     df = pd.DataFrame(rows)
     for col in df.columns:
         if df[col].map(lambda v: isinstance(v, (list, dict))).any():

@@ -37,8 +37,6 @@ class _Request:
     blocks: int
     computed: int
     waiting: bool  # has tokens to compute but sits in a waiting queue
-    preemptions: int
-    status: str
 
 
 @dataclass
@@ -52,18 +50,14 @@ def _snapshot(eng: Engine) -> _Snapshot:
     reqs = {}
     for rid, r in eng.scheduler.requests.items():
         reqs[rid] = _Request(tokens=int(r.num_tokens), blocks=eng.blocks_of(rid),
-                             computed=int(r.num_computed_tokens), waiting=eng.is_scheduled_waiting(rid),
-                             preemptions=int(r.num_preemptions), status=str(r.status))
+                             computed=int(r.num_computed_tokens), waiting=eng.is_scheduled_waiting(rid))
     return _Snapshot(pool=eng.pool(), has_work=eng.has_work(), requests=reqs)
 
 
 def _static(eng: Engine) -> dict:
-    return {"pid": os.getpid(), "num_blocks": eng.num_blocks, "block_size": eng.block_size,
-            "max_model_len": eng.max_model_len, "policy": eng.policy, "describe": eng.describe(),
-            "num_layers": eng.num_layers, "bytes_per_block": eng.bytes_per_block,
-            "kv_bytes_per_token": eng.kv_bytes_per_token, "sliding_window": eng.sliding_window,
-            "sink_tokens": eng.sink_tokens, "model_shape": eng.model_shape(), "dist": eng.dist,
-            "version": eng.version}
+    """What the driver asks of the engine itself (the pool, the context cap, the KV policy it runs)."""
+    return {"num_blocks": eng.num_blocks, "max_model_len": eng.max_model_len, "policy": eng.policy,
+            "describe": eng.describe()}
 
 
 def _own_resource_tracker() -> None:
@@ -150,26 +144,23 @@ def _how_it_ended(code: int | None) -> str:
 
 
 class RemoteEngine:
-    """An :class:`Engine` in a child process. Construct it to start the engine and wait until it is ready
-    (``wait=False`` returns at once; poll :meth:`ready`). ``log_path`` receives everything vLLM prints."""
+    """An :class:`Engine` in a child process, with the part of its interface the driver uses. Construct it to
+    start the engine and wait until it is ready. ``log_path`` receives everything vLLM prints."""
 
-    def __init__(self, config: EngineConfig, log_path: str | os.PathLike | None = None, wait: bool = True,
+    def __init__(self, config: EngineConfig, log_path: str | os.PathLike | None = None,
                  start_timeout_s: float = 600.0):
         self.config = config
         self.log_path = None if log_path is None else str(log_path)
         self.start_timeout_s = start_timeout_s
-        self.restarts = 0
         self._ctx = mp.get_context("spawn")
         self._proc = None
         self._conn = None
         self._info: dict | None = None  # what the running engine reported when it became ready
         self._known: dict | None = None  # the same, kept while a restart loads (same config, same answers)
-        self._snap: _Snapshot | None = None
-        self._stale = True
+        self._snap: _Snapshot | None = None  # the engine's state after the last call; None once a call changed it
         self._started_at = 0.0
         self._start()
-        if wait:
-            self.wait_ready()
+        self.wait_ready()
 
     # -- life cycle -------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -181,15 +172,12 @@ class RemoteEngine:
         child.close()
         self._conn = parent
         self._info = None
-        self._snap, self._stale = None, True
+        self._snap = None
         self._started_at = time.monotonic()
 
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
-
-    def alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
 
     def check_alive(self) -> None:
         """Raise :class:`EngineDied` if the running engine's process has ended (a no-op while restarting)."""
@@ -235,9 +223,7 @@ class RemoteEngine:
     def restart(self) -> None:
         """Throw the old process away and start a new engine; returns at once (poll :meth:`ready`)."""
         self._kill()
-        self.restarts += 1
         self._start()
-        self._info = None
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -284,36 +270,26 @@ class RemoteEngine:
     def _state(self) -> _Snapshot:
         if self._info is None:  # restarting: an empty pool that admits nobody and has no work
             return _Snapshot(PoolState(0, 0, 0.0, 0, 0, 0), False)
-        if self._stale or self._snap is None:
-            self._snap, self._stale = self._call("state"), False
+        if self._snap is None:
+            self._snap = self._call("state")
         return self._snap
 
     def append(self, sid: str, tokens: list[int], max_tokens: int, resumable: bool = True) -> None:
         self._send("append", (sid, list(tokens), int(max_tokens), resumable))
-        self._stale = True
-
-    def add(self, sid: str, tokens: list[int], max_tokens: int) -> None:
-        self.append(sid, tokens, max_tokens, resumable=False)
+        self._snap = None
 
     def abort(self, sid: str) -> None:
         self._send("abort", (sid,))
-        self._stale = True
+        self._snap = None
 
     def step(self) -> StepInfo:
         info, self._snap = self._call("step")
-        self._stale = False
         return info
 
     def reset(self) -> None:
         if self._info is None:
             return
-        self._snap, self._stale = self._call("reset"), False
-
-    def drain(self, max_steps: int = 100_000) -> list[StepInfo]:
-        steps = []
-        while self.has_work() and len(steps) < max_steps:
-            steps.append(self.step())
-        return steps
+        self._snap = self._call("reset")
 
     # -- state, answered from the last snapshot ------------------------------------------------------------
     def pool(self) -> PoolState:
@@ -341,14 +317,6 @@ class RemoteEngine:
         r = self._req(sid)
         return r is not None and r.waiting
 
-    def preemptions_of(self, sid: str) -> int:
-        r = self._req(sid)
-        return 0 if r is None else r.preemptions
-
-    def status_of(self, sid: str) -> str | None:
-        r = self._req(sid)
-        return None if r is None else r.status
-
     # -- what the engine is (from its ready message; kept across a restart of the same config) -------------
     def _static(self, key: str):
         if self._known is None:
@@ -360,39 +328,12 @@ class RemoteEngine:
         return self._static("num_blocks")
 
     @property
-    def block_size(self) -> int:
-        return self._static("block_size")
-
-    @property
     def max_model_len(self) -> int:
         return self._static("max_model_len")
 
     @property
     def policy(self):
         return self._static("policy")
-
-    @property
-    def num_layers(self) -> int:
-        return self._static("num_layers")
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self._static("bytes_per_block")
-
-    @property
-    def kv_bytes_per_token(self) -> float:
-        return self._static("kv_bytes_per_token")
-
-    @property
-    def sliding_window(self):
-        return self._static("sliding_window")
-
-    @property
-    def sink_tokens(self):
-        return self._static("sink_tokens")
-
-    def model_shape(self) -> dict:
-        return self._static("model_shape")
 
     def describe(self) -> str:
         return self._static("describe")

@@ -35,7 +35,7 @@ from metronome.errors import MetronomeError
 from metronome.kv_policy import KVPolicy, make_policy
 from metronome.outputs import write_json
 
-TABLES = ("frames", "steps", "sessions", "events")
+from metronome.probe.records import RUN_TABLES as TABLES
 T_SAT_TARGET, LATENCY_TARGET = 0.05, 0.10
 
 
@@ -98,9 +98,7 @@ def check(opts: ValidateOptions) -> None:
 
 def _max_model_len(opts: ValidateOptions, resolved) -> int:
     """The longest context vLLM accepts on this pool (it wants ceil(L/bs) + 1 usable blocks), at most the model's."""
-    fit = (opts.num_blocks - 2) * opts.block_size
-    model_max = resolved.max_model_len or resolved.hf_config.get("max_position_embeddings") or fit
-    return opts.max_model_len or min(fit, int(model_max))
+    return opts.max_model_len or resolved.max_len_on_pool(opts.num_blocks, opts.block_size)
 
 
 def run_validate(opts: ValidateOptions, echo=print) -> dict:
