@@ -532,13 +532,13 @@ class Driver:
         self._preempted = False
         if self.cfg.restart and self.engine_restarts < self.cfg.max_restarts:
             self.engine_restarts += 1
-            self._say(f"{exc} at {now:.1f} s; restarting it ({self.engine_restarts} of {self.cfg.max_restarts}), "
+            self._say(f"{exc} at {now:.1f} s{_log_of(exc)}; restarting it ({self.engine_restarts} of {self.cfg.max_restarts}), "
                       f"{len(lost)} session(s) will be readmitted as a rebase")
             self.engine.restart()
             self._record("events", {"t_s": now, "event": "engine_restarting", "session": None, "rid": None})
         else:
             why = "" if not self.cfg.restart else f" (gave up after {self.cfg.max_restarts} restarts)"
-            self.engine_error = f"{exc} at {now:.1f} s{why}"
+            self.engine_error = f"{exc} at {now:.1f} s{why}{_log_of(exc)}"
             self.stop("engine_died")
 
     def _engine_back(self, now: float) -> None:
@@ -701,6 +701,10 @@ class Driver:
             if not starved:
                 break  # a stall with no measurable need: one victim, then step again
         return done
+
+
+def _log_of(exc: EngineDied) -> str:
+    return f" (its log: {exc.log_path})" if exc.log_path else ""
 
 
 def run_live(engine: Engine, stream: TokenStream, plans: list[SessionPlan], horizon_s: float, *,

@@ -26,9 +26,10 @@ from metronome.probe.engine import Engine, EngineConfig, PoolState, StepInfo, _o
 
 
 class EngineDied(MetronomeError):
-    """The engine's process ended (or stopped answering) while the driver needed it."""
+    """The engine's process ended (or stopped answering) while the driver needed it; ``log_path`` is its log."""
 
     exit_code = 1
+    log_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -187,9 +188,10 @@ class RemoteEngine:
     def _died(self, where: str) -> EngineDied:
         self._proc.join(timeout=2.0)
         how = _how_it_ended(self._proc.exitcode)
-        tail = f" (log: {self.log_path})" if self.log_path else ""
         where = f" {where}" if where else ""
-        return EngineDied(f"the engine process (pid {self._proc.pid}) {how}{where}{tail}")
+        exc = EngineDied(f"the engine process (pid {self._proc.pid}) {how}{where}")
+        exc.log_path = self.log_path
+        return exc
 
     def ready(self) -> bool:
         """True once the engine answers; raises :class:`EngineDied` if it failed to start."""
@@ -250,7 +252,7 @@ class RemoteEngine:
         try:
             self._conn.send((op, args))
         except (OSError, ValueError):
-            raise self._died(f"(during {op})") from None
+            raise self._died(f"during {op}") from None
 
     def _call(self, op: str, args: tuple = ()):
         self._send(op, args)
@@ -260,9 +262,9 @@ class RemoteEngine:
                     kind, payload = self._conn.recv()
                     break
             except (EOFError, OSError):
-                raise self._died(f"(during {op})") from None
+                raise self._died(f"during {op}") from None
             if not self._proc.is_alive():
-                raise self._died(f"(during {op})")
+                raise self._died(f"during {op}")
         if kind == "error":
             raise MetronomeError(payload)
         return payload
