@@ -227,7 +227,7 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
                 bar.describe(key)
                 if key not in run.done:
                     run.mark_done(key, measure_paced(engine, policy, stream, opts, n, run.journals["grid"],
-                                                     run.attempt, key))
+                                                     run.attempt, key, out_dir=run.dir))
             if "fill" not in run.done:
                 bar.describe("fill rate")
                 fill = measure_fill(engine, stream, opts, run.dir, run.attempt)
@@ -401,16 +401,21 @@ def effective_step_s(steps: pd.DataFrame, period_s: float) -> tuple[np.ndarray, 
 
 
 def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: CalibrateOptions, n: int,
-                  journal: Journal | None, attempt: int, key: str) -> dict:
+                  journal: Journal | None, attempt: int, key: str, out_dir: Path | None = None) -> dict:
     """N sessions on the frame clock for ``paced_seconds``; journals each step (kind ``paced``) and returns the
-    frame latencies measured, which ``validate``-style checks compare with the fitted model."""
+    frame latencies measured, which ``validate``-style checks compare with the fitted model.
+
+    With ``out_dir`` the driver records its frames, steps and sessions there (run ``key``) exactly as a live run
+    records them (``metronome-probe run``/``validate``), so the steps timed here carry the same bookkeeping a
+    live run's do."""
     from metronome.probe.driver import Driver, DriverConfig, SessionPlan
 
     engine.reset()
     cfg = DriverConfig(stream=stream, horizon_s=opts.paced_seconds, run=key, seed=opts.seed + n, policy=policy,
                        cap="rebase" if policy.bounded else "finish",
                        rebase_tokens=policy.rebase_tokens() if policy.bounded else None)
-    res = Driver(engine, cfg).run([SessionPlan(f"paced{n}.{i}") for i in range(n)])
+    res = Driver(engine, cfg, out_dir=out_dir, retain=out_dir is None).run(
+        [SessionPlan(f"paced{n}.{i}") for i in range(n)])
     engine.reset()
     steps = pd.DataFrame(res.steps)
     if steps.empty:

@@ -28,8 +28,9 @@ driver follows the simulator's engine model (README, "The engine model"; ``metro
    join the history. ``silent`` means the frame got no token at all, as in the simulator; a late frame of
    a running session is late, not silent (``silent_by_deadline`` records whether a token came in time).
 
-Every frame, step and event (preemption, readmission) is appended to a journal as it happens (see
-``records``), so a crash or Ctrl-C keeps what was measured. Admission controllers have the
+Every frame, step and event (preemption, readmission) is appended to a journal (see ``records``), written
+when the engine is idle between frames and at least once a second, so a crash or Ctrl-C keeps what was
+measured and no file I/O sits between two steps of a frame. Admission controllers have the
 ``observe(now_s, latency_s, frames=1, silent=0)`` / ``may_admit(now_s, in_flight)`` interface shared with
 the simulator.
 """
@@ -53,6 +54,10 @@ from metronome.probe.records import Journal
 from metronome.probe.remote import EngineDied
 
 _EPS = 1e-9
+# Journals are written off the timing path (records.Journal, deferred): when the engine is idle with at least
+# FLUSH_MIN_GAP_S before the next due work, and, for an engine that is never idle, every FLUSH_EVERY_S.
+FLUSH_EVERY_S = 1.0
+FLUSH_MIN_GAP_S = 0.005
 RUNNING, PREFILL, WAITING = "running", "prefill", "waiting"
 
 
@@ -233,8 +238,14 @@ class Driver:
             getattr(self, table).append(row)
         if self.out_dir is not None:
             if table not in self._journals:
-                self._journals[table] = Journal(self.out_dir, table)
+                self._journals[table] = Journal(self.out_dir, table, deferred=True)
             self._journals[table].append(row)
+
+    def _flush(self) -> None:
+        """Write the journals' pending rows: when the engine is idle, and at least every FLUSH_EVERY_S."""
+        for j in self._journals.values():
+            j.flush()
+        self._flushed_at = time.perf_counter()
 
     def _record_frame(self, s: _Session, f: _Frame, now: float, censored: bool = False) -> None:
         latency = (f.done_s - f.tick_s) if f.done_s is not None else None
@@ -432,14 +443,18 @@ class Driver:
         if getattr(eng, "pid", None) is not None:  # an engine in its own process: say which, for operators
             self._record("events", {"t_s": 0.0, "event": "engine_started", "session": None, "rid": None,
                                     "pid": eng.pid})
+        self._flushed_at = t0
         try:
             while True:
                 now = clock() - t0
                 if now >= cfg.horizon_s or self._stop_reason is not None:
                     break
+                if now + t0 - self._flushed_at >= FLUSH_EVERY_S:  # an engine that is never idle still gets
+                    self._flush()                                   # its rows on disk within a second
                 try:
                     self._turn(now, t0, arrivals, by_rid)
                 except EngineDied as exc:
+                    self._flush()
                     self._engine_died(exc, clock() - t0, by_rid)
             now = clock() - t0
             if self._down_since is not None:
@@ -508,7 +523,11 @@ class Driver:
             self._preempted = False  # no step ran: the next admission check is not "right after"
             if self._check_alive is not None:
                 self._check_alive()  # an engine in its own process, idle: a step would have noticed its death
-            time.sleep(max(0.0, min(nxt - (clock() - t0), period, 0.05)))
+            gap = nxt - (clock() - t0)
+            if gap >= FLUSH_MIN_GAP_S:
+                self._flush()  # idle: the rows go to disk off the timing path (records.Journal, deferred)
+                gap = nxt - (clock() - t0)
+            time.sleep(max(0.0, min(gap, period, 0.05)))
 
     # -- engine death ---------------------------------------------------------------------------------------
     def _say(self, line: str) -> None:

@@ -1,9 +1,16 @@
-"""Append-only sample journals: every sample is on disk the moment it is taken.
+"""Append-only sample journals: samples reach the disk as they are taken (the real-time driver's: when idle).
 
 A Parquet file is unreadable until its footer is written, so a crash, a Ctrl-C or an engine death
-mid-run would lose a Parquet-only record. Samples are therefore appended as JSON lines (flushed per
-line) to ``NAME.jsonl``, which survives a kill (a torn last line is skipped on read), and converted to
-``NAME.parquet`` when a run ends or resumes. The JSONL journal stays the source of truth.
+mid-run would lose a Parquet-only record. Samples are therefore appended as JSON lines to ``NAME.jsonl``,
+which survives a kill (a torn last line is skipped on read), and converted to ``NAME.parquet`` when a run
+ends or resumes. The JSONL journal stays the source of truth.
+
+A plain journal writes (and flushes) each row as it is appended. A **deferred** one (the real-time driver's)
+keeps rows in memory until :meth:`Journal.flush`, which the driver calls when the engine goes idle between
+frames and at least once a second: serialising and writing a row per frame between two steps of a tick
+delays the tick's next step (measured: +2.5 ms p50 frame latency at 32 sessions on 2 cores, ~10 %), so the
+timing path carries no file I/O. A killed driver loses at most the rows since its last flush; an engine death,
+a stop or the end of a run flushes everything.
 """
 
 from __future__ import annotations
@@ -16,16 +23,32 @@ RUN_TABLES = ("frames", "steps", "sessions", "events")  # the journals a driver 
 
 
 class Journal:
-    """One table of samples: ``append(dict)`` writes a line and flushes it."""
+    """One table of samples: ``append(dict)`` writes a line and flushes it, or, ``deferred``, holds the row
+    until :meth:`flush` (rows must not be changed after they are appended)."""
 
-    def __init__(self, directory: str | Path, name: str):
+    def __init__(self, directory: str | Path, name: str, deferred: bool = False):
         self.path = Path(directory) / f"{name}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.start = self.path.stat().st_size if self.path.exists() else 0  # where this writer's rows begin
-        self._f = open(self.path, "a", buffering=1)  # line-buffered: each sample reaches the OS at once
+        self._f = open(self.path, "a", buffering=1)  # line-buffered: each write reaches the OS at once
+        self._pending: list[dict] | None = [] if deferred else None
 
     def append(self, row: dict) -> None:
-        self._f.write(json.dumps(row, default=_jsonable) + "\n")
+        if self._pending is not None:
+            self._pending.append(row)
+        else:
+            self._f.write(json.dumps(row, default=_jsonable) + "\n")
+
+    @property
+    def pending(self) -> int:
+        """Rows appended but not yet written (always 0 for a plain journal)."""
+        return len(self._pending) if self._pending else 0
+
+    def flush(self) -> None:
+        """Write every pending row (one write call)."""
+        if self._pending:
+            self._f.write("".join(json.dumps(r, default=_jsonable) + "\n" for r in self._pending))
+            self._pending.clear()
 
     def extend(self, rows) -> None:
         for r in rows:
@@ -33,6 +56,7 @@ class Journal:
 
     def close(self) -> None:
         if not self._f.closed:
+            self.flush()
             self._f.close()
 
     def __enter__(self):
@@ -43,6 +67,8 @@ class Journal:
 
     def read_own(self) -> list[dict]:
         """The complete rows this writer appended (not those already in the file when it was opened)."""
+        if not self._f.closed:
+            self.flush()
         with open(self.path, "rb") as f:
             f.seek(self.start)
             return _rows(f)

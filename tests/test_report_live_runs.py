@@ -270,6 +270,24 @@ def test_a_bad_run_folder_is_one_line_naming_the_file_and_field(tmp_path, case):
     assert "\n" not in msg and msg.startswith(f"--live {d}") and needle in msg, msg
 
 
+def test_a_benchmarks_second_calibration_shows_beside_its_n_star(folders, tmp_path):
+    """The benchmark calibrates the engine again after its run; the N* row says what that calibration gives."""
+    import shutil
+
+    from metronome.report.live import read_live
+
+    bench = tmp_path / "bench"
+    shutil.copytree(folders["bench"], bench)
+    _edit(bench, n_star_after=21)
+    runs = read_live(bench)["runs"]
+    assert runs["window"]["n_star"] == 23
+    assert runs["window"]["n_star_policy"] == ("window(W=368), 80 ms deadline, memory binds; "
+                                               "21 from a calibration after the run")
+    _edit(bench, n_star_after="21")
+    with pytest.raises(MetronomeError, match="field 'n_star_after' must be a non-negative number or null"):
+        read_live(bench)
+
+
 def test_a_bad_benchmark_folder_names_the_missing_run_or_sim_file(folders, tmp_path):
     import shutil
 
