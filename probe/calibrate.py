@@ -376,14 +376,23 @@ def grid_points(opts: CalibrateOptions, engine: Engine, policy: KVPolicy) -> lis
     return pts
 
 
+def _paced_tokens(opts: CalibrateOptions, stream: TokenStream) -> int:
+    """The most tokens a fresh paced session computes during its run (three frames of slack)."""
+    return int(stream.kv_tokens_per_s * opts.paced_seconds) + 3 * stream.kv_tokens_per_frame
+
+
+def _paced_blocks(opts: CalibrateOptions, policy: KVPolicy, stream: TokenStream) -> int:
+    """The blocks one paced session holds at most (one of headroom)."""
+    return int(policy.resident_blocks(_paced_tokens(opts, stream))) + 1
+
+
 def paced_points(opts: CalibrateOptions, engine: Engine, policy: KVPolicy, stream: TokenStream) -> list[int]:
     """The paced session counts whose sessions all fit the pool (and max_model_len) for the whole paced run."""
     if not opts.paced_sessions or opts.paced_seconds <= 0:
         return []
-    tokens = int(stream.kv_tokens_per_s * opts.paced_seconds) + 3 * stream.kv_tokens_per_frame
-    if tokens >= engine.max_model_len and not policy.bounded:
+    if _paced_tokens(opts, stream) >= engine.max_model_len and not policy.bounded:
         return []
-    blocks = int(policy.resident_blocks(tokens)) + 1
+    blocks = _paced_blocks(opts, policy, stream)
     return [n for n in sorted(set(opts.paced_sessions))
             if n <= opts.max_num_seqs and n * blocks <= engine.num_blocks - 1]
 
@@ -430,8 +439,7 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
     from metronome.probe.driver import Driver, DriverConfig, SessionPlan
 
     engine.reset()
-    tokens = int(stream.kv_tokens_per_s * opts.paced_seconds) + 3 * stream.kv_tokens_per_frame
-    room = engine.num_blocks - 1 - n * (int(policy.resident_blocks(tokens)) + 1)
+    room = engine.num_blocks - 1 - n * _paced_blocks(opts, policy, stream)
     chunk = -(-engine.config.max_num_batched_tokens // engine.block_size) + 1
     prompts = paced_prompts(policy, engine.max_model_len, stream, n, room_blocks=room, chunk_blocks=chunk)
     prefill_s = 2.0 if max(prompts) > 1 else 0.0  # time for the histories' prefill, on top of paced_seconds
