@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", default="exp:60")
     args = ap.parse_args(argv)
 
+    from bench_live_aimd import AIMD, second_half_mean, sim_admitted  # the benchmark's controller and measure
+
     from metronome.calibration import load_file
     from metronome.errors import MetronomeError
     from metronome.kv_policy import KVPolicy
@@ -54,17 +56,14 @@ def main(argv=None) -> int:
         n_star = cap["n_star"]
         cells = []
         for interval in intervals:
-            aimd = {"additive_increase": 1, "decrease_factor": 0.9, "target_fraction": 0.8, "interval_s": interval,
-                    "initial_limit": 2, "max_limit": 200}
+            aimd = {**AIMD, "interval_s": interval}
             errs = []
             for seed in range(args.seeds):
                 sc = sc_mod.make_scenario(calibration=cal, kv="window", window=args.window, arrival_rate=args.rate,
                                           session_duration=args.duration, horizon=args.horizon, seed=seed,
                                           deadline=args.deadline, admission="aimd", aimd_params=aimd,
                                           num_blocks=args.num_blocks)
-                st = sc_mod.run(sc).steps
-                late = st.t_s.to_numpy() >= args.horizon / 2
-                errs.append(float((st.running + st.waiting).to_numpy()[late].mean()) / n_star - 1)
+                errs.append(second_half_mean(*sim_admitted(sc_mod.run(sc).steps), args.horizon) / n_star - 1)
             errors[interval] += errs
             cells.append(f"{interval:g} s {np.mean(errs):+.1%} [{min(errs):+.0%}, {max(errs):+.0%}]")
         print(f"{path}: N* {n_star} ({cap['binding']} binds) | " + " | ".join(cells), flush=True)
