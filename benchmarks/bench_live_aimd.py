@@ -4,7 +4,9 @@
         [--num-blocks 384] [--window 128] [--deadline auto] [--rate 1] [--duration exp:60] [--horizon 240]
 
 1. Calibrates the engine (``run_calibration``: validate's small grid, chunk steps timed after an idle gap, and
-   paced runs of 1–48 sessions on the frame clock) on the bounded (window) engine with the run's pool.
+   paced runs of 1–40 sessions on the frame clock, 12 s each) on the bounded (window) engine with the run's pool.
+   The calibration includes the step jitter and how it hangs together in time (slow spells: ``jitter_shared``,
+   ``jitter_tau_s``).
 2. Picks the deadline (``--deadline auto``: the largest of 40, 30, 25, 20, 15 ms) at which, under vLLM's own
    sliding window on that pool, the simulator says the **deadline binds before memory**
    (``metronome.sim.capacity.capacity(...)["binding"] == "deadline"``) with N* at most 3/4 of the memory ceiling
@@ -12,6 +14,9 @@
    is better conditioned there: the fixed part of a step (~8 ms at p99 on this box) is a smaller share of the
    target, so the same drift of the engine's speed moves N* less (five calibrations gave N* 11–19 at 20 ms and
    34–43 at 40 ms; docs/live.md).
+   Then tunes AIMD's control interval in the simulator on that calibration (``tune_interval``: the interval among
+   2.5–12 s at which the simulated AIMD, starting at N*/2, settles closest to N*), as a user tunes before
+   going live.
 3. Runs the same AIMD controller live, one engine at a time: Poisson arrivals well above capacity, long sessions,
    first with the window (on the calibration's engine), then with unbounded KV. The admitted concurrency it
    settles at is the mean of the engine's admitted sessions over the second half of the run (step samples, as the
@@ -46,10 +51,19 @@ HEADROOM = 0.75  # auto deadline: N* at most this share of the memory ceiling
 TOLERANCE = 0.10  # the target: live settled within 10% of N*; also the drift of N* (before vs after) a verdict allows
 
 
-# The interval (2.5 s) was tuned offline in the simulator with benchmarks/sweep_aimd_interval.py, which varies
-# interval_s around these settings (docs/live.md)
+# AIMD's settings here, but for the interval and the starting limit. The interval is tuned on each run's own
+# calibration (tune_interval) among INTERVALS, as a user tunes in the simulator before going live; the controller
+# starts at half the simulated N* (aimd_for), which keeps the ramp (+1 session an interval) short next to the 240 s
+# run; with the longest intervals it still reaches into the second half, and the tuning sees that too.
 AIMD = {"additive_increase": 1, "decrease_factor": 0.9, "target_fraction": 0.8, "interval_s": 2.5, "initial_limit": 2,
         "max_limit": 200}
+INTERVALS = (2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0)
+TUNING_SEEDS = 8
+
+
+def aimd_for(aimd: dict, n_star: int, interval: float | None = None) -> dict:
+    """The benchmark's AIMD for a run whose simulated N* is ``n_star``: starting at half of it."""
+    return {**aimd, "initial_limit": max(2, n_star // 2), **({"interval_s": interval} if interval else {})}
 
 
 def sim_admitted(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -61,6 +75,37 @@ def second_half_mean(t: np.ndarray, n: np.ndarray, horizon: float) -> float | No
     """The settled concurrency: the mean over the second half of the run."""
     late = n[t >= horizon / 2]
     return float(late.mean()) if late.size else None
+
+
+def simulated_settled(cal, aimd: dict, *, window: int, num_blocks: int, rate: float, duration: str, horizon: float,
+                      deadline: float, seeds) -> list[float]:
+    """Where the simulated AIMD settles (:func:`second_half_mean`) in the benchmark's bounded scenario, one value
+    per seed."""
+    from metronome.sim import scenario as sc_mod
+
+    out = []
+    for seed in seeds:
+        sc = sc_mod.make_scenario(calibration=cal, kv="window", window=window, arrival_rate=rate,
+                                  session_duration=duration, horizon=horizon, seed=seed, deadline=deadline,
+                                  admission="aimd", aimd_params=aimd, num_blocks=num_blocks)
+        out.append(second_half_mean(*sim_admitted(sc_mod.run(sc).steps), horizon))
+    return out
+
+
+def tune_interval(cal, aimd: dict, n_star: int, intervals=INTERVALS, seeds=range(1, TUNING_SEEDS + 1),
+                  **scenario) -> tuple[float, dict[float, float]]:
+    """The control interval at which the simulated AIMD, on this calibration, settles closest to N* on average
+    over ``seeds``; and each interval's mean settled-vs-N* error. A short interval holds few frame ticks (its p99
+    is its slowest tick) and settles above N*; a long one sees the tail of every interval and settles below; when
+    slow steps come in spells (the calibration's ``jitter_shared``/``jitter_tau_s``) an interval must be longer
+    to see a fair share of them."""
+    errs = {}
+    for interval in intervals:
+        got = simulated_settled(cal, aimd_for(aimd, n_star, interval), seeds=seeds, **scenario)
+        errs[interval] = float(np.mean([g / n_star - 1 for g in got if g is not None])) if any(
+            g is not None for g in got) else math.inf
+    best = min(errs, key=lambda i: abs(errs[i]))
+    return best, errs
 
 
 def rel(x, ref):
@@ -77,14 +122,15 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", default="exp:60", help="session durations (Durations spec)")
     ap.add_argument("--horizon", type=float, default=240.0, help="seconds per live run (bounded)")
     ap.add_argument("--unbounded-horizon", type=float, default=90.0)
-    ap.add_argument("--aimd", default=json.dumps(AIMD),
-                    help="AIMD params (JSON). The 2.5 s interval was tuned offline in the simulator "
-                         "(benchmarks/sweep_aimd_interval.py over six of this benchmark's calibrations, four seeds "
-                         "each: settled vs N* +0.4%% on average, worst 7.9%%; 1.5 s: +6.2%%, 2 s: +3.0%%, "
-                         "3 s: -3.5%%; docs/live.md)")
-    ap.add_argument("--paced", type=lambda v: [int(x) for x in v.split(",")], default=[1, 4, 8, 16, 24, 32, 40, 48],
+    ap.add_argument("--aimd", default=json.dumps(AIMD), help="AIMD params (JSON); interval_s is set by --interval")
+    ap.add_argument("--interval", default="auto",
+                    help="AIMD control interval, seconds, or auto: the one of %s at which the simulated AIMD settles "
+                         "closest to N* on this run's calibration (%d seeds; tune_interval)"
+                         % ("/".join(f"{i:g}" for i in INTERVALS), TUNING_SEEDS))
+    ap.add_argument("--paced", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 16, 24, 32, 40],
                     help="session counts of the calibration's paced runs (comma-separated)")
-    ap.add_argument("--paced-seconds", type=float, default=8.0, help="seconds per paced calibration run")
+    ap.add_argument("--paced-seconds", type=float, default=12.0,
+                    help="seconds per paced calibration run (long enough to see slow spells come and go)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -92,6 +138,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     from metronome.admission import AIMDParams, make_controller
+    from metronome.errors import MetronomeError
     from metronome.kv_policy import KVPolicy
     from metronome.probe import models
     from metronome.probe.calibrate import CalibrateOptions, engine_config, run_calibration
@@ -108,6 +155,12 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     aimd = json.loads(args.aimd)
     AIMDParams.from_dict(aimd)  # bad params fail before any engine starts
+    if args.interval != "auto":
+        try:
+            AIMDParams.from_dict({**aimd, "interval_s": float(args.interval)})
+        except (ValueError, MetronomeError) as exc:
+            print(f"bench_live_aimd: error: --interval: {exc}", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
     load_before = os.getloadavg()
     bs = 32
@@ -168,6 +221,19 @@ def main(argv=None) -> int:
             return 1
         deadline = cap["deadline_s"]
         n_star = cap["n_star"]
+        sl = cal.step_latency
+        log(f"step jitter: p99 x{dict(sl.jitter).get(0.99, 1.0):.2f}, shared {sl.jitter_shared:.2f}, "
+            f"tau {sl.jitter_tau_s:.2f} s, frame-only {sl.jitter_frame:.2f}")
+        scenario = dict(window=args.window, num_blocks=args.num_blocks, rate=args.rate, duration=args.duration,
+                        horizon=args.horizon, deadline=deadline)
+        if args.interval == "auto":
+            interval, tuning = tune_interval(cal, aimd, n_star, **scenario)
+            log("AIMD interval tuned in the simulator: " + ", ".join(
+                f"{i:g} s {e:+.1%}" for i, e in tuning.items()) + f" -> {interval:g} s")
+        else:
+            interval, tuning = float(args.interval), {}
+        aimd = aimd_for(aimd, n_star, interval)
+        AIMDParams.from_dict(aimd)
         log(f"window {args.window} live run: {args.horizon:g} s")
         live_bnd = run_one(engine, "window", args.horizon, deadline)
         # the same engine calibrated again: how far did its speed (and so N*) drift during the run?
@@ -279,7 +345,12 @@ def main(argv=None) -> int:
         "command": "python benchmarks/bench_live_aimd.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "num_blocks": args.num_blocks, "window": args.window, "deadline_s": deadline, "stream": {
             "period_s": stream.frame_period_s, "in": stream.input_tokens_per_frame, "out": stream.output_tokens_per_frame},
-        "arrival_rate": args.rate, "durations": args.duration, "aimd": aimd, "capacity": cap, "n_star_sim": n_star,
+        "arrival_rate": args.rate, "durations": args.duration, "aimd": aimd,
+        "interval_tuning": {f"{i:g}": e for i, e in tuning.items()},
+        "step_jitter": {"p99_ratio": dict(cal.step_latency.jitter).get(0.99), "shared": cal.step_latency.jitter_shared,
+                        "tau_s": cal.step_latency.jitter_tau_s, "frame": cal.step_latency.jitter_frame,
+                        "fit": cal_res.measurements["step_fit"].get("jitter_correlation")},
+        "capacity": cap, "n_star_sim": n_star,
         "n_star_after": cap_after["n_star"], "n_star_drift": drift, "verdict": verdict, "tolerance": TOLERANCE,
         "capacity_after": cap_after,
         "calibration_fit_error": {k: fit_err[k] for k in ("median_abs_rel", "p90_abs_rel", "max_abs_rel")},

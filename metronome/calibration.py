@@ -129,6 +129,15 @@ class StepLatencyModel:
       prediction, from ``(0, lowest)`` to ``(1, highest)``. The simulator multiplies step ``i`` of a run by the
       ratio at ``u_i``, a uniform number hashed from (the run's seed, ``i``), so frame latency gets the tail a
       percentile-driven controller sees, and a span simulated step by step or fast-forwarded gets the same draws.
+    * ``jitter_shared``, ``jitter_tau_s`` and ``jitter_frame`` (file: ``jitter_correlation: {"shared", "tau_s",
+      "frame"}``): how the jitter hangs together in time. A real engine's slow steps come in spells (a busy
+      neighbour, the allocator, the driver's own housekeeping), and a controller that looks at one interval's p99
+      sees spells, not single steps. The draw is a Gaussian copula: step ``i``, taken while the frame clock is on
+      frame ``f``, gets the normal score ``√ρ·a_f + √ρ_f·b_f + √(1−ρ−ρ_f)·z_i`` (``ρ`` = ``jitter_shared``,
+      ``ρ_f`` = ``jitter_frame``; ``z_i`` hashed from (seed, ``i``), ``b_f`` from (seed, ``f``); ``a`` a unit
+      AR(1) over frames with correlation ``exp(−period/τ)`` a frame), and the ratio at its normal probability.
+      So every step's marginal is still ``jitter``; two steps of one frame correlate by ``ρ + ρ_f``, steps
+      ``k ≥ 1`` frames apart by ``ρ·exp(−k·period/τ)``. ``ρ = ρ_f = 0`` (the default) is the independent draw.
     """
 
     base_s: float
@@ -140,14 +149,21 @@ class StepLatencyModel:
     fit_error: Mapping[str, float] = field(default_factory=dict)
     frame_first_s: float = 0.0
     jitter: tuple[tuple[float, float], ...] = ()
+    jitter_shared: float = 0.0
+    jitter_tau_s: float = 0.0
+    jitter_frame: float = 0.0
 
     def ratio(self, index, seed: int = 0) -> np.ndarray:
-        """The jitter ratio of step(s) ``index`` (an int or an array of ints) in a run seeded ``seed``."""
-        idx = np.atleast_1d(np.asarray(index, dtype=np.uint64))
-        if not self.jitter:
-            return np.ones(idx.shape)
-        p, r = np.array(self.jitter, dtype=float).T
-        return np.interp(_uniform(idx, seed), p, r)
+        """The independent jitter ratio of step(s) ``index`` (an int or an array of ints) in a run seeded
+        ``seed``: :meth:`draws` without the shared part. A model with ``jitter_shared`` needs the frame of each
+        step: use ``draws(seed, period).ratio(index, frame)``."""
+        if self.jitter_shared or self.jitter_frame:
+            raise ValueError("correlated jitter needs each step's frame: use StepLatencyModel.draws()")
+        return JitterDraws(self, seed, 1.0).ratio(index, 0)
+
+    def draws(self, seed: int, frame_period_s: float) -> "JitterDraws":
+        """The jitter ratios of a run seeded ``seed`` on a frame clock of ``frame_period_s``."""
+        return JitterDraws(self, seed, frame_period_s)
 
     def step_s(self, batch, context_tokens, new_tokens):
         """Vectorised: works on scalars and numpy arrays alike."""
@@ -157,6 +173,73 @@ class StepLatencyModel:
             + self.per_context_token_s * context_tokens
             + self.per_new_token_s * new_tokens
         )
+
+
+class JitterDraws:
+    """One run's step-jitter ratios (:class:`StepLatencyModel`'s ``jitter``, ``jitter_shared``, ``jitter_tau_s``).
+
+    ``ratio(step, frame)`` is a pure function of (seed, step index, frame index): any subset asked in any order
+    gives the same numbers, so a span simulated step by step or fast-forwarded draws the same. The shared part is
+    an AR(1) over frame indices whose innovations are hashed from (seed, frame); it is computed in fixed chunks
+    from frame 0 and kept, so it never depends on which frames were asked for first.
+    """
+
+    CHUNK = 4096
+
+    def __init__(self, model: "StepLatencyModel", seed: int, frame_period_s: float):
+        self.on = bool(model.jitter)
+        self.seed = int(seed)
+        self.rho = float(model.jitter_shared) if self.on else 0.0
+        self.rho_f = float(model.jitter_frame) if self.on else 0.0
+        if self.on:
+            self._p, self._r = np.array(model.jitter, dtype=float).T
+        self._phi = math.exp(-float(frame_period_s) / model.jitter_tau_s) if self.rho else 0.0
+        self._a = np.zeros(0)
+
+    def _shared(self, frame: np.ndarray) -> np.ndarray:
+        from scipy.signal import lfilter
+        from scipy.special import ndtri
+
+        need = int(frame.max()) + 1 if frame.size else 0
+        while self._a.size < need:
+            lo = self._a.size
+            idx = np.arange(lo, lo + self.CHUNK, dtype=np.uint64)
+            e = ndtri(_open_uniform(idx, self.seed ^ _SHARED_STREAM))
+            phi = self._phi
+            if lo == 0:  # stationary start: a_0 ~ N(0, 1)
+                head = e[:1]
+                rest = lfilter([math.sqrt(1 - phi * phi)], [1.0, -phi], e[1:], zi=[phi * e[0]])[0]
+                chunk = np.concatenate([head, rest])
+            else:
+                chunk = lfilter([math.sqrt(1 - phi * phi)], [1.0, -phi], e, zi=[phi * self._a[-1]])[0]
+            self._a = np.concatenate([self._a, chunk])
+        return self._a[frame]
+
+    def ratio(self, step, frame) -> np.ndarray:
+        """The ratio of step(s) ``step`` taken on frame(s) ``frame`` (ints or arrays of ints, broadcast)."""
+        idx = np.atleast_1d(np.asarray(step, dtype=np.uint64))
+        if not self.on:
+            return np.ones(idx.shape)
+        if not self.rho and not self.rho_f:
+            return np.interp(_uniform(idx, self.seed), self._p, self._r)
+        from scipy.special import ndtr, ndtri
+
+        fr = np.broadcast_to(np.atleast_1d(np.asarray(frame, dtype=np.int64)), idx.shape)
+        y = math.sqrt(1 - self.rho - self.rho_f) * ndtri(_open_uniform(idx, self.seed))
+        if self.rho:
+            y = y + math.sqrt(self.rho) * self._shared(fr)
+        if self.rho_f:
+            y = y + math.sqrt(self.rho_f) * ndtri(_open_uniform(fr.astype(np.uint64), self.seed ^ _FRAME_STREAM))
+        return np.interp(ndtr(y), self._p, self._r)
+
+
+_SHARED_STREAM = 0x2545F4914F6CDD1D  # the shared part's innovations: a second counter stream of the seed
+_FRAME_STREAM = 0x61C8864680B583EB  # the frame-only part: a third
+
+
+def _open_uniform(index: np.ndarray, seed: int) -> np.ndarray:
+    """:func:`_uniform` moved to the open interval (0, 1), for normal scores."""
+    return _uniform(index, seed) + 2.0 ** -54
 
 
 @dataclass(frozen=True)
@@ -192,6 +275,10 @@ class Calibration:
         d["step_latency"]["fitted_range"] = {k: list(v) for k, v in self.step_latency.fitted_range.items()}
         d["step_latency"]["fit_error"] = dict(self.step_latency.fit_error)
         d["step_latency"]["jitter"] = [list(pt) for pt in self.step_latency.jitter]
+        sl = d["step_latency"]
+        shared, tau, frame = sl.pop("jitter_shared"), sl.pop("jitter_tau_s"), sl.pop("jitter_frame")
+        if shared or frame:
+            sl["jitter_correlation"] = {"shared": shared, "tau_s": tau, **({"frame": frame} if frame else {})}
         if not self.step_latency.jitter and not self.step_latency.frame_first_s:  # files stay as they were
             d["step_latency"].pop("jitter")
             d["step_latency"].pop("frame_first_s")
@@ -269,6 +356,23 @@ def _jitter(sl: "_Reader") -> tuple[tuple[float, float], ...]:
     return tuple(pts)
 
 
+def _jitter_correlation(sl: "_Reader") -> dict[str, float]:
+    raw = sl.obj.get("jitter_correlation")
+    if raw is None:
+        return {}
+    c = sl.section("jitter_correlation")
+    shared = c.get("shared", float, nonneg=True)
+    if not shared < 1:
+        c._fail("shared", f"must be in [0, 1), got {shared!r}")
+    tau = c.get("tau_s", float, positive=True)
+    frame = c.get("frame", float, default=0.0, nonneg=True)
+    if not shared + frame < 1:
+        c._fail("frame", f"shared + frame must be < 1, got {shared!r} + {frame!r}")
+    if (shared or frame) and not sl.obj.get("jitter"):
+        sl._fail("jitter_correlation", "needs the jitter distribution (step_latency.jitter) it correlates")
+    return {"jitter_shared": shared, "jitter_tau_s": tau, "jitter_frame": frame}
+
+
 def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
     """Validate a parsed JSON object and build a :class:`Calibration`."""
     r = _Reader(origin, obj)
@@ -341,6 +445,7 @@ def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
         fit_error={str(k): float(v) for k, v in fit_error.items()},
         frame_first_s=sl.get("frame_first_s", float, default=0.0, nonneg=True),
         jitter=_jitter(sl),
+        **_jitter_correlation(sl),
     )
     if step.step_s(1, 0, 1) <= 0:
         sl._fail("base_s", "a step must take some time: base_s + per_seq_s + per_new_token_s is 0")

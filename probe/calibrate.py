@@ -234,7 +234,7 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
                 run.mark_done("fill", fill)
             bar.advance()
         grid = run.samples("grid")
-        fit = fit_step_latency(grid)
+        fit = fit_step_latency(grid, stream.frame_period_s)
         measurements = {
             "pool": run.done["pool"]["result"], "kv_growth": run.done["kv_growth"]["result"],
             "fill_rate": run.done["fill"]["result"], "step_fit": fit,
@@ -463,7 +463,7 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
                "step_s": float(r.eff), "engine_step_s": float(r.step_s), "batch": int(r.batch), "first": bool(r.first),
                "new_tokens": int(r.new_tokens), "context_tokens": int(r.resident_tokens),
                "raw_context_tokens": int(r.context_tokens), "prefill_tokens": int(r.prefill_tokens),
-               "preemptions": 0}
+               "preemptions": 0, "tick": int(math.floor(r.t_start_s / stream.frame_period_s + 1e-9))}
         if journal is not None:
             journal.append(row)
     frames = [f for f in res.frames if not f["censored"] and f["latency_s"] is not None and f["tick_s"] >= warm]
@@ -587,14 +587,112 @@ def step_jitter(grid: pd.DataFrame) -> list[list[float]]:
     return [[p, round(float(v), 6)] for p, v in zip(JITTER_P, q)]
 
 
+JITTER_CORR_MAX_LAG_S = 3.0  # lags (in frames) the correlation fit looks at: up to this many seconds
+
+
+def normal_scores(x: np.ndarray) -> np.ndarray:
+    """Normal scores of ``x`` by rank (ties share their mean rank): the copula scale the simulator draws on."""
+    from scipy.special import ndtri
+    from scipy.stats import rankdata
+
+    return ndtri((rankdata(x) - 0.5) / len(x))
+
+
+def tick_correlations(run: np.ndarray, tick: np.ndarray, y: np.ndarray, max_lag: int) -> dict:
+    """Correlations of scores ``y`` between steps ``0..max_lag`` frame ticks apart (lag 0: two different steps
+    of the same tick), pooled over runs; with each run's length in ticks. Scores are taken as standardised
+    (mean 0, variance 1 over all steps)."""
+    num = np.zeros(max_lag + 1)
+    den = np.zeros(max_lag + 1)
+    lengths = []
+    for r in pd.unique(run):
+        m = run == r
+        t = tick[m].astype(np.int64)
+        t = t - t.min()
+        n_t = np.bincount(t).astype(float)
+        s_t = np.bincount(t, weights=y[m])
+        q_t = np.bincount(t, weights=y[m] ** 2)
+        lengths.append(len(n_t))
+        num[0] += float((s_t ** 2 - q_t).sum())
+        den[0] += float((n_t ** 2 - n_t).sum())
+        for lag in range(1, min(max_lag, len(n_t) - 1) + 1):
+            num[lag] += float(s_t[:-lag] @ s_t[lag:])
+            den[lag] += float(n_t[:-lag] @ n_t[lag:])
+    var = float(np.mean(y ** 2)) or 1.0
+    ok = den > 0
+    return {"lags": np.flatnonzero(ok), "corr": num[ok] / den[ok] / var, "pairs": den[ok],
+            "run_ticks": np.array(lengths, float)}
+
+
+def _demeaned_model(rho: np.ndarray, phi: np.ndarray, lags: np.ndarray, run_ticks: np.ndarray) -> np.ndarray:
+    """Expected correlation at each lag of scores ``√ρ·a_t + √(1−ρ)·z`` (``a`` a unit AR(1) over ticks with
+    coefficient ``phi``) once each run's mean is taken out, as ranking within a run does:
+    ``ρ·(φ^lag − V)``, ``V`` the variance of a run's mean of ``a`` (averaged over the runs' lengths)."""
+    phi = phi[..., None]
+    v = 0.0
+    for n in run_ticks:
+        d = np.arange(1, int(n))
+        v = v + (n + 2 * ((n - d) * phi ** d).sum(-1, keepdims=True)) / n ** 2
+    v = v / len(run_ticks)
+    return rho[..., None] * (phi ** lags - v)
+
+
+def fit_jitter_correlation(run: np.ndarray, tick: np.ndarray, y: np.ndarray, frame_period_s: float) -> dict | None:
+    """Fit the step jitter's slow-spell part ``ρ`` with its correlation time ``τ``, and its frame-only part
+    ``ρ_f`` (:class:`StepLatencyModel`'s ``jitter_shared``, ``jitter_tau_s``, ``jitter_frame``) to the
+    correlations of steps' normal scores ``y`` 0..3 s of frame ticks apart (:func:`tick_correlations`): least
+    squares over a grid of (ρ, τ), allowing for each run's own mean having been taken out, with ``ρ_f`` whatever
+    of the same-tick correlation the spells leave. None with fewer than 200 steps or fewer than 3 lags."""
+    if len(y) < 200:
+        return None
+    max_lag = max(1, int(math.ceil(JITTER_CORR_MAX_LAG_S / frame_period_s)))
+    tc = tick_correlations(run, tick, y, max_lag)
+    lags, obs = tc["lags"], tc["corr"]
+    if lags.size < 3:
+        return None
+    rhos = np.linspace(0.0, 0.95, 96)
+    taus = np.geomspace(frame_period_s / 4, 60.0, 120)
+    phis = np.exp(-frame_period_s / taus)
+    model = _demeaned_model(rhos[:, None], phis[None, :], lags, tc["run_ticks"])  # (rho, tau, lag)
+    same = (lags == 0).astype(float)
+    if same.any():  # the frame-only part: what the spells leave of the same-tick correlation
+        frame = np.clip(obs[0] - model[..., :1], 0.0, 0.95 - rhos[:, None, None])
+        model = model + frame * same
+    else:
+        frame = np.zeros(model.shape[:2] + (1,))
+    sse = ((model - obs) ** 2).sum(-1)
+    i, j = np.unravel_index(int(np.argmin(sse)), sse.shape)
+    return {"shared": round(float(rhos[i]), 4), "tau_s": round(float(taus[j]), 4),
+            "frame": round(float(frame[i, j, 0]), 4),
+            "lags": [int(v) for v in lags], "observed": [round(float(v), 4) for v in obs],
+            "fitted": [round(float(v), 4) for v in model[i, j]], "steps": int(len(y)),
+            "rmse": round(float(math.sqrt(sse[i, j] / lags.size)), 4)}
+
+
+def jitter_correlation(grid: pd.DataFrame, frame_period_s: float) -> dict | None:
+    """:func:`fit_jitter_correlation` on the paced steps of a calibration grid: each step's normal score within
+    its situation (as :func:`step_jitter` takes ratios), its run and its frame tick. None for grids journalled
+    before paced steps carried their tick."""
+    if "tick" not in grid:
+        return None
+    g = _paced_situations(_usable(grid))
+    g = g[g["tick"].notna()]
+    if len(g) < 200:
+        return None
+    y = g.groupby(PACED_SITUATION).step_s.transform(lambda x: pd.Series(normal_scores(x.to_numpy(float)),
+                                                                          index=x.index))
+    return fit_jitter_correlation(g.phase.to_numpy(), g["tick"].to_numpy(float), y.to_numpy(float), frame_period_s)
+
+
 def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares on relative error (each row divided by its y)."""
     return nnls(X / y[:, None], np.ones_like(y))[0]
 
 
-def fit_step_latency(grid: pd.DataFrame) -> dict:
+def fit_step_latency(grid: pd.DataFrame, frame_period_s: float | None = None) -> dict:
     """Fit ``step_s = base + per_seq·batch + per_ctx·context + per_new·new (+ frame_first for a step that comes
-    after an idle gap)`` (all ≥ 0) on relative error; also the paced steps' jitter (:func:`step_jitter`).
+    after an idle gap)`` (all ≥ 0) on relative error; also the paced steps' jitter (:func:`step_jitter`) and,
+    given the frame period, how it hangs together in time (:func:`jitter_correlation`).
 
     Small decode steps weigh as much as big prefill steps. One outlier pass drops points the first fit
     misses by more than max(50%, 4 × the median miss) (interference, not the engine) and refits; the error
@@ -623,6 +721,7 @@ def fit_step_latency(grid: pd.DataFrame) -> dict:
     return {
         "base_s": float(coef[0]), "per_seq_s": float(coef[1]), "per_context_token_s": float(coef[2]),
         "per_new_token_s": float(coef[3]), "frame_first_s": float(coef[4]), "jitter": step_jitter(grid),
+        "jitter_correlation": jitter_correlation(grid, frame_period_s) if frame_period_s else None,
         "fitted_range": {"batch": [float(pts.batch.min()), float(pts.batch.max())],
                          "context_tokens": [float(pts.context_tokens.min()), float(pts.context_tokens.max())],
                          "new_tokens": [float(pts.new_tokens.min()), float(pts.new_tokens.max())]},
@@ -722,6 +821,7 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
             base_s=fit["base_s"], per_seq_s=fit["per_seq_s"], per_context_token_s=fit["per_context_token_s"],
             per_new_token_s=fit["per_new_token_s"], frame_first_s=fit.get("frame_first_s", 0.0),
             jitter=tuple(tuple(pt) for pt in fit.get("jitter", ())),
+            **_correlation_fields(fit),
             fitted_range={k: tuple(v) for k, v in fit["fitted_range"].items()},
             fit_error={**err, **fit["per_point_rel_error"]}),
         provenance=Provenance(
@@ -732,6 +832,14 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
             weights=m.weights, notes=tuple(notes)),
         description=f"Measured on the live engine: {m.name} ({m.weights}), {policy.describe()}",
     )
+
+
+def _correlation_fields(fit: dict) -> dict:
+    """StepLatencyModel's ``jitter_shared``/``jitter_tau_s``/``jitter_frame`` from a step fit (none without jitter or a fit)."""
+    corr = fit.get("jitter_correlation")
+    if not fit.get("jitter") or not corr or not (corr["shared"] or corr["frame"]):
+        return {}
+    return {"jitter_shared": corr["shared"], "jitter_tau_s": corr["tau_s"], "jitter_frame": corr["frame"]}
 
 
 def calibration_name(model: str, device: str, policy: KVPolicy) -> str:

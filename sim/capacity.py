@@ -35,8 +35,10 @@ def _measure_window(cal: Calibration, policy: KVPolicy, duration_s: float | None
     if policy.bounded:
         warm = (policy.sink_tokens + policy.window_tokens + 2 * policy.block_size) / r
         span = max(10 * cal.stream.frame_period_s, 5.0)
-        if cal.step_latency.jitter:  # a tail to measure: enough ticks that the 99th percentile is not the max
+        if cal.step_latency.jitter:  # a tail to measure: enough ticks that the 99th percentile is not the max,
             span = max(span, 2000 * cal.stream.frame_period_s)
+            if cal.step_latency.jitter_shared:  # and, when slow steps come in spells, enough spells
+                span = max(span, 500 * cal.step_latency.jitter_tau_s)
         return warm, span
     length = duration_s if duration_s and math.isfinite(duration_s) else 600.0
     return 0.0, length

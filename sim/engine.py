@@ -73,8 +73,9 @@ class SimEngine:
         self.budget = calibration.engine.max_num_batched_tokens
         self.lat = calibration.step_latency
         self.first_s = float(self.lat.frame_first_s)  # extra time of a frame's first step (after the idle gap)
-        self.jitter = bool(self.lat.jitter)  # step i takes the model's time x lat.ratio(i, seed)
+        self.jitter = bool(self.lat.jitter)  # step i, on frame f, takes the model's time x draws.ratio(i, f)
         self.seed = int(seed)
+        self.draws = self.lat.draws(self.seed, self.P)
         self.n_steps = 0  # steps taken: the index of the next step's jitter draw
         self.rebase_tokens = policy.rebase_tokens()
 
@@ -344,7 +345,7 @@ class SimEngine:
         if first and part.size:
             lat += self.first_s
         if self.jitter:
-            lat *= float(self.lat.ratio(self.n_steps, self.seed)[0])
+            lat *= float(self.draws.ratio(self.n_steps, self.f)[0])
         self.n_steps += 1
         self._pending = dict(t=now, lat=lat, batch=sched.size, new=int(tokens.sum()), ctx=ctx, pre=preempted)
         self.slow_steps += 1
@@ -460,7 +461,7 @@ class SimEngine:
         ctx = weight @ pol.resident_tokens(n_after[:, :S]) + int(t_off.sum())
         lat = self.lat.step_s(part.size, ctx, part.size * tok[:S]) + self.first_s * (jj[:S] == 0)
         if self.jitter:
-            lat = lat * self.lat.ratio(self.n_steps + np.arange(S), self.seed)
+            lat = lat * self.draws.ratio(self.n_steps + np.arange(S), self.f + k[:S])
         # timing: a frame's first step starts at its tick or when the engine frees up
         t_next = self._next_event_time()
         starts = np.empty(S)

@@ -144,8 +144,13 @@ def calibrate_main(argv: list[str]) -> int:
           f"({int(err['points'])} points)")
     if sl.frame_first_s or sl.jitter:
         tail = dict(sl.jitter).get(0.99)
-        print(f"real time: a frame's first step +{sl.frame_first_s * 1e3:.3f} ms; step jitter p99 "
-              f"x{tail:.2f}" if tail else f"real time: a frame's first step +{sl.frame_first_s * 1e3:.3f} ms")
+        line = f"real time: a frame's first step +{sl.frame_first_s * 1e3:.3f} ms"
+        if tail:
+            line += f"; step jitter p99 x{tail:.2f}"
+        if sl.jitter_shared or sl.jitter_frame:
+            line += (f"; shared by a frame's steps {sl.jitter_shared + sl.jitter_frame:.0%}, of which "
+                     f"{sl.jitter_shared:.0%} in slow spells lasting ~{sl.jitter_tau_s:.2f} s")
+        print(line)
     for key, r in sorted(m.get("paced", {}).items(), key=lambda kv: kv[1].get("sessions", 0)):
         if r.get("frames"):
             print(f"paced {r['sessions']:>3} sessions: frame p50 {r['p50_frame_latency_s'] * 1e3:.2f} ms, "

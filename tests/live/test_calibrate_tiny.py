@@ -109,3 +109,16 @@ def test_paced_runs_set_the_real_time_terms(calibrated):
     ps = [pt[0] for pt in sl.jitter]
     assert ps[0] == 0.0 and ps[-1] == 1.0 and dict(sl.jitter)[0.5] == pytest.approx(1.0, abs=0.05)
     assert "median_abs_rel_paced" in res.measurements["step_fit"]["error"]
+    # each paced step carries the frame tick it started on, for the jitter's correlation in time
+    assert p["tick"].notna().all() and (p["tick"] >= 0).all()
+    for _, run in p.groupby("phase"):
+        assert run["tick"].is_monotonic_increasing
+        assert run.groupby("tick").size().max() <= 1 + 2  # a frame's chunk step and its decode steps (2 out)
+    from metronome.probe.calibrate import jitter_correlation
+
+    corr = res.measurements["step_fit"]["jitter_correlation"]
+    assert corr == jitter_correlation(grid, 0.1)  # what the file's raw samples give
+    if corr is None:  # 3 paced runs of 2 s: too few steps to say (under 200)
+        assert len(p) < 200 and sl.jitter_shared == 0.0
+    else:
+        assert 0 <= corr["shared"] < 1 and corr["tau_s"] > 0 and sl.jitter_shared == corr["shared"]
