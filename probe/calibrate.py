@@ -641,8 +641,9 @@ def fit_jitter_correlation(run: np.ndarray, tick: np.ndarray, y: np.ndarray, fra
     """Fit the step jitter's slow-spell part ``ρ`` with its correlation time ``τ``, and its frame-only part
     ``ρ_f`` (:class:`StepLatencyModel`'s ``jitter_shared``, ``jitter_tau_s``, ``jitter_frame``) to the
     correlations of steps' normal scores ``y`` 0..3 s of frame ticks apart (:func:`tick_correlations`): least
-    squares over a grid of (ρ, τ), allowing for each run's own mean having been taken out, with ``ρ_f`` whatever
-    of the same-tick correlation the spells leave. None with fewer than 200 steps or fewer than 3 lags."""
+    squares over a grid of (ρ, τ ≤ a quarter of the median run), allowing for each run's own mean having been
+    taken out, with ``ρ_f`` whatever of the same-tick correlation the spells leave. None with fewer than 200 steps
+    or fewer than 3 lags."""
     if len(y) < 200:
         return None
     max_lag = max(1, int(math.ceil(JITTER_CORR_MAX_LAG_S / frame_period_s)))
@@ -651,7 +652,11 @@ def fit_jitter_correlation(run: np.ndarray, tick: np.ndarray, y: np.ndarray, fra
     if lags.size < 3:
         return None
     rhos = np.linspace(0.0, 0.95, 96)
-    taus = np.geomspace(frame_period_s / 4, 60.0, 120)
+    # spells longer than a quarter of a typical run cannot be told from each run's own mean (which ranking takes
+    # out): left free, the fit trades a longer τ for a larger ρ and overstates how often a frame's steps are slow
+    # together (one calibration gave τ 6 s and N* 23, the next, minutes later, τ 0.5 s and N* 29)
+    tau_max = max(frame_period_s, float(np.median(tc["run_ticks"])) * frame_period_s / 4)
+    taus = np.geomspace(frame_period_s / 4, tau_max, 120)
     phis = np.exp(-frame_period_s / taus)
     model = _demeaned_model(rhos[:, None], phis[None, :], lags, tc["run_ticks"])  # (rho, tau, lag)
     same = (lags == 0).astype(float)
