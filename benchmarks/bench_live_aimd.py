@@ -28,8 +28,10 @@
 4. Simulates both scenarios with the calibration just measured (``make_scenario(calibration=<it>, ...)``, same
    seed, so the same sessions arrive) and writes ``--out/live_vs_sim_aimd.html`` (one plotly figure: admitted
    concurrency and limit over time, live and simulated, bounded and unbounded) and ``--out/summary.json``.
-5. Prints N* (sim), the live and simulated settled concurrency, their relative errors, the unbounded runs'
-   preemptions and silent-frame fractions, wall time and the load average before and after.
+5. Prints N* (sim), the live and simulated settled concurrency, their relative errors, where the simulator's
+   tuning seeds settled at the interval run (one run's spread in the simulator) and whether the live run falls
+   inside that range, the unbounded runs' preemptions and silent-frame fractions, wall time and the load average
+   before and after.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ def main(argv=None) -> int:
         pick = min(means, key=lambda i: abs(means[i]))
         sl = cal.step_latency
         print(f"{path}: N* {n_star} ({cap['binding']} binds), jitter shared {sl.jitter_shared:.2f} tau "
-              f"{sl.jitter_tau_s:.2f} s frame {sl.jitter_frame:.2f} | " + " | ".join(cells) + f" | picks {pick:g} s", flush=True)
+              f"{sl.jitter_tau_s:.2f} s frame {sl.jitter_frame:.2f} | " + " | ".join(cells) + f" | picks {pick:g} s",
+              flush=True)
     print("settled vs N*, all calibrations and seeds:")
     for interval, errs in errors.items():
         print(f"  {interval:g} s: mean {np.mean(errs):+.1%}, worst |error| {max(abs(e) for e in errs):.1%} "

@@ -176,7 +176,8 @@ class StepLatencyModel:
 
 
 class JitterDraws:
-    """One run's step-jitter ratios (:class:`StepLatencyModel`'s ``jitter``, ``jitter_shared``, ``jitter_tau_s``).
+    """One run's step-jitter ratios (:class:`StepLatencyModel`'s ``jitter``, ``jitter_shared``, ``jitter_tau_s``,
+    ``jitter_frame``).
 
     ``ratio(step, frame)`` is a pure function of (seed, step index, frame index): any subset asked in any order
     gives the same numbers, so a span simulated step by step or fast-forwarded draws the same. The shared part is

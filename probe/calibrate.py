@@ -840,7 +840,8 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
 
 
 def _correlation_fields(fit: dict) -> dict:
-    """StepLatencyModel's ``jitter_shared``/``jitter_tau_s``/``jitter_frame`` from a step fit (none without jitter or a fit)."""
+    """StepLatencyModel's ``jitter_shared``/``jitter_tau_s``/``jitter_frame`` from a step fit (none without jitter
+    or without a correlation fit)."""
     corr = fit.get("jitter_correlation")
     if not fit.get("jitter") or not corr or not (corr["shared"] or corr["frame"]):
         return {}

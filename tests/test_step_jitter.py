@@ -81,12 +81,19 @@ def _tables_equal(x, y):
         pd.testing.assert_frame_equal(getattr(x, name), getattr(y, name), check_exact=True)
 
 
+@pytest.mark.parametrize("spells", [None, (0.6, 1.0, 0.1)], ids=["independent", "spells"])
 @pytest.mark.parametrize("policy,arrivals,durations", [
     (KVPolicy.unbounded(16), Arrivals("poisson", rate_per_s=5.0), Durations("exponential", 20.0)),
     (KVPolicy.sinks(16, 16, 256), Arrivals("ramp", sessions=90, ramp_s=10.0), Durations("lognormal", 30, 0.5)),
 ], ids=["unbounded-poisson", "sinks-ramp"])
-def test_fast_forward_stays_exact_with_jitter_and_the_first_step_term(policy, arrivals, durations):
+def test_fast_forward_stays_exact_with_jitter_and_the_first_step_term(policy, arrivals, durations, spells):
+    """Also with the jitter's slow spells and frame-only part (tests/test_jitter_correlation.py): their draws
+    depend on each step's frame, which a fast-forwarded span must get right."""
     c = _real_time(calibration.load("moshi-7b-h200"))
+    if spells:
+        shared, tau, frame = spells
+        c = replace(c, step_latency=replace(c.step_latency, jitter_shared=shared, jitter_tau_s=tau,
+                                            jitter_frame=frame))
     c = replace(c, engine=replace(c.engine, num_blocks=1_500))
     sc = Scenario(c, policy, arrivals, 60.0, durations=durations, seed=3)
     _tables_equal(run(sc, fast_forward=False, check_invariants=True), run(sc, fast_forward=True))
