@@ -148,8 +148,8 @@ def calibrate_main(argv: list[str]) -> int:
         if tail:
             line += f"; step jitter p99 x{tail:.2f}"
         if sl.jitter_shared or sl.jitter_frame:
-            line += (f"; shared by a frame's steps {sl.jitter_shared + sl.jitter_frame:.0%}, of which "
-                     f"{sl.jitter_shared:.0%} in slow spells lasting ~{sl.jitter_tau_s:.2f} s")
+            line += (f"; two steps of a frame correlate {sl.jitter_shared + sl.jitter_frame:.2f} ("
+                     f"{sl.jitter_shared:.2f} from slow spells lasting ~{sl.jitter_tau_s:.2f} s)")
         print(line)
     for key, r in sorted(m.get("paced", {}).items(), key=lambda kv: kv[1].get("sessions", 0)):
         if r.get("frames"):
