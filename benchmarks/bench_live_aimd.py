@@ -6,7 +6,7 @@
 1. Calibrates the engine (``run_calibration``: validate's small grid, chunk steps timed after an idle gap, and
    paced runs of 1–40 sessions on the frame clock, 12 s each) on the bounded (window) engine with the run's pool.
    The calibration includes the step jitter and how it hangs together in time (slow spells: ``jitter_shared``,
-   ``jitter_tau_s``).
+   ``jitter_tau_s``; a frame's steps slow together: ``jitter_frame``).
 2. Picks the deadline (``--deadline auto``: the largest of 40, 30, 25, 20, 15 ms) at which, under vLLM's own
    sliding window on that pool, the simulator says the **deadline binds before memory**
    (``metronome.sim.capacity.capacity(...)["binding"] == "deadline"``) with N* at most 3/4 of the memory ceiling
@@ -79,19 +79,24 @@ def second_half_mean(t: np.ndarray, n: np.ndarray, horizon: float) -> float | No
     return float(late.mean()) if late.size else None
 
 
-def simulated_settled(cal, aimd: dict, *, window: int, num_blocks: int, rate: float, duration: str, horizon: float,
-                      deadline: float, seeds) -> list[float]:
-    """Where the simulated AIMD settles (:func:`second_half_mean`) in the benchmark's bounded scenario, one value
-    per seed."""
+def bench_scenario(cal, aimd: dict, *, kv: str = "window", window: int, num_blocks: int, rate: float,
+                   duration: str, horizon: float, deadline: float, seed: int):
+    """The benchmark's scenario in the simulator: Poisson arrivals under AIMD on the run's pool, with vLLM's window
+    (``kv="window"``) or unbounded KV. The interval tuning and the figure's simulated runs both use it."""
     from metronome.sim import scenario as sc_mod
 
-    out = []
-    for seed in seeds:
-        sc = sc_mod.make_scenario(calibration=cal, kv="window", window=window, arrival_rate=rate,
-                                  session_duration=duration, horizon=horizon, seed=seed, deadline=deadline,
-                                  admission="aimd", aimd_params=aimd, num_blocks=num_blocks)
-        out.append(second_half_mean(*sim_admitted(sc_mod.run(sc).steps), horizon))
-    return out
+    return sc_mod.make_scenario(calibration=cal, kv=kv, window=window if kv == "window" else None,
+                                arrival_rate=rate, session_duration=duration, horizon=horizon, seed=seed,
+                                deadline=deadline, admission="aimd", aimd_params=aimd, num_blocks=num_blocks)
+
+
+def simulated_settled(cal, aimd: dict, *, seeds, **scenario) -> list[float]:
+    """Where the simulated AIMD settles (:func:`second_half_mean`) in the benchmark's bounded scenario
+    (:func:`bench_scenario`), one value per seed."""
+    from metronome.sim import scenario as sc_mod
+
+    return [second_half_mean(*sim_admitted(sc_mod.run(bench_scenario(cal, aimd, seed=seed, **scenario)).steps),
+                             scenario["horizon"]) for seed in seeds]
 
 
 def tune_interval(cal, aimd: dict, n_star: int, intervals=INTERVALS, seeds=range(1, TUNING_SEEDS + 1),
@@ -256,11 +261,7 @@ def main(argv=None) -> int:
 
     # 4. the same scenarios simulated with the calibration just measured
     def simulate(kv, horizon, name):
-        sc = sc_mod.make_scenario(calibration=cal, kv=kv, window=args.window if kv == "window" else None,
-                                  arrival_rate=args.rate, session_duration=args.duration, horizon=horizon,
-                                  seed=args.seed, deadline=deadline, admission="aimd", aimd_params=aimd,
-                                  num_blocks=args.num_blocks)
-        res = sc_mod.run(sc)
+        res = sc_mod.run(bench_scenario(cal, aimd, kv=kv, seed=args.seed, **{**scenario, "horizon": horizon}))
         sc_mod.write(res, out / name / "sim")
         return res
 
@@ -383,14 +384,14 @@ def main(argv=None) -> int:
           f"live vs sim {f(b['live_vs_sim'], '{:+.1%}')}; p50/p99 live {f(b['live']['p50_frame_latency_s'], '{:.4f}')}/"
           f"{f(b['live']['p99_frame_latency_s'], '{:.4f}')} s, sim {f(b['sim']['p50_frame_latency_s'], '{:.4f}')}/"
           f"{f(b['sim']['p99_frame_latency_s'], '{:.4f}')} s")
-    print(f"unbounded: live {u['live']['preemptions']} preemptions, silent {f(u['live']['silent_frame_fraction'], '{:.3f}')}, "
-          f"settled {f(u['live']['settled_sessions'])}; sim {u['sim']['preemptions']} preemptions, silent "
-          f"{f(u['sim']['silent_frame_fraction'], '{:.3f}')}, settled {f(u['sim']['settled_sessions'])}, "
-          f"collapsed {u['sim']['collapsed']}")
     if seeds_at:
         print(f"           the simulator over {len(seeds_at)} other seeds at {aimd['interval_s']:g} s: "
               f"{np.mean(seeds_at):+.1%} vs N*, range [{seeds_at[0]:+.1%}, {seeds_at[-1]:+.1%}]; live "
               + ("inside" if b["live_within_sim_seed_range"] else "outside") + " it")
+    print(f"unbounded: live {u['live']['preemptions']} preemptions, silent {f(u['live']['silent_frame_fraction'], '{:.3f}')}, "
+          f"settled {f(u['live']['settled_sessions'])}; sim {u['sim']['preemptions']} preemptions, silent "
+          f"{f(u['sim']['silent_frame_fraction'], '{:.3f}')}, settled {f(u['sim']['settled_sessions'])}, "
+          f"collapsed {u['sim']['collapsed']}")
     print(f"verdict: {verdict} (live within {TOLERANCE:.0%} of N* before the run"
           + (f"; N* moved {f(drift, '{:+.1%}')} between the calibrations before and after, more than that"
              if verdict == "inconclusive" and drift is not None else "") + ")")

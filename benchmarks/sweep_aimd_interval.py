@@ -23,7 +23,7 @@ import numpy as np
 
 
 def main(argv=None) -> int:
-    from bench_live_aimd import AIMD, INTERVALS, TUNING_SEEDS, aimd_for, simulated_settled
+    from bench_live_aimd import AIMD, INTERVALS, TUNING_SEEDS, tune_interval
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("calibrations", nargs="+", help="calibration.json files")
@@ -68,16 +68,13 @@ def main(argv=None) -> int:
             cal = replace(cal, step_latency=replace(cal.step_latency, **corr))
         cap = capacity(cal, policy, deadline_s=args.deadline)
         n_star = cap["n_star"]
-        cells, means = [], {}
-        for interval in intervals:
-            got = simulated_settled(cal, aimd_for(AIMD, n_star, interval), window=args.window,
-                                    num_blocks=args.num_blocks, rate=args.rate, duration=args.duration,
-                                    horizon=args.horizon, deadline=args.deadline, seeds=range(1, args.seeds + 1))
-            errs = [g / n_star - 1 for g in got if g is not None]
+        pick, tuning = tune_interval(cal, AIMD, n_star, intervals=intervals, seeds=range(1, args.seeds + 1),
+                                     window=args.window, num_blocks=args.num_blocks, rate=args.rate,
+                                     duration=args.duration, horizon=args.horizon, deadline=args.deadline)
+        cells = []
+        for interval, errs in tuning.items():
             errors[interval] += errs
-            means[interval] = float(np.mean(errs))
             cells.append(f"{interval:g} s {np.mean(errs):+.1%} [{min(errs):+.0%}, {max(errs):+.0%}]")
-        pick = min(means, key=lambda i: abs(means[i]))
         sl = cal.step_latency
         print(f"{path}: N* {n_star} ({cap['binding']} binds), jitter shared {sl.jitter_shared:.2f} tau "
               f"{sl.jitter_tau_s:.2f} s frame {sl.jitter_frame:.2f} | " + " | ".join(cells) + f" | picks {pick:g} s",
