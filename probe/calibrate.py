@@ -620,8 +620,7 @@ def tick_correlations(run: np.ndarray, tick: np.ndarray, y: np.ndarray, max_lag:
             den[lag] += float(n_t[:-lag] @ n_t[lag:])
     var = float(np.mean(y ** 2)) or 1.0
     ok = den > 0
-    return {"lags": np.flatnonzero(ok), "corr": num[ok] / den[ok] / var, "pairs": den[ok],
-            "run_ticks": np.array(lengths, float)}
+    return {"lags": np.flatnonzero(ok), "corr": num[ok] / den[ok] / var, "run_ticks": np.array(lengths, float)}
 
 
 def _demeaned_model(rho: np.ndarray, phi: np.ndarray, lags: np.ndarray, run_ticks: np.ndarray) -> np.ndarray:
@@ -684,8 +683,7 @@ def jitter_correlation(grid: pd.DataFrame, frame_period_s: float) -> dict | None
     g = g[g["tick"].notna()]
     if len(g) < 200:
         return None
-    y = g.groupby(PACED_SITUATION).step_s.transform(lambda x: pd.Series(normal_scores(x.to_numpy(float)),
-                                                                          index=x.index))
+    y = g.groupby(PACED_SITUATION).step_s.transform(lambda x: normal_scores(x.to_numpy(float)))
     return fit_jitter_correlation(g.phase.to_numpy(), g["tick"].to_numpy(float), y.to_numpy(float), frame_period_s)
 
 
