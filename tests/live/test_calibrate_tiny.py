@@ -122,3 +122,22 @@ def test_paced_runs_set_the_real_time_terms(calibrated):
         assert len(p) < 200 and sl.jitter_shared == 0.0
     else:
         assert 0 <= corr["shared"] < 1 and corr["tau_s"] > 0 and sl.jitter_shared == corr["shared"]
+
+
+def test_a_real_calibration_folder_pools(calibrated, tmp_path, capsys):
+    """``metronome-probe pool`` reads a real calibrate folder (its grid journal and done markers): pooled with a
+    copy of itself it fits the same step model the calibration has (the same samples twice)."""
+    import shutil
+
+    from metronome.cli.probe_cli import main
+
+    _, res = calibrated
+    twin = tmp_path / "twin"
+    shutil.copytree(res.out_dir, twin)
+    out = tmp_path / "pooled.json"
+    assert main(["pool", str(res.out_dir), str(twin), "--out", str(out)]) == 0
+    assert f"calibration: {out} (pooled from 2 calibrations of tiny)" in capsys.readouterr().out
+    pooled, alone = load_file(out).step_latency, res.calibration.step_latency
+    for k in ("base_s", "per_seq_s", "per_context_token_s", "per_new_token_s", "frame_first_s"):
+        assert getattr(pooled, k) == pytest.approx(getattr(alone, k), rel=1e-6, abs=1e-12)
+    assert load_file(out).engine == res.calibration.engine
