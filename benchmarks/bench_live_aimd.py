@@ -228,11 +228,11 @@ def main(argv=None) -> int:
         fit = cal_res.measurements["step_fit"]
         log(f"calibrated in {cal_res.seconds:.0f} s; step fit median |err| {fit['error']['median_abs_rel']:.2f}, "
             f"p90 {fit['error']['p90_abs_rel']:.2f}")
-        before_dirs = [out / "calibration"]
+        before_dirs, before_cals = [out / "calibration"], [cal]
         for k in range(2, args.calibrations + 1):  # more calibrations before the runs, pooled into one fit
             before_dirs.append(out / f"calibration-pre{k}")
             log(f"calibrating again before the runs ({before_dirs[-1].name})")
-            run_calibration(replace(copts, out=str(before_dirs[-1])), engine=engine)
+            before_cals.append(run_calibration(replace(copts, out=str(before_dirs[-1])), engine=engine).calibration)
         if len(before_dirs) > 1:
             cal, fit = pool_calibrations(before_dirs)
             (out / "calibration-before-pooled.json").write_text(cal.to_json())
@@ -293,6 +293,9 @@ def main(argv=None) -> int:
     cap_pooled = capacity(cal_pooled, bounded, deadline_s=deadline)
     log(f"N* from all {len(cal_dirs)} calibrations pooled: {cap_pooled['n_star']} (before the runs: {n_star}; "
         "after each run: " + ", ".join(map(str, n_stars[1:])) + ")")
+    # N* of every calibration alone, in cal_dirs' order (one calibration before the runs: it is n_star itself)
+    each = ([n_star] if len(before_cals) == 1
+            else [capacity(c, bounded, deadline_s=deadline)["n_star"] for c in before_cals]) + n_stars[1:]
     # 3. the unbounded live run, same arrivals, on an unbounded engine
     log(f"unbounded live run: Poisson {args.rate}/s, durations {args.duration}, {args.unbounded_horizon:g} s")
     engine = Engine(replace(base, sliding_window=None), log_path=out / "engine.log")
@@ -361,7 +364,7 @@ def main(argv=None) -> int:
         e["live_within_sim_seed_range"] = (None if not seeds_at or e["live_vs_n_star"] is None
                                            else seeds_at[0] <= e["live_vs_n_star"] <= seeds_at[-1])
     b = figs["window"]
-    b["live_vs_n_star_after"] = rel(b["live"]["settled_sessions"], n_stars[1])
+    b["live_vs_n_star_after"] = b["live_vs_n_star_after_run"]
     b["sim_seeds_vs_n_star"] = seeds_at  # the tuning's seeds at the interval run: one run's spread in the simulator
     drift = rel(n_stars[1], n_star)
     settled = [figs[name]["live"]["settled_sessions"] for name, _, _ in bounded_runs]
@@ -380,9 +383,6 @@ def main(argv=None) -> int:
         ok = [x for x in settled if x is not None]
         mean = float(np.mean(ok)) if len(ok) == len(settled) else None
         sd = float(np.std(ok, ddof=1)) if len(ok) > 1 else None
-        from metronome.calibration import load_file
-
-        each = [capacity(load_file(d / "calibration.json"), bounded, deadline_s=deadline)["n_star"] for d in cal_dirs]
         repeat = {
             "runs": args.repeat, "settled": settled, "settled_mean": mean, "settled_sd": sd,
             "n_star_each_calibration": each, "n_star_pooled": cap_pooled["n_star"],
@@ -450,7 +450,7 @@ def main(argv=None) -> int:
         "capacity": cap, "n_star_sim": n_star,
         "n_star_after": cap_after["n_star"], "n_star_drift": drift, "verdict": verdict, "tolerance": TOLERANCE,
         "capacity_after": cap_after,
-        "n_star_each_calibration": n_stars, "n_star_pooled": cap_pooled["n_star"], "capacity_pooled": cap_pooled,
+        "n_star_each_calibration": each, "n_star_pooled": cap_pooled["n_star"], "capacity_pooled": cap_pooled,
         "calibrations_pooled": [str(d) for d in cal_dirs], "repeat": repeat,
         "calibration_fit_error": {k: fit_err[k] for k in ("median_abs_rel", "p90_abs_rel", "max_abs_rel")},
         "calibration_seconds": round(cal_res.seconds, 1), "calibrations_before": [str(d) for d in before_dirs],

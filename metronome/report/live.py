@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -365,9 +366,7 @@ def _read_run(d: Path, obj: dict | None = None, horizon_s: float | None = None) 
 
 def _runs(d: Path, origin: str, kind: str, runs: list[dict], meta: dict) -> dict:
     runs = sorted(runs, key=lambda e: not e["bounded"])  # the bounded runs first, as the benchmark plots them
-    same = {}
-    for e in runs:
-        same[e["label"]] = same.get(e["label"], 0) + 1
+    same = Counter(e["label"] for e in runs)
     for e in runs:  # several runs of one policy (a benchmark's --repeat): each row and panel names its folder
         if same[e["label"]] > 1:
             e["label"] = f"{e['label']} · {e['name']}"
