@@ -82,6 +82,7 @@ class EnginePool:
     num_blocks: int  # [num_gpu_blocks]
     bytes_per_block: int  # [page_size_bytes of the KV cache spec]
     max_num_batched_tokens: int = 8192  # [max_num_batched_tokens]: prefill chunk budget per step
+    max_num_seqs: int = 1024  # [max_num_seqs]: requests in the engine at once, paused sessions included
     watermark_blocks: int = 0  # blocks kept free when admitting a waiting request
     reserved_blocks: int = 0  # blocks counted in num_blocks that no request ever gets (vLLM's null block)
 
@@ -410,6 +411,7 @@ def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
         num_blocks=e.get("num_blocks", int, positive=True),
         bytes_per_block=e.get("bytes_per_block", int, positive=True),
         max_num_batched_tokens=e.get("max_num_batched_tokens", int, default=8192, positive=True),
+        max_num_seqs=e.get("max_num_seqs", int, default=1024, positive=True),
         watermark_blocks=e.get("watermark_blocks", int, default=0, nonneg=True),
         reserved_blocks=e.get("reserved_blocks", int, default=0, nonneg=True),
     )

@@ -34,8 +34,11 @@ from metronome.errors import MetronomeError
 POLICY_KINDS = ("unbounded", "window", "sinks")
 
 
-def _ceil_div(a, b):
+def cdiv(a, b):
+    """Ceiling division for ints and numpy integer arrays (vLLM's ``cdiv``)."""
     return -(-a // b)
+
+
 
 
 @dataclass(frozen=True)
@@ -88,11 +91,11 @@ class KVPolicy:
 
     @property
     def sink_blocks(self) -> int:
-        return _ceil_div(self.sink_tokens, self.block_size) if self.kind == "sinks" else 0
+        return cdiv(self.sink_tokens, self.block_size) if self.kind == "sinks" else 0
 
     @property
     def window_blocks(self) -> int:
-        return _ceil_div(self.window_tokens, self.block_size) if self.bounded else 0
+        return cdiv(self.window_tokens, self.block_size) if self.bounded else 0
 
     @property
     def max_resident_blocks(self) -> int | None:
@@ -107,7 +110,7 @@ class KVPolicy:
     def resident_blocks(self, n):
         """Blocks held after ``n`` computed tokens."""
         n = np.asarray(n, dtype=np.int64)
-        total = _ceil_div(n, self.block_size)
+        total = cdiv(n, self.block_size)
         if not self.bounded:
             return total
         lo = self._first_window_block(n)
@@ -150,6 +153,20 @@ class KVPolicy:
         zero = np.zeros_like(n)
         return n_c, zero, zero
 
+    def admission_cap_blocks(self, max_in_flight_tokens: int, max_model_len: int) -> int | None:
+        """The KV spec's per-request admission cap in blocks (None: full attention, no cap).
+
+        Blocks are freed on the computed-token basis before each chunk is allocated, so a request holds at
+        most the blocks of its last ``W − 1`` computed tokens plus the tokens in flight, +1 because the
+        window need not start on a block boundary: vLLM's ``SlidingWindowSpec.max_admission_blocks_per_request``
+        for ``window``; the sink+window plugin adds the sink blocks and caps at ``cdiv(max_model_len, bs)``."""
+        if not self.bounded:
+            return None
+        window = int(cdiv(min(self.window_tokens - 1 + max_in_flight_tokens, max_model_len), self.block_size)) + 1
+        if self.kind == "window":
+            return window
+        return min(self.sink_blocks + window, int(cdiv(max_model_len, self.block_size)))
+
     def rebase_tokens(self) -> int | None:
         """Prompt length of a session rebased near ``max_model_len``: S sinks plus the last W tokens."""
         return self.sink_tokens + self.window_tokens if self.bounded else None
@@ -174,18 +191,3 @@ def make_policy(kind: str, block_size: int, window_tokens: int | None = None, si
     if kind == "window":
         return KVPolicy("window", block_size, window_tokens=int(window_tokens))
     return KVPolicy(kind, block_size, window_tokens=int(window_tokens or 0), sink_tokens=int(sink_tokens or 0))
-
-
-def admit_fcfs(waiting, need, free: int) -> list:
-    """vLLM's FCFS admission from a waiting queue (a deque, oldest first): pop the head while ``need(head)``
-    blocks fit in ``free`` (less what the heads admitted before it take), and stop at the first that does not —
-    a later, smaller request never jumps the queue. Returns the admitted, in order. Shared by the simulator's
-    engine and the live driver, which each size ``need`` from their own view of a session's history."""
-    admitted = []
-    while waiting:
-        n = need(waiting[0])
-        if n > free:
-            break
-        free -= n
-        admitted.append(waiting.popleft())
-    return admitted

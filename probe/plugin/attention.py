@@ -27,10 +27,8 @@ from __future__ import annotations
 import torch
 
 from metronome.errors import MetronomeError
+from metronome.kv_policy import cdiv
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def plan_runs(query_start_loc: list[int], seq_lens: list[int], sink_blocks: int, window: int, bs: int):
@@ -85,7 +83,7 @@ def compact(cm, sink_blocks: int, window: int, bs: int):
             new_bt[j] = src[i]
             new_seq.append(end)
         else:
-            nb = _cdiv(end, bs) - ws
+            nb = cdiv(end, bs) - ws
             new_bt[j, :sink_blocks] = src[i, :sink_blocks]
             new_bt[j, sink_blocks:sink_blocks + nb] = src[i, ws:ws + nb]
             new_seq.append(sink_len + end - ws * bs)
@@ -124,7 +122,7 @@ def patch_builders() -> None:
         original_init(self, kv_cache_spec, layer_names, vllm_config, device)
         if isinstance(kv_cache_spec, SinkWindowSpec):
             bs = kv_cache_spec.block_size
-            sink_blocks = _cdiv(kv_cache_spec.sink_tokens, bs)
+            sink_blocks = cdiv(kv_cache_spec.sink_tokens, bs)
             window = kv_cache_spec.window_tokens
             build = self.build  # the subclass's bound method
 

@@ -24,13 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from metronome.errors import MetronomeError
-from metronome.kv_policy import KVPolicy
+from metronome.kv_policy import KVPolicy, cdiv
 
 ENV_VAR = "METRONOME_KV_SINKS"
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ class SinkWindow:
         self.policy(block_size)  # raises the same one-line errors as the simulator's --kv options
 
     def sink_blocks(self, block_size: int) -> int:
-        return _cdiv(self.sink_tokens, block_size)
+        return cdiv(self.sink_tokens, block_size)
 
     def effective_sinks(self, block_size: int) -> int:
         """S* = ceil(S/bs)·bs: the sink tokens a query actually sees."""
@@ -72,13 +69,10 @@ class SinkWindow:
         return int(self.policy(block_size).attended_tokens(q))
 
     def admission_blocks(self, block_size: int, max_in_flight_tokens: int, max_model_len: int) -> int:
-        """Most blocks one request holds at any time, in-flight chunk included (the admission cap).
-
-        Blocks are freed on the processed-token basis before each chunk is allocated, so a request holds
-        its sink blocks plus the blocks covering its last W−1 processed tokens and the chunk in flight,
-        +1 because the window need not start on a block boundary."""
-        window = _cdiv(min(self.window_tokens - 1 + max_in_flight_tokens, max_model_len), block_size) + 1
-        return min(self.sink_blocks(block_size) + window, _cdiv(max_model_len, block_size))
+        """Most blocks one request holds at any time, in-flight chunk included (the admission cap):
+        :meth:`KVPolicy.admission_cap_blocks` of this bound, never more than a max_model_len request."""
+        cap = self.policy(block_size).admission_cap_blocks(max_in_flight_tokens, max_model_len)
+        return min(cap, cdiv(max_model_len, block_size))
 
     def to_env(self) -> str:
         return f"{self.sink_tokens},{self.window_tokens}"
