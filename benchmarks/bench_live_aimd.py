@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     def live_series(name):
         st = pd.read_parquet(out / name / "steps.parquet")
         ctl = pd.read_parquet(out / name / "controller.parquet")
-        return st.t_start_s.to_numpy(), st.sessions.to_numpy(), ctl
+        return st.t_s.to_numpy(), st.sessions.to_numpy(), ctl
 
     def sim_series(res):
         return (*sim_admitted(res.steps), pd.DataFrame(res.controller_trace))

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     expected = 0
     for r in adm.itertuples():
         first = max(int(math.ceil(r.arrival_s / period - 1e-9)), 0)
-        end = r.end_s if r.reason == "ended" else min(r.end_s, horizon - 1e-6)
+        end = r.end_s if r.reason == "departed" else min(r.end_s, horizon - 1e-6)
         last = int(math.floor(end / period + 1e-9))
         expected += max(0, last - first + 1)
     recorded = len(frames)

@@ -4,8 +4,8 @@
     python benchmarks/bench_metastability.py --tune      # also time tune-aimd with its default grid
 
 Prints the serial and parallel wall times of the paper-like 20-run study (ratio measured in one run),
-then, over many more runs, the fill model's predicted probability beside the observed saturation and
-collapse fractions, with their gaps.
+then, over many more runs, the fill model's predicted saturation and collapse probabilities beside the
+observed fractions, with their gaps.
 """
 
 import argparse
@@ -36,15 +36,17 @@ def main(argv=None):
     assert serial["t_sat_observed_s"] == par["t_sat_observed_s"]
     print(f"20-run study ({PAPER_LIKE}):")
     print(f"  unbounded collapsed {par['collapsed_runs']}/20, saturated {par['saturated_runs']}/20, "
-          f"predicted P(saturate) {par['predicted_collapse_probability']:.3f}")
+          f"predicted P(collapse) {par['predicted_collapse_probability']:.3f}, "
+          f"P(saturate) {par['predicted_saturation_probability']:.3f}")
     print(f"  serial {t_serial:.2f} s, {cores} workers {t_par:.2f} s: speed-up {t_serial / t_par:.2f}x (identical results)")
     bound, _ = metastability({**PAPER_LIKE, "kv": "sinks", "sinks": 16, "window": 368}, 20, 0, LocalExecutor(cores))
     print(f"  sinks(S=16, W=368) collapsed {bound['collapsed_runs']}/20")
     t0 = time.perf_counter()
     many, _ = metastability(PAPER_LIKE, a.runs, 1000, LocalExecutor(cores))
-    print(f"{a.runs} runs (seeds 1000..): predicted P(saturate) {many['predicted_collapse_probability']:.3f}, "
-          f"observed saturation {many['saturation_fraction']:.3f} (gap {many['saturation_prediction_gap']:+.3f}), "
-          f"observed collapse {many['collapse_fraction']:.3f} (gap {many['prediction_gap']:+.3f}) "
+    print(f"{a.runs} runs (seeds 1000..): predicted P(saturate) {many['predicted_saturation_probability']:.3f}, "
+          f"observed saturation {many['saturated_fraction']:.3f} (gap {many['saturation_prediction_gap']:+.3f}); "
+          f"predicted P(collapse) {many['predicted_collapse_probability']:.3f}, "
+          f"observed collapse {many['collapse_fraction']:.3f} (gap {many['collapse_prediction_gap']:+.3f}) "
           f"in {time.perf_counter() - t0:.1f} s")
     if a.tune:
         t0 = time.perf_counter()

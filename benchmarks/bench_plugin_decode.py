@@ -49,10 +49,12 @@ def run_policy(model, bound, args) -> dict:
     e.close()
     import numpy as np
 
+    from metronome.results import percentile  # the one percentile every report uses (nearest rank)
+
     a, t = np.asarray(ages), np.asarray(times)
     # Robust to a shared, noisy machine: contention only ever adds time, so take the 20th percentile of
     # the step time in each of 10 age bins and fit the line through those (slope ± standard error).
-    bins = [(float(np.mean(ab)), float(np.percentile(tb, 20)))
+    bins = [(float(np.mean(ab)), percentile(tb, 20))
             for ab, tb in zip(np.array_split(a, 10), np.array_split(t, 10))]
     x = np.array([b[0] for b in bins]) / 1000.0
     y = np.array([b[1] for b in bins])
@@ -61,10 +63,10 @@ def run_policy(model, bound, args) -> dict:
     sigma2 = float(res[0]) / max(len(y) - 2, 1) if len(res) else 0.0
     se = float(np.sqrt(sigma2 * np.linalg.inv(A.T @ A)[0, 0]))
     tenth = max(len(t) // 10, 1)
-    deciles = [round(float(np.percentile(c, 20)), 2) for c in np.array_split(t, 10)]
+    deciles = [round(percentile(c, 20), 2) for c in np.array_split(t, 10)]
     return dict(p20_ms_by_age_decile=deciles, policy=("sinks S=%d W=%d" % bound) if bound else "unbounded", spec=spec, steps=len(t),
                 slope_ms_per_1k_tokens=float(coef[0]), slope_se=se, intercept_ms=float(coef[1]),
-                p20_first_tenth_ms=float(np.percentile(t[:tenth], 20)), p20_last_tenth_ms=float(np.percentile(t[-tenth:], 20)),
+                p20_first_tenth_ms=percentile(t[:tenth], 20), p20_last_tenth_ms=percentile(t[-tenth:], 20),
                 peak_used_blocks=int(max(blocks)))
 
 

@@ -92,7 +92,7 @@ def main(argv=None):
         rates[label] = args.horizon / wall
         s = res.summary
         print(f"  metronome-sim {label:<27} {args.horizon:>6.0f} sim-s in {wall:6.3f} s = {rates[label]:>9,.0f}x real time"
-              f"  ({s['steps']:,} steps, {s['frames_total']:,} frames, collapsed={s['collapsed']})")
+              f"  ({s['steps']:,} steps, {s['frames']:,} frames, collapsed={s['collapsed']})")
     sc = Scenario(cal, bounded, Arrivals("all", sessions=args.sessions), args.naive_horizon)
     t0 = time.perf_counter()
     run(sc, fast_forward=False)

@@ -4,7 +4,8 @@
 
 300 Moshi sessions start together on one H200 (estimated preset), each lasting an exponentially
 distributed time (mean 160 s). The pool fills at ρ(t) = N·r·t while sessions end at random: whether a
-run collapses depends on that race. The fill model's probability is printed beside the observed ones.
+run collapses depends on that race. The fill model's probabilities (collapse, saturation) are printed
+beside the observed ones.
 """
 
 import argparse
@@ -25,9 +26,9 @@ def main():
     for label, extra in (("unbounded", {}), ("sinks S=16, W=368", dict(kv="sinks", sinks=16, window=368))):
         s, table = metastability({**SCENARIO, **extra}, runs=a.runs)
         table.to_csv(out / f"{label.split()[0]}_runs.csv", index=False)
-        p = s["predicted_collapse_probability"]
         print(f"{label:<18} collapsed {s['collapsed_runs']:>2}/{s['runs']}  saturated {s['saturated_runs']:>2}/{s['runs']}"
-              f"  predicted P(saturate) {p:.2f}")
+              f"  predicted P(collapse) {s['predicted_collapse_probability']:.2f}"
+              f"  P(saturate) {s['predicted_saturation_probability']:.2f}")
         if s["collapse_time_s"]:
             ct = s["collapse_time_s"]
             print(f"{'':<18} collapse times {ct['min']:.0f}–{ct['max']:.0f} s (median {ct['p50']:.0f} s)")

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from metronome.errors import MetronomeError
+from metronome.results import weighted_percentile  # the one percentile (re-exported: existing imports work)
 
 __all__ = [
     "AIMDParams",
@@ -55,46 +56,18 @@ __all__ = [
     "ON_REFUSE",
 ]
 
-DECISIONS = ("increase", "decrease", "hold", "dead")
+# What a closed control interval decided (the ``decision`` of every trace row):
+#   increase  the limit grew (additive increase; Gradient: the gradient raised it)
+#   decrease  congestion: the limit was cut
+#   draining  congestion, but the interval's peak in-flight is still above the limit (an earlier cut is
+#             still taking effect as sessions leave): no further cut (AIMD)
+#   hold      the limit is unchanged (no samples, app-limited, or a fixed controller)
+#   dead      no frame answered with sessions in flight for ``dead_intervals`` intervals: refuse everything
+DECISIONS = ("increase", "decrease", "draining", "hold", "dead")
 ON_REFUSE = ("reject", "queue")
 
 # Interval ends are t0 + (k+1)·I in floating point; a call at "exactly" the end must close it.
 _REL_EPS = 1e-9
-
-
-# ---------------------------------------------------------------------------------------------------
-# Weighted nearest-rank percentile
-# ---------------------------------------------------------------------------------------------------
-def weighted_percentile(values, weights, q: float) -> float | None:
-    """Weighted nearest-rank ("higher", inverted-CDF) percentile; ``None`` when the total weight is 0.
-
-    The result is the smallest value ``v`` whose cumulative weight reaches ``q/100`` of the total
-    weight, i.e. ``min{v : W(x <= v) >= q/100 · W}``. With unit weights this is the classic nearest-rank
-    percentile (``numpy.percentile(..., method="inverted_cdf")``): always one of the observed values,
-    never an interpolation, so a p99 over 100 frames is the 99th-fastest frame. Ties in value are
-    broken by a stable sort, so the result is deterministic. ``q`` is in (0, 100]; ``q = 100`` is the
-    maximum. Zero-weight samples are ignored; negative weights are an error.
-    """
-    v = np.asarray(values, dtype=float).ravel()
-    w = np.asarray(weights, dtype=float).ravel()
-    if v.shape != w.shape:
-        raise ValueError(f"values and weights differ in length: {v.size} vs {w.size}")
-    if not 0.0 < q <= 100.0:
-        raise ValueError(f"percentile must be in (0, 100], got {q}")
-    if np.any(w < 0) or not np.all(np.isfinite(w)):
-        raise ValueError("weights must be finite and >= 0")
-    keep = w > 0
-    if not np.any(keep):
-        return None
-    v, w = v[keep], w[keep]
-    order = np.argsort(v, kind="stable")
-    v, cum = v[order], np.cumsum(w[order])
-    total = cum[-1]
-    # The small relative slack keeps q·W/100 == an exact cumulative weight from being missed by
-    # rounding (e.g. 99.9 · 1000 / 100 = 999.0000000000001).
-    threshold = q * total / 100.0 - _REL_EPS * total
-    i = int(np.searchsorted(cum, threshold, side="left"))
-    return float(v[min(i, v.size - 1)])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -330,6 +303,8 @@ class AdmissionController(ABC):
             peak = max(self._peak, in_flight)
             p = weighted_percentile(self._lat, self._w, self.percentile) if self._w else None
             decision = self._decide(peak, p, self._frames, self._silent)
+            if decision not in DECISIONS:  # every decision a trace records is one of the named ones
+                raise RuntimeError(f"{type(self).__name__} decided {decision!r}, not one of {DECISIONS}")
             self._trace.append((end, self.limit, peak, p, self._frames, self._silent, decision))
             self._k += 1
             self._lat, self._w = [], []

@@ -3,6 +3,8 @@
 Durations are ``fixed``, ``exponential``, ``lognormal`` or a ``list`` of seconds to draw from; each
 gives samples and its survival function ``P(D > t)`` (the fill model needs the latter).
 Arrivals are ``all`` at t=0, a linear ``ramp`` over a number of seconds, or ``poisson`` at a rate.
+:func:`draw` is the one place a run's sessions are drawn: the simulator (``metronome.sim.scenario.workload``)
+and a live run (``metronome.probe.live_run.make_plans``) both call it, so one seed gives the same sessions.
 """
 
 from __future__ import annotations
@@ -190,3 +192,15 @@ class Arrivals:
         if self.kind == "pattern":
             return "Poisson arrivals, rate pattern " + ", ".join(f"{d:g} s at {r:g}/s" for d, r in self.segments)
         return f"Poisson arrivals at {self.rate_per_s:g}/s"
+
+
+def draw(arrivals: Arrivals, durations: Durations | None, horizon_s: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A run's sessions: arrival times (s from the run's start) and durations (s; ``inf`` without
+    ``durations``: they last until the horizon), drawn from one generator seeded with ``seed``, arrivals
+    first, then durations. Every run draws its workload here (simulated and live), so the same arrivals,
+    durations, horizon and seed give the same sessions in both."""
+    rng = np.random.default_rng(seed)
+    arrival = np.asarray(arrivals.times(rng, horizon_s), dtype=float)
+    if durations is None:
+        return arrival, np.full(arrival.size, math.inf)
+    return arrival, np.asarray(durations.sample(rng, arrival.size), dtype=float)

@@ -41,6 +41,7 @@ from metronome.kv_policy import KVPolicy, make_policy
 from metronome.probe import models
 from metronome.probe.engine import Engine, EngineConfig, default_device, hardware_description
 from metronome.probe.records import Journal, journal_to_parquet, read_journal
+from metronome.results import percentile
 
 JOURNALS = ("grid", "kv_growth", "steps", "frames", "sessions")
 
@@ -428,8 +429,8 @@ def effective_step_s(steps: pd.DataFrame, period_s: float) -> tuple[np.ndarray, 
     to its own end. Summed over a frame's steps this is the frame's latency; it includes the driver's hand-off
     between steps and its wake-up at the tick, which an engine timed alone does not show. Also whether the
     step began at a tick (after an idle gap: a frame's first step)."""
-    end = steps.t_s.to_numpy(float)
-    start = steps.t_start_s.to_numpy(float)
+    end = steps.t_end_s.to_numpy(float)
+    start = steps.t_s.to_numpy(float)  # a step row's t_s is its start (metronome.results)
     tick = np.floor(start / period_s + 1e-9) * period_s
     prev = np.concatenate([[-np.inf], end[:-1]])
     return end - np.maximum(prev, tick), tick > prev
@@ -464,22 +465,22 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
     # the last of them is answered
     firsts = [f["done_s"] for f in res.frames if f["frame"] == 0 and f["done_s"] is not None]
     warm = (max(firsts) if firsts else 0.0) + 3 * stream.frame_period_s
-    keep = steps[(steps.t_start_s >= warm) & (steps.preemptions == 0)]
+    keep = steps[(steps.t_s >= warm) & (steps.preemptions == 0)]
     for r in keep.itertuples():
         row = {"attempt": attempt, "phase": key, "kind": "paced", "sessions": n, "context": 0, "chunk_tokens": 0,
                "step_s": float(r.eff), "engine_step_s": float(r.step_s), "batch": int(r.batch), "first": bool(r.first),
                "new_tokens": int(r.new_tokens), "context_tokens": int(r.resident_tokens),
                "raw_context_tokens": int(r.context_tokens), "prefill_tokens": int(r.prefill_tokens),
-               "preemptions": 0, "tick": int(math.floor(r.t_start_s / stream.frame_period_s + 1e-9))}
+               "preemptions": 0, "tick": int(math.floor(r.t_s / stream.frame_period_s + 1e-9))}
         if journal is not None:
             journal.append(row)
     frames = [f for f in res.frames if not f["censored"] and f["latency_s"] is not None and f["tick_s"] >= warm]
     lat = np.array([f["latency_s"] for f in frames], float)
     return {"sessions": n, "seconds": opts.paced_seconds, "steps": int(len(keep)), "frames": int(lat.size),
-            "p50_frame_latency_s": float(np.percentile(lat, 50)) if lat.size else None,
-            "p99_frame_latency_s": float(np.percentile(lat, 99)) if lat.size else None,
-            "median_engine_step_s": float(keep.step_s.median()) if len(keep) else None,
-            "median_effective_step_s": float(keep.eff.median()) if len(keep) else None,
+            "p50_frame_latency_s": percentile(lat, 50),  # the one percentile (metronome.results)
+            "p99_frame_latency_s": percentile(lat, 99),
+            "median_engine_step_s": percentile(keep.step_s, 50),
+            "median_effective_step_s": percentile(keep.eff, 50),
             "silent_frame_fraction": res.summary["silent_frame_fraction"]}
 
 
@@ -735,12 +736,12 @@ def fit_step_latency(grid: pd.DataFrame, frame_period_s: float | None = None) ->
         "fitted_range": {"batch": [float(pts.batch.min()), float(pts.batch.max())],
                          "context_tokens": [float(pts.context_tokens.min()), float(pts.context_tokens.max())],
                          "new_tokens": [float(pts.new_tokens.min()), float(pts.new_tokens.max())]},
-        "error": {"median_abs_rel": float(np.median(a)), "p90_abs_rel": float(np.percentile(a, 90)),
+        "error": {"median_abs_rel": percentile(a, 50), "p90_abs_rel": percentile(a, 90),
                   "max_abs_rel": float(np.max(a)), "rmse_s": float(np.sqrt(np.mean((pred - y)[inlier] ** 2))),
                   "points": float(used.sum()), "outliers": float((used & ~inlier).sum()),
                   "points_not_fitted": float((~used).sum()),
-                  **({"median_abs_rel_decode": float(np.median(np.abs(rel[decode])))} if decode.any() else {}),
-                  **({"median_abs_rel_paced": float(np.median(np.abs(rel[paced])))} if paced.any() else {})},
+                  **({"median_abs_rel_decode": percentile(np.abs(rel[decode]), 50)} if decode.any() else {}),
+                  **({"median_abs_rel_paced": percentile(np.abs(rel[paced]), 50)} if paced.any() else {})},
         "per_point_rel_error": {lab: float(e) for lab, e in zip(pts.label, rel)},
         "outliers": [lab for lab, ok, u in zip(pts.label, inlier, used) if u and not ok],
     }
@@ -767,8 +768,8 @@ def measure_fill(engine: Engine, stream: TokenStream, opts: CalibrateOptions, ou
         return {"nominal_tokens_per_s": nominal, "measured_tokens_per_s": None, "run": run}
     t_sat = result.summary["t_sat_observed_s"]
     if t_sat is not None and (steps.t_s < t_sat).sum() >= 3:  # the rate of a filling pool, not of a stalled one
-        steps = steps[steps.t_s < t_sat]
-    t = steps.t_s.to_numpy(float)
+        steps = steps[steps.t_s < t_sat]  # steps that started before the pool ran dry
+    t = steps.t_end_s.to_numpy(float)  # what the sessions hold, as the step left it
     tok_slope = np.polyfit(t, steps.held_tokens.to_numpy(float), 1)[0] / opts.fill_sessions
     blk_slope = np.polyfit(t, steps.used_blocks.to_numpy(float), 1)[0] / opts.fill_sessions
     bs = engine.block_size
@@ -825,7 +826,8 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
         stream=stream,
         engine=EnginePool(block_size_tokens=pool["block_size"], num_blocks=pool["num_blocks"],
                           bytes_per_block=pool["bytes_per_block"],
-                          max_num_batched_tokens=engine.config.max_num_batched_tokens, watermark_blocks=0,
+                          max_num_batched_tokens=engine.config.max_num_batched_tokens,
+                          max_num_seqs=engine.config.max_num_seqs, watermark_blocks=0,
                           reserved_blocks=1),  # vLLM's null block: counted in num_gpu_blocks, never allocated
         step_latency=step_latency_model(fit),
         provenance=Provenance(

@@ -46,9 +46,11 @@ from typing import Protocol
 
 import numpy as np
 
-from metronome.admission import weighted_percentile
+from metronome.results import REFUSED_REASONS, percentile, shared_summary
 from metronome.calibration import TokenStream
-from metronome.kv_policy import KVPolicy, admit_fcfs
+from metronome.kv_policy import KVPolicy
+from metronome import serving
+from metronome.serving import EndReason, admit_fcfs
 from metronome.probe.engine import Engine
 from metronome.probe.records import Journal
 from metronome.probe.remote import EngineDied
@@ -93,8 +95,8 @@ class DriverConfig:
     horizon_s: float  # wall-clock length of the run
     run: str = "run"  # label stored on every record (e.g. the KV policy)
     deadline_s: float | None = None  # a frame is on time if done within this of its tick (default: one period)
-    cap: str = "rebase"  # near max_model_len: "rebase" (new request with the last tokens) or "finish"
-    rebase_tokens: int | None = None  # tokens kept by a rebase (default: half of max_model_len)
+    cap: str | None = None  # near max_model_len: "rebase" or "finish" (default: serving.default_cap(policy))
+    rebase_tokens: int | None = None  # tokens an unbounded rebase keeps (default: serving.rebase_keep_tokens)
     seed: int = 0
     vocab_size: int = 1000  # input token ids are drawn from [10, vocab_size)
     prometheus_port: int | None = None
@@ -164,13 +166,19 @@ class Driver:
     """Runs one scenario (a list of :class:`SessionPlan`) against the engine; use one Driver per run."""
 
     def __init__(self, engine: Engine, config: DriverConfig, admission: AdmissionController | None = None,
-                 out_dir: str | Path | None = None, notify=None, retain: bool = True):
+                 out_dir: str | Path | None = None, notify=None, retain: bool = True,
+                 clock=time.perf_counter, sleep=time.sleep):
         self.engine, self.cfg = engine, config
+        self.clock, self.sleep = clock, sleep  # injectable: tests run the driver on a fake engine's virtual time
         self.admission = admission if admission is not None else AdmitAll()
         self.policy = config.policy or engine.policy
         self.rng = np.random.default_rng(config.seed)
         self.max_len = engine.max_model_len
-        self.rebase_keep = config.rebase_tokens or self.max_len // 2
+        self.outcome = serving.length_outcome(self.policy, config.cap)
+        self.rebase_keep = config.rebase_tokens or serving.rebase_keep_tokens(self.policy, self.max_len)
+        # vLLM's admission cap for this policy: one batch of tokens in flight (the probe schedules synchronously)
+        self.cap_blocks = self.policy.admission_cap_blocks(engine.max_num_batched_tokens, self.max_len)
+        self.gate = serving.AdmissionGate(self.admission)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         # retain=False (with out_dir): rows go only to the journals while the run lasts, so a long run's memory
         # stays flat; they are read back from the journals once it ends (for the summary and the RunResult)
@@ -202,7 +210,7 @@ class Driver:
         self.sessions: list[dict] = []
         self.events: list[dict] = []
 
-    def stop(self, reason: str = "stopped") -> None:
+    def stop(self, reason: str = EndReason.STOPPED) -> None:
         """Ask the run to stop cleanly at its next loop turn (safe from a signal handler): every session is
         ended (``reason`` in the sessions table), journals are closed, and the summary covers what ran."""
         if self._stop_reason is None:
@@ -245,11 +253,11 @@ class Driver:
         """Write the journals' pending rows: when the engine is idle, and at least every FLUSH_EVERY_S."""
         for j in self._journals.values():
             j.flush()
-        self._flushed_at = time.perf_counter()
+        self._flushed_at = self.clock()
 
     def _record_frame(self, s: _Session, f: _Frame, now: float, censored: bool = False) -> None:
         latency = (f.done_s - f.tick_s) if f.done_s is not None else None
-        silent = not f.tokens and not censored
+        silent = serving.frame_is_silent(len(f.tokens)) and not censored
         met = f.done_s is not None and latency <= self.cfg.deadline + _EPS
         s.silent += int(silent)
         self._record("frames", {
@@ -279,13 +287,18 @@ class Driver:
     def _free(self) -> int:
         return self.engine.pool().free_blocks
 
-    def _admission_need(self, s: _Session) -> int:
-        """Blocks the waiting session needs to be admitted: its whole history plus its next frame."""
-        st = self.cfg.stream
+    def _request_tokens(self, s: _Session) -> int:
+        """Tokens the session's request will carry when (re)admitted: its first frame, or its whole history."""
         tokens = len(s.history) + len(s.pending_input) + (1 if s.last_token is not None else 0)
         if not s.history and s.last_token is None:  # a new session: its first frame carries the prompt
-            tokens += max(s.plan.prompt_tokens, 1)
-        return int(self.policy.resident_blocks(tokens + st.input_tokens_per_frame + 1))
+            tokens += max(s.plan.prompt_tokens, 1) + self.cfg.stream.input_tokens_per_frame
+        elif s.rebase_next:  # its KV died with the engine: it comes back as a rebase
+            tokens = min(tokens, serving.rebase_keep_tokens(self.policy, self.max_len))
+        return tokens
+
+    def _admission_need(self, s: _Session) -> int:
+        """Blocks vLLM's admission gate wants free for the session's request (serving.admission_need_blocks)."""
+        return serving.admission_need_blocks(self.policy, self._request_tokens(s), self.cap_blocks)
 
     def _admit(self, now: float, by_rid: dict) -> None:
         """FCFS: admit waiting sessions while the head fits (whole history counted, as vLLM checks)."""
@@ -301,9 +314,9 @@ class Driver:
             self._readmit(s, now, by_rid)
 
     def _rebase_prompt(self, tokens: list[int]) -> list[int]:
-        """What a session keeps when it restarts near max_model_len. Under the bound: its S sink tokens plus
-        its last W tokens, so the new request's sinks are the conversation's own (the simulator charges the
-        same S+W prefill, ``KVPolicy.rebase_tokens``). Unbounded: its last ``rebase_tokens`` tokens."""
+        """What a session keeps when it restarts near max_model_len (``serving.rebase_keep_tokens`` of them).
+        Under the bound: its S sink tokens plus its last W tokens, so the new request's sinks are the
+        conversation's own. Unbounded: its last tokens."""
         p = self.policy
         if p.bounded:
             keep_s, keep_w = p.sink_tokens, p.window_tokens
@@ -320,13 +333,14 @@ class Driver:
             prompt = self._rebase_prompt(prompt)
             s.rebases += 1
             self._event("rebase", s, now, prompt_tokens=len(prompt), kept_tokens=len(prompt), reason="engine_restart")
-        if len(prompt) + st.kv_tokens_per_frame >= self.max_len:
-            prompt = self._rebase_prompt(prompt) if self.cfg.cap == "rebase" else prompt
-            if self.cfg.cap != "rebase":
+        if not serving.frame_fits(len(prompt) + st.kv_tokens_per_frame, self.max_len):
+            if self.outcome == "finish":
                 s.history = prompt
-                self._end(s, now, "max_model_len", by_rid)
+                self._end(s, now, EndReason.LENGTH, by_rid)
                 return
+            prompt = self._rebase_prompt(prompt)
             s.rebases += 1
+            self._event("rebase", s, now, prompt_tokens=len(prompt), kept_tokens=len(prompt), reason="max_model_len")
         s.history = list(prompt)
         s.incarnation += 1
         by_rid.pop(s.rid, None)
@@ -368,13 +382,19 @@ class Driver:
         self._stalled = False
         self._event(event, s, now, reason=reason, blocks_freed=held, history_tokens=len(s.history))
 
-    def _start(self, plan: SessionPlan, now: float) -> _Session:
-        period = self.cfg.stream.frame_period_s
-        # the simulator's frame clock: a session that arrives at t streams from frame ceil(t/P), even when the
-        # driver notices the arrival a little later (that frame is then simply due at once)
-        first = max(int(math.ceil(plan.arrival_s / period - 1e-9)), 0)
-        return _Session(plan=plan, start_s=now, end_s=plan.arrival_s + plan.duration_s, rid=plan.sid,
-                        next_frame=first)
+    def _let_in(self, plan: SessionPlan, t_enter: float, by_rid: dict) -> None:
+        """Past the gate at ``t_enter`` (its arrival, or when the gate's queue let it in): it waits for blocks
+        in the FCFS queue, streams from frame ``serving.join_frame(t_enter)`` (due at once if the driver noticed
+        it late) and leaves ``duration`` after ``t_enter``."""
+        first = serving.join_frame(t_enter, self.cfg.stream.frame_period_s)
+        s = _Session(plan=plan, start_s=t_enter, end_s=t_enter + plan.duration_s, rid=plan.sid, next_frame=first)
+        self._active[plan.sid] = s
+        by_rid[s.rid] = s
+        self.waiting.append(s)
+
+    def _refused(self, plan: SessionPlan, now: float, reason: str) -> None:
+        self._record("sessions", {"session": plan.sid, "arrival_s": plan.arrival_s, "admitted": False,
+                                  "end_s": now, "reason": reason})
 
     def _submit(self, s: _Session, f: _Frame, now: float, by_rid: dict) -> bool:
         """Append frame ``f`` to the session's request; False if the session had to finish at max_model_len."""
@@ -384,8 +404,8 @@ class Driver:
         chunk += s.pending_input + self._tokens(st.input_tokens_per_frame)
         # vLLM does not enforce max_model_len across chunks and dies if a session passes it (notes Q4),
         # so the driver caps the history itself.
-        if len(s.history) + len(chunk) + st.output_tokens_per_frame >= self.max_len:
-            if self.cfg.cap == "finish":
+        if not serving.frame_fits(len(s.history) + len(chunk) + st.output_tokens_per_frame, self.max_len):
+            if self.outcome == "finish":
                 return False
             # rebase: a new request whose prompt is the last tokens of the history plus this frame
             self.engine.abort(s.rid)
@@ -438,7 +458,7 @@ class Driver:
         arrivals = deque(sorted(plans, key=lambda p: p.arrival_s))
         self._active: dict[str, _Session] = {}  # by session id
         by_rid: dict[str, _Session] = {}  # by current engine request id
-        clock = time.perf_counter
+        clock = self.clock
         t0 = clock()
         if getattr(eng, "pid", None) is not None:  # an engine in its own process: say which, for operators
             self._record("events", {"t_s": 0.0, "event": "engine_started", "session": None, "rid": None,
@@ -466,7 +486,7 @@ class Driver:
             if self._stop_reason is not None:
                 self.t_stopped_s = now
             for s in list(self._active.values()):
-                self._end(s, now, self._stop_reason or "horizon", by_rid)
+                self._end(s, now, self._stop_reason or EndReason.HORIZON, by_rid)
         finally:
             for j in self._journals.values():
                 j.close()
@@ -491,25 +511,27 @@ class Driver:
 
     def _turn(self, now: float, t0: float, arrivals: deque, by_rid: dict) -> None:
         """One turn of the loop: arrivals, ends, admission, due frames, then one engine step (or a nap)."""
-        cfg, eng, clock = self.cfg, self.engine, time.perf_counter
+        cfg, eng, clock = self.cfg, self.engine, self.clock
         period = cfg.stream.frame_period_s
         if self._down_since is not None:
             self._engine_back(now)
         while arrivals and arrivals[0].arrival_s <= now:
             plan = arrivals.popleft()
-            admit = self.admission.may_admit(now, len(self._active))
+            decision = self.gate.offer(plan, plan.arrival_s, now, len(self._active))
             if self._metrics:
-                self._metrics.admission(self.admission, admit)
-            if admit:
-                s = self._start(plan, now)
-                self._active[plan.sid] = s
-                by_rid[s.rid] = s
-                self.waiting.append(s)
-            else:
-                self._record("sessions", {"session": plan.sid, "arrival_s": plan.arrival_s,
-                                          "admitted": False, "reason": "rejected"})
+                self._metrics.admission(self.admission, decision == "admit")
+            if decision == "admit":
+                self._let_in(plan, plan.arrival_s, by_rid)
+            elif decision == "refuse":
+                self._refused(plan, now, EndReason.REFUSED)
+        if self.gate.queue:
+            admitted, timed_out = self.gate.retry(now, lambda: len(self._active))
+            for plan in timed_out:
+                self._refused(plan, now, EndReason.QUEUE_TIMEOUT)
+            for plan in admitted:
+                self._let_in(plan, now, by_rid)
         for s in [s for s in self._active.values() if now >= s.end_s]:
-            self._end(s, now, "ended", by_rid)
+            self._end(s, now, EndReason.DEPARTED, by_rid)
         self._admit(now, by_rid)
         self._ticks(now, by_rid)
         self._answer_silent(now)
@@ -527,7 +549,7 @@ class Driver:
             if gap >= FLUSH_MIN_GAP_S:
                 self._flush()  # idle: the rows go to disk off the timing path (records.Journal, deferred)
                 gap = nxt - (clock() - t0)
-            time.sleep(max(0.0, min(gap, period, 0.05)))
+            self.sleep(max(0.0, min(gap, period, 0.05)))
 
     # -- engine death ---------------------------------------------------------------------------------------
     def _say(self, line: str) -> None:
@@ -558,7 +580,7 @@ class Driver:
         else:
             why = "" if not self.cfg.restart else f" (gave up after {self.cfg.max_restarts} restarts)"
             self.engine_error = f"{exc} at {now:.1f} s{why}{_log_of(exc)}"
-            self.stop("engine_died")
+            self.stop(EndReason.ENGINE_DIED)
 
     def _engine_back(self, now: float) -> None:
         """While a new engine loads: is it up? (raises EngineDied if it failed to start)"""
@@ -596,7 +618,7 @@ class Driver:
                 self._stalled = False  # new input may unblock the engine
                 # the frame leaves the queue only once the engine took it (an engine that dies keeps it due)
                 if not self._submit(s, s.queue[0], now, by_rid):
-                    self._end(s, now, "max_model_len", by_rid)
+                    self._end(s, now, EndReason.LENGTH, by_rid)
                 else:
                     s.queue.popleft()
 
@@ -620,7 +642,7 @@ class Driver:
         self.silent_pending = keep
 
     def _step(self, t0: float, by_rid: dict) -> None:
-        eng, clock = self.engine, time.perf_counter
+        eng, clock = self.engine, self.clock
         t_start = clock() - t0
         step_no = self._nsteps
         info = eng.step()
@@ -658,14 +680,15 @@ class Driver:
                 self._record_frame(s, f, now)
         for rid in info.finished:  # the engine ended a request on its own (e.g. length cap)
             if rid in by_rid:
-                self._end(by_rid[rid], now, "engine_finished", by_rid)
+                self._end(by_rid[rid], now, EndReason.ENGINE_FINISHED, by_rid)
         preempted = self._preempt_after_step(info, step_no, t_start, by_rid)
         stalled = info.batch == 0
         if stalled and not preempted:
             self._stalled = True
         self._answer_silent(now)
         p = eng.pool()
-        row = {"t_s": now, "t_start_s": t_start, "stalled": stalled, "step_s": info.duration_s,
+        # t_s: the step's start, as in the simulator's steps (metronome.results); t_end_s: when its outputs were in
+        row = {"t_s": t_start, "t_end_s": now, "stalled": stalled, "step_s": info.duration_s,
                "batch": info.batch, "new_tokens": info.new_tokens, "context_tokens": info.context_tokens,
                # the KV the step attended over under the policy (the simulator's context_tokens)
                "resident_tokens": int(sum(self.policy.resident_tokens(k) for k in info.computed.values())),
@@ -696,29 +719,18 @@ class Driver:
         for s in self._active.values():
             if (s.in_engine and s.work_step <= step_no and (s.inflight is not None or s.state == PREFILL)
                     and s.rid not in info.scheduled and eng.is_scheduled_waiting(s.rid)):
-                need = max(1, int(self.policy.resident_blocks(eng.tokens_of(s.rid))) - eng.blocks_of(s.rid))
-                starved.append((s, need))
-        if not starved and not (info.batch == 0 and eng.has_work()):
-            return done
+                starved.append((s, serving.blocks_to_resume(self.policy, eng.tokens_of(s.rid),
+                                                            eng.computed_tokens(s.rid), eng.blocks_of(s.rid),
+                                                            self.cap_blocks)))
         free = self._free()
-        total = sum(n for _, n in starved)
-        stall = info.batch == 0
-        if starved and total <= free and not stall:
-            return done  # not for want of blocks (e.g. the token budget): they run next step
-        reason = "pool_dry" if starved and total > free else "stall"
-        victims = sorted((s for s in self._active.values() if s.in_engine), key=lambda s: -s.admit_seq)
-        need_of = {id(s): n for s, n in starved}
-        first = len(done)
+        stalled = info.batch == 0 and eng.has_work()
+        in_engine = [(s, s.admit_seq, eng.blocks_of(s.rid)) for s in self._active.values() if s.in_engine]
+        victims = serving.deadlock_victims(starved, in_engine, free, stalled)
+        reason = "pool_dry" if starved and sum(n for _, n in starved) > free else "stall"
         for v in victims:
-            if starved and total <= free and (len(done) > first or not stall):
-                break
             held = eng.blocks_of(v.rid)
-            free += held
-            total -= need_of.pop(id(v), 0)
             self._preempt(v, t_start, reason, held)
             done.append((v.plan.sid, reason))
-            if not starved:
-                break  # a stall with no measurable need: one victim, then step again
         return done
 
 
@@ -737,8 +749,6 @@ def run_live(engine: Engine, stream: TokenStream, plans: list[SessionPlan], hori
     seed, prometheus_port, ...).
     """
     policy = policy or engine.policy
-    if policy.bounded:
-        config.setdefault("rebase_tokens", policy.rebase_tokens())
     cfg = DriverConfig(stream=stream, horizon_s=horizon_s, run=run or policy.describe(), policy=policy, **config)
     engine.reset()
     try:
@@ -748,81 +758,95 @@ def run_live(engine: Engine, stream: TokenStream, plans: list[SessionPlan], hori
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile, the statistic the simulator reports (``metronome.admission``)."""
-    if not values:
-        return None
-    return float(weighted_percentile(np.asarray(values, float), np.ones(len(values)), q))
+    """Nearest-rank percentile, the one every report uses (:func:`metronome.results.percentile`)."""
+    v = percentile(values, q)
+    return None if v is None else round(v, 6)
 
 
 def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_blocks: int,
               events: list[dict] | None = None) -> dict:
-    """Per-run figures: frame latency, silent/late fractions, preemptions and when the pool saturated.
+    """Per-run figures: the keys a simulated run's summary shares (:func:`metronome.results.shared_summary`,
+    same meaning and unit), then the live driver's own (:data:`metronome.results.LIVE_ONLY_KEYS`).
 
-    ``t_sat_observed_s`` is the start of the first step after which the driver (or vLLM) had to preempt:
-    the moment some session needed a block and none was free, the simulator's ``t_sat``."""
+    ``t_sat_observed_s`` is the start of the first step after which the driver (or vLLM) had to preempt, or
+    that left requests waiting on an empty pool, or stalled: the moment some session needed a block and none
+    was free, the simulator's ``t_sat``. A frame is *silent after a preemption* (``silent_preempted_fraction``,
+    ``collapsed``) when it is silent and its session had been preempted (or lost its KV with the engine) by
+    the time the frame was answered. ``num_blocks`` is vLLM's pool, its null block included."""
     events = events or []
     done = [f for f in frames if not f["censored"]]
-    lat = [f["latency_s"] for f in done if f["latency_s"] is not None]
     n = len(done)
     preempts = [e for e in events if e["event"] == "preempt"]
-    first_preempt = preempts[0]["t_s"] if preempts else next((s["t_start_s"] for s in steps if s["preemptions"]), None)
+    first_preempt = preempts[0]["t_s"] if preempts else next((s["t_s"] for s in steps if s["preemptions"]), None)
     # a stall: requests want tokens but the step scheduled nothing (the paused-sessions deadlock of notes Q4)
-    first_full = next((s["t_start_s"] for s in steps if (s["free_blocks"] == 0 and s["waiting"] > 0) or s["stalled"]),
+    first_full = next((s["t_s"] for s in steps if (s["free_blocks"] == 0 and s["waiting"] > 0) or s["stalled"]),
                       None)
     sat = [t for t in (first_preempt, first_full) if t is not None]
+    lost_at: dict = {}  # session -> when it first lost its place (preempted, or its KV died with the engine)
+    for e in events:
+        if e["event"] in ("preempt", "lost") and e.get("session") is not None:
+            lost_at.setdefault(e["session"], e["t_s"])
+
+    def silent_preempted(f) -> bool:
+        t = lost_at.get(f["session"])
+        answered = f["done_s"] if f["done_s"] is not None else math.inf
+        return bool(f["silent"]) and t is not None and t <= answered
+
     not_running = [f for f in done if f["state"] != "running"]
+    shared = shared_summary(
+        tick_s=[f["tick_s"] for f in done],
+        latency_s=[math.nan if f["latency_s"] is None else f["latency_s"] for f in done],
+        frames=np.ones(n, dtype=np.int64), silent=[bool(f["silent"]) for f in done],
+        silent_preempted=[silent_preempted(f) for f in done], late=[not f["met_deadline"] for f in done],
+        tokens=[f["tokens_delivered"] for f in done], t_sat_s=min(sat) if sat else None,
+        step_s=[s["step_s"] for s in steps], peak_used_blocks=max((s["used_blocks"] for s in steps), default=0),
+        usable_blocks=num_blocks - 1,
+        preemptions=len(preempts) if events else int(sum(s["preemptions"] for s in steps)),
+        rebases=sum(1 for e in events if e["event"] == "rebase"),
+        sessions_offered=len(sessions), sessions_admitted=sum(1 for s in sessions if s.get("admitted")),
+        sessions_refused=sum(1 for s in sessions if s.get("reason") in REFUSED_REASONS))
     return {
-        "frames": n,
+        **shared,
         "frames_unfinished": sum(1 for f in done if f["done_s"] is None),
-        "silent_frames": sum(bool(f["silent"]) for f in done),
-        "silent_frame_fraction": (sum(bool(f["silent"]) for f in done) / n) if n else 0.0,
         "silent_by_deadline_fraction": (sum(bool(f["silent_by_deadline"]) for f in done) / n) if n else 0.0,
-        "deadline_miss_fraction": (sum(not f["met_deadline"] for f in done) / n) if n else 0.0,
-        "p50_frame_latency_s": _pct(lat, 50),
-        "p99_frame_latency_s": _pct(lat, 99),
-        "preemptions": len(preempts) if events else int(sum(s["preemptions"] for s in steps)),
         "preemptions_by_reason": {r: sum(1 for e in preempts if e.get("reason") == r)
                                   for r in sorted({e.get("reason") for e in preempts})},
         "readmissions": sum(1 for e in events if e["event"] == "readmit"),
-        "rebases": sum(1 for e in events if e["event"] == "rebase"),
         # the rebase cost, measured where it happens: frames that carried an S+W prefill vs the rest
         "p50_rebase_frame_latency_s": _pct([f["latency_s"] for f in done
                                             if f.get("rebased") and f["latency_s"] is not None], 50),
         "frames_not_running": len(not_running),
         "t_first_preemption_s": first_preempt,
         "t_pool_full_s": first_full,
-        "t_sat_observed_s": min(sat) if sat else None,
         "stalls": sum(1 for s in steps if s["stalled"]),
-        "peak_used_blocks": max((s["used_blocks"] for s in steps), default=0),
         "num_blocks": num_blocks,
-        "steps": len(steps),
-        "p50_step_s": _pct([s["step_s"] for s in steps], 50),
-        "sessions_admitted": sum(1 for s in sessions if s.get("admitted")),
-        "sessions_rejected": sum(1 for s in sessions if not s.get("admitted")),
     }
 
 
 class _Metrics:
     """Prometheus export (prometheus-client) on a port: limit, p99 frame latency, silent frames, pool."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int | None):
+        """Serves the metrics on ``port``; ``None``: no server (the gauges are only kept, e.g. in a test)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
         self.registry = r = CollectorRegistry()
         self.limit = Gauge("metronome_admission_limit", "Admission controller's session limit", registry=r)
-        self.p99 = Gauge("metronome_frame_latency_p99_seconds", "p99 frame latency, last 500 frames", registry=r)
+        self.p99 = Gauge("metronome_frame_latency_p99_seconds",
+                         "p99 frame latency (nearest rank), last 500 non-silent frames", registry=r)
         self.frames = Counter("metronome_frames", "Frames completed or abandoned", registry=r)
         self.silent = Counter("metronome_silent_frames", "Frames with no token by their deadline", registry=r)
         self.usage = Gauge("metronome_kv_pool_usage", "KV pool occupancy (0-1)", registry=r)
         self.running = Gauge("metronome_sessions_running", "Requests running in the engine", registry=r)
         self.waiting = Gauge("metronome_sessions_waiting", "Requests queued or preempted", registry=r)
         self.preempt = Counter("metronome_preemptions", "Engine preemptions", registry=r)
-        self.p50 = Gauge("metronome_frame_latency_p50_seconds", "p50 frame latency, last 500 frames", registry=r)
+        self.p50 = Gauge("metronome_frame_latency_p50_seconds",
+                         "p50 frame latency (nearest rank), last 500 non-silent frames", registry=r)
         self.silent_rate = Gauge("metronome_silent_frame_rate", "Fraction of the last 500 frames that were silent",
                                  registry=r)
         self.admitted = Counter("metronome_sessions_admitted", "Sessions the admission controller admitted",
                                 registry=r)
-        self.rejected = Counter("metronome_sessions_rejected", "Sessions the admission controller refused",
+        self.refused = Counter("metronome_sessions_refused", "Sessions the admission controller refused",
                                 registry=r)
         self.dead = Gauge("metronome_admission_dead", "1 while the controller sees a dead signal", registry=r)
         self.engine_up = Gauge("metronome_engine_up", "1 while the engine answers, 0 while it is dead or restarting",
@@ -833,7 +857,7 @@ class _Metrics:
                                    registry=r)
         self._recent = deque(maxlen=500)
         self._recent_silent = deque(maxlen=500)
-        self.server, self.thread = start_http_server(port, registry=r) or (None, None)
+        self.server, self.thread = (start_http_server(port, registry=r) if port is not None else None) or (None, None)
 
     def close(self) -> None:
         if self.server is not None:
@@ -841,7 +865,7 @@ class _Metrics:
             self.server.server_close()
 
     def admission(self, controller, admitted: bool) -> None:
-        (self.admitted if admitted else self.rejected).inc()
+        (self.admitted if admitted else self.refused).inc()
         limit = getattr(controller, "limit", None)
         if limit is not None:
             self.limit.set(math.inf if limit >= 2**62 else limit)
@@ -855,9 +879,9 @@ class _Metrics:
         self.silent_rate.set(sum(self._recent_silent) / len(self._recent_silent))
         if not silent:
             self._recent.append(latency)
-        if self._recent:
-            self.p99.set(float(np.percentile(self._recent, 99)))
-            self.p50.set(float(np.percentile(self._recent, 50)))
+        if self._recent:  # the one percentile (metronome.results): the summary's and the controller's p99
+            self.p99.set(percentile(self._recent, 99))
+            self.p50.set(percentile(self._recent, 50))
 
     def step(self, row: dict, limit) -> None:
         self.usage.set(row["kv_usage"])

@@ -194,6 +194,11 @@ class Engine:
         return int(self.kv_cache_config.num_blocks)
 
     @property
+    def max_num_batched_tokens(self) -> int:
+        """The scheduler's token budget per step (and the tokens in flight the admission cap allows for)."""
+        return int(self.config.max_num_batched_tokens)
+
+    @property
     def num_layers(self) -> int:
         return sum(len(g.layer_names) for g in self.kv_cache_config.kv_cache_groups)
 

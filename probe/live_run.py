@@ -1,16 +1,17 @@
 """``metronome-probe run``: arriving sessions, live, through the simulator's own admission controller.
 
-The workload (arrival times and durations) is drawn exactly as the simulator draws it
-(``metronome.sim.scenario.workload``: one ``numpy`` generator seeded with ``--seed``, arrivals first,
-then durations), and the controller is the object ``metronome.admission.make_controller`` builds for
-the simulator, with the ``--aimd-params`` file ``metronome-sim tune-aimd`` writes. The run writes, in
-``--out``:
+The workload (arrival times and durations) is drawn by the function the simulator draws it with
+(:func:`metronome.workload.draw`: one ``numpy`` generator seeded with ``--seed``, arrivals first, then
+durations), so one seed gives the same sessions live and simulated, and the controller is the object
+``metronome.admission.make_controller`` builds for the simulator, with the ``--aimd-params`` file
+``metronome-sim tune-aimd`` writes. The run writes, in ``--out``:
 
 * ``frames``, ``steps``, ``sessions``, ``events`` as JSONL journals while it runs, Parquet at the end;
 * ``controller.parquet``: the controller's trace, one row per control interval (limit, in-flight peak,
   latency percentile, frames, silent frames, silent fraction, decision);
-* ``summary.json``: the driver's summary plus the run's options, the controller's figures and the stop /
-  silence fields (``stopped``, ``stop_reason``, ``engine_silent_episodes``, ``engine_silent_s``).
+* ``summary.json``: the driver's summary (the keys a simulated run's summary shares, with the same meaning:
+  :mod:`metronome.results`) plus the run's options, the controller's figures and the stop / silence fields
+  (``stopped``, ``stop_reason``, ``engine_silent_episodes``, ``engine_silent_s``).
 
 A SIGTERM or Ctrl-C stops the run cleanly: sessions are ended (aborted in the engine), the journals are
 closed and converted, and the summary covers what ran.
@@ -25,8 +26,6 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import numpy as np
 
 from metronome.errors import MetronomeError
 
@@ -126,12 +125,11 @@ def check(opts: RunOptions) -> Checked:
 
 
 def make_plans(arrivals, durations, horizon_s: float, seed: int, prompt_tokens: int = 1):
-    """Session plans drawn as the simulator draws its workload (``sim.scenario.workload``)."""
+    """Session plans: :func:`metronome.workload.draw`, the sessions the simulator draws for the same seed."""
     from metronome.probe.driver import SessionPlan
+    from metronome.workload import draw
 
-    rng = np.random.default_rng(seed)
-    times = arrivals.times(rng, horizon_s)
-    durs = durations.sample(rng, times.size) if durations is not None else np.full(times.size, math.inf)
+    times, durs = draw(arrivals, durations, horizon_s, seed)
     return [SessionPlan(f"s{i}", arrival_s=float(t), duration_s=float(d), prompt_tokens=prompt_tokens)
             for i, (t, d) in enumerate(zip(times, durs))]
 
@@ -165,7 +163,8 @@ def write_outputs(out: Path, driver, controller, summary: dict, extra: dict) -> 
                               "params": _params_of(controller), "intervals": len(rows), "final_limit": limits[-1] if limits else None,
                               "max_limit": max(limits) if limits else None,
                               "dead_intervals": sum(r["dead"] for r in rows),
-                              "cuts": sum(r["decision"] == "decrease" for r in rows)}}
+                              "cuts": sum(r["decision"] == "decrease" for r in rows),
+                              "draining_intervals": sum(r["decision"] == "draining" for r in rows)}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -281,7 +280,7 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
         for sig, old in signals.items():
             signal.signal(sig, old)
     s = summary
-    line = (f"{s['frames']} frames, {s['sessions_admitted']} sessions admitted, {s['sessions_rejected']} rejected; "
+    line = (f"{s['frames']} frames, {s['sessions_admitted']} sessions admitted, {s['sessions_refused']} refused; "
             f"p50 {_ms(s['p50_frame_latency_s'])} p99 {_ms(s['p99_frame_latency_s'])}; "
             f"silent {s['silent_frame_fraction']:.3f}; preemptions {s['preemptions']}; "
             f"final limit {s['controller']['final_limit']}; engine silent {s['engine_silent_s']:.1f} s; "

@@ -334,6 +334,10 @@ class RemoteEngine:
         return self._static("max_model_len")
 
     @property
+    def max_num_batched_tokens(self) -> int:
+        return int(self.config.max_num_batched_tokens)
+
+    @property
     def policy(self):
         return self._static("policy")
 

@@ -1,10 +1,19 @@
 """Metastability: the same scenario R times with different seeds, collapse statistics beside the fill
-model's predicted probability.
+model's predicted probabilities.
 
-The fill model predicts whether the pool **saturates** (runs dry at least once) — the necessary
-condition for collapse. A run that saturates only briefly (a preemption or two, under 1% of frames
-silenced afterwards) is counted as saturated but not collapsed (see :mod:`metronome.sim.scenario`), so
-both observed fractions are reported beside the prediction, each with its gap.
+Two figures, two predictions (see :mod:`metronome.fill_model`):
+
+* **saturated** — the pool ran dry at least once (a preemption). ``saturated_fraction`` is the share of
+  runs that did; ``predicted_saturation_probability`` is the fill model's exact P(saturate).
+* **collapsed** — saturated *and* at least ``COLLAPSE_SILENT_FRACTION`` (1%) of the frames answered from
+  then to the horizon were silent frames of admitted sessions (:mod:`metronome.sim.scenario`).
+  ``collapse_fraction`` is the share of runs that did; ``predicted_collapse_probability`` is
+  :meth:`FillModel.p_collapse_fixed`: P(saturate) times the chance that the sessions past the pool's
+  ceiling after ``t_sat`` silence at least that share of the frames.
+
+Both predictions are for N sessions started together with no admission controller; for other
+workloads ``predicted_collapse_probability`` is None (the saturation one is the Poisson approximation
+for Poisson arrivals, None otherwise).
 
 Run k uses seed ``seed + k``; each run is independent of the executor and worker that runs it.
 """
@@ -18,18 +27,34 @@ import numpy as np
 import pandas as pd
 
 from metronome.errors import MetronomeError
+from metronome.fill_model import FillModel
+from metronome.workload import Durations
 
 from metronome.sim import scenario as scn
 from metronome.sim.executors import LocalExecutor
 
 RUN_COLUMNS = ("seed", "collapsed", "t_sat_observed_s", "silent_frame_fraction", "silent_preempted_fraction",
                "deadline_miss_fraction", "p99_frame_latency_s", "preemptions", "peak_pool_occupancy",
-               "sessions_offered", "sessions_admitted", "frames_total")
+               "sessions_offered", "sessions_admitted", "frames")
 
 
 def run_one(point: dict[str, Any]) -> dict[str, Any]:
     s = scn.run(scn.make_scenario(**point)).summary
     return {k: s[k] for k in RUN_COLUMNS} | {"p_saturate_predicted": s["p_saturate_predicted"]}
+
+
+def predicted_collapse_probability(sc: scn.Scenario) -> float | None:
+    """The fill model's P(collapse) for a scenario of N sessions started together (None otherwise)."""
+    if sc.arrivals.kind != "all" or sc.admission is not None:
+        return None
+    fm = FillModel(sc.calibration, sc.policy)
+    durations = sc.durations or Durations("fixed", sc.horizon_s * 2)
+    return fm.p_collapse_fixed(sc.arrivals.sessions, durations, sc.horizon_s,
+                               silent_fraction=scn.COLLAPSE_SILENT_FRACTION)
+
+
+def _gap(observed: float, predicted: float | None) -> float | None:
+    return None if predicted is None else round(observed - predicted, 6)
 
 
 def metastability(point: dict[str, Any], runs: int = 20, seed: int = 0, executor=None,
@@ -45,7 +70,9 @@ def metastability(point: dict[str, Any], runs: int = 20, seed: int = 0, executor
     t_sat = [None if (v is None or (isinstance(v, float) and np.isnan(v))) else float(v)
              for v in table["t_sat_observed_s"]]
     collapse_times = np.array([t for t, c in zip(t_sat, collapsed) if c and t is not None])
-    predicted = rows[0]["p_saturate_predicted"]
+    p_sat = rows[0]["p_saturate_predicted"]
+    p_col = predicted_collapse_probability(base)
+    p_col = None if p_col is None else round(p_col, 6)
     frac = float(collapsed.mean())
     saturated = sum(t is not None for t in t_sat)
     summary = {
@@ -55,13 +82,14 @@ def metastability(point: dict[str, Any], runs: int = 20, seed: int = 0, executor
                      "horizon_s": base.horizon_s, "admission": base.admission_label},
         "runs": runs,
         "seeds": [seed, seed + runs - 1],
+        "saturated_runs": int(saturated),
+        "saturated_fraction": saturated / runs,
+        "predicted_saturation_probability": p_sat,
+        "saturation_prediction_gap": _gap(saturated / runs, p_sat),
         "collapsed_runs": int(collapsed.sum()),
         "collapse_fraction": frac,
-        "predicted_collapse_probability": predicted,
-        "prediction_gap": None if predicted is None else round(frac - predicted, 6),
-        "saturated_runs": int(saturated),
-        "saturation_fraction": saturated / runs,
-        "saturation_prediction_gap": None if predicted is None else round(saturated / runs - predicted, 6),
+        "predicted_collapse_probability": p_col,
+        "collapse_prediction_gap": _gap(frac, p_col),
         "t_sat_observed_s": t_sat,
         "collapse_time_s": None if collapse_times.size == 0 else {
             "min": float(collapse_times.min()), "p10": float(np.quantile(collapse_times, 0.1)),

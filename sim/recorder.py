@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from metronome.admission import weighted_percentile
+from metronome.results import weighted_percentile
 
 STEP_COLUMNS = (
     "t_s", "step_s", "batch", "new_tokens", "context_tokens", "resident_blocks", "free_blocks",
@@ -59,5 +59,5 @@ def frame_table() -> Table:
 def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float | None:
     """Nearest-rank quantile (q in (0, 1]) of ``values`` where value ``i`` occurs ``weights[i]`` times.
 
-    The same statistic the admission controllers use (:func:`metronome.admission.weighted_percentile`)."""
+    The one percentile every report uses (:func:`metronome.results.weighted_percentile`)."""
     return weighted_percentile(values, weights, 100.0 * q)

@@ -1,10 +1,9 @@
 """One simulated run: a scenario in, steps/frames/sessions tables and a summary out.
 
-**Collapsed** (the definition every report uses): the pool saturated — some step needed a block when
-none was free, so a session was preempted — *and* afterwards at least ``COLLAPSE_SILENT_FRACTION`` (1%)
-of all frames answered were silent frames of sessions that had been admitted and then lost their place
-(preempted sessions waiting or re-prefilling). A run that only queues new arrivals at the memory
-ceiling is not collapsed: nobody already talking went silent.
+The summary's shared keys (frames, silent and late fractions, latency percentiles, t_sat, collapse, pool,
+sessions) are built by :func:`metronome.results.shared_summary`, the same code a live run's summary uses; the
+keys only a simulation has are listed in :data:`metronome.results.SIM_ONLY_KEYS`. **Collapsed** is defined
+there too (:data:`~metronome.results.COLLAPSE_SILENT_FRACTION`, re-exported here).
 """
 
 from __future__ import annotations
@@ -24,12 +23,10 @@ from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
 from metronome.kv_policy import KVPolicy
 from metronome.outputs import atomic_dir, write_json
-from metronome.workload import Arrivals, Durations
+from metronome.results import COLLAPSE_SILENT_FRACTION, REFUSED_REASONS, shared_summary  # noqa: F401 (re-export)
+from metronome.workload import Arrivals, Durations, draw
 
-from metronome.sim.engine import END_REASONS, SimEngine
-from metronome.sim.recorder import weighted_quantile
-
-COLLAPSE_SILENT_FRACTION = 0.01
+from metronome.sim.engine import SimEngine
 
 
 @dataclass(frozen=True)
@@ -80,24 +77,20 @@ class Result:
 
 
 def workload(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
-    """Arrival times and durations, drawn from one seeded generator (arrivals first, then durations)."""
-    rng = np.random.default_rng(sc.seed)
-    arrival = sc.arrivals.times(rng, sc.horizon_s)
-    if sc.durations is None:
-        duration = np.full(arrival.size, math.inf)
-    else:
-        duration = sc.durations.sample(rng, arrival.size)
-    return arrival, duration
+    """Arrival times and durations: :func:`metronome.workload.draw`, as a live run draws its sessions."""
+    return draw(sc.arrivals, sc.durations, sc.horizon_s, sc.seed)
 
 
-def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False) -> Result:
+def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False, engine_model=None) -> Result:
+    """Simulate one scenario. ``engine_model``: the scheduler class (default :class:`metronome.serving.EngineModel`;
+    the differential test passes an adapter over vLLM's own scheduler)."""
     wall0 = time.perf_counter()
     arrival, duration = workload(sc)
     env = simpy.Environment()
     controller = sc.admission() if callable(sc.admission) else None
     eng = SimEngine(env, sc.calibration, sc.policy, arrival, duration, sc.horizon_s, sc.deadline,
                     controller=controller, fast_forward=fast_forward, check_invariants=check_invariants,
-                    seed=sc.seed)
+                    seed=sc.seed, **({"engine_model": engine_model} if engine_model is not None else {}))
     eng.start()
     env.run(until=sc.horizon_s)
     eng.finalize()
@@ -107,7 +100,7 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False)
         "arrival_s": eng.arrival,
         "admitted_s": eng.s_admitted,
         "ended_s": eng.s_ended,
-        "end_reason": [END_REASONS[int(r)] for r in eng.s_end_reason],
+        "end_reason": eng.s_end_reason.astype(str),
         "frames": eng.s_frames,
         "silent_frames": eng.s_silent,
         "deadline_misses": eng.s_late,
@@ -138,16 +131,8 @@ def _predictions(sc: Scenario) -> dict:
 
 def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.DataFrame,
               sessions: pd.DataFrame) -> dict:
-    n_frames = int(frames["frames"].sum())
-    n_silent = int(frames["silent"].sum())
-    lat, w = frames["latency_s"].to_numpy(), frames["frames"].to_numpy()
-    t_sat = eng.t_sat
-    collapsed = False
-    if t_sat is not None:
-        after = frames["tick_s"].to_numpy() >= t_sat
-        f_after = int(frames["frames"].to_numpy()[after].sum())
-        s_after = int(frames["silent_preempted"].to_numpy()[after].sum())
-        collapsed = f_after > 0 and s_after / f_after >= COLLAPSE_SILENT_FRACTION
+    """The run's summary: the shared keys (:func:`metronome.results.shared_summary`), then the simulator's own
+    (:data:`metronome.results.SIM_ONLY_KEYS`)."""
     pred = _predictions(sc)
     rng_fit = sc.calibration.step_latency.fitted_range
     outside = 0
@@ -159,10 +144,19 @@ def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.Data
                 v = steps[col].to_numpy()
                 bad |= (v < lo) | (v > hi)
         outside = int(bad.sum())
-    st = steps["step_s"].to_numpy()
     # goodput: frames delivered non-silent and on time, per simulated second
     on_time = ~(frames["late"].to_numpy() > 0)
     good = int(((frames["frames"].to_numpy() - frames["silent"].to_numpy()) * on_time).sum())
+    shared = shared_summary(
+        tick_s=frames["tick_s"].to_numpy(), latency_s=frames["latency_s"].to_numpy(),
+        frames=frames["frames"].to_numpy(), silent=frames["silent"].to_numpy(),
+        silent_preempted=frames["silent_preempted"].to_numpy(), late=frames["late"].to_numpy(),
+        tokens=frames["tokens"].to_numpy(), t_sat_s=eng.t_sat, step_s=steps["step_s"].to_numpy(),
+        peak_used_blocks=eng.peak_used, usable_blocks=eng.num_blocks,
+        preemptions=int(sessions["preemptions"].sum()), rebases=int(sessions["rebases"].sum()),
+        sessions_offered=len(sessions),
+        sessions_admitted=int(np.isfinite(sessions["admitted_s"].to_numpy()).sum()),
+        sessions_refused=int(sessions["end_reason"].isin(REFUSED_REASONS).sum()))
 
     def r(x, nd=6):
         return None if x is None else round(float(x), nd)
@@ -176,30 +170,12 @@ def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.Data
         "horizon_s": sc.horizon_s,
         "deadline_s": sc.deadline,
         "t_sat_predicted_s": r(pred["t_sat_predicted_s"], 4),
-        "t_sat_observed_s": r(t_sat, 4),
         "p_saturate_predicted": r(pred["p_saturate_predicted"], 6),
         "memory_ceiling": pred["memory_ceiling"],
-        "silent_frame_fraction": r(n_silent / n_frames if n_frames else 0.0),
-        "silent_preempted_fraction": r(int(frames["silent_preempted"].sum()) / n_frames if n_frames else 0.0),
-        "deadline_miss_fraction": r(int(frames["late"].sum()) / n_frames if n_frames else 0.0),
-        "p50_frame_latency_s": r(weighted_quantile(lat, w, 0.50)),
-        "p99_frame_latency_s": r(weighted_quantile(lat, w, 0.99)),
-        "p50_step_latency_s": r(np.quantile(st, 0.5) if st.size else None),
-        "p99_step_latency_s": r(np.quantile(st, 0.99) if st.size else None),
-        "peak_pool_occupancy": r(eng.peak_used / eng.num_blocks),
-        "collapsed": bool(collapsed),
-        "preemptions": int(sessions["preemptions"].sum()),
-        "rebases": int(sessions["rebases"].sum()),
+        **shared,
         "length_capped": int((sessions["end_reason"] == "length").sum()),
-        "sessions_offered": int(len(sessions)),
-        "sessions_admitted": int(np.isfinite(sessions["admitted_s"].to_numpy()).sum()),
-        "sessions_refused": int(sessions["end_reason"].isin(["refused", "queue_timeout"]).sum()),
-        "frames_total": n_frames,
         "goodput_frames_per_s": r(good / sc.horizon_s, 4),
         "goodput_sessions": r(good / sc.horizon_s * sc.calibration.stream.frame_period_s, 3),
-        "silent_frames": n_silent,
-        "tokens_total": int(sessions["tokens"].sum()),
-        "steps": int(len(steps)),
         "steps_outside_fit": outside,
         "seed": sc.seed,
     }

@@ -9,7 +9,7 @@ from sim_cli_helpers import run_cli
 
 SUMMARY_KEYS = {"t_sat_predicted_s", "t_sat_observed_s", "silent_frame_fraction", "deadline_miss_fraction",
                 "p50_frame_latency_s", "p99_frame_latency_s", "peak_pool_occupancy", "collapsed",
-                "sessions_admitted", "frames_total", "seed", "wall_s"}
+                "sessions_admitted", "frames", "seed", "wall_s"}
 
 
 def test_run_prints_t_sat_and_writes_its_files(tmp_path):

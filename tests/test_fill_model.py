@@ -103,3 +103,106 @@ def test_poisson_occupancy_obeys_littles_law():
     assert p_lo < 1e-6
     small = FillModel(cal(int(m * 0.8)), KVPolicy.sinks(16, 16, 368))
     assert small.p_saturate_poisson(lam, Durations("exponential", mean_d), 20000.0) > 0.99
+
+
+# -- collapse: how far past the ceiling the survivors push, and for how long ----------------------------
+def _phi_by_frames(fm, d, horizon):
+    """Reference for silenced_fraction, frame by frame in plain Python (no cells, no vectorisation)."""
+    st = fm.calibration.stream
+    P = st.frame_period_s
+    alive_k = []
+    for f in range(int(math.ceil(horizon / P - 1e-9))):
+        a = int((d > f * P + 1e-9).sum())  # answered in frame f iff f < ceil(D/P)
+        k = fm.usable_blocks // int(fm.policy.resident_blocks(st.prompt_tokens + (f + 1) * st.kv_tokens_per_frame))
+        alive_k.append((a, k))
+    first = next((f for f, (a, k) in enumerate(alive_k) if a > k), None)
+    if first is None:
+        return math.nan, 0.0
+    after = alive_k[first:]
+    return first * P, sum(max(a - k, 0) for a, k in after) / sum(a for a, _ in after)
+
+
+def test_sessions_that_never_leave_silence_all_but_the_ceiling():
+    fm = FillModel(cal(1500), KVPolicy.unbounded(16))
+    n, horizon = 60, 300.0
+    t_sat, phi = fm.silenced_fraction(np.full(n, 1e9), horizon)
+    # the frame clock puts t_sat one frame before the continuous law's (frame f computes token f+1)
+    assert abs(t_sat[0] - fm.t_sat(n)) <= fm.calibration.stream.frame_period_s + 1e-9
+    P = fm.calibration.stream.frame_period_s
+    f = np.arange(int(round(t_sat[0] / P)), int(round(horizon / P)))
+    k = 1500 // fm.policy.resident_blocks((f + 1) * fm.calibration.stream.kv_tokens_per_frame)
+    assert phi[0] == pytest.approx(np.maximum(n - k, 0).sum() / (n * f.size), rel=1e-12)
+    # none saturate, none silenced, when N fits for the whole horizon
+    t, p = fm.silenced_fraction(np.full(n, 1e9), fm.t_sat(n) - 1.0)
+    assert np.isnan(t[0]) and p[0] == 0.0
+
+
+@pytest.mark.parametrize("n,mean,seed", [(60, 80.0, 0), (60, 80.0, 1), (100, 60.0, 2), (30, 200.0, 3)])
+def test_silenced_fraction_matches_the_frame_by_frame_reference(n, mean, seed):
+    fm = FillModel(cal(1500), KVPolicy.unbounded(16))
+    d = np.random.default_rng(seed).exponential(mean, (6, n))
+    t_sat, phi = fm.silenced_fraction(d, 300.0)  # 3750 frames: one frame per cell, so exact
+    for row, t, p in zip(d, t_sat, phi):
+        t_ref, p_ref = _phi_by_frames(fm, row, 300.0)
+        assert (np.isnan(t) and np.isnan(t_ref)) or t == pytest.approx(t_ref)
+        assert p == pytest.approx(p_ref, rel=1e-12, abs=1e-15)
+
+
+def test_coarse_cells_stay_close_to_the_frames():
+    fm = FillModel(cal(1500), KVPolicy.unbounded(16))
+    d = np.random.default_rng(5).exponential(400.0, (4, 60))
+    t_sat, phi = fm.silenced_fraction(d, 900.0)  # 11,250 frames: cells of 3 frames
+    for row, t, p in zip(d, t_sat, phi):
+        t_ref, p_ref = _phi_by_frames(fm, row, 900.0)
+        assert abs(t - t_ref) <= 3 * fm.calibration.stream.frame_period_s
+        assert p == pytest.approx(p_ref, rel=0.01)
+
+
+def _plain_p_collapse(fm, n, durations, horizon, runs, seed, threshold=0.01):
+    """The obvious estimator: the share of duration draws whose silenced fraction reaches the threshold."""
+    rng = np.random.default_rng(seed)
+    t_sat, phi = fm.silenced_fraction(durations.sample(rng, runs * n).reshape(runs, n), horizon)
+    return float((~np.isnan(t_sat) & (phi >= threshold)).mean())
+
+
+@pytest.mark.parametrize("mean", [70.0, 80.0, 90.0])
+def test_collapse_probability_is_the_share_of_draws_that_collapse(mean):
+    fm = FillModel(cal(1500), KVPolicy.unbounded(16))
+    dur = Durations("exponential", mean)
+    p = fm.p_collapse_fixed(60, dur, 300.0)
+    p_sat = fm.p_saturate_fixed(60, dur, 300.0)
+    plain = _plain_p_collapse(fm, 60, dur, 300.0, runs=4000, seed=99)
+    # both are Monte Carlo over 4000 draws (independent seeds): 4 standard errors of their difference
+    se = math.sqrt(2 * max(p * (1 - p), 0.01) / 4000)
+    assert abs(p - plain) < 4 * se, (p, plain)
+    # and in this band collapse is well below saturation (the old figure): the gap is what is predicted
+    assert p_sat - p > 0.1
+
+
+def test_collapse_probability_invariants():
+    import time
+
+    fm = FillModel(cal(1500), KVPolicy.unbounded(16))
+    for mean in (10.0, 60.0, 80.0, 120.0, 1e6):
+        dur = Durations("exponential", mean)
+        p, p_sat = fm.p_collapse_fixed(60, dur, 300.0, runs=1000), fm.p_saturate_fixed(60, dur, 300.0)
+        assert 0.0 <= p <= p_sat <= 1.0
+        # counting any silence as collapse gives back saturation; a stricter threshold, less collapse
+        assert fm.p_collapse_fixed(60, dur, 300.0, silent_fraction=0.0, runs=1000) == pytest.approx(p_sat)
+        assert fm.p_collapse_fixed(60, dur, 300.0, silent_fraction=0.05, runs=1000) <= p
+    dur = Durations("exponential", 80.0)
+    assert fm.p_collapse_fixed(60, dur, 300.0, seed=3) == fm.p_collapse_fixed(60, dur, 300.0, seed=3)
+    # fixed durations: no randomness left, the verdict is 0 or 1
+    t = fm.t_sat(60)
+    assert fm.p_collapse_fixed(60, Durations("fixed", 1e6), 300.0) == 1.0
+    assert fm.p_collapse_fixed(60, Durations("fixed", t - 5), 300.0) == 0.0
+    # a bounded policy at its memory ceiling never saturates, so never collapses; one more session does
+    fb = FillModel(cal(1500), KVPolicy.sinks(16, 16, 368))
+    ceiling = fb.memory_ceiling()
+    assert fb.p_collapse_fixed(ceiling, Durations("fixed", 1e6), 300.0) == 0.0
+    assert fb.p_collapse_fixed(ceiling + 1, Durations("fixed", 1e6), 300.0) == 1.0
+    # fast: the paper-like scenario (300 sessions, 600 s, 4000 draws)
+    big = FillModel(calibration.load("moshi-7b-h200"), KVPolicy.unbounded(16))
+    t0 = time.perf_counter()
+    big.p_collapse_fixed(300, Durations("exponential", 145.0), 600.0)
+    assert time.perf_counter() - t0 < 2.0  # measured ~0.25 s; the budget is 1 s, doubled for a loaded machine

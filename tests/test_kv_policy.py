@@ -137,7 +137,7 @@ def test_bad_policies_are_one_line_errors(kind, w, s, msg):
 def test_admit_fcfs_admits_the_longest_prefix_that_fits(needs, free):
     from collections import deque
 
-    from metronome.kv_policy import admit_fcfs
+    from metronome.serving import admit_fcfs
 
     queue = deque(range(len(needs)))
     admitted = admit_fcfs(queue, lambda i: needs[i], free)

@@ -78,7 +78,7 @@ def write_run(d: Path, kv: str = "sinks", num_blocks: int = 600, options: dict |
     sessions = np.minimum(1 + (t0 // 2).astype(int), SETTLED)
     step_s = 0.003 + 0.0004 * sessions
     used = np.minimum(sessions * 24, num_blocks - 1)
-    steps = pd.DataFrame({"run": label, "t_s": t0 + step_s, "t_start_s": t0, "stalled": False, "step_s": step_s,
+    steps = pd.DataFrame({"run": label, "t_s": t0, "t_end_s": t0 + step_s, "stalled": False, "step_s": step_s,
                           "batch": sessions, "new_tokens": sessions, "context_tokens": sessions * 200,
                           "prefill_tokens": 0, "preemptions": 0, "free_blocks": num_blocks - 1 - used,
                           "used_blocks": used, "kv_usage": used / (num_blocks - 1), "running": sessions, "waiting": 0,
@@ -90,13 +90,14 @@ def write_run(d: Path, kv: str = "sinks", num_blocks: int = 600, options: dict |
                   "latency_s": 0.011, "silent": False, "met_deadline": True}).to_parquet(d / "frames.parquet",
                                                                                          index=False)
     pd.DataFrame({"run": label, "session": ["s0", "s1"], "arrival_s": [0.5, 1.2], "admitted": [True, False],
-                  "reason": ["ended", "rejected"]}).to_parquet(d / "sessions.parquet", index=False)
+                  "reason": ["departed", "refused"]}).to_parquet(d / "sessions.parquet", index=False)
     pd.DataFrame({"run": label, "t_s": [28.0], "event": ["rebase"], "session": ["s0"]}).to_parquet(
         d / "events.parquet", index=False)
     summary = {"frames": int(frames.sum()), "silent_frames": int(n_silent.sum()), "silent_frame_fraction": silent,
                "deadline_miss_fraction": 0.004, "p50_frame_latency_s": 0.0112, "p99_frame_latency_s": 0.0341,
                "preemptions": preemptions, "num_blocks": num_blocks, "steps": int(t0.size),
-               "sessions_admitted": 14, "sessions_rejected": 66, "sessions_planned": 80, "stopped": False,
+               "sessions_admitted": 14, "sessions_refused": 66, "sessions_offered": 80, "sessions_planned": 80,
+               "stopped": False,
                "stop_reason": None, "t_stopped_s": None, "wall_s": HORIZON + 0.01,
                "controller": {"name": "aimd", "params": dict(AIMD), "intervals": int(k.size),
                               "final_limit": int(limit[-1]), "max_limit": int(limit.max()), "dead_intervals": 0,
@@ -158,7 +159,7 @@ def test_a_run_folder_is_read_with_its_settled_concurrency_and_what_to_resimulat
     r = live["runs"]["run"]
     assert r["label"] == "sinks(S=16, W=368)" and r["bounded"] and r["controller"] == "aimd"
     ctl = pd.read_parquet(folders["run"] / "controller.parquet")
-    assert r["live"]["settled_sessions"] == pytest.approx(float(SETTLED))  # steps.sessions over t_start_s >= 20 s
+    assert r["live"]["settled_sessions"] == pytest.approx(float(SETTLED))  # steps.sessions over t_s >= 20 s
     assert r["live"]["settled_limit"] == pytest.approx(second_half(ctl.t_s, ctl.limit))
     assert 11 < r["live"]["settled_limit"] < 12
     f = r["figures"]

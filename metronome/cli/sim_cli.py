@@ -135,7 +135,7 @@ def print_summary(s: dict, out: Path | None):
                  f"memory ceiling {s['memory_ceiling'] if s['memory_ceiling'] is not None else 'n/a'} sessions"),
         ("sessions", f"{s['sessions_offered']} offered · {s['sessions_admitted']} admitted · "
                      f"{s['sessions_refused']} refused"),
-        ("frames", f"{s['frames_total']:,} answered · silent {_pct(s['silent_frame_fraction'])} · "
+        ("frames", f"{s['frames']:,} answered · silent {_pct(s['silent_frame_fraction'])} · "
                    f"deadline misses {_pct(s['deadline_miss_fraction'])}"),
         ("latency", f"p50 {_ms(s['p50_frame_latency_s'])} · p99 {_ms(s['p99_frame_latency_s'])} "
                     f"(deadline {_ms(s['deadline_s'])})"),
@@ -247,14 +247,16 @@ def cmd_metastability(args) -> int:
         write_outputs(out, {"summary.json": summary, "runs": table})
     sc = summary["scenario"]
     con.print(f"[bold]metastability[/] · {sc['calibration']} · {sc['policy']} · {sc['workload']} · {sc['horizon_s']:g} s")
-    pred = summary["predicted_collapse_probability"]
+    p_sat, p_col = summary["predicted_saturation_probability"], summary["predicted_collapse_probability"]
     con.print(f"  collapsed {summary['collapsed_runs']} of {summary['runs']} runs "
               f"({100 * summary['collapse_fraction']:.0f}%), pool saturated in {summary['saturated_runs']} "
-              f"({100 * summary['saturation_fraction']:.0f}%)")
-    if pred is not None:
-        con.print(f"  fill model: P(saturate) = {100 * pred:.0f}% · gap to observed saturation "
-                  f"{100 * summary['saturation_prediction_gap']:+.0f} points, to collapse "
-                  f"{100 * summary['prediction_gap']:+.0f} points")
+              f"({100 * summary['saturated_fraction']:.0f}%)")
+    if p_sat is not None:
+        con.print(f"  fill model: P(saturate) = {100 * p_sat:.0f}% · gap to observed saturation "
+                  f"{100 * summary['saturation_prediction_gap']:+.0f} points")
+    if p_col is not None:
+        con.print(f"  fill model: P(collapse) = {100 * p_col:.0f}% · gap to observed collapse "
+                  f"{100 * summary['collapse_prediction_gap']:+.0f} points")
     ct = summary["collapse_time_s"]
     if ct:
         con.print(f"  collapse time: min {ct['min']:.1f} s · p50 {ct['p50']:.1f} s · max {ct['max']:.1f} s")

@@ -13,20 +13,21 @@ the same scenario. The policies sit under ``"policies"`` (or at the top level), 
 
 **run** (``metronome-probe run --out DIR``): one live admission run. ``summary.json`` has the driver's
 figures (``silent_frame_fraction``, ``p50_frame_latency_s``, ``p99_frame_latency_s``, ``preemptions``,
-``sessions_admitted``, ``sessions_planned``, ``num_blocks``), ``controller`` (an object) and, written by the
+``sessions_admitted``, ``sessions_offered``, ``sessions_planned``, ``num_blocks``: the keys a simulated summary
+shares mean the same there, :mod:`metronome.results`), ``controller`` (an object) and, written by the
 CLI, ``options`` (the run's workload, policy and controller); ``controller.parquet`` has one row per control
-interval (``t_s``, ``limit``, ``in_flight``); ``steps.parquet`` one row per engine step (``t_start_s``,
-``sessions``: the admitted sessions alive). The simulated side is ``DIR/sim/`` when there is one (what
-``metronome.sim.scenario.write`` writes: ``summary.json``, ``steps.parquet`` with ``t_s``, ``running``,
-``waiting``, and ``controller.parquet``); otherwise the report re-simulates the run's workload with its own
+interval (``t_s``, ``limit``, ``in_flight``); ``steps.parquet`` one row per engine step (``t_s``: its start,
+as in the simulator's steps; ``sessions``: the admitted sessions alive). The simulated side is ``DIR/sim/``
+when there is one (what ``metronome.sim.scenario.write`` writes: ``summary.json``, ``steps.parquet`` with
+``t_s``, ``running``, ``waiting``, and ``controller.parquet``); otherwise the report re-simulates the run's workload with its own
 calibration (:func:`check_resimulation` checks that up front; ``build.py`` runs it).
 
 **benchmark** (``benchmarks/bench_live_aimd.py --out DIR``): ``summary.json`` with ``results`` (one entry per
 run) and ``n_star_sim``, and one run folder per entry (``window/``, ``unbounded/``), each with its ``sim/``.
 
 A run's **settled concurrency** is the mean of the admitted sessions alive over the second half of the run,
-over step samples (live: ``steps.sessions`` at ``t_start_s``; simulated: ``steps.running + steps.waiting``
-at ``t_s``), as the benchmark measures it; the settled limit is the controller's mean limit over the same
+over step samples (live: ``steps.sessions``; simulated: ``steps.running + steps.waiting``; both at the
+step's start ``t_s``), as the benchmark measures it; the settled limit is the controller's mean limit over the same
 half. Relative errors are ``(simulated − measured) / measured``. Anything else in the files is ignored; a
 missing or malformed file, field or column is one :class:`MetronomeError` line naming the file and the field.
 """
@@ -50,7 +51,7 @@ SIM_KEYS = ("simulated", "sim", "predicted")
 WRITERS = "metronome-probe validate or run, or benchmarks/bench_live_aimd.py"
 
 # the columns a run folder's tables must have (and the simulator's, in DIR/sim/)
-RUN_COLUMNS = {"controller.parquet": ("t_s", "limit", "in_flight"), "steps.parquet": ("t_start_s", "sessions")}
+RUN_COLUMNS = {"controller.parquet": ("t_s", "limit", "in_flight"), "steps.parquet": ("t_s", "sessions")}
 SIM_COLUMNS = {"steps.parquet": ("t_s", "running", "waiting"), "controller.parquet": ("t_s", "limit")}
 # one fidelity row each: live beside simulated
 RUN_FIGURES = ("settled_sessions", "settled_limit", "sessions_admitted", "silent_frame_fraction", "preemptions",
@@ -323,9 +324,8 @@ def _read_run(d: Path, obj: dict | None = None, horizon_s: float | None = None) 
     figures = {k: _field(origin, obj, k) for k in ("silent_frame_fraction", "p50_frame_latency_s",
                                                    "p99_frame_latency_s", "preemptions", "sessions_admitted")}
     planned = _field(origin, obj, "sessions_planned", required=False)
-    if planned is None and obj.get("sessions_rejected") is not None and figures["sessions_admitted"] is not None:
-        planned = figures["sessions_admitted"] + _number(origin, "sessions_rejected", obj["sessions_rejected"])
-    figures["sessions_offered"] = planned
+    figures["sessions_offered"] = planned if planned is not None else _field(origin, obj, "sessions_offered",
+                                                                             required=False)
     for k in ("preemptions", "sessions_admitted", "sessions_offered"):  # counts stay integers in report.json
         if figures[k] is not None and float(figures[k]).is_integer():
             figures[k] = int(figures[k])
@@ -356,7 +356,7 @@ def _read_run(d: Path, obj: dict | None = None, horizon_s: float | None = None) 
     entry = {
         "name": d.name, "path": str(d), "label": label, "bounded": not label.startswith("unbounded"),
         "controller": ctl_info.get("name") if isinstance(ctl_info.get("name"), str) else None,
-        "live": _side(figures, steps["t_start_s"].to_numpy(), steps["sessions"].to_numpy(), ctl, horizon),
+        "live": _side(figures, steps["t_s"].to_numpy(), steps["sessions"].to_numpy(), ctl, horizon),
         "simulated": sim, "simulated_with": sim_summary.get("calibration") if sim_summary else None,
         "simulated_by": "sim/" if sim is not None else None, "scenario": scenario,
         "n_star": None, "n_star_policy": None,

@@ -100,7 +100,7 @@ def test_readmission_reprefills_the_whole_history(run):
     done = next(e for e in res.events if e["event"] == "prefilled" and e["rid"] == r["rid"])
     assert done["computed_tokens"] == r["prompt_tokens"]  # the whole history was recomputed
     # the engine scheduled that history as prefill (one chunk here: it is under max_num_batched_tokens)
-    scheduled = [st for st in res.steps if st["t_start_s"] >= r["t_s"] and st["prefill_tokens"] >= r["prompt_tokens"]]
+    scheduled = [st for st in res.steps if st["t_s"] >= r["t_s"] and st["prefill_tokens"] >= r["prompt_tokens"]]
     assert scheduled
     # and the session talks again afterwards
     after = [f for f in res.frames if f["session"] == r["session"] and f["tick_s"] > done["t_s"] + 0.15

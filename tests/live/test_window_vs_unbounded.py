@@ -145,7 +145,7 @@ def test_driver_uses_the_admission_controller(windowed):
     res = Driver(windowed, DriverConfig(stream=STREAM, horizon_s=1.0, run="cap"), admission=cap).run(
         [SessionPlan(f"c{i}", arrival_s=0.01 * i) for i in range(4)])
     windowed.reset()
-    assert res.summary["sessions_admitted"] == 2 and res.summary["sessions_rejected"] == 2
+    assert res.summary["sessions_admitted"] == 2 and res.summary["sessions_refused"] == 2
     assert len(cap.observed) == res.summary["frames"] > 0
     assert {f["session"] for f in res.frames} == {"c0", "c1"}
 

@@ -1,0 +1,274 @@
+"""One results schema: the summary keys a simulated and a live run share, and the one percentile they use.
+
+``metronome-sim run`` (:func:`metronome.sim.scenario.summarize`) and ``metronome-probe run`` / ``validate``
+(:func:`metronome.probe.driver.summarize`) both build the shared part of their ``summary.json`` with
+:func:`shared_summary`: every key of :data:`SUMMARY_KEYS` is computed by the same code, from frame, step and
+session figures of the same meaning, so a key means the same thing (and has the same unit) in both. Each side
+adds keys that only make sense there: :data:`SIM_ONLY_KEYS`, :data:`LIVE_ONLY_KEYS`.
+
+**Times** are seconds from the run's start: simulated time, or the live driver's clock. In both step tables a
+step row's ``t_s`` is when the step *started* and ``step_s`` how long it took (the live driver also records
+``t_end_s``, when the engine's step returned and the driver had its outputs).
+
+**Percentiles.** Every percentile the project reports (run summaries, the admission controllers' interval
+statistic, the live Prometheus gauges, calibration summaries) is :func:`weighted_percentile`: the nearest-rank
+("inverted CDF") percentile, always one of the observed values, never an interpolation, so "p99 frame latency"
+is one number for one set of samples wherever it is computed.
+
+**Collapsed** (the definition every report uses): the pool saturated (``t_sat_observed_s`` is set) *and*
+afterwards at least :data:`COLLAPSE_SILENT_FRACTION` (1%) of all frames answered were silent frames of sessions
+that had been admitted and then lost their place (preempted sessions waiting or re-prefilling). A run that only
+queues new arrivals at the memory ceiling is not collapsed: nobody already talking went silent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from metronome.serving import EndReason
+
+__all__ = [
+    "COLLAPSE_SILENT_FRACTION",
+    "LIVE_ONLY_KEYS",
+    "REFUSED_REASONS",
+    "SIM_ONLY_KEYS",
+    "SUMMARY_KEYS",
+    "SummaryKey",
+    "UNIT_TYPES",
+    "check_types",
+    "collapsed",
+    "percentile",
+    "shared_keys",
+    "shared_summary",
+    "weighted_percentile",
+]
+
+COLLAPSE_SILENT_FRACTION = 0.01
+# sessions-table end reasons that mean the admission gate turned the session away (``sessions_refused``)
+REFUSED_REASONS = EndReason.NOT_ADMITTED
+DIGITS = 6  # figures in seconds and fractions are rounded to 1e-6 (a microsecond) in both summaries
+
+# Interval ends and cumulative weights are sums of floats; an exact hit must not be missed by rounding.
+_REL_EPS = 1e-9
+
+
+# ---------------------------------------------------------------------------------------------------
+# The percentile
+# ---------------------------------------------------------------------------------------------------
+def weighted_percentile(values, weights, q: float) -> float | None:
+    """Weighted nearest-rank ("higher", inverted-CDF) percentile; ``None`` when the total weight is 0.
+
+    The result is the smallest value ``v`` whose cumulative weight reaches ``q/100`` of the total
+    weight, i.e. ``min{v : W(x <= v) >= q/100 · W}``. With unit weights this is the classic nearest-rank
+    percentile (``numpy.percentile(..., method="inverted_cdf")``): always one of the observed values,
+    never an interpolation, so a p99 over 100 frames is the 99th-fastest frame. Ties in value are
+    broken by a stable sort, so the result is deterministic. ``q`` is in (0, 100]; ``q = 100`` is the
+    maximum. Zero-weight samples are ignored; negative weights are an error.
+    """
+    v = np.asarray(values, dtype=float).ravel()
+    w = np.asarray(weights, dtype=float).ravel()
+    if v.shape != w.shape:
+        raise ValueError(f"values and weights differ in length: {v.size} vs {w.size}")
+    if not 0.0 < q <= 100.0:
+        raise ValueError(f"percentile must be in (0, 100], got {q}")
+    if np.any(w < 0) or not np.all(np.isfinite(w)):
+        raise ValueError("weights must be finite and >= 0")
+    keep = w > 0
+    if not np.any(keep):
+        return None
+    v, w = v[keep], w[keep]
+    order = np.argsort(v, kind="stable")
+    v, cum = v[order], np.cumsum(w[order])
+    total = cum[-1]
+    # The small relative slack keeps q·W/100 == an exact cumulative weight from being missed by
+    # rounding (e.g. 99.9 · 1000 / 100 = 999.0000000000001).
+    threshold = q * total / 100.0 - _REL_EPS * total
+    i = int(np.searchsorted(cum, threshold, side="left"))
+    return float(v[min(i, v.size - 1)])
+
+
+def percentile(values, q: float) -> float | None:
+    """:func:`weighted_percentile` of unweighted samples (each counts once); ``None`` without any.
+    ``NaN`` samples (e.g. a frame never answered) are left out."""
+    v = np.asarray(values, dtype=float).ravel()
+    v = v[~np.isnan(v)]
+    return weighted_percentile(v, np.ones(v.size), q) if v.size else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The schema
+# ---------------------------------------------------------------------------------------------------
+UNIT_TYPES = {  # what a value of each unit is in summary.json (None allowed where noted in the meaning)
+    "frames": int, "steps": int, "sessions": int, "tokens": int, "blocks": int, "preemptions": int,
+    "rebases": int, "fraction": float, "s": float, "bool": bool,
+}
+
+
+@dataclass(frozen=True)
+class SummaryKey:
+    name: str
+    unit: str  # one of UNIT_TYPES
+    meaning: str
+    nullable: bool = False  # None when there is nothing to measure (no frame, no step, never saturated)
+
+
+SUMMARY_KEYS: tuple[SummaryKey, ...] = (
+    SummaryKey("frames", "frames", "frames answered: every frame tick of every streaming session whose answer "
+               "is known (silent ones included); live, a frame still inside its deadline when the run ends is "
+               "not counted (censored)"),
+    SummaryKey("silent_frames", "frames", "answered frames that got no token at all"),
+    SummaryKey("silent_frame_fraction", "fraction", "silent_frames / frames (0 without frames)"),
+    SummaryKey("silent_preempted_fraction", "fraction", "silent frames of sessions that had been admitted and "
+               "then lost their place (preempted: waiting or re-prefilling), over frames"),
+    SummaryKey("deadline_miss_fraction", "fraction", "frames not done within the deadline of their tick "
+               "(silent ones answered on time do not miss), over frames"),
+    SummaryKey("p50_frame_latency_s", "s", "nearest-rank p50 of answered frames' latency (done − tick), silent "
+               "frames at the time they were answered", nullable=True),
+    SummaryKey("p99_frame_latency_s", "s", "nearest-rank p99 of the same", nullable=True),
+    SummaryKey("t_sat_observed_s", "s", "start of the first step that found the pool dry: some session needed a "
+               "block and none was free (None: never)", nullable=True),
+    SummaryKey("collapsed", "bool", "the pool saturated and afterwards >= COLLAPSE_SILENT_FRACTION of frames were "
+               "silent frames of preempted sessions (module docstring)"),
+    SummaryKey("preemptions", "preemptions", "preemptions (recompute: all the session's blocks freed); a session "
+               "preempted twice counts twice"),
+    SummaryKey("rebases", "rebases", "restarts of a session near max_model_len (or after an engine death) as a new "
+               "request holding its last tokens"),
+    SummaryKey("steps", "steps", "engine steps"),
+    SummaryKey("p50_step_latency_s", "s", "nearest-rank p50 of the steps' duration (step_s)", nullable=True),
+    SummaryKey("p99_step_latency_s", "s", "nearest-rank p99 of the steps' duration", nullable=True),
+    SummaryKey("peak_used_blocks", "blocks", "most KV blocks held by sessions at once"),
+    SummaryKey("usable_blocks", "blocks", "KV blocks sessions can hold (vLLM's pool less its null block)"),
+    SummaryKey("peak_pool_occupancy", "fraction", "peak_used_blocks / usable_blocks"),
+    SummaryKey("sessions_offered", "sessions", "sessions that arrived during the run"),
+    SummaryKey("sessions_admitted", "sessions", "sessions that got into the engine (were given blocks) at least once"),
+    SummaryKey("sessions_refused", "sessions", "sessions the admission controller refused (or that timed out in "
+               "its queue)"),
+    SummaryKey("tokens_total", "tokens", "output tokens delivered in answered frames"),
+)
+
+SIM_ONLY_KEYS = {
+    "calibration": "the calibration's name", "provenance": "how the calibration was obtained",
+    "policy": "the KV policy", "workload": "arrivals and durations, in words", "admission": "the controller spec",
+    "horizon_s": "simulated seconds", "deadline_s": "a frame's deadline (s)",
+    "t_sat_predicted_s": "the fill model's saturation time (s; None without a closed form)",
+    "p_saturate_predicted": "the fill model's probability that the pool saturates within the horizon",
+    "memory_ceiling": "sessions the pool holds at the mean session length (the fill model)",
+    "length_capped": "sessions ended at max_model_len",
+    "goodput_frames_per_s": "non-silent on-time frames per simulated second",
+    "goodput_sessions": "goodput in sessions (goodput_frames_per_s × frame period)",
+    "steps_outside_fit": "steps outside the calibration's fitted range",
+    "seed": "the workload's and the jitter's seed", "wall_s": "wall-clock seconds the simulation took",
+}
+
+LIVE_ONLY_KEYS = {
+    "frames_unfinished": "answered frames that never got all their tokens (done_s null)",
+    "silent_by_deadline_fraction": "frames with no token by their deadline, over frames",
+    "preemptions_by_reason": "preemptions per reason (engine, pool_dry, stall, ...)",
+    "readmissions": "preempted sessions readmitted (a re-prefill of their whole history)",
+    "p50_rebase_frame_latency_s": "nearest-rank p50 latency of frames that carried a rebase's prefill",
+    "frames_not_running": "frames that came due while their session was waiting or re-prefilling",
+    "t_first_preemption_s": "start of the step after which the driver first preempted (s)",
+    "t_pool_full_s": "start of the first step with no free block and requests waiting, or a stall (s)",
+    "stalls": "steps that scheduled nothing while requests waited",
+    "num_blocks": "vLLM's pool in blocks, its null block included (usable_blocks + 1)",
+    # added by Driver.run: how the run ended, and the engine's silences and deaths
+    "stopped": "the run was stopped (signal, or the engine died for good)", "stop_reason": "why (null: not stopped)",
+    "t_stopped_s": "when it was stopped (s)", "engine_silent_episodes": "spells of frames waiting and no token",
+    "engine_silent_s": "their total length (s)", "t_first_engine_silent_s": "start of the first (s)",
+    "silence_threshold_s": "how long without a token is a silence (s)", "engine_deaths": "engine process deaths",
+    "engine_restarts": "engines started again", "engine_error": "why the run stopped, when the engine died for good",
+    "engine_outage_s": "seconds without an engine", "engine_outages": "[died, back] pairs (s)",
+}
+# metronome-probe run adds the run's options, the controller's figures, sessions_planned (plans, arrived or not),
+# wall_s, engine, arrivals and durations; validate adds load_avg_start / load_avg_end.
+
+
+def shared_keys() -> tuple[str, ...]:
+    return tuple(k.name for k in SUMMARY_KEYS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building the shared part
+# ---------------------------------------------------------------------------------------------------
+def _r(x, nd: int = DIGITS):
+    return None if x is None else round(float(x), nd)
+
+
+def collapsed(t_sat_s: float | None, tick_s, frames, silent_preempted) -> bool:
+    """The collapse verdict (module docstring) from frame rows: tick time, frames, silent preempted frames."""
+    if t_sat_s is None:
+        return False
+    after = np.asarray(tick_s, dtype=float) >= t_sat_s
+    f_after = int(np.asarray(frames, dtype=np.int64)[after].sum())
+    s_after = int(np.asarray(silent_preempted, dtype=np.int64)[after].sum())
+    return f_after > 0 and s_after / f_after >= COLLAPSE_SILENT_FRACTION
+
+
+def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, late, tokens, t_sat_s,
+                   step_s, peak_used_blocks: int, usable_blocks: int, preemptions: int, rebases: int,
+                   sessions_offered: int, sessions_admitted: int, sessions_refused: int) -> dict:
+    """The shared keys (:data:`SUMMARY_KEYS`, in that order) from a run's answered frames and its steps.
+
+    Frame arguments are equal-length arrays, one entry per frame row: a row stands for ``frames[i]`` frames
+    of one tick (the simulator's rows aggregate a tick's sessions; a live row is one frame), ``silent``,
+    ``silent_preempted`` and ``late`` of which were silent, silent after a preemption, or missed the deadline,
+    with latency ``latency_s[i]`` (``NaN``: not answered with a time, left out of the percentiles) and
+    ``tokens[i]`` output tokens. ``step_s`` holds every step's duration."""
+    n = len(np.atleast_1d(frames))
+    arr = lambda x, dt: np.asarray(x, dtype=dt).reshape(n)  # noqa: E731
+    tick, lat = arr(tick_s, float), arr(latency_s, float)
+    w = arr(frames, np.int64)
+    n_frames = int(w.sum())
+    n_silent = int(arr(silent, np.int64).sum())
+    sp = arr(silent_preempted, np.int64)
+    has_lat = ~np.isnan(lat)
+    st = np.asarray(step_s, dtype=float).ravel()
+
+    def frac(k):
+        return _r(k / n_frames if n_frames else 0.0)
+
+    out = {
+        "frames": n_frames,
+        "silent_frames": n_silent,
+        "silent_frame_fraction": frac(n_silent),
+        "silent_preempted_fraction": frac(int(sp.sum())),
+        "deadline_miss_fraction": frac(int(arr(late, np.int64).sum())),
+        "p50_frame_latency_s": _r(weighted_percentile(lat[has_lat], w[has_lat], 50)),
+        "p99_frame_latency_s": _r(weighted_percentile(lat[has_lat], w[has_lat], 99)),
+        "t_sat_observed_s": _r(t_sat_s),
+        "collapsed": bool(collapsed(t_sat_s, tick, w, sp)),
+        "preemptions": int(preemptions),
+        "rebases": int(rebases),
+        "steps": int(st.size),
+        "p50_step_latency_s": _r(percentile(st, 50)),
+        "p99_step_latency_s": _r(percentile(st, 99)),
+        "peak_used_blocks": int(peak_used_blocks),
+        "usable_blocks": int(usable_blocks),
+        "peak_pool_occupancy": _r(peak_used_blocks / usable_blocks if usable_blocks else 0.0),
+        "sessions_offered": int(sessions_offered),
+        "sessions_admitted": int(sessions_admitted),
+        "sessions_refused": int(sessions_refused),
+        "tokens_total": int(arr(tokens, np.int64).sum()),
+    }
+    assert tuple(out) == shared_keys()
+    return out
+
+
+def check_types(summary: dict) -> list[str]:
+    """Shared keys that are missing from ``summary`` or whose value is not of their unit's type."""
+    bad = []
+    for k in SUMMARY_KEYS:
+        if k.name not in summary:
+            bad.append(f"{k.name}: missing")
+            continue
+        v, want = summary[k.name], UNIT_TYPES[k.unit]
+        if v is None and k.nullable:
+            continue
+        ok = isinstance(v, bool) if want is bool else (
+            isinstance(v, want) and not isinstance(v, bool) and (want is not float or math.isfinite(v)))
+        if not ok:
+            bad.append(f"{k.name}: {v!r} is not {want.__name__} ({k.unit})")
+    return bad
