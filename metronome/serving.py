@@ -45,6 +45,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from metronome.errors import MetronomeError
 from metronome.kv_policy import KVPolicy, cdiv
 
@@ -173,32 +175,42 @@ class EngineLimits:
         return self.max_in_flight_tokens if self.max_in_flight_tokens is not None else self.max_num_batched_tokens
 
 
-@dataclass
-class _Request:
-    rid: str
-    status: str
-    num_tokens: int  # prompt + outputs kept
-    max_tokens: int
-    computed: int = 0
-    slots: int = 0  # block-table length, freed (null) slots included
-    held: int = 0  # real blocks held
-    out: int = 0  # tokens sampled this turn
+_CODE = {WAITING: 1, RUNNING: 2, PAUSED: 3, PREEMPTED: 4}
+_NAME = {v: k for k, v in _CODE.items()}
+_W, _R, _P, _X = 1, 2, 3, 4  # waiting, running, paused, preempted (0: no request in the slot)
 
 
 @dataclass
 class StepRecord:
-    """What one ``schedule()`` did: the fields the differential test compares with vLLM."""
+    """What one ``schedule()`` did: the fields the differential test compares with vLLM.
 
-    scheduled: dict[str, int] = field(default_factory=dict)  # rid -> tokens, in schedule order
-    preempted: list[str] = field(default_factory=list)
-    admitted: list[str] = field(default_factory=list)  # moved from a waiting queue to running
+    ``slots``/``tokens``: the scheduled requests' slots and tokens, in schedule order (``EngineModel.rid_of``
+    turns a slot into its request id; ``scheduled`` is the same as a dict of request ids)."""
+
+    slots: np.ndarray
+    tokens: np.ndarray
+    preempted: list = field(default_factory=list)  # request ids, in order
+    admitted: list = field(default_factory=list)  # request ids moved from a waiting queue to running
     used_blocks: int = 0  # after scheduling
-    sampled: list[str] = field(default_factory=list)  # requests that produced a token
-    paused: list[str] = field(default_factory=list)  # requests that finished their frame's tokens
+    sampled_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    paused_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    rid_of: list = field(default_factory=list, repr=False)
+
+    @property
+    def scheduled(self) -> dict:
+        return {self.rid_of[s]: k for s, k in zip(self.slots.tolist(), self.tokens.tolist())}
+
+    @property
+    def sampled(self) -> list:
+        return [self.rid_of[s] for s in self.sampled_slots.tolist()]
+
+    @property
+    def paused(self) -> list:
+        return [self.rid_of[s] for s in self.paused_slots.tolist()]
 
     @property
     def new_tokens(self) -> int:
-        return sum(self.scheduled.values())
+        return int(self.tokens.sum())
 
 
 class EngineModel:
@@ -207,183 +219,340 @@ class EngineModel:
     The interface is the live engine's: :meth:`add` a request, :meth:`append` the next frame's input to a
     paused one, :meth:`abort`, :meth:`step`. No prefix caching, no speculative decoding, one batch in
     flight (what the probe runs). Residency comes from the :class:`KVPolicy` (sink+window blocks freed on
-    the computed-token basis before each allocation, as ``remove_skipped_blocks`` does)."""
+    the computed-token basis before each allocation, as ``remove_skipped_blocks`` does).
+
+    Requests live in slots of numpy arrays (:meth:`add` returns the slot), so a step's common case — every
+    running request gets its blocks, a prefix of the waiting queue is admitted — is a few array operations;
+    the request that does not fit, and everything after it, goes through the same rules one request at a
+    time (:meth:`_run_one`, :meth:`_admit_one`). Both give vLLM's result (the differential test)."""
+
+    WAITING_CODE, RUNNING_CODE, PAUSED_CODE, PREEMPTED_CODE = _W, _R, _P, _X  # status_a values
 
     def __init__(self, policy: KVPolicy, limits: EngineLimits):
         self.policy, self.limits = policy, limits
         self.bs = policy.block_size
         self.cap = policy.admission_cap_blocks(limits.in_flight_tokens, limits.max_model_len)
-        self.requests: dict[str, _Request] = {}
-        self.running: list[_Request] = []
-        self.waiting: deque[_Request] = deque()
-        self.kv_holding: deque[_Request] = deque()
+        self._bounded = policy.bounded
+        self._sink_blocks, self._window = policy.sink_blocks, policy.window_tokens
+        self._slot_of: dict = {}
+        self.rid_of: list = []
+        n = 64
+        self.status_a = np.zeros(n, dtype=np.int8)
+        self.computed_a = np.zeros(n, dtype=np.int64)
+        self.ntok_a = np.zeros(n, dtype=np.int64)  # prompt + outputs kept
+        self.slots_a = np.zeros(n, dtype=np.int64)  # block-table length, freed (null) slots included
+        self.held_a = np.zeros(n, dtype=np.int64)  # real blocks held
+        self.out_a = np.zeros(n, dtype=np.int64)  # tokens sampled this turn
+        self.maxtok_a = np.zeros(n, dtype=np.int64)
+        self.running: list[int] = []  # slots, in vLLM's running order
+        self.waiting: deque[int] = deque()
+        self.kv_holding: deque[int] = deque()
+        self.n_paused = 0
         self.used = 0
         self.steps = 0
 
+    # -- slots -----------------------------------------------------------------------------------------
+    def _grow(self) -> None:
+        for name in ("status_a", "computed_a", "ntok_a", "slots_a", "held_a", "out_a", "maxtok_a"):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
+
+    def slot(self, rid) -> int | None:
+        return self._slot_of.get(rid)
+
+    def _res(self, n: int) -> int:
+        """Blocks resident after ``n`` computed tokens (KVPolicy.resident_blocks, on Python ints)."""
+        total = -(-n // self.bs)
+        if not self._bounded:
+            return total
+        lo = max(n - self._window + 1, 0) // self.bs
+        return min(lo, self._sink_blocks) + total - lo
+
     # -- the engine interface ------------------------------------------------------------------------
-    def add(self, rid: str, prompt_tokens: int, max_tokens: int) -> None:
-        if rid in self.requests:
+    def add(self, rid, prompt_tokens: int, max_tokens: int) -> int:
+        if rid in self._slot_of:
             raise MetronomeError(f"request {rid!r} already exists")
         if prompt_tokens < 1 or max_tokens < 1:
             raise MetronomeError("a request needs at least one prompt token and one output token")
-        r = _Request(rid, WAITING, prompt_tokens, max_tokens)
-        self.requests[rid] = r
-        self.waiting.append(r)
+        s = len(self.rid_of)
+        if s >= self.status_a.size:
+            self._grow()
+        self.rid_of.append(rid)
+        self._slot_of[rid] = s
+        self.status_a[s], self.ntok_a[s], self.maxtok_a[s] = _W, prompt_tokens, max_tokens
+        self.waiting.append(s)
+        return s
 
-    def append(self, rid: str, chunk_tokens: int, max_tokens: int) -> None:
+    def append(self, rid, chunk_tokens: int, max_tokens: int) -> None:
         """The next frame's input for a paused session: vLLM drops the token it sampled last (not computed;
         the caller re-feeds it inside ``chunk_tokens``) and the session waits again, in place."""
-        r = self.requests[rid]
-        if r.status != PAUSED:
-            raise MetronomeError(f"request {rid!r} is {r.status}, not paused between frames")
-        r.num_tokens = r.computed + chunk_tokens
-        r.max_tokens, r.out = max_tokens, 0
-        r.status = WAITING
+        s = self._slot_of[rid]
+        if self.status_a[s] != _P:
+            raise MetronomeError(f"request {rid!r} is {_NAME[int(self.status_a[s])]}, not paused between frames")
+        self.ntok_a[s] = self.computed_a[s] + chunk_tokens
+        self.maxtok_a[s], self.out_a[s] = max_tokens, 0
+        self.status_a[s] = _W
+        self.n_paused -= 1
 
-    def abort(self, rid: str) -> None:
-        r = self.requests.pop(rid)
-        self._free(r)
-        if r in self.running:
-            self.running.remove(r)
-        for q in (self.waiting, self.kv_holding):
-            if r in q:
-                q.remove(r)
+    def abort(self, rid) -> None:
+        s = self._slot_of.pop(rid)
+        st = int(self.status_a[s])
+        self.used -= int(self.held_a[s])
+        self.held_a[s] = self.slots_a[s] = 0
+        self.status_a[s] = 0
+        if st == _P:
+            self.n_paused -= 1
+        if st == _R:
+            self.running.remove(s)
+        elif s in self.kv_holding:
+            self.kv_holding.remove(s)
+        elif s in self.waiting:
+            self.waiting.remove(s)
 
-    def status(self, rid: str) -> str | None:
-        r = self.requests.get(rid)
-        return r.status if r else None
+    def status(self, rid) -> str | None:
+        s = self._slot_of.get(rid)
+        return None if s is None else _NAME[int(self.status_a[s])]
 
-    def computed(self, rid: str) -> int:
-        return self.requests[rid].computed
+    def computed(self, rid) -> int:
+        return int(self.computed_a[self._slot_of[rid]])
 
-    def tokens_of(self, rid: str) -> int:
-        return self.requests[rid].num_tokens
+    def tokens_of(self, rid) -> int:
+        return int(self.ntok_a[self._slot_of[rid]])
 
-    def blocks_of(self, rid: str) -> int:
-        return self.requests[rid].held
+    def blocks_of(self, rid) -> int:
+        return int(self.held_a[self._slot_of[rid]])
 
     def free_blocks(self) -> int:
         return self.limits.num_blocks - self.used
 
     def has_work(self) -> bool:
-        return bool(self.running) or any(r.status != PAUSED for r in self.kv_holding) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or len(self.kv_holding) > self.n_paused
 
-    # -- blocks --------------------------------------------------------------------------------------
-    def _free(self, r: _Request) -> None:
-        self.used -= r.held
-        r.held = r.slots = 0
+    # -- by slot, for callers that keep arrays (the simulator) -------------------------------------------
+    def append_many(self, slots: np.ndarray, chunk_tokens: np.ndarray, max_tokens: int) -> None:
+        """:meth:`append` for many paused requests at once (slots from :meth:`add`)."""
+        if slots.size == 0:
+            return
+        if (self.status_a[slots] != _P).any():
+            raise MetronomeError("append_many: a request is not paused between frames")
+        self.ntok_a[slots] = self.computed_a[slots] + chunk_tokens
+        self.maxtok_a[slots], self.out_a[slots] = max_tokens, 0
+        self.status_a[slots] = _W
+        self.n_paused -= int(slots.size)
 
-    def _skip_out_of_window(self, r: _Request) -> None:
-        """``remove_skipped_blocks`` on the computed count: blocks that left the window go back to the pool."""
-        if r.slots:
-            keep = int(self.policy.resident_blocks(r.computed))
-            if keep < r.held:
-                self.used -= r.held - keep
-                r.held = keep
+    def computed_of(self, slots: np.ndarray) -> np.ndarray:
+        return self.computed_a[slots]
 
-    def _allocate(self, r: _Request, k: int, admitting: bool) -> bool:
-        """``allocate_slots(r, k)``: True and the blocks taken, or False and nothing taken (frees stay)."""
-        free = self.free_blocks()
+    def held_of(self, slots: np.ndarray) -> np.ndarray:
+        return self.held_a[slots]
+
+    def waiting_of(self, slots: np.ndarray) -> np.ndarray:
+        """True where the request has tokens to compute but sits in a waiting queue (new, resumed, preempted)."""
+        st = self.status_a[slots]
+        return (st == _W) | (st == _X)
+
+    # -- one request at a time (the rules as vLLM writes them) ---------------------------------------
+    def _allocate(self, s: int, k: int, admitting: bool) -> bool:
+        """``allocate_slots(s, k)``: True and the blocks taken, or False and nothing taken (frees stay)."""
         watermark = self.limits.watermark_blocks if admitting and self.running else 0
+        slots, comp = int(self.slots_a[s]), int(self.computed_a[s])
         if admitting:
-            full = min(r.num_tokens, self.limits.max_model_len)
-            if admission_need_blocks(self.policy, full, self.cap, r.slots) + watermark > free:
+            full = min(int(self.ntok_a[s]), self.limits.max_model_len)
+            if admission_need_blocks(self.policy, full, self.cap, slots) + watermark > self.free_blocks():
                 return False
-        self._skip_out_of_window(r)
-        need = max(cdiv(r.computed + k, self.bs) - r.slots, 0)
+        if slots:  # remove_skipped_blocks on the computed count: out-of-window blocks go back to the pool
+            keep = self._res(comp)
+            held = int(self.held_a[s])
+            if keep < held:
+                self.used -= held - keep
+                self.held_a[s] = keep
+        need = max(-(-(comp + k) // self.bs) - slots, 0)
         if need + watermark > self.free_blocks():
             return False
-        r.slots += need
-        r.held += need
+        self.slots_a[s] += need
+        self.held_a[s] += need
         self.used += need
         return True
+
+    def _tokens_for(self, s: int, budget: int, threshold: int) -> int:
+        k = int(self.ntok_a[s] - self.computed_a[s])
+        if 0 < threshold < k:
+            k = threshold
+        return min(k, budget)
+
+    def _preempt(self, v: int, rec: StepRecord) -> None:
+        self.used -= int(self.held_a[v])
+        self.held_a[v] = self.slots_a[v] = 0
+        self.status_a[v], self.computed_a[v] = _X, 0  # its sampled tokens stay
+        self.waiting.appendleft(v)
+        rec.preempted.append(self.rid_of[v])
+
+    def _run_one(self, i: int, budget: int, threshold: int, rec: StepRecord, out: list) -> tuple[int, int, bool]:
+        """Schedule ``running[i]``: returns (next index, budget left, go on)."""
+        s = self.running[i]
+        k = min(self._tokens_for(s, budget, threshold), self.limits.max_model_len - int(self.computed_a[s]) - 1)
+        if k <= 0:
+            return i + 1, budget, True
+        ok = self._allocate(s, k, admitting=False)
+        while not ok:
+            victim = self.running.pop()
+            self._preempt(victim, rec)
+            if victim == s:
+                break
+            ok = self._allocate(s, k, admitting=False)
+        if not ok:
+            return i, budget, False
+        out.append((s, k))
+        return i + 1, budget - k, True
+
+    # -- many requests at once (the same rules while nothing fails) ------------------------------------
+    def _fit_prefix(self, S: np.ndarray, k: np.ndarray, free: int, admitting: bool, n_running: int):
+        """For requests ``S`` taking ``k`` tokens in order: how many in a row get their blocks, and their frees
+        and needs. Mirrors :meth:`_allocate` request by request, as arrays."""
+        comp, slots, held = self.computed_a[S], self.slots_a[S], self.held_a[S]
+        keep = self.policy.resident_blocks(comp) if self._bounded else held
+        freed = np.where(slots > 0, np.maximum(held - keep, 0), 0)
+        need = np.maximum(cdiv(comp + k, self.bs) - slots, 0)
+        before = free + np.concatenate([[0], np.cumsum(freed - need)[:-1]])
+        ok = need <= before + freed
+        if admitting:
+            wm = np.where(n_running + np.arange(S.size) > 0, self.limits.watermark_blocks, 0)
+            full = np.minimum(self.ntok_a[S], self.limits.max_model_len)
+            want = cdiv(full, self.bs)
+            if self.cap is not None:
+                want = np.minimum(want, self.cap)
+            ok &= (np.maximum(want - slots, 0) + wm <= before) & (need + wm <= before + freed)
+        bad = np.flatnonzero(~ok)
+        n = int(bad[0]) if bad.size else S.size
+        return n, freed, need
+
+    def _commit(self, S: np.ndarray, freed: np.ndarray, need: np.ndarray) -> None:
+        self.held_a[S] += need - freed
+        self.slots_a[S] += need
+        self.used += int(need.sum()) - int(freed.sum())
+
+    def _budgeted(self, S: np.ndarray, budget: int, threshold: int, cap_len: bool):
+        """Tokens each of ``S`` would get in order from ``budget`` (vLLM's loop stops when it reaches 0),
+        and which the loop reaches."""
+        k = self.ntok_a[S] - self.computed_a[S]
+        if threshold > 0:
+            k = np.where(k > threshold, threshold, k)
+        if cap_len:
+            k = np.minimum(k, self.limits.max_model_len - self.computed_a[S] - 1)
+        kp = np.maximum(k, 0)
+        before = budget - (np.cumsum(kp) - kp)
+        return np.maximum(np.minimum(kp, before), 0), before > 0
 
     # -- one step --------------------------------------------------------------------------------------
     def step(self) -> StepRecord:
         lim = self.limits
-        rec = StepRecord()
+        rec = StepRecord(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), rid_of=self.rid_of)
         budget = lim.max_num_batched_tokens
-        n_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding)  # paused sessions count (vLLM's)
+        n_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding)  # paused sessions count
         threshold = lim.long_prefill_token_threshold if n_eligible > 1 else 0
-
-        def tokens_for(r: _Request, computed: int) -> int:
-            k = r.num_tokens - computed
-            if 0 < threshold < k:
-                k = threshold
-            return min(k, budget)
+        sched: list[tuple[int, int]] = []  # scalar-path (slot, tokens), after the vector prefix
+        parts_s, parts_k = [], []
 
         # 1. the running requests, in order; a dry pool preempts running[-1]
         i = 0
-        while i < len(self.running) and budget > 0:
-            r = self.running[i]
-            k = min(tokens_for(r, r.computed), lim.max_model_len - r.computed - 1)
-            if k <= 0:
-                i += 1
-                continue
-            ok = self._allocate(r, k, admitting=False)
-            while not ok:
-                victim = self.running.pop()
-                self._free(victim)
-                victim.status, victim.computed = PREEMPTED, 0  # its sampled tokens stay
-                self.waiting.appendleft(victim)
-                rec.preempted.append(victim.rid)
-                if victim is r:
-                    break
-                ok = self._allocate(r, k, admitting=False)
-            if not ok:
-                break
-            rec.scheduled[r.rid] = k
-            budget -= k
-            i += 1
+        if self.running:
+            R = np.asarray(self.running, dtype=np.int64)
+            eff, reached = self._budgeted(R, budget, threshold, cap_len=True)
+            act = np.flatnonzero(reached & (eff > 0))
+            n, freed, need = self._fit_prefix(R[act], eff[act], self.free_blocks(), False, 0)
+            if n:
+                take = act[:n]
+                self._commit(R[take], freed[:n], need[:n])
+                parts_s.append(R[take])
+                parts_k.append(eff[take])
+                budget -= int(eff[take].sum())
+            i = int(act[n]) if n < act.size else len(self.running)
+        go = True
+        while go and i < len(self.running) and budget > 0:
+            i, budget, go = self._run_one(i, budget, threshold, rec, sched)
 
         # 2. the waiting queues (kv-holding first), only in a step that preempted nothing
+        admitted: list[tuple[int, int]] = []
         if not rec.preempted:
-            skipped: list[_Request] = []
-            # paused sessions hold a request slot though they are in no running list
-            paused = sum(1 for r in self.requests.values() if r.status == PAUSED)
-            while budget > 0:
-                queue = self.kv_holding if self.kv_holding else self.waiting
-                if not queue:
-                    break
-                if len(self.running) + paused >= lim.max_num_seqs:
-                    break
-                r = queue[0]
-                if r.status == PAUSED:  # waiting for its next frame's input: skipped, keeps its place
-                    skipped.append(queue.popleft())
-                    continue
-                k = tokens_for(r, r.computed)
-                if k <= 0 or not self._allocate(r, k, admitting=True):
-                    break
-                queue.popleft()
-                r.status = RUNNING
-                self.running.append(r)
-                rec.admitted.append(r.rid)
-                rec.scheduled[r.rid] = k
-                budget -= k
-            self.kv_holding.extendleft(reversed(skipped))
+            budget = self._admit(budget, threshold, admitted, rec)
+
+        if sched:
+            parts_s.append(np.array([s for s, _ in sched], dtype=np.int64))
+            parts_k.append(np.array([k for _, k in sched], dtype=np.int64))
+        if admitted:
+            parts_s.append(np.array([s for s, _ in admitted], dtype=np.int64))
+            parts_k.append(np.array([k for _, k in admitted], dtype=np.int64))
+        if parts_s:
+            rec.slots, rec.tokens = np.concatenate(parts_s), np.concatenate(parts_k)
 
         # 3. the model runs: computed advances; a request whose tokens are all computed samples one
-        for rid, k in rec.scheduled.items():
-            r = self.requests[rid]
-            r.computed += k
-            if r.computed >= r.num_tokens:
-                r.num_tokens += 1
-                r.out += 1
-                rec.sampled.append(rid)
-                if r.out >= r.max_tokens:
-                    r.status = PAUSED
-                    rec.paused.append(rid)
-        if rec.paused:
-            gone = set(rec.paused)
-            self.running = [r for r in self.running if r.rid not in gone]
-            self.kv_holding.extend(self.requests[rid] for rid in rec.paused)
+        S, K = rec.slots, rec.tokens
+        if S.size:
+            self.computed_a[S] += K
+            done = S[self.computed_a[S] >= self.ntok_a[S]]
+            self.ntok_a[done] += 1
+            self.out_a[done] += 1
+            rec.sampled_slots = done
+            paused = done[self.out_a[done] >= self.maxtok_a[done]]
+            if paused.size:
+                self.status_a[paused] = _P
+                self.n_paused += int(paused.size)
+                self.running = [s for s in self.running if self.status_a[s] == _R]
+                self.kv_holding.extend(paused.tolist())
+                rec.paused_slots = paused
         rec.used_blocks = self.used
         self.steps += 1
         return rec
 
+    def _admit(self, budget: int, threshold: int, admitted: list, rec: StepRecord) -> int:
+        """vLLM's waiting pass: the kv-holding queue (paused sessions skipped in place), then ``waiting``; the
+        first request that does not fit ends it. The resumed sessions that fit in a row are admitted as
+        arrays first; the pass then goes on one request at a time. Returns the budget left."""
+        lim = self.limits
+        paused = self.n_paused  # paused sessions hold a request slot though they are in no running list
+        if len(self.kv_holding) > paused and budget > 0:
+            Q = np.fromiter(self.kv_holding, dtype=np.int64, count=len(self.kv_holding))
+            L = Q[self.status_a[Q] != _P]
+            eff, reached = self._budgeted(L, budget, threshold, cap_len=False)
+            room = lim.max_num_seqs - len(self.running) - paused - np.arange(L.size) > 0
+            ok = reached & room & (eff > 0)
+            stop = int(np.flatnonzero(~ok)[0]) if not ok.all() else L.size
+            n, freed, need = self._fit_prefix(L[:stop], eff[:stop], self.free_blocks(), True, len(self.running))
+            if n:
+                take = L[:n]
+                self._commit(take, freed[:n], need[:n])
+                self.status_a[take] = _R
+                self.running.extend(take.tolist())
+                admitted.extend(zip(take.tolist(), eff[:n].tolist()))
+                rec.admitted.extend(self.rid_of[x] for x in take.tolist())
+                budget -= int(eff[:n].sum())
+                gone = np.zeros(self.status_a.size, dtype=bool)
+                gone[take] = True
+                self.kv_holding = deque(Q[~gone[Q]].tolist())
+        skipped: list[int] = []
+        while budget > 0:
+            queue = self.kv_holding if self.kv_holding else self.waiting
+            if not queue or len(self.running) + paused >= lim.max_num_seqs:
+                break
+            s = queue[0]
+            if self.status_a[s] == _P:  # waiting for its next frame's input: skipped, keeps its place
+                skipped.append(queue.popleft())
+                continue
+            k = self._tokens_for(s, budget, threshold)
+            if k <= 0 or not self._allocate(s, k, admitting=True):
+                break
+            queue.popleft()
+            self.status_a[s] = _R
+            self.running.append(s)
+            admitted.append((s, k))
+            rec.admitted.append(self.rid_of[s])
+            budget -= k
+        self.kv_holding.extendleft(reversed(skipped))
+        return budget
+
     def check(self) -> None:
-        """Pool accounting: used = Σ held, 0 <= used <= pool, no session above its policy's bound."""
-        held = sum(r.held for r in self.requests.values())
+        """Pool accounting: used = Σ held, 0 <= used <= pool."""
+        held = int(self.held_a.sum())
         assert held == self.used, f"pool accounting drifted: {held} held vs {self.used} used"
         assert 0 <= self.used <= self.limits.num_blocks, f"used {self.used} outside [0, {self.limits.num_blocks}]"
 

@@ -100,6 +100,9 @@ class SimEngine:
         M = len(self.arrival)
         self.state = np.zeros(M, dtype=np.int8)
         self.rid = np.full(M, -1, dtype=np.int64)  # the session's engine request (-1: none)
+        self.slot = np.full(M, -1, dtype=np.int64)  # its request's slot in the engine model
+        self.sess_of_slot = np.full(64, -1, dtype=np.int64)
+        self.fresh_slot = np.zeros(64, dtype=bool)  # a frame submitted and not yet scheduled (first-step term)
         self.hist = np.zeros(M, dtype=np.int64)  # tokens of its history (what a readmission re-prefills)
         self.last_tok = np.zeros(M, dtype=bool)  # a sampled token not yet in the engine (re-fed next frame)
         self.pending_in = np.zeros(M, dtype=np.int64)  # input of silent frames, not yet in the engine
@@ -132,7 +135,7 @@ class SimEngine:
         self.preempted_last = False  # the last step preempted: admit nobody in the next turn
         self.stalled = False  # the last step scheduled nothing and freed nothing: wait for an event
         self._ctx = 0  # the last step's context tokens (its row is written after it ends)
-        self.fresh: set[int] = set()  # requests with a frame submitted and not yet scheduled (first-step term)
+        self.serving_frame = 0  # the latest frame handed to the engine: the frame a step is taken on (jitter)
         self.silent_pending: list[tuple[int, int, int]] = []  # (session, frame, tokens got) answered with the lockstep
         self._answers: dict[int, list[int]] = {}  # frame -> [frames, silent, silent_preempted, tokens] at one moment
         self.t_sat: float | None = None
@@ -157,12 +160,18 @@ class SimEngine:
             t = min(t, self.now + self.gate.poll_s)
         return t
 
-    def _new_rid(self, i: int) -> int:
+    def _add(self, i: int, prompt_tokens: int, max_tokens: int) -> int:
+        """A new engine request for session ``i``: its whole prompt, ``max_tokens`` to sample."""
         r = self.next_rid
         self.next_rid += 1
-        self.rid[i] = r
+        slot = self.model.add(r, prompt_tokens, max_tokens)
+        while slot >= self.sess_of_slot.size:
+            self.sess_of_slot = np.concatenate([self.sess_of_slot, np.full(self.sess_of_slot.size, -1)])
+            self.fresh_slot = np.concatenate([self.fresh_slot, np.zeros(self.fresh_slot.size, dtype=bool)])
+        self.rid[i], self.slot[i] = r, slot
         self.by_rid[r] = i
-        return r
+        self.sess_of_slot[slot] = i
+        return slot
 
     def _drop_rid(self, i: int) -> None:
         r = int(self.rid[i])
@@ -170,8 +179,8 @@ class SimEngine:
             if self.model.status(r) is not None:
                 self.model.abort(r)
             self.by_rid.pop(r, None)
-            self.fresh.discard(r)
-            self.rid[i] = -1
+            self.fresh_slot[self.slot[i]] = False
+            self.rid[i] = self.slot[i] = -1
 
     # ------------------------------------------------------------------------------------------- the loop
     def start(self):
@@ -286,7 +295,7 @@ class SimEngine:
             prompt = min(prompt, self.keep_tokens)
             self.s_rebase[i] += 1
         self.hist[i] = prompt
-        self.model.add(self._new_rid(i), prompt, 1)  # its one sampled token starts the next chunk
+        self._add(i, prompt, 1)  # its one sampled token starts the next chunk
         self.state[i] = PREFILL
         self.work_step[i] = self.model.steps
 
@@ -294,18 +303,60 @@ class SimEngine:
         """Frames that came due: running sessions queue them (and submit one); the others hear silence."""
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
         due = live[self.next_frame[live] * self.P <= now + _EPS]
-        for i in due.tolist():
-            while self.next_frame[i] * self.P <= now + _EPS:
-                f = int(self.next_frame[i])
-                self.next_frame[i] += 1
-                tick = f * self.P
-                if self.state[i] == RUNNING and tick >= self.running_since[i] - _EPS:
-                    self.backlog[i] += 1
-                else:
-                    self.pending_in[i] += self.n_in
-                    self.silent_pending.append((i, f, 0))
+        if due.size:
+            one = (self.next_frame[due] + 1) * self.P > now + _EPS  # exactly one frame came due (the usual)
+            many = due[~one]
+            if many.size:  # an engine slower than the frame clock: a running session queues them all
+                nf = self.next_frame[many]
+                n_due = np.floor((now + _EPS) / self.P).astype(np.int64) - nf + 1
+                # the division may round across a tick: settle on the tick test itself (f·P <= now)
+                n_due -= (nf + n_due - 1) * self.P > now + _EPS
+                n_due += (nf + n_due) * self.P <= now + _EPS
+                queued = (self.state[many] == RUNNING) & (self.next_frame[many] * self.P >= self.running_since[many] - _EPS)
+                q = many[queued]
+                self.backlog[q] += n_due[queued]
+                self.next_frame[q] += n_due[queued]
+                for i in many[~queued].tolist():
+                    while self.next_frame[i] * self.P <= now + _EPS:
+                        self._tick_one(np.array([i]))
+            self._tick_one(due[one])
         submit = live[(self.state[live] == RUNNING) & (self.inflight[live] < 0) & (self.backlog[live] > 0)]
-        for i in submit.tolist():
+        if submit.size:
+            self._submit_many(submit, now)
+
+    def _tick_one(self, idx: np.ndarray) -> None:
+        """Frame ``next_frame`` of sessions ``idx`` is due: a running session's is queued, the others' is silent."""
+        f = self.next_frame[idx].copy()
+        self.next_frame[idx] += 1
+        run = (self.state[idx] == RUNNING) & (f * self.P >= self.running_since[idx] - _EPS)
+        self.backlog[idx[run]] += 1
+        quiet = idx[~run]
+        if quiet.size:
+            self.pending_in[quiet] += self.n_in
+            self.silent_pending.extend(zip(quiet.tolist(), f[~run].tolist(), [0] * quiet.size))
+
+    def _submit_many(self, idx: np.ndarray, now: float) -> None:
+        """Hand each session's oldest due frame to the engine. Sessions paused in the engine whose frame fits
+        go at once (one append each, as arrays); the others (a first frame, a rebase, the length limit) one by
+        one, in session order, as the driver does."""
+        chunk = 1 + self.pending_in[idx] + self.n_in
+        simple = (self.started[idx] & (self.slot[idx] >= 0)
+                  & (self.hist[idx] + chunk + self.n_out < self.maxlen))  # serving.frame_fits, as arrays
+        fast, slow = idx[simple], idx[~simple]
+        if fast.size:
+            sl = self.slot[fast]
+            self.model.append_many(sl, chunk[simple], self.n_out)
+            self.fresh_slot[sl] = True
+            f = self.next_frame[fast] - self.backlog[fast]
+            self.hist[fast] += chunk[simple]
+            self.pending_in[fast] = 0
+            self.last_tok[fast] = False
+            self.backlog[fast] -= 1
+            self.inflight[fast], self.inflight_tok[fast] = f, 0
+            self.serving_frame = max(self.serving_frame, int(f.max()))
+            self.work_step[fast] = self.model.steps
+            self.stalled = False
+        for i in slow.tolist():
             self._submit(i, now)
 
     def _submit(self, i: int, now: float) -> None:
@@ -320,19 +371,19 @@ class SimEngine:
             self._drop_rid(i)
             self.hist[i] = kept
             self.s_rebase[i] += 1
-        r = int(self.rid[i])
-        if r < 0:
-            r = self._new_rid(i)
-            self.model.add(r, int(self.hist[i]) + chunk, self.n_out)
+        if self.slot[i] < 0:
+            sl = self._add(i, int(self.hist[i]) + chunk, self.n_out)
         else:
-            self.model.append(r, chunk, self.n_out)
-        self.fresh.add(r)
+            sl = int(self.slot[i])
+            self.model.append(int(self.rid[i]), chunk, self.n_out)
+        self.fresh_slot[sl] = True
         self.hist[i] += chunk
         self.started[i] = True
         self.pending_in[i] = 0
         self.last_tok[i] = False
         self.backlog[i] -= 1
         self.inflight[i], self.inflight_tok[i] = f, 0
+        self.serving_frame = max(self.serving_frame, f)
         self.work_step[i] = self.model.steps
         self.stalled = False
 
@@ -357,16 +408,22 @@ class SimEngine:
 
     # -------------------------------------------------------------------------------------------- answers
     def _answer(self, i: int, f: int, tokens: int) -> None:
-        """Count session ``i``'s frame ``f`` as answered now with ``tokens`` tokens (0: silent)."""
-        a = self._answers.setdefault(f, [0, 0, 0, 0, []])
-        silent = serving.frame_is_silent(tokens)
-        a[0] += 1
-        a[1] += silent
-        a[2] += silent and not np.isnan(self.s_admitted[i])
-        a[3] += tokens
-        a[4].append(i)
-        self.s_frames[i] += 1
-        self.s_silent[i] += silent
+        self._answer_many(np.array([i]), np.array([f]), np.array([tokens]))
+
+    def _answer_many(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
+        """Count sessions ``idx``'s frames ``f`` as answered now with ``tokens`` tokens each (0: silent)."""
+        silent = tokens == 0  # serving.frame_is_silent, as arrays
+        self.s_frames[idx] += 1
+        self.s_silent[idx[silent]] += 1
+        pre = silent & ~np.isnan(self.s_admitted[idx])
+        for fr in np.unique(f).tolist():
+            m = f == fr
+            a = self._answers.setdefault(fr, [0, 0, 0, 0, []])
+            a[0] += int(m.sum())
+            a[1] += int(silent[m].sum())
+            a[2] += int(pre[m].sum())
+            a[3] += int(tokens[m].sum())
+            a[4].append(idx[m])
 
     def _answer_silent(self, now: float) -> None:
         """Silent frames are answered once every running session's frame of the same tick is done."""
@@ -376,13 +433,11 @@ class SimEngine:
         owed = np.where(self.inflight[run] >= 0, self.inflight[run],
                         np.where(self.backlog[run] > 0, self.next_frame[run] - self.backlog[run], np.iinfo(np.int64).max))
         unfinished = int(owed.min()) if owed.size else np.iinfo(np.int64).max
-        keep = []
-        for i, f, tok in self.silent_pending:
-            if f < unfinished:
-                self._answer(i, f, tok)
-            else:
-                keep.append((i, f, tok))
-        self.silent_pending = keep
+        pend = np.array(self.silent_pending, dtype=np.int64).reshape(-1, 3)
+        now_ = pend[:, 1] < unfinished
+        if now_.any():
+            self._answer_many(pend[now_, 0], pend[now_, 1], pend[now_, 2])
+            self.silent_pending = [tuple(x) for x in pend[~now_].tolist()]
 
     def _flush_answers(self, now: float) -> tuple[int, int]:
         """Record the frames answered at ``now`` (one row per tick) and feed the controller; returns (frames, silent)."""
@@ -394,7 +449,7 @@ class SimEngine:
             latency = now - f * self.P
             late = latency > self.deadline + _EPS
             if late:
-                self.s_late[who] += 1
+                self.s_late[np.concatenate(who)] += 1
             self.frames.add(frame=f, tick_s=f * self.P, done_s=now, latency_s=latency, frames=n, silent=silent,
                             silent_preempted=silent_pre, late=n if late else 0, tokens=tokens)
             if self.controller is not None:
@@ -408,60 +463,52 @@ class SimEngine:
     # ----------------------------------------------------------------------------------------- one step
     def _step(self, now: float):
         rec = self.model.step()
-        sched = list(rec.scheduled)
-        first = any(r in self.fresh for r in sched)
-        self.fresh.difference_update(sched)
-        ctx = int(sum(int(self.policy.resident_tokens(self.model.computed(r))) for r in sched))
-        lat = float(self.lat.step_s(len(sched), ctx, rec.new_tokens))
+        S = rec.slots
+        first = bool(self.fresh_slot[S].any())
+        self.fresh_slot[S] = False
+        ctx = int(self.policy.resident_tokens(self.model.computed_of(S)).sum())
+        lat = float(self.lat.step_s(int(S.size), ctx, rec.new_tokens))
         if first:
             lat += self.first_s
         if self.jitter:
-            lat *= float(self.draws.ratio(self.n_steps, self._frame_at(now))[0])
+            lat *= float(self.draws.ratio(self.n_steps, self.serving_frame)[0])
         self.n_steps += 1
         self.slow_steps += 1
         self._ctx = ctx
         return lat, rec
 
-    def _frame_at(self, t):
-        """The frame a step starting at ``t`` is taken on (for the jitter's per-frame parts)."""
-        return np.floor(np.asarray(t) / self.P + 1e-9).astype(np.int64)
-
     def _after_step(self, start: float, lat: float, rec) -> None:
         now = self.now
         step_no = self.model.steps - 1
-        tokens_out = 0
-        for r in rec.sampled:
-            i = self.by_rid.get(r)
-            if i is None:
-                continue
-            if self.state[i] == PREFILL:  # the re-prefill is done: the sampled token starts the next chunk
-                self.state[i] = RUNNING
-                self.last_tok[i] = True
-                self.running_since[i] = now
-                continue
-            if self.inflight[i] < 0:
-                continue
-            tokens_out += 1
-            self.inflight_tok[i] += 1
-            self.s_tokens[i] += 1
-            if self.inflight_tok[i] >= self.n_out:
-                self.hist[i] += self.n_out - 1  # vLLM keeps every sampled token but the last
-                self.last_tok[i] = True
-                self._answer(i, int(self.inflight[i]), int(self.inflight_tok[i]))
-                self.inflight[i] = -1
+        sam = self.sess_of_slot[rec.sampled_slots]
+        st = self.state[sam]
+        pre = sam[st == PREFILL]  # the re-prefill is done: the sampled token starts the next chunk
+        inf = sam[(st == RUNNING) & (self.inflight[sam] >= 0)]
+        self.state[pre] = RUNNING
+        self.last_tok[pre] = True
+        self.running_since[pre] = now
+        tokens_out = int(inf.size)
+        self.inflight_tok[inf] += 1
+        self.s_tokens[inf] += 1
+        done = inf[self.inflight_tok[inf] >= self.n_out]
+        if done.size:
+            self.hist[done] += self.n_out - 1  # vLLM keeps every sampled token but the last
+            self.last_tok[done] = True
+            self._answer_many(done, self.inflight[done], self.inflight_tok[done])
+            self.inflight[done] = -1
         used = self.model.used
         victims = self._preempt_after_step(rec, step_no)
         if victims and self.t_sat is None:
             self.t_sat = start
         self.preempted_last = bool(victims)
-        if not rec.scheduled and not victims:
+        if not rec.slots.size and not victims:
             self.stalled = True
         self.peak_used = max(self.peak_used, used)
         self._answer_silent(now)
-        done, silent = self._flush_answers(now)
-        self.steps.add(t_s=start, step_s=lat, batch=len(rec.scheduled), new_tokens=rec.new_tokens,
+        done_n, silent = self._flush_answers(now)
+        self.steps.add(t_s=start, step_s=lat, batch=int(rec.slots.size), new_tokens=rec.new_tokens,
                        context_tokens=self._ctx, resident_blocks=used, free_blocks=self.num_blocks - used,
-                       tokens_out=tokens_out, frames_done=done, silent_frames=silent, preemptions=len(victims),
+                       tokens_out=tokens_out, frames_done=done_n, silent_frames=silent, preemptions=len(victims),
                        running=int((self.state == RUNNING).sum()), waiting=len(self.waiting))
         if self.check_invariants:
             self.assert_invariants()
@@ -474,18 +521,22 @@ class SimEngine:
             if i is not None:
                 self._preempt(i)
                 out.append(i)
-        starved = []
-        scheduled = rec.scheduled
         m = self.model
-        for i in np.flatnonzero((self.state == RUNNING) | (self.state == PREFILL)).tolist():
-            r = int(self.rid[i])
-            if (r >= 0 and self.work_step[i] <= step_no and (self.inflight[i] >= 0 or self.state[i] == PREFILL)
-                    and r not in scheduled and m.status(r) in (serving.WAITING, serving.PREEMPTED)):
-                starved.append((i, serving.blocks_to_resume(self.policy, m.tokens_of(r), m.computed(r),
-                                                            m.blocks_of(r), self.cap_blocks)))
-        in_engine = [(i, int(self.admit_seq[i]), m.blocks_of(int(self.rid[i])))
-                     for i in np.flatnonzero(self.rid >= 0).tolist()]
-        stalled = not scheduled and m.has_work()
+        # starved: work handed over before this step, not scheduled in it, waiting in the engine
+        cand = np.flatnonzero((self.slot >= 0) & ((self.inflight >= 0) | (self.state == PREFILL))
+                              & (self.work_step <= step_no))
+        if cand.size:
+            scheduled = np.zeros(self.sess_of_slot.size, dtype=bool)
+            scheduled[rec.slots] = True
+            sl = self.slot[cand]
+            cand = cand[~scheduled[sl] & m.waiting_of(sl)]
+        stalled = not rec.slots.size and m.has_work()
+        if not cand.size and not stalled:
+            return out
+        starved = [(i, serving.blocks_to_resume(self.policy, m.tokens_of(int(self.rid[i])), m.computed(int(self.rid[i])),
+                                                m.blocks_of(int(self.rid[i])), self.cap_blocks)) for i in cand.tolist()]
+        inside = np.flatnonzero(self.slot >= 0)
+        in_engine = list(zip(inside.tolist(), self.admit_seq[inside].tolist(), m.held_of(self.slot[inside]).tolist()))
         for i in serving.deadlock_victims(starved, in_engine, m.free_blocks(), stalled):
             self._preempt(i)
             out.append(i)
@@ -516,7 +567,7 @@ class SimEngine:
         """Pool accounting: used = Σ held, 0 <= used <= pool, every session within its policy's bound."""
         self.model.check()
         if self.cap_blocks is not None:
-            held = max((self.model.blocks_of(int(r)) for r in self.rid if r >= 0), default=0)
+            held = int(self.model.held_of(self.slot[self.slot >= 0]).max(initial=0))
             assert held <= self.cap_blocks, f"a session holds {held} > {self.cap_blocks} blocks (the admission cap)"
         outside = (self.state != PREFILL) & (self.state != RUNNING)
         assert not (self.rid[outside] >= 0).any(), "a session outside the engine holds a request"
@@ -525,145 +576,171 @@ class SimEngine:
     def _fast_span(self, now: float) -> float | None:
         """Whole frames of a steady lockstep computed at once; returns the time the span ends, or None.
 
-        Preconditions: every session is running and past its first frame, with nothing waiting at the front
-        end, in the gate's queue or silently, and the last step did not preempt; and either every session is
-        paused between frames before the same next tick, or every session has just submitted the same frame
-        (due now) and none has been scheduled yet. The span stops before the first frame whose resume or
-        decode would not fit, that would reach the length limit, or whose steps would start at or after the
-        next event."""
-        if self.waiting or self.gate.queue or self.silent_pending or self.preempted_last or self._answers:
+        Preconditions: every running session is past its first frame; the others wait at the front end for
+        blocks (their frames are silent); nothing is prefilling, in the gate's queue or owed from earlier
+        ticks, and the last step did not preempt; and either every session is before the same next tick
+        (running ones paused between frames), or every session has just had the same frame come due (running
+        ones submitted it, none scheduled yet). The span stops before the first frame whose resume or decode
+        would not fit, that would reach the length limit, in which the waiting head would be admitted, or
+        whose steps would start at or after the next event."""
+        m = self.model
+        if self.gate.queue or self.preempted_last or self._answers or self.stalled or m.running or m.waiting:
             return None
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
-        if live.size == 0 or (self.state[live] != RUNNING).any() or not self.started[live].all():
+        run = live[self.state[live] == RUNNING]
+        wait = live[self.state[live] == WAITING]
+        if run.size == 0 or run.size + wait.size != live.size or len(self.waiting) != wait.size:
             return None
-        if (self.backlog[live] > 0).any() or (self.pending_in[live] > 0).any():
+        if not self.started[run].all() or (self.backlog[live] > 0).any() or (self.pending_in[run] > 0).any():
             return None
-        m = self.model
-        if len(m.kv_holding) != live.size or m.waiting or m.running:
+        if len(m.kv_holding) != run.size or (self.slot[run] < 0).any():
             return None
-        reqs = [m.requests.get(int(r)) for r in self.rid[live]]
-        if any(q is None for q in reqs):
-            return None
+        status = m.status_a[self.slot[run]]
         chunk = 1 + self.n_in
-        submitted = bool(self.inflight[live[0]] >= 0)
-        if submitted:  # every session's frame f0 is in the engine, not yet scheduled
-            f0 = int(self.inflight[live[0]])
-            if ((self.inflight[live] != f0).any() or (self.inflight_tok[live] > 0).any()
-                    or any(q.status != serving.WAITING or q.rid not in self.fresh for q in reqs)):
+        submitted = bool(self.inflight[run[0]] >= 0)
+        if submitted:  # frame f0 came due: running sessions submitted it, waiting ones heard silence
+            f0 = int(self.inflight[run[0]])
+            if ((self.inflight[run] != f0).any() or (self.inflight_tok[run] > 0).any()
+                    or (status != serving.EngineModel.WAITING_CODE).any() or not self.fresh_slot[self.slot[run]].all()
+                    or (self.next_frame[wait] != f0 + 1).any() or len(self.silent_pending) != wait.size
+                    or any(f != f0 or tok for _, f, tok in self.silent_pending)):
                 return None
-        else:  # every session paused, its next frame not yet due
-            f0 = int(self.next_frame[live[0]])
-            if ((self.inflight[live] >= 0).any() or (self.next_frame[live] != f0).any()
-                    or any(q.status != serving.PAUSED for q in reqs)):
+        else:  # every session before tick f0; running ones paused
+            f0 = int(self.next_frame[run[0]])
+            if ((self.inflight[run] >= 0).any() or (self.next_frame[live] != f0).any() or self.silent_pending
+                    or (status != serving.EngineModel.PAUSED_CODE).any()):
                 return None
         # engine order: the kv-holding queue (sessions resume in it; the running order follows)
-        order = np.array([self.by_rid[q.rid] for q in m.kv_holding], dtype=np.int64)
-        N = order.size
+        rslots = np.fromiter(m.kv_holding, dtype=np.int64, count=len(m.kv_holding))  # request slots, in order
+        order = self.sess_of_slot[rslots]
+        N, n_wait = order.size, int(wait.size)
         lim = self.limits
         if N * chunk > lim.max_num_batched_tokens or N > lim.max_num_seqs:
             return None
         pol, bs = self.policy, self.policy.block_size
-        comp = np.array([m.requests[int(self.rid[i])].computed for i in order], dtype=np.int64)
-        held = np.array([m.requests[int(self.rid[i])].held for i in order], dtype=np.int64)
+        comp, held0 = m.computed_a[rslots], m.held_a[rslots]
         hist0 = self.hist[order] - (chunk if submitted else 0)  # history before frame f0's chunk
-        free = m.free_blocks()
         K_max = max(1, self.max_span_steps // self.n_out)
+        # no frame can start at or after the next event: at most the ticks before it (+1: one already due)
         t_next = self._next_event_time()
-        wm = np.full(N, lim.watermark_blocks, dtype=np.int64)
-        wm[0] = 0  # the first resumed request finds nothing running
-        rows = []  # per step: start, latency, tokens, ctx, used
+        K_max = min(K_max, max(1, int((t_next - f0 * self.P) / self.P) + 2))
+        # frames that fit under max_model_len (serving.frame_fits for every session)
+        fits = int(hist0.max()) + np.arange(K_max) * self.tpf + chunk + self.n_out < self.maxlen
+        K_max = int(np.argmin(fits)) if not fits.all() else K_max
+        if K_max == 0:
+            return None
+        S_max = K_max * self.n_out
+        jj = np.arange(S_max) % self.n_out
+        kk = np.arange(S_max) // self.n_out
+        tok = np.where(jj == 0, chunk, 1)
+        d_before = np.cumsum(tok) - tok  # tokens each session has added before step s
+        # sessions in lockstep grow alike: count them per residue class (KVPolicy.canonical)
+        n_c, b_off, t_off = pol.canonical(comp)
+        reps, inv = np.unique(n_c, return_inverse=True)
+        w = np.bincount(inv, minlength=reps.size)
+        cb = reps[:, None] + d_before[None, :]  # computed before step s, per class
+        res_b = w @ pol.resident_blocks(cb) + int(b_off.sum())  # Σ blocks left after the out-of-window frees
+        need = w @ (cdiv(cb + tok, bs) - cdiv(cb, bs))  # Σ new blocks (EngineModel._allocate)
+        held_b = np.concatenate([[int(held0.sum())], (res_b + need)[:-1]])  # Σ held before each step
+        used_after = m.used + np.cumsum(need - (held_b - res_b))
+        used_before = np.concatenate([[m.used], used_after[:-1]])
+        # every request of the step gets its blocks whatever the order when Σ need (+ the watermark a resume
+        # may ask) fits in what is free before the step's frees; otherwise the slow path decides
+        ok = need + np.where(jj == 0, lim.watermark_blocks, 0) <= self.num_blocks - used_before
+        if n_wait:
+            # the turn before each step tries the front end's head (never right after a preemption, and none
+            # happens in a span): it must not fit. Its input grows by one frame per tick the turn has seen.
+            head = self.waiting[0]
+            seen = np.where(jj == 0, kk - 1, kk) + (0 if submitted else 1)  # ticks past f0 - 1 (A) or f0 (B)
+            tokens = self._request_tokens(head) + self.n_in * seen
+            want = cdiv(tokens, bs) if self.cap_blocks is None else np.minimum(cdiv(tokens, bs), self.cap_blocks)
+            turn = np.ones(S_max, dtype=bool)
+            if submitted:
+                turn[0] = False  # this turn already tried it
+            ok &= ~turn | (want > self.num_blocks - used_before)
+        bad = np.flatnonzero(~ok)
+        K_max = min(K_max, int(bad[0]) // self.n_out) if bad.size else K_max
+        if K_max == 0:
+            return None
+        S_max = K_max * self.n_out
+        ctx = w @ pol.resident_tokens(cb[:, :S_max] + tok[None, :S_max]) + int(t_off.sum())
+        lat = self.lat.step_s(N, ctx, N * tok[:S_max]) + self.first_s * (jj[:S_max] == 0)
+        if self.jitter:
+            lat = lat * self.draws.ratio(self.n_steps + np.arange(S_max), f0 + kk[:S_max])
+        # timing: a frame's first step starts at its tick or when the engine frees up (a frame already
+        # submitted starts now); a step must start before the next event
+        lat_l = lat.tolist()
+        starts = []
         t = now
+        n_out = self.n_out
         K = 0
-        comp_k, held_k, free_k = comp, held, free
         for k in range(K_max):
-            if not np.all(hist0 + k * self.tpf + chunk + self.n_out < self.maxlen):
-                break
-            c, h, fr = comp_k.copy(), held_k.copy(), free_k
-            steps_k = []
-            ok = True
-            for j in range(self.n_out):
-                tok = chunk if j == 0 else 1
-                slots = cdiv(c, bs)
-                res = pol.resident_blocks(c)
-                freed = h - res
-                need = cdiv(c + tok, bs) - slots
-                before = fr + np.concatenate([[0], np.cumsum(freed - need)[:-1]])  # free before each request
-                if j == 0:
-                    full = np.minimum(cdiv(c + tok, bs), self.cap_blocks) if self.cap_blocks is not None \
-                        else cdiv(c + tok, bs)
-                    gate = np.maximum(full - slots, 0)
-                    if np.any(gate + wm > before) or np.any(need + wm > before + freed):
-                        ok = False
-                        break
-                elif np.any(need > before + freed):
-                    ok = False
-                    break
-                h = res + need
-                fr = fr + int(freed.sum()) - int(need.sum())
-                c = c + tok
-                steps_k.append((tok, c.copy(), int(self.num_blocks - fr)))
-            if not ok:
-                break
-            # timing: the frame's first step starts at its tick or when the engine frees up (a frame already
-            # submitted starts now)
             tick = (f0 + k) * self.P
-            start = now if (submitted and k == 0) else (tick if t < tick else t)
-            if start >= t_next:
-                break
-            times = []
-            tt = start
-            for j, (tok, c_after, used) in enumerate(steps_k):
+            t0 = now if (submitted and k == 0) else (tick if t < tick else t)
+            tt, row = t0, []
+            for j in range(n_out):
                 if tt >= t_next:
                     break
-                ctx = int(pol.resident_tokens(c_after).sum())
-                lat = float(self.lat.step_s(N, ctx, N * tok))
-                if j == 0:
-                    lat += self.first_s
-                if self.jitter:
-                    lat *= float(self.draws.ratio(self.n_steps + len(rows) + j, self._frame_at(tt))[0])
-                times.append((tt, lat, N * tok, ctx, used))
-                tt = tt + lat
-            if len(times) < self.n_out:
+                row.append(tt)
+                tt = tt + lat_l[k * n_out + j]
+            if len(row) < n_out:
                 break
-            rows.extend(times)
+            starts.extend(row)
             t = tt
-            comp_k, held_k, free_k = c, h, fr
             K += 1
         if K == 0:
             return None
-        S = len(rows)
-        starts = np.array([r[0] for r in rows])
-        lats = np.array([r[1] for r in rows])
-        done_idx = np.arange(self.n_out - 1, S, self.n_out)
+        S = K * n_out
+        starts = np.array(starts)
+        lats = lat[:S]
+        used = used_after[:S]
+        ctx = ctx[:S]
+        done_idx = np.arange(n_out - 1, S, n_out)
         ends_done = starts[done_idx] + lats[done_idx]
         fr_ = f0 + np.arange(K)
-        n_frames = N
-        self.steps.add(t_s=starts, step_s=lats, batch=N, new_tokens=np.array([r[2] for r in rows]),
-                       context_tokens=np.array([r[3] for r in rows]), resident_blocks=np.array([r[4] for r in rows]),
-                       free_blocks=self.num_blocks - np.array([r[4] for r in rows]), tokens_out=N,
-                       frames_done=np.where(np.isin(np.arange(S), done_idx), n_frames, 0), silent_frames=0,
-                       preemptions=0, running=N, waiting=0)
-        for k in range(K):
-            done = float(ends_done[k])
-            latency = done - fr_[k] * self.P
-            late = latency > self.deadline + _EPS
-            self.frames.add(frame=int(fr_[k]), tick_s=fr_[k] * self.P, done_s=done, latency_s=latency,
-                            frames=N, silent=0, silent_preempted=0, late=N if late else 0, tokens=N * self.n_out)
-            if late:
-                self.s_late[order] += 1
-            if self.controller is not None:
-                self.controller.advance(done, self._in_flight())
-                self.controller.observe(done, latency, frames=N, silent=0)
-        self.peak_used = max(self.peak_used, int(max(r[4] for r in rows)))
+        # the sessions' state after K frames (per session: the class arithmetic again, exact)
+        dK = K * self.tpf
+        c_last = comp + dK - 1  # before the frame's last step (one token)
+        if n_out == 1:
+            c_last = comp + (K - 1) * self.tpf
+        tok_last = chunk if n_out == 1 else 1
+        comp_k = c_last + tok_last
+        held_k = pol.resident_blocks(c_last) + cdiv(comp_k, bs) - cdiv(c_last, bs)
+        free_k = self.num_blocks - int(used[-1])
+        n_frames = N + n_wait
+        is_done = np.isin(np.arange(S), done_idx)
+        self.steps.add(t_s=starts, step_s=lats, batch=N, new_tokens=N * tok[:S],
+                       context_tokens=ctx, resident_blocks=used, free_blocks=self.num_blocks - used, tokens_out=N,
+                       frames_done=np.where(is_done, n_frames, 0), silent_frames=np.where(is_done, n_wait, 0),
+                       preemptions=0, running=N, waiting=n_wait)
+        latency = ends_done - fr_ * self.P
+        late = latency > self.deadline + _EPS
+        n_pre = int((~np.isnan(self.s_admitted[wait])).sum())
+        self.frames.add(frame=fr_, tick_s=fr_ * self.P, done_s=ends_done, latency_s=latency, frames=n_frames,
+                        silent=n_wait, silent_preempted=n_pre, late=np.where(late, n_frames, 0), tokens=N * self.n_out)
+        self.s_late[live] += int(late.sum())
+        if self.controller is not None:
+            in_flight = self._in_flight()
+            for done, lt in zip(ends_done.tolist(), latency.tolist()):
+                self.controller.advance(done, in_flight)
+                self.controller.observe(done, lt, frames=n_frames, silent=n_wait)
+        if n_wait:  # their K frames were silent; the input of the ticks seen here joins their history
+            self.pending_in[wait] += self.n_in * (K - (1 if submitted else 0))
+            self.next_frame[wait] = f0 + K
+            self.s_frames[wait] += K
+            self.s_silent[wait] += K
+            self.silent_pending = []
+        self.peak_used = max(self.peak_used, int(used.max()))
+        self.serving_frame = int(f0 + K - 1)
         # the engine's state after the span: every request paused after K frames
-        for idx, i in enumerate(order.tolist()):
-            q = m.requests[int(self.rid[i])]
-            q.computed = int(comp_k[idx])
-            q.num_tokens = q.computed + 1
-            q.slots = int(cdiv(q.computed, bs))
-            q.held = int(held_k[idx])
-            q.out = self.n_out
-            q.status = serving.PAUSED
+        m.computed_a[rslots] = comp_k
+        m.ntok_a[rslots] = comp_k + 1
+        m.slots_a[rslots] = cdiv(comp_k, bs)
+        m.held_a[rslots] = held_k
+        m.out_a[rslots] = self.n_out
+        m.status_a[rslots] = serving.EngineModel.PAUSED_CODE
+        if submitted:
+            m.n_paused += N
         m.used = self.num_blocks - free_k
         m.steps += S
         self.n_steps += S
@@ -672,8 +749,7 @@ class SimEngine:
         self.last_tok[order] = True
         self.inflight[order] = -1
         self.next_frame[order] = f0 + K
-        if submitted:
-            self.fresh.difference_update(int(r) for r in self.rid[order])
+        self.fresh_slot[rslots] = False
         self.s_tokens[order] += K * self.n_out
         self.s_frames[order] += K
         if self.check_invariants:

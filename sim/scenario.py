@@ -74,6 +74,7 @@ class Result:
     frames: pd.DataFrame
     sessions: pd.DataFrame
     controller_trace: list | None = None
+    fast_steps: int = 0  # engine steps computed in fast-forwarded spans (the tables do not depend on it)
 
 
 def workload(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
@@ -111,7 +112,7 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
     summary = summarize(sc, eng, steps, frames, sessions)
     summary["wall_s"] = round(time.perf_counter() - wall0, 4)
     trace = controller.trace() if controller is not None and hasattr(controller, "trace") else None
-    return Result(sc, summary, steps, frames, sessions, trace)
+    return Result(sc, summary, steps, frames, sessions, trace, fast_steps=eng.fast_steps)
 
 
 def _predictions(sc: Scenario) -> dict:

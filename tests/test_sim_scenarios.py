@@ -128,6 +128,7 @@ def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy,
     slow = run(sc, fast_forward=False, check_invariants=True)
     fast = run(sc, fast_forward=True, check_invariants=True)
     _tables_equal(slow, fast)
+    assert slow.fast_steps == 0 and fast.fast_steps > 0, "the fast path must have run"
 
 
 def test_sessions_at_max_model_len_are_rebased_under_the_bound_and_capped_without_it(cal):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
@@ -55,7 +56,8 @@ class ModelBackend(EngineModel, Recorded):
 
 
 class VllmBackend(Recorded):
-    """vLLM's scheduler behind EngineModel's interface (integer request ids, the model's status names)."""
+    """vLLM's scheduler behind EngineModel's interface: request slots handed out in order of ``add``, the
+    model's status names, a StepRecord of slots."""
 
     def __init__(self, policy: KVPolicy, limits: serving.EngineLimits):
         sinks = (policy.sink_tokens, policy.window_tokens) if policy.kind == "sinks" else None
@@ -68,13 +70,25 @@ class VllmBackend(Recorded):
         assert self.h.admission_cap == policy.admission_cap_blocks(limits.in_flight_tokens, limits.max_model_len)
         self.log = []
         self.steps = 0
+        self.rid_of: list = []
+        self.slot_of: dict = {}
+
+    def _slots(self, rids) -> np.ndarray:
+        return np.array([self.slot_of[r] for r in rids], dtype=np.int64)
 
     def add(self, rid, prompt_tokens, max_tokens):
         self.h.add(str(rid), prompt_tokens, max_tokens)
+        self.slot_of[rid] = len(self.rid_of)
+        self.rid_of.append(rid)
+        return self.slot_of[rid]
 
     def append(self, rid, chunk_tokens, max_tokens):
         assert self.h.status(str(rid)) == "WAITING_FOR_STREAMING_REQ", "the front end appends to paused sessions only"
         self.h.append(str(rid), chunk_tokens, max_tokens)
+
+    def append_many(self, slots, chunk_tokens, max_tokens):
+        for s, k in zip(slots.tolist(), np.broadcast_to(chunk_tokens, slots.shape).tolist()):
+            self.append(self.rid_of[s], k, max_tokens)
 
     def abort(self, rid):
         self.h.abort(str(rid))
@@ -92,6 +106,16 @@ class VllmBackend(Recorded):
     def blocks_of(self, rid):
         return self.h.blocks_of(str(rid))
 
+    def computed_of(self, slots):
+        return np.array([self.h.computed(str(self.rid_of[s])) for s in slots.tolist()], dtype=np.int64)
+
+    def held_of(self, slots):
+        return np.array([self.h.blocks_of(str(self.rid_of[s])) for s in slots.tolist()], dtype=np.int64)
+
+    def waiting_of(self, slots):
+        return np.array([self.status(self.rid_of[s]) in (serving.WAITING, serving.PREEMPTED) for s in slots.tolist()],
+                        dtype=bool)
+
     def free_blocks(self):
         return self.h.free_blocks()
 
@@ -108,10 +132,11 @@ class VllmBackend(Recorded):
     def step(self):
         rec = self.h.step()
         self.steps += 1
-        out = serving.StepRecord(scheduled={int(k): v for k, v in rec.scheduled.items()},
+        ids = [int(k) for k in rec.scheduled]
+        out = serving.StepRecord(self._slots(ids), np.array(list(rec.scheduled.values()), dtype=np.int64),
                                  preempted=[int(r) for r in rec.preempted], admitted=[int(r) for r in rec.admitted],
-                                 used_blocks=rec.used_blocks, sampled=[int(r) for r in rec.sampled],
-                                 paused=[int(r) for r in rec.paused])
+                                 used_blocks=rec.used_blocks, sampled_slots=self._slots(int(r) for r in rec.sampled),
+                                 paused_slots=self._slots(int(r) for r in rec.paused), rid_of=self.rid_of)
         assert not rec.finished, f"vLLM finished {rec.finished} on its own: the front end must prevent it"
         return self._record(out)
 
@@ -261,17 +286,26 @@ def test_the_comparison_fails_when_the_model_frees_window_blocks_ahead_of_the_ch
     taken, at the count *after* the step) is not vLLM's: the sink+window run must then disagree."""
     allocate = EngineModel._allocate
 
-    def frees_ahead(self, r, k, admitting):
-        saved = r.computed
-        r.computed += k
-        self._skip_out_of_window(r)
-        r.computed = saved
-        return allocate(self, r, k, admitting)
+    def frees_ahead(self, s, k, admitting):
+        if self.slots_a[s]:  # free at the count after the step, before the allocation
+            keep = self._res(int(self.computed_a[s]) + k)
+            if keep < self.held_a[s]:
+                self.used -= int(self.held_a[s]) - keep
+                self.held_a[s] = keep
+        return allocate(self, s, k, admitting)
 
     monkeypatch.setattr(EngineModel, "_allocate", frees_ahead)
+    monkeypatch.setattr(EngineModel, "_fit_prefix", _one_at_a_time)
     with pytest.raises(AssertionError, match="step"):
         _both(Scenario(_cal(blocks=200), KVPolicy.sinks(16, 16, 64), Arrivals("ramp", sessions=20, ramp_s=0.5), 5.0,
                        seed=6))
+
+
+def _one_at_a_time(self, S, k, free, admitting, n_running):
+    """EngineModel's array prefix switched off: every request goes through ``_allocate`` (what a broken rule
+    patches), so the break reaches every request."""
+    z = np.zeros(S.size, dtype=np.int64)
+    return 0, z, z
 
 
 def _long_prompts():
@@ -290,5 +324,6 @@ def test_the_comparison_fails_without_vllms_full_sequence_gate(monkeypatch):
     """Charging a new request only its first chunk (no full-sequence gate) admits it earlier than vLLM."""
     allocate = EngineModel._allocate
     monkeypatch.setattr(EngineModel, "_allocate", lambda self, r, k, admitting: allocate(self, r, k, False))
+    monkeypatch.setattr(EngineModel, "_fit_prefix", _one_at_a_time)
     with pytest.raises(AssertionError, match="step"):
         _both(_long_prompts())
