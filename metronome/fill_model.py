@@ -84,17 +84,36 @@ class FillModel:
         n = np.floor(self.tokens_at(t_s)).astype(np.int64)
         return n_sessions * self.policy.resident_blocks(n)
 
+    def frame_blocks(self, n_start):
+        """Blocks one session holds at the busiest step of a frame that starts after ``n_start`` tokens: the
+        frame's first step computes ``in + 1`` tokens, each later one 1 (:meth:`KVPolicy.step_blocks`)."""
+        st = self.calibration.stream
+        n = np.asarray(n_start, dtype=np.int64)
+        k0 = st.input_tokens_per_frame + 1
+        peak = self.policy.step_blocks(n, k0)
+        n = n + k0
+        for _ in range(st.output_tokens_per_frame - 1):
+            peak = np.maximum(peak, self.policy.step_blocks(n, 1))
+            n = n + 1
+        return peak
+
+    def _frame_starts(self) -> np.ndarray:
+        """Token counts at the start of a session's frames, long enough to pass its steady state."""
+        st, p = self.calibration.stream, self.policy
+        n_frames = (p.sink_tokens + p.window_tokens + 3 * p.block_size) // max(st.kv_tokens_per_frame, 1) + p.block_size
+        return st.prompt_tokens + st.kv_tokens_per_frame * np.arange(n_frames + 1)
+
     @property
     def peak_resident_blocks(self) -> int | None:
-        """The most blocks one session ever holds under a bounded policy (None when unbounded)."""
+        """The most blocks one session ever holds under a bounded policy, inside a step included (None when
+        unbounded): a chunk that crosses a block takes its new block before the out-of-window ones go."""
         if not self.policy.bounded:
             return None
-        p = self.policy
-        n = np.arange(0, p.sink_tokens + p.window_tokens + 3 * p.block_size)
-        return int(p.resident_blocks(n).max())
+        return int(self.frame_blocks(self._frame_starts()).max())
 
     def memory_ceiling(self, duration_s: float | None = None) -> int | None:
-        """The most sessions the pool can hold: ``floor(B / peak blocks per session)``.
+        """The most sessions the engine can hold: ``floor(B / peak blocks per session)``, and never more than
+        vLLM's ``max_num_seqs`` (a session paused between frames still holds its request slot).
 
         Unbounded KV has a ceiling only for a given session length (``duration_s``)."""
         peak = self.peak_resident_blocks
@@ -103,7 +122,13 @@ class FillModel:
                 return None
             n = min(int(self.tokens_at(duration_s)), self.max_tokens)
             peak = int(self.policy.resident_blocks(max(n, 1)))
-        return self.usable_blocks // max(peak, 1)
+        return min(self.usable_blocks // max(peak, 1), self.calibration.engine.max_num_seqs)
+
+    @property
+    def seqs_bind(self) -> bool:
+        """True when ``max_num_seqs``, not the pool, sets the bounded ceiling."""
+        peak = self.peak_resident_blocks
+        return peak is not None and self.usable_blocks // max(peak, 1) > self.calibration.engine.max_num_seqs
 
     # -- saturation with N sessions started together ---------------------------------------------------
     def saturation_tokens(self, n_sessions: int) -> int | None:
@@ -115,8 +140,8 @@ class FillModel:
         if not p.bounded:
             n_sat = (budget // n_sessions) * p.block_size + 1
             return n_sat if n_sat <= self.max_tokens else None
-        n = np.arange(0, p.sink_tokens + p.window_tokens + 3 * p.block_size)
-        over = np.nonzero(n_sessions * p.resident_blocks(n) > budget)[0]
+        n = self._frame_starts()  # lockstep sessions are alike: the first frame whose busiest step overflows
+        over = np.nonzero(n_sessions * self.frame_blocks(n) > budget)[0]
         return int(n[over[0]]) if over.size else None
 
     def t_sat(self, n_sessions: int) -> float | None:

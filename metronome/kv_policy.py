@@ -119,6 +119,13 @@ class KVPolicy:
         kept_sinks = np.minimum(lo, self.sink_blocks)
         return kept_sinks + window
 
+    def step_blocks(self, n, k):
+        """Blocks held while a step computes ``k`` tokens after ``n``: vLLM frees out-of-window blocks at the
+        count *before* the step and then takes the chunk's new blocks, so ``resident_blocks(n) + cdiv(n + k) −
+        cdiv(n)``, one or more blocks above ``resident_blocks(n + k)`` when the chunk crosses a block."""
+        n = np.asarray(n, dtype=np.int64)
+        return self.resident_blocks(n) + cdiv(n + k, self.block_size) - cdiv(n, self.block_size)
+
     def resident_tokens(self, n):
         """Tokens stored in the resident blocks after ``n`` computed tokens."""
         n = np.asarray(n, dtype=np.int64)

@@ -47,7 +47,8 @@ def _measure_window(cal: Calibration, policy: KVPolicy, duration_s: float | None
 def p99_at(cal: Calibration, policy: KVPolicy, n: int, deadline_s: float, percentile: float = 99.0,
            duration_s: float | None = None) -> float:
     """p99 frame latency of N sessions, pool unlimited, over the steady-state window."""
-    big = replace(cal, engine=replace(cal.engine, num_blocks=UNLIMITED_POOL_BLOCKS))
+    big = replace(cal, engine=replace(cal.engine, num_blocks=UNLIMITED_POOL_BLOCKS,
+                                      max_num_seqs=max(cal.engine.max_num_seqs, UNLIMITED_POOL_BLOCKS)))
     warm, span = _measure_window(cal, policy, duration_s)
     res = run(Scenario(big, policy, Arrivals("all", sessions=n), warm + span, deadline_s=deadline_s))
     fr = res.frames[res.frames.tick_s >= warm]
@@ -92,7 +93,9 @@ def capacity(cal: Calibration, policy: KVPolicy, deadline_s: float | None = None
     ceiling = fm.memory_ceiling(duration_s if duration_s is not None else (None if policy.bounded else 600.0))
     n_dead, evals = deadline_n_star(cal, policy, deadline_s, target_fraction, percentile, duration_s,
                                     progress=progress)
-    binding = "memory" if ceiling is not None and ceiling < n_dead else "deadline"
+    binding = "deadline"
+    if ceiling is not None and ceiling < n_dead:
+        binding = "max_num_seqs" if fm.seqs_bind else "memory"
     n_star = min(n_dead, ceiling) if ceiling is not None else n_dead
     return {
         "calibration": cal.name,

@@ -76,6 +76,10 @@ def headline(c: dict) -> str:
     if cap["binding"] == "memory":
         why = (f"memory binds: the pool holds {count(cap['memory_ceiling'])} bounded sessions, while latency "
                f"would allow {count(cap['deadline_n_star'])}")
+    elif cap["binding"] == "max_num_seqs":
+        why = (f"vLLM's request limit binds: max_num_seqs lets it hold {count(cap['memory_ceiling'])} sessions, "
+               f"paused ones included, while latency would allow {count(cap['deadline_n_star'])}; the pool "
+               f"would hold more, so raise --max-num-seqs")
     else:
         why = (f"the deadline binds: past {count(cap['deadline_n_star'])} sessions p99 frame latency exceeds "
                f"{ms(cap['target_latency_s'])}, {TARGET_FRACTION:g} × the deadline; memory would hold "

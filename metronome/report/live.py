@@ -392,7 +392,7 @@ def _read_benchmark(d: Path, obj: dict) -> dict:
     deadline = _number(origin, "deadline_s", obj.get("deadline_s"), nullable=True)
     if n_star_policy and deadline:
         n_star_policy += f", {1e3 * deadline:g} ms deadline"
-    if n_star_policy and cap.get("binding") in ("memory", "deadline"):
+    if n_star_policy and cap.get("binding") in ("memory", "deadline", "max_num_seqs"):
         n_star_policy += f", {cap['binding']} binds"
     after = _number(origin, "n_star_after", obj.get("n_star_after"), nullable=True)
     if n_star_policy and after is not None:  # the benchmark calibrates the engine again after its run (drift)
