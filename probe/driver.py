@@ -1,32 +1,30 @@
 """The real-time driver: paces sessions on the frame clock against the live engine and records every frame.
 
 Each session is one long-lived resumable engine request, so its KV persists across frames (no
-re-encoding). vLLM has no clock; ``step()`` simply blocks, so the driver keeps the clock itself. The
-driver follows the simulator's engine model (README, "The engine model"; ``metronome.sim.engine``):
+re-encoding). vLLM has no clock; ``step()`` simply blocks, so the driver keeps the clock itself. The serving
+rules are :mod:`metronome.serving`'s, the same the simulator runs (README, "The engine model"):
 
-1. **Frame clock.** Frame ``k`` ticks at ``k·P`` for every session (one global clock, as in the
-   simulator); a session that arrives at ``t`` streams from frame ``ceil(t/P)``. At its tick a running
-   session's frame appends ``in`` tokens (after the token the engine sampled last, which vLLM drops from
-   the history and the driver re-feeds) and waits for ``out`` tokens. A session has at most one frame in
-   the engine; a frame that comes due early waits in the driver and its latency still counts from its tick.
-2. **Admission.** Arrivals pass the admission controller, then join the driver's FCFS waiting queue. The
-   head is admitted when its whole history plus its next frame fits in the engine's free blocks, and
-   never right after a step that preempted.
-3. **Preemption by recompute, done by the driver.** vLLM 0.32 does not preempt paused streaming sessions
-   (``WAITING_FOR_STREAMING_REQ``): they hold their blocks and are not preemption candidates, so when the
-   pool runs dry every session waits for blocks that only a paused one could free and the engine
-   deadlocks (0 running, N waiting, 0 free; shared/notes/realtime-driver.md Q4). The driver breaks the
-   deadlock the way vLLM's scheduler treats *running* requests and the way the simulator models it: when
-   a step leaves a session that has a chunk in the engine without a token while the pool has fewer free
-   blocks than it needs (or schedules nothing at all), the driver aborts the **most recently admitted**
-   session (all its blocks go back to the pool), puts it at the head of the waiting queue and repeats
-   until the starved sessions fit. A session vLLM preempts on its own (a running request, vLLM's
-   ``running[-1]``) is handled the same way. A readmitted session is a **new request whose prompt is its
-   whole token history**: the re-prefill is the latency wall.
-4. **Silence.** Frames of waiting and re-prefilling sessions are answered empty, on time: when every
-   running session's frame of the same tick is done (at once if none runs). Their input tokens still
-   join the history. ``silent`` means the frame got no token at all, as in the simulator; a late frame of
-   a running session is late, not silent (``silent_by_deadline`` records whether a token came in time).
+1. **Frame clock** (``serving.join_frame``). Frame ``k`` ticks at ``k·P`` for every session; a session that
+   arrives at ``t`` streams from frame ``ceil(t/P)``. At its tick a running session's frame appends ``in``
+   tokens (after the token the engine sampled last, which vLLM drops from the history and the driver
+   re-feeds) and waits for ``out`` tokens. A session has at most one frame in the engine; a frame that comes
+   due early waits in the driver and its latency still counts from its tick.
+2. **Admission** (``serving.AdmissionGate``, ``admit_fcfs``, ``admission_need_blocks``). Arrivals pass the
+   gate (the controller; refused, or queued with a timeout), then join the FCFS waiting queue. The head is
+   admitted when the blocks vLLM's full-sequence gate wants for its request are free, never right after a
+   step that preempted.
+3. **Preemption by recompute, done by the driver** (``serving.deadlock_victims``). vLLM 0.32 does not
+   preempt paused streaming sessions, so a pool full of them deadlocks; after a step that left a session's
+   work unscheduled for want of blocks (or scheduled nothing), the driver aborts the **most recently
+   admitted** session and puts it at the head of the waiting queue. A session vLLM preempts on its own is
+   handled the same way. A readmitted session is a **new request whose prompt is its whole token
+   history**: the re-prefill is the latency wall.
+4. **Silence** (``serving.frame_is_silent``). Frames of waiting and re-prefilling sessions are answered
+   empty, on time: when every running session's frame of the same tick is done (at once if none runs).
+   Their input tokens still join the history. A late frame of a running session is late, not silent
+   (``silent_by_deadline`` records whether a token came in time).
+5. **Length** (``serving.frame_fits``, ``length_outcome``). A frame that would reach max_model_len rebases
+   the session (S sinks + last W tokens under the bound) or finishes it (unbounded, by default).
 
 Every frame, step and event (preemption, readmission) is appended to a journal (see ``records``), written
 when the engine is idle between frames and at least once a second, so a crash or Ctrl-C keeps what was

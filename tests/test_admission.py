@@ -2,7 +2,12 @@
 
 Numbers come from the research note (controllers-and-models.md, Part A.4): a cut 30 -> 27 at b = 0.9;
 the AIMD sawtooth between about b·K and K + a with mean (1+b)/2·K and period about (1-b)·K/a;
-cold start in (K - L0)/a intervals; a knee drop from L to K in ceil(log(K/L)/log b) intervals.
+cold start in (K - L0)/a intervals; a knee drop from L to K in ceil(log(K/L)/log b) cuts.
+
+run_server's sessions outlive a control interval and are never evicted, so after a cut the sessions above
+the new limit drain as they end, and the AIMD draining rule (no second cut for the congestion already
+answered) is met: the sawtooth gains one draining interval per period, and a knee drop waits for each cut's
+excess to drain before the next (the tests count this by hand).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -53,28 +59,48 @@ def knee_server(K, lo=FAST, hi=SLOW):
     return lambda n: lo if n <= K else hi
 
 
-def run_server(c, latency_of, n_intervals, start=0, demand=10**9, admit_with_may_admit=False):
+# The sessions each controller's server holds, kept across run_server calls on the same controller (a
+# test may play one load, then another, against the same running server): the interval each one ends in.
+_SESSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+LIFE = 3                # intervals a session lives (admitted at k + 0.1, it ends at k + LIFE + 0.1)
+
+
+def run_server(c, latency_of, n_intervals, start=0, demand=10**9, admit_with_may_admit=False, life=LIFE):
     """Demand always exceeds the limit (unless `demand` says otherwise); returns the limit per interval.
 
-    In interval k the sessions in flight are min(limit, demand); their frames all see latency_of(n).
-    With admit_with_may_admit the sessions are admitted one by one through may_admit (the driver path).
+    Sessions live ``life`` intervals and are never evicted, as in the simulator and the live driver: the
+    controller admits, it cannot end a session. Interval k (from t = k) goes:
+
+    * [k, k + 0.1): the sessions already in flight, n0, answer a frame each at latency_of(n0);
+    * k + 0.1: the sessions whose life is over end, then new ones are admitted up to min(limit, demand)
+      (one by one through may_admit with admit_with_may_admit: the driver path);
+    * [k + 0.1, k + 1): the n1 sessions now in flight answer a frame each at latency_of(n1).
+
+    So after a cut the sessions above the new limit are still there, and still slow, until they end:
+    that is what the AIMD draining rule is for. ``lim[j]`` is the limit once j intervals have closed.
     """
+    ends = _SESSIONS.setdefault(c, [])     # per session: the interval at whose k + 0.1 it ends
     limits = []
     for k in range(start, start + n_intervals):
         t = float(k)
-        c.advance(t, 0)                     # sessions of the last interval ended
+        c.advance(t, len(ends))             # closes interval k - 1
+        if ends:
+            c.observe(t + 0.05, latency_of(len(ends)), frames=len(ends))
+        ends[:] = [e for e in ends if e > k]
+        n = len(ends)
+        c.advance(t + 0.1, n)
         d = demand(k) if callable(demand) else demand
         if admit_with_may_admit:
-            n = 0
-            while n < d and c.may_admit(t + 0.01, n):
+            while n < d and c.may_admit(t + 0.1, n):
                 n += 1
-        else:
-            n = 0 if c.dead else min(c.limit, d)
+        elif not c.dead:
+            n = max(n, min(c.limit, d))
+        ends.extend([k + life] * (n - len(ends)))
         c.advance(t + 0.1, n)
         if n:
             c.observe(t + 0.5, latency_of(n), frames=n)
         limits.append(c.limit)
-    c.advance(float(start + n_intervals), 0)   # close the last interval
+    c.advance(float(start + n_intervals), len(ends))   # close the last interval
     return np.array(limits)
 
 
@@ -516,27 +542,45 @@ def test_dead_signal_needs_consecutive_intervals():
 # Against a synthetic server of capacity K
 # ---------------------------------------------------------------------------------------------------
 def _peaks_troughs(x):
+    x = [v for i, v in enumerate(x) if i == 0 or v != x[i - 1]]   # a flat bottom (draining) is one trough
     peaks = [x[i] for i in range(1, len(x) - 1) if x[i] > x[i - 1] and x[i] > x[i + 1]]
     troughs = [x[i] for i in range(1, len(x) - 1) if x[i] < x[i - 1] and x[i] < x[i + 1]]
     return np.array(peaks), np.array(troughs)
 
 
-@pytest.mark.parametrize("b, K", [(0.9, 100), (0.5, 60), (0.8, 150)])
-def test_aimd_converges_to_a_sawtooth_around_the_knee(b, K):
+# The settled sawtooth against knee_server(K) and run_server's sessions, by hand (a = 1):
+# the limit climbs to K + 1, where the K+1st session makes the interval slow: one cut, to floor(b(K+1));
+# the next interval still starts with those K + 1 sessions in flight (none has ended yet), slow, above the
+# new limit: draining, no second cut; at its k + 0.1 the sessions admitted 3 intervals before (LIFE = 3,
+# while the limit was still climbing, so at least one) end, in flight drops to <= K, fast, and from the
+# next interval the limit climbs again by 1 per interval.
+# Period = 1 cut + 1 draining + (K + 1 - floor(b(K+1))) increases:
+#   b = 0.9, K = 100: floor(90.9)  = 90,  101 - 90 + 2  = 13
+#   b = 0.5, K = 60:  floor(30.5)  = 30,  61 - 30 + 2   = 33
+#   b = 0.8, K = 150: floor(120.8) = 120, 151 - 120 + 2 = 33
+# (the research note's "about (1-b)K/a" = 10, 30, 30: it ignores the floor and the draining interval).
+@pytest.mark.parametrize("b, K, trough, period", [(0.9, 100, 90, 13), (0.5, 60, 30, 33), (0.8, 150, 120, 33)])
+def test_aimd_converges_to_a_sawtooth_around_the_knee(b, K, trough, period):
     a, L0 = 1.0, 1
     c = aimd(decrease_factor=b, max_limit=10_000)
     lim = run_server(c, knee_server(K), 600, admit_with_may_admit=True)
     reach = int(np.argmax(lim >= b * K))
     assert lim[reach] >= b * K and reach <= (K - L0) / a + 3            # cold start in (K-L0)/a
-    settled = lim[int((K - L0) / a) + 20:]
-    assert settled.max() <= K + a                                       # no overshoot past K + a(d+1), d=0
-    assert settled.min() >= math.floor(b * (K + a)) - 1
+    skip = int((K - L0) / a) + 20
+    settled = lim[skip:]
+    assert settled.max() == K + a                                       # no overshoot past K + a(d+1), d=0
+    # a second cut while the excess drains (no draining rule) would take the limit to floor(b·trough)
+    assert settled.min() == trough
     peaks, troughs = _peaks_troughs(settled)
     assert len(peaks) >= 3
     assert abs(np.median(troughs) / np.median(peaks) - b) <= 1.5 * a / K + 0.01
     assert abs(settled.mean() / ((1 + b) / 2 * K) - 1) <= 0.05
-    period = np.diff([i for i in range(1, len(settled)) if settled[i] < settled[i - 1]])
-    assert abs(np.median(period) - (1 - b) * K / a) <= 3
+    cut_at = [i for i in range(1, len(settled)) if settled[i] < settled[i - 1]]
+    assert len(cut_at) >= 3 and set(np.diff(cut_at)) == {period}
+    # the draining rule was met, once per cut: the interval after each cut (decisions[i] made lim[i + 1])
+    decisions = [r["decision"] for r in c.trace()][skip:]
+    cuts = [i for i, d in enumerate(decisions) if d == "decrease"]
+    assert [i for i, d in enumerate(decisions) if d == "draining"] == [i + 1 for i in cuts if i + 1 < len(decisions)]
 
 
 def test_aimd_step_load_tracks_the_knee():
@@ -545,8 +589,11 @@ def test_aimd_step_load_tracks_the_knee():
     c = aimd(decrease_factor=b, max_limit=10_000)
     start, L = 0, c.limit
     for K in (50, 90, 200, 100):
-        # windows to reach the new knee: (K - L)/a going up, ceil(log(K/L)/log b) going down
-        settle = int((K - L) / a) if K > L else math.ceil(math.log(K / L) / math.log(b))
+        # windows to reach the new knee: (K - L)/a going up; going down ceil(log(K/L)/log b) cuts, each at
+        # most LIFE + 1 intervals after the last: the sessions in flight at a cut end within LIFE intervals
+        # and no more than the new limit are admitted meanwhile, so by then the cut has taken effect
+        down = math.ceil(math.log(K / L) / math.log(b)) if K < L else 0
+        settle = int((K - L) / a) if K > L else down * (LIFE + 1)
         lim = run_server(c, knee_server(K), settle + 150, start=start)
         assert lim[settle + 2:].max() <= K + a
         tail = lim[settle + 20:]
@@ -554,6 +601,8 @@ def test_aimd_step_load_tracks_the_knee():
         rows = c.trace()[start + settle + 20: start + settle + 150]
         cuts = sum(r["decision"] == "decrease" for r in rows)
         assert cuts <= len(rows) / ((1 - b) * K / a) + 2                # one cut per sawtooth period
+        if down:                                                        # 200 -> 100: the excess drained
+            assert "draining" in {r["decision"] for r in c.trace()[start: start + settle]}
         start += settle + 150
         L = c.limit
 
@@ -564,7 +613,18 @@ def test_aimd_capacity_step_down():
     lim = run_server(c, knee_server(100), 30)
     need = math.ceil(math.log(100 / 200) / math.log(b))                 # 7 at b = 0.9
     assert need == 7
-    assert lim[need] <= 100 < lim[need - 1]              # lim[j] has seen j closed intervals
+    # 200 -> 180 -> 162 -> 145 -> 130 -> 117 -> 105 -> 94 (floor(0.9 L)): 7 cuts. Sessions are not evicted,
+    # so each cut waits until the sessions above it have ended (LIFE = 3 intervals), by hand:
+    #   interval 0: 200 admitted at 0.1 (they end at 3.1), slow: cut 1 -> 180
+    #   intervals 1-3: the 200 are still in flight at the start, above 180: draining; at 3.1 they end and
+    #     180 are admitted (ending at 6.1)
+    #   interval 4: 180 in flight = the limit, slow: cut 2 -> 162; intervals 5-6 draining, 162 admitted at 6.1
+    #   interval 7: cut 3; ... cut j (j >= 2) at interval 1 + 3(j - 1): cut 7 at interval 19
+    assert LIFE == 3
+    assert [r["decision"] for r in c.trace()[:20]] == (
+        ["decrease"] + ["draining"] * 3 + (["decrease"] + ["draining"] * 2) * 5 + ["decrease"])
+    assert lim[20] <= 100 < lim[19]                       # lim[j] has seen j closed intervals
+    assert list(lim[[1, 5, 8, 11, 14, 17, 20]]) == [180, 162, 145, 130, 117, 105, 94]
 
 
 @pytest.mark.parametrize("make", [aimd, gradient])

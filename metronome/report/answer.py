@@ -334,8 +334,9 @@ def metastability_note(data: dict) -> str:
     c0 = data["calibrations"][0]
     m = c0["metastability"]
     return (f"N sessions start together with exponentially distributed lengths of the given mean and run for "
-            f"{m['horizon_factor']:g} mean lengths. Predicted: the fill model's exact probability that the pool runs dry "
-            f"(a race between fill and sessions ending). Simulated: the share of {m['runs_per_cell']} seeded runs per "
+            f"{m['horizon_factor']:g} mean lengths. Predicted: the fill model's probability of collapse: that the pool "
+            f"runs dry (exact; a race between fill and sessions ending) and that the survivors it cannot hold then "
+            f"silence at least 1% of the frames. Simulated: the share of {m['runs_per_cell']} seeded runs per "
             f"cell that collapsed (the pool ran dry and at least 1% of the frames after that were silent frames of "
             f"sessions that had lost their place). The mean lengths are multiples of the unbounded t_sat at N*. "
             f"Without the bound, collapse is metastable: the same N can survive or collapse depending on how long "

@@ -344,14 +344,16 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
                   "collapsed", "t_sat_observed_s"):
             d[k].append(s[k])
 
-    # metastability: predicted P(saturate) and the Monte Carlo fractions per cell
+    # metastability: predicted P(collapse) (and P(saturate)) beside the Monte Carlo fractions per cell
     ns = plan.sessions_grid(MC_FRACTIONS)
     ds = plan.mc_durations_s(n_star)
     meta = {"sessions": ns, "mean_duration_s": ds, "runs_per_cell": plan.mc_runs,
             "horizon_factor": MC_HORIZON_FACTOR, "policies": {}}
     for policy_key in ("unbounded", "bounded"):
         fm = fm_u if policy_key == "unbounded" else fm_b
-        pred = [[fm.p_saturate_fixed(n, Durations("exponential", d), MC_HORIZON_FACTOR * d) for n in ns] for d in ds]
+        pred = [[fm.p_collapse_fixed(n, Durations("exponential", d), MC_HORIZON_FACTOR * d) for n in ns] for d in ds]
+        pred_sat = [[fm.p_saturate_fixed(n, Durations("exponential", d), MC_HORIZON_FACTOR * d) for n in ns]
+                    for d in ds]
         sim_c, sim_s = [], []
         for d in ds:
             rc, rs = [], []
@@ -364,6 +366,7 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
             sim_c.append(rc)
             sim_s.append(rs)
         meta["policies"][policy_key] = {"label": labels[policy_key], "predicted": [[round(x, 4) for x in r] for r in pred],
+                                        "predicted_saturation": [[round(x, 4) for x in r] for r in pred_sat],
                                         "simulated_collapse": sim_c, "simulated_saturation": sim_s}
 
     # admission traces on the rising-then-falling pattern

@@ -96,7 +96,7 @@ def metastability(data: dict) -> go.Figure:
         ys = [f"{d:g} s" for d in m["mean_duration_s"]]
         for i, key in enumerate(("unbounded", "bounded"), start=1):
             p = m["policies"][key]
-            for k, (z, what) in enumerate(((p["predicted"], "P(saturate), fill model"),
+            for k, (z, what) in enumerate(((p["predicted"], "P(collapse), fill model"),
                                            (p["simulated_collapse"], f"collapsed, {m['runs_per_cell']} runs"))):
                 fig.add_trace(go.Heatmap(
                     x=xs, y=ys, z=z, zmin=0, zmax=1, colorscale=HEATMAP_SCALE, showscale=first,

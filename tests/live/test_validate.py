@@ -1,9 +1,20 @@
 """``metronome-probe validate`` on ``tiny``: the cliff unbounded, no cliff under vLLM's window or the sinks plugin;
-and ``calibrate --kv sinks`` through the plugin.
+the simulator's agreement with the live runs (what the README quotes); and ``calibrate --kv sinks`` through the
+plugin.
 
-Only pool facts and silence are asserted. Latencies and their errors against the simulator are written to
-summary.json and reported in docs/live.md; they depend on what else runs on the cores, so no test
-asserts them.
+What agrees how well, and what is asserted (README "What works today": "t_sat exact; bounded frame latency
+within 10 %", docs/live.md "Measured results"):
+
+* **t_sat** (unbounded) is pool arithmetic: the step the pool ran dry in is asserted exactly against the hand
+  value, live and simulated, on any host. Its time (t_sat_observed_s, t_sat_predicted_s) is asserted at the
+  hand value and live against simulated within the README's 5 % target when the host was quiet (load under 1);
+  a busy host only delays that step, live and as calibrated, so there only "not before the tick" is asserted.
+* **Frame latency** (bounded runs) is timing: the README's 10 % was measured with nothing else on the 2 cores
+  (load 0.36). The p50 is asserted at 10 % only when the live run's load average stayed under 1 (the p99, a
+  handful of frames, within a looser band: P99_BAND); on a busy host (this one is shared: the live steps slow
+  down with whatever else runs, the calibration measured a minute before does not) the p50 within a looser band
+  (LOADED_P50_BAND) under a load of 2 if the live run kept up with the frame clock (KEPT_UP), and nothing
+  otherwise (the test skips and says why: OVERLOADED, KEPT_UP).
 """
 
 import json
@@ -14,6 +25,37 @@ import pytest
 from metronome.kv_policy import KVPolicy
 
 SESSIONS, BLOCKS, WINDOW, SINKS = 6, 96, 128, 32
+
+# t_sat by hand: 96 blocks less vLLM's null block = 95 usable, shared by 6 sessions that start together and
+# each hold ceil(tokens / 32) blocks. The pool runs dry when each needs its 16th block (6 x 16 = 96 > 95), i.e.
+# once a session passes 15 x 32 = 480 tokens in the KV. After frames 0 .. 29 (0.1 s each, 14 tokens in, 2 out) a
+# session's KV holds 1 prompt token + 30 x 14 inputs + 59 of its 60 outputs (the last one sampled is written
+# with the next frame) = 480 tokens, exactly 15 blocks; the first step of frame 30 adds 15 more and needs the
+# 16th block: at that frame's tick, 30 x 0.1 = 3.0 s.
+T_SAT_BY_HAND = 3.0
+T_SAT_TARGET = 0.05      # README: "t_sat exact" (3.001 s live vs 3.000 s simulated); the target it states is 5 %
+LATENCY_TARGET = 0.10    # README: bounded frame latency within 10 % (p50 +2..+7 %, p99 +5..+8 % at load 0.36)
+QUIET_LOAD = 1.0         # load average under 1 on 2 cores: nothing else held a core for long
+# The p99 is not held to the README's 10 %, even on a quiet host: over 6 sessions x 60 frames it is the 4th-slowest
+# frame, which one slow spell of the host sets (measured -26 % for sinks at load 1.25 while its p50 was +3 %).
+# Within -35 %..+35 % it tolerates such a spell and still catches the step model fitted on back-to-back grid
+# steps instead of paced ones, which under-predicted the p99 by 63-86 % (docs/live.md).
+P99_BAND = 0.35
+# On a busy host (load 1..2: other processes, or this run's own calibration and engine starts, took up to both
+# cores for part of the run): the p50 within -25 %..+25 %. What it tolerates: the live steps slowed by those
+# processes (the calibration, taken a minute before under another load, prices them differently). What it
+# still catches: that same grid-fitted step model, which under-predicted the p50 by 30-50 % (docs/live.md), and
+# anything grosser (a unit slip, a missing term). Measured at load 1.2: p50 +5.8 % (window), +3.2 % (sinks).
+LOADED_P50_BAND = 0.25
+# From a load of 2 (more runnable processes than cores) the live engine falls behind the frame clock: measured
+# here at load 3-6, live p50 from 12 ms to 2.8 s against 11-34 ms simulated. No band says anything about the
+# model there; the latency test skips, saying so, and the pool facts (t_sat as arithmetic, silence) still run.
+OVERLOADED = 2.0
+# A load average is a minute's mean: a burst of another process inside the 6 s run can stall the live engine at a
+# load under 2 too (measured: load 1.6, live p50 2.9 s, every frame late). So on a busy host the band is
+# asserted only if the live run kept up with the frame clock: at most 1 % of its frames past the 100 ms
+# deadline (the simulator's p99 is ~15 ms; on a quiet host none is late). On a quiet host it is never waived.
+KEPT_UP = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +91,62 @@ def test_bounded_policies_do_not(validated, policy):
     steps = pd.read_parquet(out / policy / "steps.parquet")
     late = steps[steps.t_s > 3.0]  # long past where the unbounded pool ran dry, still bounded
     assert len(late) and late.used_blocks.max() <= SESSIONS * (kv.max_resident_blocks + 1)
+
+
+def _load(policy_row) -> float:
+    """The highest load average seen at the start and end of a policy's live run."""
+    return max(policy_row["live"]["load_avg_start"], policy_row["live"]["load_avg_end"])
+
+
+def test_t_sat_live_and_simulated_agree(validated):
+    out, _, summary = validated
+    u = summary["policies"]["unbounded"]
+    t_live, t_sim = u["t_sat_observed_s"], u["t_sat_predicted_s"]
+    assert t_live is not None and t_sim is not None, u  # both ran dry (test_unbounded_hits_the_cliff: the cliff)
+    # As pool arithmetic (no clock in it, so it holds on a busy host too): live and simulated, the pool ran dry
+    # in frame 30's first step, the one taking each session from 480 tokens to 480 + 1 re-fed output + 14
+    # inputs = 495, as by hand. Its victim held 495 tokens; the step ran the 5 others, 5 x 495 = 2475 tokens.
+    events = pd.read_parquet(out / "unbounded" / "events.parquet")
+    first = events[events.event == "preempt"].iloc[0]
+    assert first.reason == "pool_dry" and first.history_tokens == 495, events.head().to_string()
+    for steps in (pd.read_parquet(out / "unbounded" / "steps.parquet"),
+                  pd.read_parquet(out / "unbounded" / "sim" / "steps.parquet")):
+        dry = steps[steps.preemptions > 0].iloc[0]
+        assert (dry.batch, dry.context_tokens) == (5, 2475), dry.to_string()
+    # In time: t_sat is when that step started, live (the wall clock) and simulated (the simulator's clock,
+    # its steps priced by the calibration). Neither starts before the frame's tick, 3.0 s (0.05 s: half a
+    # frame period, telling tick 3.0 from 2.9). On a busy host both start as late as the engine, live or as
+    # calibrated, fell behind the frame clock (measured here at load 4-6: 4.68 s live; 3.38 s simulated), so
+    # the README's figures are asserted where they were measured, on a quiet host: the simulator at the tick
+    # (a frame's first step starts at its tick when the engine is idle) and live within the README's 5 %.
+    assert min(t_live, t_sim) >= T_SAT_BY_HAND - 0.05, u
+    if _load(u) < QUIET_LOAD:
+        assert t_sim == pytest.approx(T_SAT_BY_HAND, abs=0.05), u
+        assert abs(t_sim - t_live) / t_live <= T_SAT_TARGET, u
+        assert u["within_target"]["t_sat"] is True  # and validate's own verdict says so
+    for policy in ("window", "sinks"):  # no t_sat to compare where the pool never runs dry
+        assert summary["policies"][policy]["within_target"]["t_sat"] is None
+
+
+@pytest.mark.parametrize("policy", ["window", "sinks"])
+def test_bounded_frame_latency_agrees(validated, policy):
+    _, _, summary = validated
+    p = summary["policies"][policy]
+    load = _load(p)
+    err = {q: (p[f"{q}_frame_latency_s"]["simulated"] - p[f"{q}_frame_latency_s"]["live"])
+           / p[f"{q}_frame_latency_s"]["live"] for q in ("p50", "p99")}
+    print(f"{policy}: load {load:.2f}, p50 {err['p50']:+.1%}, p99 {err['p99']:+.1%}")  # shown on failure
+    missed = p["live"]["deadline_miss_fraction"]
+    if load < QUIET_LOAD:  # the README's conditions: its claim for the p50, the p99 within its band
+        assert abs(err["p50"]) <= LATENCY_TARGET, (err, load, p["p50_frame_latency_s"])
+        assert p["within_target"]["p50"] is True  # and validate's own verdict says so
+        assert abs(err["p99"]) <= P99_BAND, (err, load, p["p99_frame_latency_s"])
+    elif load < OVERLOADED and missed <= KEPT_UP:
+        assert abs(err["p50"]) <= LOADED_P50_BAND, (err, load, p["p50_frame_latency_s"])
+    else:  # said, not passed: nothing about the model can be read off these latencies
+        pytest.skip(f"load {load:.1f} on 2 cores during the live run, {missed:.0%} of its frames past the deadline: "
+                    f"its frame latencies measure the other processes (p50 {err['p50']:+.0%}, p99 "
+                    f"{err['p99']:+.0%} against the simulator)")
 
 
 def test_outputs_and_table(validated):
