@@ -439,8 +439,11 @@ class Driver:
         pending = ([s.inflight] if s.inflight else []) + list(s.queue)
         pending += [f for (o, f) in self.silent_pending if o is s]
         self.silent_pending = [(o, f) for (o, f) in self.silent_pending if o is not s]
+        # frames still owed: a departed session's count once their deadline passed (the client waited in vain);
+        # when the run itself ends they are censored, as the simulator leaves a run's last frames out
+        run_over = reason in (EndReason.HORIZON, EndReason.STOPPED, EndReason.ENGINE_DIED)
         for f in sorted(pending, key=lambda f: f.tick_s):
-            self._record_frame(s, f, now, censored=f.tick_s + self.cfg.deadline > now)
+            self._record_frame(s, f, now, censored=run_over or f.tick_s + self.cfg.deadline > now)
         s.inflight, s.queue = None, deque()
         self._record("sessions", {"session": s.plan.sid, "arrival_s": s.plan.arrival_s, "admitted": s.admit_seq >= 0,
                                   "start_s": s.start_s, "end_s": now, "reason": reason, "frames": s.frames,
