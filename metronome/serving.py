@@ -60,10 +60,6 @@ def join_frame(arrival_s: float, period_s: float) -> int:
     return max(int(math.ceil(arrival_s / period_s - _TICK_EPS)), 0)
 
 
-def tick_s(frame: int, period_s: float) -> float:
-    return frame * period_s
-
-
 # ------------------------------------------------------------------------------------- session endings
 class EndReason:
     """Why a session left: the one vocabulary of the simulator's and the live run's sessions tables."""
@@ -87,7 +83,7 @@ CAPS = ("rebase", "finish")
 
 def frame_fits(tokens_after_frame: int, max_model_len: int) -> bool:
     """May a frame run that leaves its request holding ``tokens_after_frame`` tokens (history, the frame's
-    input and its outputs)? vLLM stops a request once ``num_tokens >= max_model_len`` (and dies if a
+    input and its outputs; ints or arrays)? vLLM stops a request once ``num_tokens >= max_model_len`` (and dies if a
     streaming chunk passes it), so the frame must end strictly below."""
     return tokens_after_frame < max_model_len
 
@@ -116,11 +112,11 @@ def admission_need_blocks(policy: KVPolicy, tokens: int, cap_blocks: int | None,
     """Blocks vLLM's full-sequence gate wants free to admit a request of ``tokens`` tokens that already has
     ``slots`` block slots: ``max(min(cdiv(tokens, bs), cap) − slots, 0)``. ``cap`` is the KV spec's admission
     cap (None for full attention): a bounded session reserves its peak in-flight residency, not its
-    history."""
+    history. Works on ints and on numpy arrays alike."""
     need = cdiv(tokens, policy.block_size)
     if cap_blocks is not None:
-        need = min(need, cap_blocks)
-    return max(need - slots, 0)
+        need = np.minimum(need, cap_blocks)
+    return np.maximum(need - slots, 0)
 
 
 def blocks_to_resume(policy: KVPolicy, tokens: int, computed: int, held: int, cap_blocks: int | None) -> int:
@@ -256,9 +252,6 @@ class EngineModel:
         for name in ("status_a", "computed_a", "ntok_a", "slots_a", "held_a", "out_a", "maxtok_a"):
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
-
-    def slot(self, rid) -> int | None:
-        return self._slot_of.get(rid)
 
     def _res(self, n: int) -> int:
         """Blocks resident after ``n`` computed tokens (KVPolicy.resident_blocks, on Python ints)."""
@@ -418,10 +411,8 @@ class EngineModel:
         if admitting:
             wm = np.where(n_running + np.arange(S.size) > 0, self.limits.watermark_blocks, 0)
             full = np.minimum(self.ntok_a[S], self.limits.max_model_len)
-            want = cdiv(full, self.bs)
-            if self.cap is not None:
-                want = np.minimum(want, self.cap)
-            ok &= (np.maximum(want - slots, 0) + wm <= before) & (need + wm <= before + freed)
+            gate = admission_need_blocks(self.policy, full, self.cap, slots)
+            ok &= (gate + wm <= before) & (need + wm <= before + freed)
         bad = np.flatnonzero(~ok)
         n = int(bad[0]) if bad.size else S.size
         return n, freed, need

@@ -341,7 +341,7 @@ class SimEngine:
         one, in session order, as the driver does."""
         chunk = 1 + self.pending_in[idx] + self.n_in
         simple = (self.started[idx] & (self.slot[idx] >= 0)
-                  & (self.hist[idx] + chunk + self.n_out < self.maxlen))  # serving.frame_fits, as arrays
+                  & serving.frame_fits(self.hist[idx] + chunk + self.n_out, self.maxlen))
         fast, slow = idx[simple], idx[~simple]
         if fast.size:
             sl = self.slot[fast]
@@ -412,7 +412,7 @@ class SimEngine:
 
     def _answer_many(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
         """Count sessions ``idx``'s frames ``f`` as answered now with ``tokens`` tokens each (0: silent)."""
-        silent = tokens == 0  # serving.frame_is_silent, as arrays
+        silent = serving.frame_is_silent(tokens)
         self.s_frames[idx] += 1
         self.s_silent[idx[silent]] += 1
         pre = silent & ~np.isnan(self.s_admitted[idx])
@@ -625,7 +625,7 @@ class SimEngine:
         t_next = self._next_event_time()
         K_max = min(K_max, max(1, int((t_next - f0 * self.P) / self.P) + 2))
         # frames that fit under max_model_len (serving.frame_fits for every session)
-        fits = int(hist0.max()) + np.arange(K_max) * self.tpf + chunk + self.n_out < self.maxlen
+        fits = serving.frame_fits(int(hist0.max()) + np.arange(K_max) * self.tpf + chunk + self.n_out, self.maxlen)
         K_max = int(np.argmin(fits)) if not fits.all() else K_max
         if K_max == 0:
             return None
@@ -653,7 +653,7 @@ class SimEngine:
             head = self.waiting[0]
             seen = np.where(jj == 0, kk - 1, kk) + (0 if submitted else 1)  # ticks past f0 - 1 (A) or f0 (B)
             tokens = self._request_tokens(head) + self.n_in * seen
-            want = cdiv(tokens, bs) if self.cap_blocks is None else np.minimum(cdiv(tokens, bs), self.cap_blocks)
+            want = serving.admission_need_blocks(pol, tokens, self.cap_blocks)
             turn = np.ones(S_max, dtype=bool)
             if submitted:
                 turn[0] = False  # this turn already tried it
@@ -699,13 +699,9 @@ class SimEngine:
         ends_done = starts[done_idx] + lats[done_idx]
         fr_ = f0 + np.arange(K)
         # the sessions' state after K frames (per session: the class arithmetic again, exact)
-        dK = K * self.tpf
-        c_last = comp + dK - 1  # before the frame's last step (one token)
-        if n_out == 1:
-            c_last = comp + (K - 1) * self.tpf
-        tok_last = chunk if n_out == 1 else 1
-        comp_k = c_last + tok_last
-        held_k = pol.resident_blocks(c_last) + cdiv(comp_k, bs) - cdiv(c_last, bs)
+        comp_k = comp + K * self.tpf
+        tok_last = chunk if n_out == 1 else 1  # the span's last step: the frame's chunk, or one decode token
+        held_k = pol.step_blocks(comp_k - tok_last, tok_last)
         free_k = self.num_blocks - int(used[-1])
         n_frames = N + n_wait
         is_done = np.isin(np.arange(S), done_idx)
