@@ -57,6 +57,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from metronome.probe.driver import PHASES  # the live driver's regime: the simulated side runs it too
+
 AUTO_DEADLINES = (0.040, 0.030, 0.025, 0.020, 0.015)  # largest first: best conditioned
 HEADROOM = 0.75  # auto deadline: N* at most this share of the memory ceiling
 TOLERANCE = 0.10  # the target: live settled within 10% of N*; also the drift of N* (before vs after) a verdict allows
@@ -96,7 +98,8 @@ def bench_scenario(cal, aimd: dict, *, kv: str = "window", window: int, num_bloc
 
     return sc_mod.make_scenario(calibration=cal, kv=kv, window=window if kv == "window" else None,
                                 arrival_rate=rate, session_duration=duration, horizon=horizon, seed=seed,
-                                deadline=deadline, admission="aimd", aimd_params=aimd, num_blocks=num_blocks)
+                                deadline=deadline, admission="aimd", aimd_params=aimd, num_blocks=num_blocks,
+                                phases=PHASES)
 
 
 def simulated_settled(cal, aimd: dict, *, seeds, **scenario) -> list[float]:
@@ -244,7 +247,7 @@ def main(argv=None) -> int:
         cands = AUTO_DEADLINES if args.deadline == "auto" else (float(args.deadline),)
         cap = None
         for d in cands:
-            c = capacity(cal, bounded, deadline_s=d)
+            c = capacity(cal, bounded, deadline_s=d, phases=PHASES)
             log(f"capacity at deadline {d * 1e3:g} ms: N*={c['n_star']} (deadline {c['deadline_n_star']}, "
                 f"memory {c['memory_ceiling']}), binding={c['binding']}")
             if c["binding"] == "deadline" and c["n_star"] >= 4 and (
@@ -282,7 +285,7 @@ def main(argv=None) -> int:
             cal_dirs.append(out / ("calibration-after" if r == args.repeat - 1 else f"calibration-{r + 2}"))
             log(f"calibrating the same engine again ({cal_dirs[-1].name})")
             cal_after = run_calibration(replace(copts, out=str(cal_dirs[-1])), engine=engine).calibration
-            cap_after = capacity(cal_after, bounded, deadline_s=deadline)
+            cap_after = capacity(cal_after, bounded, deadline_s=deadline, phases=PHASES)
             n_stars.append(cap_after["n_star"])
             log(f"after run {r + 1}: N*={cap_after['n_star']} (before the first run: {n_star})")
     finally:
@@ -290,12 +293,12 @@ def main(argv=None) -> int:
     # all the calibrations of the engine in one fit: the tail of the whole span, not of one short calibration
     cal_pooled, fit_pooled = pool_calibrations(cal_dirs)
     (out / "calibration-pooled.json").write_text(cal_pooled.to_json())
-    cap_pooled = capacity(cal_pooled, bounded, deadline_s=deadline)
+    cap_pooled = capacity(cal_pooled, bounded, deadline_s=deadline, phases=PHASES)
     log(f"N* from all {len(cal_dirs)} calibrations pooled: {cap_pooled['n_star']} (before the runs: {n_star}; "
         "after each run: " + ", ".join(map(str, n_stars[1:])) + ")")
     # N* of every calibration alone, in cal_dirs' order (one calibration before the runs: it is n_star itself)
     each = ([n_star] if len(before_cals) == 1
-            else [capacity(c, bounded, deadline_s=deadline)["n_star"] for c in before_cals]) + n_stars[1:]
+            else [capacity(c, bounded, deadline_s=deadline, phases=PHASES)["n_star"] for c in before_cals]) + n_stars[1:]
     # 3. the unbounded live run, same arrivals, on an unbounded engine
     log(f"unbounded live run: Poisson {args.rate}/s, durations {args.duration}, {args.unbounded_horizon:g} s")
     engine = Engine(replace(base, sliding_window=None), log_path=out / "engine.log")

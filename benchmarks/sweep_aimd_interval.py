@@ -21,6 +21,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from metronome.probe.driver import PHASES
+
 
 def main(argv=None) -> int:
     from bench_live_aimd import AIMD, INTERVALS, TUNING_SEEDS, tune_interval
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
         cal = replace(cal, engine=replace(cal.engine, num_blocks=args.num_blocks))
         if corr is not None:
             cal = replace(cal, step_latency=replace(cal.step_latency, **corr))
-        cap = capacity(cal, policy, deadline_s=args.deadline)
+        cap = capacity(cal, policy, deadline_s=args.deadline, phases=PHASES)
         n_star = cap["n_star"]
         pick, tuning = tune_interval(cal, AIMD, n_star, intervals=intervals, seeds=range(1, args.seeds + 1),
                                      window=args.window, num_blocks=args.num_blocks, rate=args.rate,

@@ -257,6 +257,39 @@ class AdmissionController(ABC):
             self._w.append(frames - silent)
         self._on_frames()
 
+    def observe_many(self, now_s, latency_s, frames, silent, in_flight: int) -> None:
+        """``advance(now_s[i], in_flight)`` then ``observe(now_s[i], latency_s[i], frames[i], silent[i])`` for
+        each row in order, with the same result, a control interval at a time (the simulator's compiled loop
+        hands over thousands of rows at once). Rows must be in time order."""
+        now = np.asarray(now_s, dtype=float).ravel()
+        lat = np.asarray(latency_s, dtype=float).ravel()
+        fr = np.asarray(frames, dtype=np.int64).ravel()
+        si = np.asarray(silent, dtype=np.int64).ravel()
+        n = now.size
+        if not (lat.size == fr.size == si.size == n):
+            raise ValueError("observe_many: rows of unequal length")
+        if n == 0:
+            return
+        if not (np.isfinite(now).all() and np.isfinite(lat).all() and (lat >= 0).all()):
+            raise ValueError("observe_many: times and latencies must be finite, latencies >= 0")
+        if (np.diff(now) < 0).any() or (fr < 0).any() or (si < 0).any() or (si > fr).any():
+            raise ValueError("observe_many: rows out of time order, or frames/silent out of range")
+        i = 0
+        while i < n:
+            self.advance(float(now[i]), in_flight)  # closes every interval that ended by row i
+            # rows in the open interval: those advance() would not close (the test of _close_through)
+            e = i + 1 + int(np.searchsorted((now[i + 1:] - self._t0) / self.interval_s, self._k + 1 - _REL_EPS))
+            f, s = fr[i:e], si[i:e]
+            self._frames += int(f.sum())
+            self._silent += int(s.sum())
+            heard = f > s
+            if heard.any():
+                self._lat.extend(lat[i:e][heard].tolist())
+                self._w.extend((f - s)[heard].tolist())
+            if f.sum() > 0:
+                self._on_frames()
+            i = e
+
     def advance(self, now_s: float, in_flight: int) -> None:
         """Close every control interval that ended at or before ``now_s`` (one decision each)."""
         now_s = self._check_time(now_s)

@@ -53,11 +53,44 @@ from metronome.kv_policy import KVPolicy, cdiv
 # ------------------------------------------------------------------------------------------ frame clock
 _TICK_EPS = 1e-9
 
+PHASES = ("independent", "aligned")
+"""The two regimes of a session's frame clock. ``aligned``: frame ``f`` of every session ticks at ``f·P``
+and the engine serves them in lockstep (a fixed-batch server such as Moshi's own). ``independent``: each
+client connected at its own moment, so session ``i``'s frame ``f`` ticks at ``φ_i + f·P``, and vLLM's loop
+steps whenever any request has work, batching the frames that have arrived (vLLM serving real clients)."""
 
-def join_frame(arrival_s: float, period_s: float) -> int:
-    """The first frame a session that arrives at ``arrival_s`` streams: ``ceil(t / P)`` (frame ``f`` ticks
-    at ``f·P``; an arrival exactly on a tick streams that tick's frame)."""
-    return max(int(math.ceil(arrival_s / period_s - _TICK_EPS)), 0)
+PHASE_SLOTS = 64
+"""Independent phases are drawn uniformly on a grid of ``P / PHASE_SLOTS``. Sessions on one grid point tick
+together, so a run's frames table has at most ``PHASE_SLOTS`` rows per period however many sessions it
+has. 64 slots put the phases 1.25 ms apart at Moshi's 80 ms period: below the spread of a step's latency,
+so the batches a step meets are those of continuous phases up to one slot."""
+
+
+def check_phases(phases: str) -> str:
+    if phases not in PHASES:
+        raise MetronomeError(f"--phases must be one of {', '.join(PHASES)}, got {phases!r}")
+    return phases
+
+
+def phase_offset_s(slot, period_s: float):
+    """The phase of a session on grid point ``slot`` (ints or arrays): ``slot · P / PHASE_SLOTS``."""
+    return slot * (period_s / PHASE_SLOTS)
+
+
+def frame_tick(frame, period_s: float, phase_s=0.0):
+    """When frame ``frame`` of a session with phase ``phase_s`` ticks: ``f·P + φ`` (ints or arrays)."""
+    return frame * period_s + phase_s
+
+
+def tick_key(frame, slot):
+    """An integer that orders ticks exactly (frame, then phase slot): ``f·PHASE_SLOTS + slot``."""
+    return frame * PHASE_SLOTS + slot
+
+
+def join_frame(arrival_s: float, period_s: float, phase_s: float = 0.0) -> int:
+    """The first frame a session that arrives at ``arrival_s`` streams: the first ``f`` with
+    ``f·P + φ >= t`` (an arrival exactly on a tick streams that tick's frame)."""
+    return max(int(math.ceil((arrival_s - phase_s) / period_s - _TICK_EPS)), 0)
 
 
 # ------------------------------------------------------------------------------------- session endings

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import stats
 
+from metronome import serving
 from metronome.errors import MetronomeError
 
 DURATION_KINDS = ("fixed", "exponential", "lognormal", "list")
@@ -204,3 +205,14 @@ def draw(arrivals: Arrivals, durations: Durations | None, horizon_s: float, seed
     if durations is None:
         return arrival, np.full(arrival.size, math.inf)
     return arrival, np.asarray(durations.sample(rng, arrival.size), dtype=float)
+
+
+def draw_phases(n: int, phases: str, seed: int) -> np.ndarray:
+    """Each session's phase slot (``serving.PHASE_SLOTS`` per period): all 0 when ``aligned``; uniform and
+    seeded when ``independent``, from a generator of its own so that a run's arrivals and durations do not
+    depend on the regime."""
+    serving.check_phases(phases)
+    if phases == "aligned" or n == 0:
+        return np.zeros(n, dtype=np.int64)
+    rng = np.random.default_rng([int(seed), 0x9E3779B9])
+    return rng.integers(0, serving.PHASE_SLOTS, n).astype(np.int64)

@@ -36,6 +36,7 @@ from scipy.optimize import nnls
 
 from metronome.calibration import (DTYPE_BYTES, Calibration, EnginePool, ModelShape, Provenance,
                                    StepLatencyModel, TokenStream, load_file)
+from metronome import serving
 from metronome.errors import MetronomeError
 from metronome.kv_policy import KVPolicy, make_policy
 from metronome.probe import models
@@ -77,6 +78,9 @@ class CalibrateOptions:
     # step after the idle gap are in) join the fit. Points whose sessions would not fit the pool are skipped.
     paced_sessions: tuple[int, ...] = (1, 4, 8, 16, 24, 32)
     paced_seconds: float = 3.0
+    # the paced runs' frame clock (serving.PHASES): in lockstep, or each session on its own phase so that the
+    # steps fitted are the ones vLLM's loop takes for independent clients (small batches, back to back)
+    phases: str = "aligned"
     fill_sessions: int = 4
     fill_seconds: float | None = None  # default: max(5 s, 8 frames), at most 30 s
     save: bool = False
@@ -95,6 +99,8 @@ class CalibrateOptions:
             d["sinks"] = self.sinks
         if self.chunk_idle_s:
             d["chunk_idle_s"] = self.chunk_idle_s
+        if self.phases != "aligned":  # only when set, so runs journaled before the option existed still resume
+            d["phases"] = self.phases
         if self.paced_sessions:
             d["paced"] = [list(self.paced_sessions), self.paced_seconds]
         return json.loads(json.dumps(d))
@@ -424,14 +430,16 @@ def paced_prompts(policy: KVPolicy, max_len: int, stream: TokenStream, n: int, r
     return [int(lo + (i + 0.5) / n * (hi - lo)) for i in range(n)]
 
 
-def effective_step_s(steps: pd.DataFrame, period_s: float) -> tuple[np.ndarray, np.ndarray]:
+def effective_step_s(steps: pd.DataFrame, period_s: float, phases_s=(0.0,)) -> tuple[np.ndarray, np.ndarray]:
     """Each step's time as a frame sees it: from the previous step's end or the frame's tick, whichever is later,
     to its own end. Summed over a frame's steps this is the frame's latency; it includes the driver's hand-off
     between steps and its wake-up at the tick, which an engine timed alone does not show. Also whether the
-    step began at a tick (after an idle gap: a frame's first step)."""
+    step began at a tick (after an idle gap: a frame's first step). ``phases_s``: the sessions' phases (their
+    frame k ticks at k·P + φ); a step's tick is the latest of theirs at or before its start."""
     end = steps.t_end_s.to_numpy(float)
     start = steps.t_s.to_numpy(float)  # a step row's t_s is its start (metronome.results)
-    tick = np.floor(start / period_s + 1e-9) * period_s
+    ph = np.unique(np.asarray(phases_s, dtype=float))[None, :]
+    tick = (np.floor((start[:, None] - ph) / period_s + 1e-9) * period_s + ph).max(axis=1)
     prev = np.concatenate([[-np.inf], end[:-1]])
     return end - np.maximum(prev, tick), tick > prev
 
@@ -445,6 +453,7 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
     records them (``metronome-probe run``/``validate``), so the steps timed here carry the same bookkeeping a
     live run's do."""
     from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+    from metronome.workload import draw_phases
 
     engine.reset()
     room = engine.num_blocks - 1 - n * _paced_blocks(opts, policy, stream)
@@ -453,14 +462,16 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
     prefill_s = 2.0 if max(prompts) > 1 else 0.0  # time for the histories' prefill, on top of paced_seconds
     cfg = DriverConfig(stream=stream, horizon_s=opts.paced_seconds + prefill_s, run=key, seed=opts.seed + n,
                        policy=policy, cap="rebase" if policy.bounded else "finish",
-                       rebase_tokens=policy.rebase_tokens() if policy.bounded else None)
+                       rebase_tokens=policy.rebase_tokens() if policy.bounded else None, phases=opts.phases)
+    slots = draw_phases(n, opts.phases, opts.seed + n)
     res = Driver(engine, cfg, out_dir=out_dir, retain=out_dir is None).run(
-        [SessionPlan(f"paced{n}.{i}", prompt_tokens=p) for i, p in enumerate(prompts)])
+        [SessionPlan(f"paced{n}.{i}", prompt_tokens=p, phase_slot=int(slots[i])) for i, p in enumerate(prompts)])
     engine.reset()
     steps = pd.DataFrame(res.steps)
     if steps.empty:
         return {"sessions": n, "steps": 0}
-    steps["eff"], steps["first"] = effective_step_s(steps, stream.frame_period_s)
+    phases = serving.phase_offset_s(slots, stream.frame_period_s) if slots.size else np.zeros(1)
+    steps["eff"], steps["first"] = effective_step_s(steps, stream.frame_period_s, phases)
     # the sessions' first frames carry their prefill (and the engine warms up): measure from 3 frames after
     # the last of them is answered
     firsts = [f["done_s"] for f in res.frames if f["frame"] == 0 and f["done_s"] is not None]

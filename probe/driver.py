@@ -4,8 +4,11 @@ Each session is one long-lived resumable engine request, so its KV persists acro
 re-encoding). vLLM has no clock; ``step()`` simply blocks, so the driver keeps the clock itself. The serving
 rules are :mod:`metronome.serving`'s, the same the simulator runs (README, "The engine model"):
 
-1. **Frame clock** (``serving.join_frame``). Frame ``k`` ticks at ``k·P`` for every session; a session that
-   arrives at ``t`` streams from frame ``ceil(t/P)``. At its tick a running session's frame appends ``in``
+1. **Frame clock** (``serving.join_frame``, ``frame_tick``). Frame ``k`` of a session ticks at ``k·P + φ``:
+   ``φ = 0`` for every session in lockstep (``phases="aligned"``, the default), each session's own seeded
+   phase with ``phases="independent"`` (the engine then steps whenever any request has work, batching the
+   frames that arrived, as vLLM's engine loop does); a session that arrives at ``t`` streams from its first
+   tick at or after ``t``. At its tick a running session's frame appends ``in``
    tokens (after the token the engine sampled last, which vLLM drops from the history and the driver
    re-feeds) and waits for ``out`` tokens. A session has at most one frame in the engine; a frame that comes
    due early waits in the driver and its latency still counts from its tick.
@@ -20,7 +23,8 @@ rules are :mod:`metronome.serving`'s, the same the simulator runs (README, "The 
    handled the same way. A readmitted session is a **new request whose prompt is its whole token
    history**: the re-prefill is the latency wall.
 4. **Silence** (``serving.frame_is_silent``). Frames of waiting and re-prefilling sessions are answered
-   empty, on time: when every running session's frame of the same tick is done (at once if none runs).
+   empty, on time: in lockstep when every running session's frame of the same tick is done (at once if none
+   runs); with independent phases at once.
    Their input tokens still join the history. A late frame of a running session is late, not silent
    (``silent_by_deadline`` records whether a token came in time).
 5. **Length** (``serving.frame_fits``, ``length_outcome``). A frame that would reach max_model_len rebases
@@ -52,6 +56,9 @@ from metronome.serving import EndReason, admit_fcfs
 from metronome.probe.engine import Engine
 from metronome.probe.records import Journal
 from metronome.probe.remote import EngineDied
+
+PHASES = "aligned"  # serving.PHASES: the regime a live run uses unless told otherwise (DriverConfig.phases);
+# whatever simulates a live run (validate, the report's --live, the AIMD bench) simulates the run's regime
 
 _EPS = 1e-9
 # Journals are written off the timing path (records.Journal, deferred): when the engine is idle with at least
@@ -85,6 +92,7 @@ class SessionPlan:
     arrival_s: float = 0.0
     duration_s: float = math.inf
     prompt_tokens: int = 1  # the first frame carries these extra tokens (at least 1: vLLM rejects an empty chunk)
+    phase_slot: int = 0  # its phase, in serving.PHASE_SLOTS per period (workload.draw_phases); 0 in lockstep
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,7 @@ class DriverConfig:
     # session as a rebase (its KV is gone); frames are answered silent meanwhile. Without, the run stops.
     restart: bool = False
     max_restarts: int = 3
+    phases: str = PHASES  # serving.PHASES: "aligned" (lockstep) or "independent" (each session's own phase)
 
     @property
     def deadline(self) -> float:
@@ -149,6 +158,7 @@ class _Session:
     readmissions: int = 0
     incarnation: int = 0
     rebase_next: bool = False  # its KV was lost with the engine: the readmission restarts it as a rebase
+    phase_s: float = 0.0  # its frame k ticks at k·P + phase_s
 
 
 @dataclass
@@ -203,6 +213,7 @@ class Driver:
         self.t_stopped_s: float | None = None
         self.waiting: deque[_Session] = deque()  # admitted by the controller, waiting for blocks (FCFS)
         self.silent_pending: list[tuple[_Session, _Frame]] = []  # answered with their tick's lockstep
+        self._lockstep = serving.check_phases(config.phases) == "aligned"
         self.frames: list[dict] = []
         self.steps: list[dict] = []
         self.sessions: list[dict] = []
@@ -307,7 +318,8 @@ class Driver:
             if not s.history and s.last_token is None:
                 s.rebase_next = False  # nothing was lost: it never reached the engine
                 s.state = RUNNING  # a new session: its first frame (prompt + input) is its prefill
-                s.running_since = s.next_frame * self.cfg.stream.frame_period_s  # it serves every frame from now
+                s.running_since = serving.frame_tick(s.next_frame, self.cfg.stream.frame_period_s,
+                                                     s.phase_s)  # it serves every frame from now
                 continue
             self._readmit(s, now, by_rid)
 
@@ -360,7 +372,7 @@ class Driver:
         if s.inflight is not None:  # its frame is answered with its tick's lockstep, with what it got
             f = s.inflight
             s.history.extend(f.tokens)
-            self.silent_pending.append((s, f))
+            self._owe(s, f, now)
             s.inflight = None
         elif s.last_token is not None:
             s.history.append(s.last_token)
@@ -369,7 +381,7 @@ class Driver:
             f = s.queue.popleft()
             f.state = WAITING
             s.pending_input.extend(self._tokens(self.cfg.stream.input_tokens_per_frame))
-            self.silent_pending.append((s, f))
+            self._owe(s, f, now)
         s.state = WAITING
         if event == "preempt":
             s.preemptions += 1
@@ -384,8 +396,10 @@ class Driver:
         """Past the gate at ``t_enter`` (its arrival, or when the gate's queue let it in): it waits for blocks
         in the FCFS queue, streams from frame ``serving.join_frame(t_enter)`` (due at once if the driver noticed
         it late) and leaves ``duration`` after ``t_enter``."""
-        first = serving.join_frame(t_enter, self.cfg.stream.frame_period_s)
-        s = _Session(plan=plan, start_s=t_enter, end_s=t_enter + plan.duration_s, rid=plan.sid, next_frame=first)
+        phase = float(serving.phase_offset_s(plan.phase_slot, self.cfg.stream.frame_period_s))
+        first = serving.join_frame(t_enter, self.cfg.stream.frame_period_s, phase)
+        s = _Session(plan=plan, start_s=t_enter, end_s=t_enter + plan.duration_s, rid=plan.sid, next_frame=first,
+                     phase_s=phase)
         self._active[plan.sid] = s
         by_rid[s.rid] = s
         self.waiting.append(s)
@@ -540,7 +554,7 @@ class Driver:
         if eng.has_work() and not self._stalled:
             self._step(t0, by_rid)
         else:
-            nxt = min([(s.next_frame * period) for s in self._active.values()]
+            nxt = min([serving.frame_tick(s.next_frame, period, s.phase_s) for s in self._active.values()]
                       + [s.end_s for s in self._active.values()]
                       + ([arrivals[0].arrival_s] if arrivals else []) + [cfg.horizon_s])
             self._preempted = False  # no step ran: the next admission check is not "right after"
@@ -603,8 +617,8 @@ class Driver:
         sessions get a silent frame, and their input joins their history."""
         period, n_in = self.cfg.stream.frame_period_s, self.cfg.stream.input_tokens_per_frame
         for s in list(self._active.values()):
-            while s.next_frame * period <= now + _EPS:
-                tick = s.next_frame * period
+            while serving.frame_tick(s.next_frame, period, s.phase_s) <= now + _EPS:
+                tick = serving.frame_tick(s.next_frame, period, s.phase_s)
                 # a tick the driver notices late (it was inside a step) belongs to the state at the tick
                 state = s.state if s.state != RUNNING or tick >= s.running_since - _EPS else PREFILL
                 f = _Frame(index=s.frames, tick_s=tick, state=state)
@@ -614,7 +628,7 @@ class Driver:
                     s.queue.append(f)
                 else:
                     s.pending_input.extend(self._tokens(n_in))
-                    self.silent_pending.append((s, f))
+                    self._owe(s, f, now)
             if s.state == RUNNING and s.inflight is None and s.queue:
                 self._stalled = False  # new input may unblock the engine
                 # the frame leaves the queue only once the engine took it (an engine that dies keeps it due)
@@ -622,6 +636,15 @@ class Driver:
                     self._end(s, now, EndReason.LENGTH, by_rid)
                 else:
                     s.queue.popleft()
+
+    def _owe(self, s: _Session, f: _Frame, now: float) -> None:
+        """A frame of a session without a place, answered short or empty: with its tick's running frames in
+        lockstep (:meth:`_answer_silent`), at once with independent phases (as the simulator's ``_owe``)."""
+        if self._lockstep:
+            self.silent_pending.append((s, f))
+        else:
+            f.done_s = now
+            self._record_frame(s, f, now)
 
     def _answer_silent(self, now: float) -> None:
         """Answer silent frames once every running session's frame of the same tick is done."""

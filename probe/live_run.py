@@ -58,6 +58,7 @@ class RunOptions:
     dtype: str | None = None
     restart: bool = False
     max_restarts: int = 3
+    phases: str = "aligned"  # serving.PHASES: sessions in lockstep, or each on its own seeded phase
 
 
 @dataclass
@@ -92,6 +93,9 @@ def check_port(port: int) -> None:
 
 def check(opts: RunOptions) -> Checked:
     """Validate every option before any engine starts; raise MetronomeError (one line) on bad input."""
+    from metronome import serving
+
+    serving.check_phases(opts.phases)
     from metronome import admission as adm
     from metronome.workload import Arrivals, Durations
 
@@ -124,14 +128,16 @@ def check(opts: RunOptions) -> Checked:
     return Checked(arrivals, durations, policy, params, lambda d: adm.make_controller(opts.admission, d, params))
 
 
-def make_plans(arrivals, durations, horizon_s: float, seed: int, prompt_tokens: int = 1):
-    """Session plans: :func:`metronome.workload.draw`, the sessions the simulator draws for the same seed."""
+def make_plans(arrivals, durations, horizon_s: float, seed: int, prompt_tokens: int = 1, phases: str = "aligned"):
+    """Session plans: :func:`metronome.workload.draw` and ``draw_phases``, the sessions (and phases) the simulator
+    draws for the same seed."""
     from metronome.probe.driver import SessionPlan
-    from metronome.workload import draw
+    from metronome.workload import draw, draw_phases
 
     times, durs = draw(arrivals, durations, horizon_s, seed)
-    return [SessionPlan(f"s{i}", arrival_s=float(t), duration_s=float(d), prompt_tokens=prompt_tokens)
-            for i, (t, d) in enumerate(zip(times, durs))]
+    slots = draw_phases(times.size, phases, seed)
+    return [SessionPlan(f"s{i}", arrival_s=float(t), duration_s=float(d), prompt_tokens=prompt_tokens,
+                        phase_slot=int(k)) for i, (t, d, k) in enumerate(zip(times, durs, slots))]
 
 
 def controller_rows(controller) -> list[dict]:
@@ -252,7 +258,8 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
             stream = ecfg.model.stream
             deadline = opts.deadline_s or stream.frame_period_s
             controller = checked.make_controller(deadline)
-            plans = make_plans(checked.arrivals, checked.durations, opts.horizon_s, opts.seed, opts.prompt_tokens)
+            plans = make_plans(checked.arrivals, checked.durations, opts.horizon_s, opts.seed, opts.prompt_tokens,
+                               opts.phases)
             options = {k: (v if not hasattr(v, "frame_period_s") else asdict(v)) for k, v in asdict(opts).items()
                        if k != "stream"}
             options["stream"] = {"period_s": stream.frame_period_s, "in": stream.input_tokens_per_frame,
@@ -270,7 +277,7 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
                                       "arrivals": checked.arrivals.describe(),
                                       "durations": checked.durations.describe()},
                                on_driver=hold, notify=lambda line: err(f"metronome-probe: {line}"),
-                               restart=opts.restart, max_restarts=opts.max_restarts)
+                               restart=opts.restart, max_restarts=opts.max_restarts, phases=opts.phases)
         finally:
             engine.close()
     except KeyboardInterrupt:

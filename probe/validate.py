@@ -58,6 +58,7 @@ class ValidateOptions:
     deadline_s: float | None = None
     seed: int = 0
     progress: bool = True
+    phases: str = "aligned"  # serving.PHASES, for the live runs, the calibration's paced runs and the simulation
     # the calibration's grid: small, so that validate takes a minute or two on a 2-core CPU
     grid_sessions: tuple[int, ...] = (1, 2, 4, 8)
     grid_context: tuple[int, ...] = (64, 128, 256, 512)
@@ -75,6 +76,9 @@ class ValidateOptions:
 
 def check(opts: ValidateOptions) -> None:
     """Bad input fails here, in one line, before any engine starts."""
+    from metronome import serving
+
+    serving.check_phases(opts.phases)
     if opts.num_blocks < 2:
         raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {opts.num_blocks}")
     if opts.sessions < 1:
@@ -126,7 +130,8 @@ def run_validate(opts: ValidateOptions, echo=print) -> dict:
         grid_context=opts.grid_context, decode_steps=opts.decode_steps,
         chunk_sizes=(stream.input_tokens_per_frame + 1,), chunk_repeats=3, growth_tokens=min(1024, max_len),
         chunk_idle_s=0.9 * stream.frame_period_s,  # chunk steps timed as they come in real time: after idle
-        fill_sessions=opts.fill_sessions, fill_seconds=opts.fill_seconds, progress=opts.progress, seed=opts.seed)
+        fill_sessions=opts.fill_sessions, fill_seconds=opts.fill_seconds, progress=opts.progress, seed=opts.seed,
+        phases=opts.phases)
     base = engine_config(copts, resolved)
     t0 = time.perf_counter()
     summary = {
@@ -137,7 +142,7 @@ def run_validate(opts: ValidateOptions, echo=print) -> dict:
                    "output_tokens_per_frame": stream.output_tokens_per_frame},
         "window": opts.window, "sinks": opts.sinks, "deadline_s": opts.deadline_s or stream.frame_period_s,
         "targets": {"t_sat_relative_error": T_SAT_TARGET, "frame_latency_relative_error": LATENCY_TARGET},
-        "calibration": str(out / "calibration" / "calibration.json"), "policies": {},
+        "calibration": str(out / "calibration" / "calibration.json"), "phases": opts.phases, "policies": {},
     }
     cal = None
     for name, policy in opts.policies():
@@ -174,7 +179,10 @@ def run_validate(opts: ValidateOptions, echo=print) -> dict:
 def plans(opts: ValidateOptions):
     from metronome.probe.driver import SessionPlan
 
-    return [SessionPlan(f"s{i}", arrival_s=0.0) for i in range(opts.sessions)]
+    from metronome.workload import draw_phases
+
+    slots = draw_phases(opts.sessions, opts.phases, opts.seed)
+    return [SessionPlan(f"s{i}", arrival_s=0.0, phase_slot=int(slots[i])) for i in range(opts.sessions)]
 
 
 def run_policy_live(engine, policy: KVPolicy, stream: TokenStream, opts: ValidateOptions, out_dir: Path, name: str):
@@ -188,7 +196,8 @@ def run_policy_live(engine, policy: KVPolicy, stream: TokenStream, opts: Validat
     load = os.getloadavg()[0]
     try:
         res = run_live(engine, stream, plans(opts), opts.horizon_s, policy=policy, out_dir=out_dir, run=name,
-                       cap="rebase" if policy.bounded else "finish", deadline_s=opts.deadline_s, seed=opts.seed)
+                       cap="rebase" if policy.bounded else "finish", deadline_s=opts.deadline_s, seed=opts.seed,
+                       phases=opts.phases)
     finally:
         for t in TABLES:
             journal_to_parquet(out_dir / f"{t}.jsonl")
@@ -202,7 +211,8 @@ def simulate(cal, policy: KVPolicy, opts: ValidateOptions, out_dir: Path):
 
     sc = sc_mod.make_scenario(calibration=cal, kv=policy.kind, window=policy.window_tokens or None,
                               sinks=policy.sink_tokens or None, sessions=opts.sessions, horizon=opts.horizon_s,
-                              deadline=opts.deadline_s, num_blocks=opts.num_blocks, seed=opts.seed)
+                              deadline=opts.deadline_s, num_blocks=opts.num_blocks, seed=opts.seed,
+                              phases=opts.phases)
     result = sc_mod.run(sc)
     sc_mod.write(result, out_dir)
     return result

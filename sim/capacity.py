@@ -5,7 +5,8 @@
 * **deadline-bound N\\*** — the largest N whose p99 frame latency meets ``target_fraction × deadline``
   with the pool taken away as a limit (so only latency decides): N sessions in steady state (their
   windows full, or, unbounded, over a whole session), found by doubling then bisection on N — p99 frame
-  latency is monotone in N here;
+  latency is monotone in N here. Under ``independent`` phases (the default) the N sessions tick at their own
+  seeded phases, so a step batches only the frames that have arrived; ``aligned`` measures the lockstep;
 * **binding** — the smaller of the two; ``n_star`` is that smaller number.
 """
 
@@ -45,12 +46,12 @@ def _measure_window(cal: Calibration, policy: KVPolicy, duration_s: float | None
 
 
 def p99_at(cal: Calibration, policy: KVPolicy, n: int, deadline_s: float, percentile: float = 99.0,
-           duration_s: float | None = None) -> float:
+           duration_s: float | None = None, phases: str = "independent") -> float:
     """p99 frame latency of N sessions, pool unlimited, over the steady-state window."""
     big = replace(cal, engine=replace(cal.engine, num_blocks=UNLIMITED_POOL_BLOCKS,
                                       max_num_seqs=max(cal.engine.max_num_seqs, UNLIMITED_POOL_BLOCKS)))
     warm, span = _measure_window(cal, policy, duration_s)
-    res = run(Scenario(big, policy, Arrivals("all", sessions=n), warm + span, deadline_s=deadline_s))
+    res = run(Scenario(big, policy, Arrivals("all", sessions=n), warm + span, deadline_s=deadline_s, phases=phases))
     fr = res.frames[res.frames.tick_s >= warm]
     v = weighted_quantile(fr.latency_s.to_numpy(), fr.frames.to_numpy(), percentile / 100.0)
     return math.inf if v is None else v
@@ -58,7 +59,8 @@ def p99_at(cal: Calibration, policy: KVPolicy, n: int, deadline_s: float, percen
 
 def deadline_n_star(cal: Calibration, policy: KVPolicy, deadline_s: float, target_fraction: float = 0.8,
                     percentile: float = 99.0, duration_s: float | None = None, n_max: int = 1_000_000,
-                    progress: Callable[[int, float], None] | None = None) -> tuple[int, list[tuple[int, float]]]:
+                    progress: Callable[[int, float], None] | None = None,
+                    phases: str = "independent") -> tuple[int, list[tuple[int, float]]]:
     """Largest N with p99 ≤ target (0 if even one session misses); also every (N, p99) evaluated."""
     if not 0 < target_fraction <= 1:
         raise MetronomeError(f"target fraction must be in (0, 1], got {target_fraction}")
@@ -67,7 +69,7 @@ def deadline_n_star(cal: Calibration, policy: KVPolicy, deadline_s: float, targe
 
     def ok(n: int) -> bool:
         if n not in seen:
-            seen[n] = p99_at(cal, policy, n, deadline_s, percentile, duration_s)
+            seen[n] = p99_at(cal, policy, n, deadline_s, percentile, duration_s, phases)
             if progress:
                 progress(n, seen[n])
         return seen[n] <= target
@@ -87,12 +89,12 @@ def deadline_n_star(cal: Calibration, policy: KVPolicy, deadline_s: float, targe
 
 def capacity(cal: Calibration, policy: KVPolicy, deadline_s: float | None = None, target_fraction: float = 0.8,
              percentile: float = 99.0, duration_s: float | None = None,
-             progress: Callable[[int, float], None] | None = None) -> dict:
+             progress: Callable[[int, float], None] | None = None, phases: str = "independent") -> dict:
     deadline_s = deadline_s or cal.stream.frame_period_s
     fm = FillModel(cal, policy)
     ceiling = fm.memory_ceiling(duration_s if duration_s is not None else (None if policy.bounded else 600.0))
     n_dead, evals = deadline_n_star(cal, policy, deadline_s, target_fraction, percentile, duration_s,
-                                    progress=progress)
+                                    progress=progress, phases=phases)
     binding = "deadline"
     if ceiling is not None and ceiling < n_dead:
         binding = "max_num_seqs" if fm.seqs_bind else "memory"
@@ -101,6 +103,7 @@ def capacity(cal: Calibration, policy: KVPolicy, deadline_s: float | None = None
         "calibration": cal.name,
         "provenance": cal.provenance.kind,
         "policy": policy.describe(),
+        "phases": phases,
         "deadline_s": deadline_s,
         "target_latency_s": target_fraction * deadline_s,
         "percentile": percentile,

@@ -9,9 +9,11 @@ module keeps the time: the frame clock, step latencies from the calibration, the
 
 A frame's life:
 
-1. **The frame clock.** Frame ``f`` ticks at ``f·P`` (``P`` = the calibration's frame period) for every
-   session (aligned phases, today's only regime); a session that arrives at ``t`` streams from frame
-   ``serving.join_frame(t, P)``.
+1. **The frame clock.** Frame ``f`` of session ``i`` ticks at ``f·P + φ_i`` (``serving.frame_tick``; ``P`` =
+   the calibration's frame period). Under ``aligned`` phases every ``φ_i`` is 0 and the engine serves the
+   sessions in lockstep; under ``independent`` phases each has its own (``workload.draw_phases``) and the
+   engine steps back to back while any request has work, each step batching the frames that arrived before
+   it. A session that arrives at ``t`` streams from frame ``serving.join_frame(t, P, φ_i)``.
 2. **The front end.** An arrival passes the admission gate (controller, queue, timeout), then waits in the
    front end's FCFS queue until the engine has the blocks vLLM's admission gate wants
    (``serving.admission_need_blocks``), never in the turn right after a step that preempted. At its tick a
@@ -24,10 +26,11 @@ A frame's life:
    engine preempted, and the victims of the deadlock rule (``serving.deadlock_victims``), lose their place:
    their request is aborted and they go back to the head of the front end's queue, to be readmitted as a new
    request whose prompt is their whole history.
-5. **Silence.** A waiting or re-prefilling session's frame is answered empty, on time, when every running
-   session's frame of the same tick is done; its input joins the history.
+5. **Silence.** A waiting or re-prefilling session's frame is answered empty, on time; its input joins the
+   history. In lockstep it is answered when every running session's frame of its tick is done; with
+   independent phases the front end answers it at once (:meth:`SimEngine._owe`).
 
-**Fast-forward.** When every session streams in lockstep with nothing waiting, queued, prefilling or behind,
+**Fast-forward.** Under aligned phases, when every session streams in lockstep with nothing waiting, queued, prefilling or behind,
 the next frames are computed a whole span at a time with numpy (:meth:`SimEngine._fast_span`): the same
 allocations ``EngineModel`` would make (out-of-window frees at the computed count, the full-sequence gate at
 each frame's resume, decode blocks), the same timings, jitter draws and records, one SimPy event per span.
@@ -60,7 +63,8 @@ class SimEngine:
     def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy,
                  arrival_s: np.ndarray, duration_s: np.ndarray, horizon_s: float, deadline_s: float,
                  controller=None, fast_forward: bool = True, max_span_steps: int = 256,
-                 check_invariants: bool = False, seed: int = 0, engine_model=EngineModel):
+                 check_invariants: bool = False, seed: int = 0, engine_model=EngineModel,
+                 phase_slot: np.ndarray | None = None, phases: str = "aligned"):
         self.env, self.cal, self.policy = env, calibration, policy
         self.horizon = float(horizon_s)
         self.deadline = float(deadline_s)
@@ -88,7 +92,10 @@ class SimEngine:
         self.outcome = serving.length_outcome(policy)
         self.keep_tokens = serving.rebase_keep_tokens(policy, self.maxlen)
         self.lat = calibration.step_latency
-        self.first_s = float(self.lat.frame_first_s)  # extra time of a step in which a frame starts
+        # extra time of a step that starts a frame after the engine idled (the calibration's "first step after
+        # the idle gap"): in lockstep a frame's first step; with independent phases only when nothing ran before
+        self.first_s = float(self.lat.frame_first_s)
+        self.idle = True  # the engine waited (no step ran) since its last step
         self.jitter = bool(self.lat.jitter)
         self.seed = int(seed)
         self.draws = self.lat.draws(self.seed, self.P)
@@ -98,6 +105,14 @@ class SimEngine:
         self.arrival = np.asarray(arrival_s, dtype=np.float64)[order]
         self.duration = np.asarray(duration_s, dtype=np.float64)[order]
         M = len(self.arrival)
+        # each session's phase (serving.PHASE_SLOTS per period): its frame f ticks at f·P + phase
+        self.pslot = (np.zeros(M, dtype=np.int64) if phase_slot is None
+                      else np.asarray(phase_slot, dtype=np.int64)[order])
+        self.phase = serving.phase_offset_s(self.pslot, self.P)
+        serving.check_phases(phases)
+        self.lockstep = phases == "aligned"
+        if self.lockstep and self.pslot.any():
+            raise ValueError("aligned phases: every session's phase is 0")
         self.state = np.zeros(M, dtype=np.int8)
         self.rid = np.full(M, -1, dtype=np.int64)  # the session's engine request (-1: none)
         self.slot = np.full(M, -1, dtype=np.int64)  # its request's slot in the engine model
@@ -144,6 +159,7 @@ class SimEngine:
         self.frames = frame_table()
         self.fast_steps = 0  # steps computed in numpy spans (the summary does not depend on it)
         self.slow_steps = 0  # steps taken one SimPy event each
+        self._buffers = None  # the compiled loop's record buffers, reused from call to call
 
     # ------------------------------------------------------------------------------------------ helpers
     def _in_flight(self) -> int:
@@ -188,14 +204,20 @@ class SimEngine:
 
     def _run(self):
         env = self.env
+        turned = False  # the compiled loop already took the turn at self.now
         while self.now < self.horizon:
-            self._turn(self.now)
-            if self.fast_forward:
-                span = self._fast_span(self.now)
-                if span is not None:
-                    yield env.timeout(max(0.0, span - env.now))
-                    self.now = span
-                    continue
+            if not turned:
+                self._turn(self.now)
+                if self.fast_forward:
+                    span = self._fast_span(self.now)
+                    if span is None:
+                        span = self._compiled_span(self.now)
+                    if span is not None:
+                        end, turned = span
+                        yield env.timeout(max(0.0, end - env.now))
+                        self.now = end
+                        continue
+            turned = False
             if self.model.has_work() and not self.stalled:
                 start = self.now
                 lat, rec = self._step(start)
@@ -205,6 +227,7 @@ class SimEngine:
                 self._after_step(start, lat, rec)
             else:
                 self.preempted_last = False  # no step ran: the next admission is not "right after" one
+                self.idle = True
                 until = min(self._next_tick(), self._next_event_time())
                 if until <= self.now:  # nothing left to wait for (a stalled engine with no event): give up time
                     until = self.horizon
@@ -215,7 +238,7 @@ class SimEngine:
         live = (self.state >= WAITING) & (self.state <= RUNNING)
         if not live.any():
             return math.inf
-        return float(self.next_frame[live].min()) * self.P
+        return float(serving.frame_tick(self.next_frame[live], self.P, self.phase[live]).min())
 
     # ------------------------------------------------------------------------------------- front end turn
     def _turn(self, now: float) -> None:
@@ -255,7 +278,7 @@ class SimEngine:
         """Past the gate (at its arrival, or when the gate's queue let it in): the session waits in the front
         end's queue, streams from the first tick at or after ``t_enter`` and leaves ``duration`` after it."""
         self.state[i] = WAITING
-        self.next_frame[i] = serving.join_frame(t_enter, self.P)
+        self.next_frame[i] = serving.join_frame(t_enter, self.P, float(self.phase[i]))
         self.waiting.append(i)
         heapq.heappush(self.departures, (t_enter + self.duration[i], i))
 
@@ -279,7 +302,7 @@ class SimEngine:
             if not self.started[i]:
                 # a new session: its first frame (prompt + input) is its prefill, submitted at its tick
                 self.state[i] = RUNNING
-                self.running_since[i] = self.next_frame[i] * self.P
+                self.running_since[i] = serving.frame_tick(self.next_frame[i], self.P, self.phase[i])
                 continue
             self._readmit(i, now)
 
@@ -302,22 +325,25 @@ class SimEngine:
     def _ticks(self, now: float) -> None:
         """Frames that came due: running sessions queue them (and submit one); the others hear silence."""
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
-        due = live[self.next_frame[live] * self.P <= now + _EPS]
+        tick = serving.frame_tick
+        P = self.P
+        due = live[tick(self.next_frame[live], P, self.phase[live]) <= now + _EPS]
         if due.size:
-            one = (self.next_frame[due] + 1) * self.P > now + _EPS  # exactly one frame came due (the usual)
+            ph = self.phase[due]
+            one = tick(self.next_frame[due] + 1, P, ph) > now + _EPS  # exactly one frame came due (the usual)
             many = due[~one]
             if many.size:  # an engine slower than the frame clock: a running session queues them all
-                nf = self.next_frame[many]
-                n_due = np.floor((now + _EPS) / self.P).astype(np.int64) - nf + 1
-                # the division may round across a tick: settle on the tick test itself (f·P <= now)
-                n_due -= (nf + n_due - 1) * self.P > now + _EPS
-                n_due += (nf + n_due) * self.P <= now + _EPS
-                queued = (self.state[many] == RUNNING) & (self.next_frame[many] * self.P >= self.running_since[many] - _EPS)
+                nf, ph = self.next_frame[many], self.phase[many]
+                n_due = np.floor((now + _EPS - ph) / P).astype(np.int64) - nf + 1
+                # the division may round across a tick: settle on the tick test itself (f·P + φ <= now)
+                n_due -= tick(nf + n_due - 1, P, ph) > now + _EPS
+                n_due += tick(nf + n_due, P, ph) <= now + _EPS
+                queued = (self.state[many] == RUNNING) & (tick(nf, P, ph) >= self.running_since[many] - _EPS)
                 q = many[queued]
                 self.backlog[q] += n_due[queued]
                 self.next_frame[q] += n_due[queued]
                 for i in many[~queued].tolist():
-                    while self.next_frame[i] * self.P <= now + _EPS:
+                    while tick(self.next_frame[i], P, self.phase[i]) <= now + _EPS:
                         self._tick_one(np.array([i]))
             self._tick_one(due[one])
         submit = live[(self.state[live] == RUNNING) & (self.inflight[live] < 0) & (self.backlog[live] > 0)]
@@ -328,12 +354,12 @@ class SimEngine:
         """Frame ``next_frame`` of sessions ``idx`` is due: a running session's is queued, the others' is silent."""
         f = self.next_frame[idx].copy()
         self.next_frame[idx] += 1
-        run = (self.state[idx] == RUNNING) & (f * self.P >= self.running_since[idx] - _EPS)
+        run = (self.state[idx] == RUNNING) & (serving.frame_tick(f, self.P, self.phase[idx]) >= self.running_since[idx] - _EPS)
         self.backlog[idx[run]] += 1
         quiet = idx[~run]
         if quiet.size:
             self.pending_in[quiet] += self.n_in
-            self.silent_pending.extend(zip(quiet.tolist(), f[~run].tolist(), [0] * quiet.size))
+            self._owe(quiet, f[~run], np.zeros(quiet.size, dtype=np.int64))
 
     def _submit_many(self, idx: np.ndarray, now: float) -> None:
         """Hand each session's oldest due frame to the engine. Sessions paused in the engine whose frame fits
@@ -400,7 +426,7 @@ class SimEngine:
         first_q = int(self.next_frame[i] - self.backlog[i])
         owed += [(f, 0) for f in range(first_q, int(self.next_frame[i]))]
         for f, tok in owed:
-            if f * self.P + self.deadline <= now + _EPS:
+            if serving.frame_tick(f, self.P, self.phase[i]) + self.deadline <= now + _EPS:
                 self._answer(i, f, tok)
         self.inflight[i], self.backlog[i] = -1, 0
         self.state[i] = ENDED
@@ -416,25 +442,37 @@ class SimEngine:
         self.s_frames[idx] += 1
         self.s_silent[idx[silent]] += 1
         pre = silent & ~np.isnan(self.s_admitted[idx])
-        for fr in np.unique(f).tolist():
-            m = f == fr
-            a = self._answers.setdefault(fr, [0, 0, 0, 0, []])
+        key = serving.tick_key(f, self.pslot[idx])  # one row per tick: a frame index and a phase
+        for k in np.unique(key).tolist():
+            m = key == k
+            a = self._answers.setdefault(k, [0, 0, 0, 0, []])
             a[0] += int(m.sum())
             a[1] += int(silent[m].sum())
             a[2] += int(pre[m].sum())
             a[3] += int(tokens[m].sum())
             a[4].append(idx[m])
 
+    def _owe(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
+        """Frames of sessions without a place (waiting, re-prefilling, just preempted), answered short or empty.
+        In lockstep they are answered with their tick's running frames (:meth:`_answer_silent`); a front end
+        serving clients on their own clocks answers them at once."""
+        if self.lockstep:
+            self.silent_pending.extend(zip(idx.tolist(), f.tolist(), tokens.tolist()))
+        elif idx.size:
+            self._answer_many(idx, f, tokens)
+
     def _answer_silent(self, now: float) -> None:
-        """Silent frames are answered once every running session's frame of the same tick is done."""
+        """Lockstep: silent frames are answered once every running session's frame of their tick is done."""
         if not self.silent_pending:
             return
+        big = np.iinfo(np.int64).max
         run = np.flatnonzero(self.state == RUNNING)
         owed = np.where(self.inflight[run] >= 0, self.inflight[run],
-                        np.where(self.backlog[run] > 0, self.next_frame[run] - self.backlog[run], np.iinfo(np.int64).max))
-        unfinished = int(owed.min()) if owed.size else np.iinfo(np.int64).max
+                        np.where(self.backlog[run] > 0, self.next_frame[run] - self.backlog[run], -1))
+        owed_key = np.where(owed >= 0, serving.tick_key(owed, self.pslot[run]), big)
+        unfinished = int(owed_key.min()) if owed_key.size else big
         pend = np.array(self.silent_pending, dtype=np.int64).reshape(-1, 3)
-        now_ = pend[:, 1] < unfinished
+        now_ = serving.tick_key(pend[:, 1], self.pslot[pend[:, 0]]) < unfinished
         if now_.any():
             self._answer_many(pend[now_, 0], pend[now_, 1], pend[now_, 2])
             self.silent_pending = [tuple(x) for x in pend[~now_].tolist()]
@@ -443,28 +481,30 @@ class SimEngine:
         """Record the frames answered at ``now`` (one row per tick) and feed the controller; returns (frames, silent)."""
         if not self._answers:
             return 0, 0
-        tot = sil = 0
-        for f in sorted(self._answers):
-            n, silent, silent_pre, tokens, who = self._answers[f]
-            latency = now - f * self.P
-            late = latency > self.deadline + _EPS
-            if late:
-                self.s_late[np.concatenate(who)] += 1
-            self.frames.add(frame=f, tick_s=f * self.P, done_s=now, latency_s=latency, frames=n, silent=silent,
-                            silent_preempted=silent_pre, late=n if late else 0, tokens=tokens)
-            if self.controller is not None:
+        keys = sorted(self._answers)
+        rows = np.array([self._answers[k][:4] for k in keys], dtype=np.int64).reshape(-1, 4)
+        f, slot = np.divmod(np.array(keys, dtype=np.int64), serving.PHASE_SLOTS)
+        tick = serving.frame_tick(f, self.P, serving.phase_offset_s(slot, self.P))
+        latency = now - tick
+        late = latency > self.deadline + _EPS
+        for j in np.flatnonzero(late).tolist():
+            self.s_late[np.concatenate(self._answers[keys[j]][4])] += 1
+        n, silent = rows[:, 0], rows[:, 1]
+        self.frames.add(frame=f, tick_s=tick, done_s=now, latency_s=latency, frames=n, silent=silent,
+                        silent_preempted=rows[:, 2], late=np.where(late, n, 0), tokens=rows[:, 3])
+        if self.controller is not None:
+            for lt, nn, sl in zip(latency.tolist(), n.tolist(), silent.tolist()):
                 self.controller.advance(now, self._in_flight())
-                self.controller.observe(now, latency, frames=n, silent=silent)
-            tot += n
-            sil += silent
+                self.controller.observe(now, lt, frames=nn, silent=sl)
         self._answers = {}
-        return tot, sil
+        return int(n.sum()), int(silent.sum())
 
     # ----------------------------------------------------------------------------------------- one step
     def _step(self, now: float):
         rec = self.model.step()
         S = rec.slots
-        first = bool(self.fresh_slot[S].any())
+        first = self.idle and bool(self.fresh_slot[S].any())
+        self.idle = False
         self.fresh_slot[S] = False
         ctx = int(self.policy.resident_tokens(self.model.computed_of(S)).sum())
         lat = float(self.lat.step_s(int(S.size), ctx, rec.new_tokens))
@@ -548,15 +588,15 @@ class SimEngine:
         if self.inflight[i] >= 0:  # its frame is answered with its tick's lockstep, with what it got
             tok = int(self.inflight_tok[i])
             self.hist[i] += tok
-            self.silent_pending.append((i, int(self.inflight[i]), tok))
+            self._owe(np.array([i]), self.inflight[i:i + 1].copy(), np.array([tok]))
             self.inflight[i] = -1
         elif self.last_tok[i]:
             self.hist[i] += 1
         self.last_tok[i] = False
         first_q = int(self.next_frame[i] - self.backlog[i])
-        for f in range(first_q, int(self.next_frame[i])):  # due frames never submitted: silent
-            self.pending_in[i] += self.n_in
-            self.silent_pending.append((i, f, 0))
+        owed = np.arange(first_q, int(self.next_frame[i]), dtype=np.int64)  # due frames never submitted: silent
+        self.pending_in[i] += self.n_in * owed.size
+        self._owe(np.full(owed.size, i), owed, np.zeros(owed.size, dtype=np.int64))
         self.backlog[i] = 0
         self.state[i] = WAITING
         self.s_preempt[i] += 1
@@ -572,9 +612,115 @@ class SimEngine:
         outside = (self.state != PREFILL) & (self.state != RUNNING)
         assert not (self.rid[outside] >= 0).any(), "a session outside the engine holds a request"
 
+    # ----------------------------------------------------------------------------------- the compiled loop
+    COMPILED_STEPS = 8192  # steps per call of the compiled loop (its record buffers are sized by it)
+
+    def _compiled_span(self, now: float) -> tuple[float, bool] | None:
+        """Turns and steps of a steady span in :func:`metronome.sim.fastpath.run_span` (compiled), from just
+        after the turn at ``now``; returns (where it stopped, whether the turn there is taken), or None when
+        it could not take a single step (the step-by-step path goes on)."""
+        m = self.model
+        if (self.lockstep or self.gate.queue or self.preempted_last or self._answers or self.stalled
+                or m.waiting or not isinstance(m, EngineModel)):
+            return None
+        if self.jitter and (self.draws.rho or self.draws.rho_f):
+            return None  # correlated jitter needs each step's frame as it happens: step by step
+        live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
+        run = live[self.state[live] == RUNNING]
+        if live.size == 0 or run.size + len(self.waiting) != live.size:  # nobody prefilling
+            return None
+        st = self.started[run]
+        if (self.slot[run[st]] < 0).any() or (self.pending_in[run] > 0).any():
+            return None
+        t_next = self._next_event_time()
+        fresh = run[~st]  # admitted, first frame not yet due: its tick is where the span stops
+        if fresh.size:
+            t_next = min(t_next, float(serving.frame_tick(self.next_frame[fresh], self.P, self.phase[fresh]).min()))
+        if t_next <= now:
+            return None
+        from metronome.sim import fastpath as fp
+
+        assert fp.WAITING_STATE == WAITING
+
+        lim, pol, lat = self.limits, self.policy, self.lat
+        nslots = m.status_a.size
+        n_max = self.COMPILED_STEPS
+        ans_cap = 2 * max(nslots, live.size) + 64
+        iconf = np.zeros(20, dtype=np.int64)
+        iconf[[fp.I_BS, fp.I_BOUNDED, fp.I_SINKB, fp.I_WINDOW, fp.I_NB, fp.I_MAXSEQS, fp.I_BUDGET, fp.I_MAXLEN,
+               fp.I_WM, fp.I_THR, fp.I_CAP, fp.I_NIN, fp.I_NOUT, fp.I_MAXSTEPS, fp.I_SLOTS, fp.I_NRUNNING,
+               fp.I_NWAITING, fp.I_HEAD, fp.I_PROMPT, fp.I_ANSCAP]] = [
+            pol.block_size, int(pol.bounded), pol.sink_blocks if pol.bounded else 0,
+            pol.window_tokens if pol.bounded else 0, lim.num_blocks, lim.max_num_seqs,
+            lim.max_num_batched_tokens, self.maxlen, lim.watermark_blocks, lim.long_prefill_token_threshold,
+            -1 if self.cap_blocks is None else self.cap_blocks, self.n_in, self.n_out, n_max, nslots,
+            int((self.state == RUNNING).sum()), len(self.waiting), self.waiting[0] if self.waiting else -1,
+            self.prompt, ans_cap]
+        fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, lat.base_s,
+                          lat.per_seq_s, lat.per_context_token_s, lat.per_new_token_s, self.first_s, _EPS,
+                          1.0 if self.jitter else 0.0, self.horizon])
+        jit = (np.asarray(self.draws.ratio(self.n_steps + np.arange(n_max), 0), dtype=np.float64)
+               if self.jitter else np.zeros(0))
+        istate = np.array([m.used, m.n_paused, m.steps, self.serving_frame, self.peak_used, len(m.running),
+                           len(m.kv_holding), 0, 0, 0, int(self.idle)], dtype=np.int64)
+        fstate = np.array([now, 0.0])
+        n_rows = 4 * n_max + 4 * ans_cap
+        buf = self._buffers
+        if buf is None or buf["run"].size < nslots or buf["fr_f"].size < n_rows:  # kept between calls
+            nsl, nr = max(nslots, 2 * (buf["run"].size if buf else 0)), max(n_rows, 2 * (buf["fr_f"].size if buf else 0))
+            buf = self._buffers = {
+                "run": np.zeros(nsl, dtype=np.int64), "kvh": np.zeros(nsl, dtype=np.int64),
+                "st_t": np.zeros(n_max), "st_lat": np.zeros(n_max), "st_i": np.zeros((n_max, 8), dtype=np.int64),
+                "fr_f": np.zeros(nr, dtype=np.int64), "fr_tick": np.zeros(nr), "fr_done": np.zeros(nr),
+                "fr_lat": np.zeros(nr), "fr_i": np.zeros((nr, 5), dtype=np.int64)}
+        run_arr, kvh_arr = buf["run"], buf["kvh"]
+        run_arr[:len(m.running)] = m.running
+        kvh_arr[:len(m.kv_holding)] = list(m.kv_holding)
+        st_t, st_lat, st_i = buf["st_t"], buf["st_lat"], buf["st_i"]
+        fr_f, fr_tick, fr_done, fr_lat, fr_i = buf["fr_f"], buf["fr_tick"], buf["fr_done"], buf["fr_lat"], buf["fr_i"]
+        fp.run_span(iconf, fconf, istate, fstate, live, self.state, self.phase, self.pslot, self.slot,
+                    self.next_frame, self.backlog, self.inflight, self.inflight_tok, self.hist, self.last_tok,
+                    self.pending_in, self.work_step, self.running_since, self.started, ~np.isnan(self.s_admitted),
+                    self.s_tokens, self.s_frames, self.s_silent, self.s_late,
+                    m.status_a, m.computed_a, m.ntok_a, m.slots_a, m.held_a, m.out_a, m.maxtok_a, self.fresh_slot,
+                    self.sess_of_slot, run_arr, kvh_arr, jit, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i)
+        used, n_paused, msteps, sframe, peak, run_len, kvh_len, n, rows, turned, idle = istate.tolist()
+        self.idle = bool(idle)
+        end = float(fstate[0])
+        if n == 0 and end == now and turned != fp.PAST_HORIZON:
+            return None
+        m.used, m.n_paused, m.steps = used, n_paused, msteps
+        m.running = run_arr[:run_len].tolist()
+        m.kv_holding = deque(kvh_arr[:kvh_len].tolist())
+        self.serving_frame, self.peak_used = sframe, peak
+        self.n_steps += n
+        self.fast_steps += n
+        if n:
+            self.stalled = False
+            self.preempted_last = False
+            si = st_i[:n].copy()
+            self.steps.add(t_s=st_t[:n].copy(), step_s=st_lat[:n].copy(), batch=si[:, 0], new_tokens=si[:, 1],
+                           context_tokens=si[:, 2], resident_blocks=si[:, 3], free_blocks=self.num_blocks - si[:, 3],
+                           tokens_out=si[:, 4], frames_done=si[:, 5], silent_frames=0, preemptions=0,
+                           running=si[:, 6], waiting=si[:, 7])
+        if rows:
+            fi = fr_i[:rows].copy()
+            self.frames.add(frame=fr_f[:rows].copy(), tick_s=fr_tick[:rows].copy(), done_s=fr_done[:rows].copy(),
+                            latency_s=fr_lat[:rows].copy(), frames=fi[:, fp.R_FRAMES], silent=fi[:, fp.R_SILENT],
+                            silent_preempted=fi[:, fp.R_SILENT_PRE], late=fi[:, fp.R_LATE], tokens=fi[:, fp.R_TOKENS])
+            if self.controller is not None:
+                self.controller.observe_many(fr_done[:rows], fr_lat[:rows], fi[:, fp.R_FRAMES], fi[:, fp.R_SILENT],
+                                             in_flight=int(live.size))
+        if self.check_invariants:
+            self.assert_invariants()
+        if turned == fp.PAST_HORIZON:  # its last step outlives the run: SimPy stops while it runs
+            self.now = end
+            return float(fstate[1]), False
+        return end, turned == fp.TURN_TAKEN
+
     # ---------------------------------------------------------------------------------- the fast-forward
     def _fast_span(self, now: float) -> float | None:
-        """Whole frames of a steady lockstep computed at once; returns the time the span ends, or None.
+        """Whole frames of a steady lockstep computed at once; returns (the time the span ends, False), or None.
 
         Preconditions: every running session is past its first frame; the others wait at the front end for
         blocks (their frames are silent); nothing is prefilling, in the gate's queue or owed from earlier
@@ -584,6 +730,8 @@ class SimEngine:
         would not fit, that would reach the length limit, in which the waiting head would be admitted, or
         whose steps would start at or after the next event."""
         m = self.model
+        if not self.lockstep:
+            return None
         if self.gate.queue or self.preempted_last or self._answers or self.stalled or m.running or m.waiting:
             return None
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
@@ -664,35 +812,46 @@ class SimEngine:
             return None
         S_max = K_max * self.n_out
         ctx = w @ pol.resident_tokens(cb[:, :S_max] + tok[None, :S_max]) + int(t_off.sum())
-        lat = self.lat.step_s(N, ctx, N * tok[:S_max]) + self.first_s * (jj[:S_max] == 0)
-        if self.jitter:
-            lat = lat * self.draws.ratio(self.n_steps + np.arange(S_max), f0 + kk[:S_max])
-        # timing: a frame's first step starts at its tick or when the engine frees up (a frame already
-        # submitted starts now); a step must start before the next event
-        lat_l = lat.tolist()
-        starts = []
+        base_l = self.lat.step_s(N, ctx, N * tok[:S_max]).tolist()
+        ratio_l = (self.draws.ratio(self.n_steps + np.arange(S_max), f0 + kk[:S_max]).tolist() if self.jitter
+                   else None)
+        # timing: a frame's first step starts at its tick (after the engine idled: it pays the first-step
+        # term) or when the engine frees up (a frame already submitted starts now); a step must start before
+        # the next event. The arithmetic is _step's, in its order.
+        starts, lat_l = [], []
         t = now
-        n_out = self.n_out
+        n_out, first_s = self.n_out, self.first_s
         K = 0
         for k in range(K_max):
             tick = (f0 + k) * self.P
-            t0 = now if (submitted and k == 0) else (tick if t < tick else t)
-            tt, row = t0, []
+            if submitted and k == 0:
+                t0, idle = now, self.idle
+            else:
+                t0, idle = (tick, True) if t < tick else (t, False)
+            tt, row, lrow = t0, [], []
             for j in range(n_out):
                 if tt >= t_next:
                     break
+                i = k * n_out + j
+                lt = base_l[i]
+                if j == 0 and idle:
+                    lt += first_s
+                if ratio_l is not None:
+                    lt *= ratio_l[i]
                 row.append(tt)
-                tt = tt + lat_l[k * n_out + j]
+                lrow.append(lt)
+                tt = tt + lt
             if len(row) < n_out:
                 break
             starts.extend(row)
+            lat_l.extend(lrow)
             t = tt
             K += 1
         if K == 0:
             return None
         S = K * n_out
         starts = np.array(starts)
-        lats = lat[:S]
+        lats = np.array(lat_l)
         used = used_after[:S]
         ctx = ctx[:S]
         done_idx = np.arange(n_out - 1, S, n_out)
@@ -728,6 +887,7 @@ class SimEngine:
             self.silent_pending = []
         self.peak_used = max(self.peak_used, int(used.max()))
         self.serving_frame = int(f0 + K - 1)
+        self.idle = False
         # the engine's state after the span: every request paused after K frames
         m.computed_a[rslots] = comp_k
         m.ntok_a[rslots] = comp_k + 1
@@ -750,7 +910,7 @@ class SimEngine:
         self.s_frames[order] += K
         if self.check_invariants:
             self.assert_invariants()
-        return float(ends_done[-1])
+        return float(ends_done[-1]), False
 
     # ------------------------------------------------------------------------------------------ results
     def finalize(self):

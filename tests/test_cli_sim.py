@@ -50,6 +50,7 @@ def test_run_bounded_is_healthy():
     (["--sessions", "5", "--session-duration", "exp:-3"], "session duration must be positive"),
     (["--sessions", "5", "--admission", "static:0"], "static admission limit must be >= 1"),
     (["--sessions", "x"], "cannot read 'x'"),
+    (["--sessions", "5", "--phases", "lockstep"], "--phases must be one of independent, aligned"),
     (["--bogus"], "unrecognized arguments"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, needle):

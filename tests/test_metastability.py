@@ -21,14 +21,17 @@ from metronome.sim.executors import LocalExecutor, RayExecutor, make_executor
 from metronome.sim.montecarlo import metastability, run_one
 from metronome.errors import MetronomeError
 
-# the fill races session length: 60 sessions, exponential lengths (mean 80 s), a 1,500-block pool
-RACE = dict(calibration="moshi-7b-h200", sessions=60, session_duration="exp:80", horizon=300.0, num_blocks=1500)
+# the fill races session length: 60 sessions, exponential lengths (mean 80 s), a 1,500-block pool. In lockstep
+# (aligned phases) the fill model's saturation tick is exact, run by run; test_phases_are_seeded_... in
+# test_sim_scenarios covers independent phases (t_sat within 2%)
+RACE = dict(calibration="moshi-7b-h200", sessions=60, session_duration="exp:80", horizon=300.0, num_blocks=1500,
+            phases="aligned")
 RACE_RUNS = 20
 
 # The metastable band, in a scenario cheap enough for a few hundred runs: 100 sessions, an 800-block pool
 # (t_sat = 10 s if nobody left), 100 s. The mean lengths put the predicted P(collapse) at ~0.10, 0.27, 0.52
 # and 0.80 (P(saturate) 0.24, 0.49, 0.73, 0.93).
-BAND = dict(calibration="moshi-7b-h200", sessions=100, horizon=100.0, num_blocks=800)
+BAND = dict(calibration="moshi-7b-h200", sessions=100, horizon=100.0, num_blocks=800, phases="aligned")
 BAND_MEANS_S = (23.0, 25.0, 27.0, 30.0)
 BAND_RUNS = 60
 # The collapse model's own error, in probability: its silenced fraction φ runs 4–9% (relative) above the

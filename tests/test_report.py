@@ -208,7 +208,10 @@ def test_the_bound_prevents_collapse_and_latency_becomes_the_signal(report):
         assert max(u["silent_frame_fraction"]) > 0.1  # unbounded goes silent ...
         assert max(u["deadline_miss_fraction"]) < 0.05  # ... while deadline metrics look fine
         p99 = [b["p99_frame_latency_s"][i] for i in below]
-        assert p99 == sorted(p99) and p99[-1] > 2 * p99[0]  # bounded latency ramps with load
+        # bounded latency ramps with load. Independent phases (the report's default): a step batches only the
+        # frames that arrived, so it rises more gently than in lockstep (here 1.2-1.7x from 5% of the ceiling to
+        # it), and each N draws its own phases, so p99 may dip by a few percent from one N to the next
+        assert all(q >= 0.95 * p for p, q in zip(p99, p99[1:])) and p99[-1] > 1.2 * p99[0], p99
         for k in c["fill"]["curves"]:
             if k["t_sat_predicted_s"] is not None:
                 assert k["t_sat_observed_s"] == pytest.approx(k["t_sat_predicted_s"], rel=0.05)
@@ -331,3 +334,36 @@ def test_out_that_is_a_file_fails_before_any_work(tmp_path):
     r = run_cli("report", "--out", str(f))
     assert r.returncode == 2 and "not a folder" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert f.read_text() == "mine"
+
+
+def test_the_answer_names_its_phase_regime_and_n_star_under_the_other(report):
+    from metronome import calibration
+    from metronome.kv_policy import KVPolicy
+    from metronome.sim.capacity import capacity
+
+    _, rows = answer_rows_from_markdown(report["md"])
+    table = {r[0]: r[1:] for r in rows}
+    assert "The answer assumes independent phases" in report["md"]
+    for j, c in enumerate(report["data"]["calibrations"]):
+        cap, alt = c["capacity"], c["capacity"]["other_regime"]
+        assert cap["phases"] == "independent" and alt["phases"] == "aligned"
+        lockstep = capacity(calibration.load(c["spec"]), KVPolicy.sinks(16, 16, 368), deadline_s=0.08,
+                            duration_s=120.0, phases="aligned")
+        assert (alt["n_star"], alt["deadline_n_star"]) == (lockstep["n_star"], lockstep["deadline_n_star"])
+        row = table["phase regime"][j]
+        assert row.startswith("independent")
+        differ = abs(alt["n_star"] - cap["n_star"]) > 0.10 * cap["n_star"]
+        assert (f"under aligned: N* = {alt['n_star']:,}" in row) == differ
+
+
+def test_both_regimes_are_shown_when_their_n_star_differ_by_more_than_ten_percent():
+    from metronome.report.answer import regime_words
+
+    def c(n, n_alt):
+        return {"capacity": {"phases": "independent", "n_star": n, "other_regime": {
+            "phases": "aligned", "n_star": n_alt, "deadline_n_star": n_alt, "binding": "deadline"}}}
+
+    assert "Under aligned phases N* would be 283" in regime_words(c(512, 283))
+    assert "45% fewer than under independent phases" in regime_words(c(512, 283))
+    assert "Under aligned" not in regime_words(c(512, 470))  # 8% apart: one answer
+    assert "Under aligned phases N* would be 450" in regime_words(c(400, 450))  # 12.5% more

@@ -175,7 +175,8 @@ def test_a_run_folder_is_read_with_its_settled_concurrency_and_what_to_resimulat
     sc = r["scenario"]
     assert sc["options"] == {"kv": "sinks", "window": 368, "sinks": 16, "arrival_rate": 2.0, "rate_pattern": None,
                              "session_duration": "exp:20", "horizon": HORIZON, "seed": 0, "deadline": 0.08,
-                             "admission": "aimd", "aimd_params": AIMD, "num_blocks": 600}
+                             "admission": "aimd", "aimd_params": AIMD, "num_blocks": 600,
+                             "phases": "aligned"}  # a run that does not say ran the driver's default, lockstep
     assert sc["stream"] == STREAM and sc["block_size"] == 16
 
 

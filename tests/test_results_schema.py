@@ -176,7 +176,8 @@ def test_step_rows_are_stamped_at_their_start_in_both():
     assert live.summarize(frames, steps, sessions, 10, [])["t_sat_observed_s"] == T_PREEMPT
     res = sim.run(sim.make_scenario(sessions=5, horizon=1.0, num_blocks=400))
     t, d = res.steps.t_s.to_numpy(), res.steps.step_s.to_numpy()
-    assert t[0] == 0.0 and np.all(t[1:] >= t[:-1] + d[:-1] - 1e-9)  # a step starts once the one before ends
+    # the first step starts at the first frame's tick; a step starts once the one before ends
+    assert t[0] == res.frames.tick_s.min() and np.all(t[1:] >= t[:-1] + d[:-1] - 1e-9)
 
 
 # --------------------------------------------------------------------------------------- 2. one percentile

@@ -121,14 +121,71 @@ def _tables_equal(x, y):
     ("minicpm-o-4.5-h200", KVPolicy.unbounded(16), Arrivals("all", sessions=40), Durations("list", values_s=(20.0, 90.0)), 120.0),
     ("qwen2.5-omni-7b-h200", KVPolicy.window(16, 512), Arrivals("poisson", rate_per_s=1.0), Durations("exponential", 60.0), 120.0),
 ], ids=["moshi-all", "moshi-poisson", "moshi-sinks-ramp", "minicpm-8-out", "qwen25-window"])
-def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy, arrivals, durations, horizon):
+@pytest.mark.parametrize("phases", ["aligned", "independent"])
+def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy, arrivals, durations, horizon, phases):
+    """Aligned: the numpy lockstep span; independent: the compiled loop (sim/fastpath.py). Both must give the
+    step-by-step tables bit for bit, through arrivals, departures, preemption and the length limit."""
     c = calibration.load(preset)
     c = replace(c, engine=replace(c.engine, num_blocks=1_500))
-    sc = Scenario(c, policy, arrivals, horizon, durations=durations, seed=3)
+    sc = Scenario(c, policy, arrivals, horizon, durations=durations, seed=3, phases=phases)
     slow = run(sc, fast_forward=False, check_invariants=True)
     fast = run(sc, fast_forward=True, check_invariants=True)
     _tables_equal(slow, fast)
     assert slow.fast_steps == 0 and fast.fast_steps > 0, "the fast path must have run"
+
+
+JITTER = ((0.0, 0.8), (0.5, 1.0), (0.99, 1.7), (1.0, 2.5))
+
+
+@pytest.mark.parametrize("admission,kv,jitter,maxlen", [
+    ("aimd", "sinks", False, None),
+    ("gradient", "sinks", True, None),
+    ("static:40", "unbounded", True, None),
+    ("none", "sinks", False, 400),  # sessions reach max_model_len (32 s) and are rebased
+    ("aimd", "unbounded", False, None),  # the pool runs dry: preemption and readmission
+], ids=["aimd", "gradient-jitter", "static-jitter", "rebase", "aimd-unbounded"])
+def test_the_compiled_loop_reproduces_the_step_by_step_engine_under_independent_phases(admission, kv, jitter, maxlen):
+    from metronome.sim.scenario import make_scenario
+
+    c = calibration.load("moshi-7b-h200")
+    c = replace(c, engine=replace(c.engine, num_blocks=900))
+    if jitter:
+        c = replace(c, step_latency=replace(c.step_latency, jitter=JITTER, frame_first_s=0.002))
+    if maxlen:
+        c = replace(c, model=replace(c.model, max_model_len_tokens=maxlen))
+    sc = make_scenario(c, kv=kv, sinks=16 if kv == "sinks" else None, window=240 if kv == "sinks" else None,
+                       arrival_rate=2.0, session_duration="exp:40", horizon=90.0, seed=5, deadline=0.04,
+                       admission=admission, phases="independent")
+    slow = run(sc, fast_forward=False, check_invariants=True)
+    fast = run(sc, fast_forward=True, check_invariants=True)
+    _tables_equal(slow, fast)
+    if admission != "none":
+        assert slow.controller_trace == fast.controller_trace
+    assert fast.fast_steps > 0.5 * fast.summary["steps"], "the compiled loop must have taken most steps"
+    s = fast.summary
+    if maxlen:
+        assert s["rebases"] > 0
+    if kv == "unbounded":
+        assert s["preemptions"] > 0
+
+
+def test_phases_are_seeded_and_change_the_batches_but_not_the_fill(cal):
+    """Independent phases: the same seed gives the same phases; the pool fills as in the lockstep (t_sat within
+    one frame period's worth of growth, 2%), while steps batch fewer frames and frame latency drops."""
+    pol = KVPolicy.unbounded(16)
+    a = run(scenario(cal, pol, phases="aligned"))
+    i1 = run(scenario(cal, pol, phases="independent"))
+    i2 = run(scenario(cal, pol, phases="independent"))
+    _tables_equal(i1, i2)
+    ta, ti = a.summary["t_sat_observed_s"], i1.summary["t_sat_observed_s"]
+    assert abs(ti - ta) / ta < 0.02, (ta, ti)
+    before = lambda r: r.steps[r.steps.t_s < 0.8 * ta]  # noqa: E731
+    assert before(i1).batch.mean() < 0.5 * before(a).batch.mean()  # a step meets the frames that arrived, not all N
+    assert i1.summary["p50_frame_latency_s"] < a.summary["p50_frame_latency_s"]
+    P = cal.stream.frame_period_s
+    phase = i1.frames.tick_s.to_numpy() - i1.frames.frame.to_numpy() * P
+    assert np.unique(np.round(phase, 9)).size > 16 and (phase >= 0).all() and (phase < P).all()  # many phases
+    assert (a.frames.tick_s.to_numpy() == a.frames.frame.to_numpy() * P).all()  # one clock
 
 
 def test_sessions_at_max_model_len_are_rebased_under_the_bound_and_capped_without_it(cal):
@@ -141,7 +198,8 @@ def test_sessions_at_max_model_len_are_rebased_under_the_bound_and_capped_withou
 
 def test_rebase_prefill_is_counted_in_that_steps_latency(cal):
     short = replace(cal, model=replace(cal.model, max_model_len_tokens=600))
-    res = run(scenario(short, KVPolicy.sinks(16, 16, 256), n=20, horizon=60.0), fast_forward=False)
+    # in lockstep the 20 sessions reach the limit on the same frame: one step carries all their re-prefills
+    res = run(scenario(short, KVPolicy.sinks(16, 16, 256), n=20, horizon=60.0, phases="aligned"), fast_forward=False)
     rebase_steps = res.steps[res.steps.new_tokens > 20 * 2]
     assert len(rebase_steps) >= 1
     assert rebase_steps.new_tokens.max() >= 20 * (16 + 256)

@@ -101,10 +101,10 @@ def test_fast_forward_stays_exact_with_jitter_and_the_first_step_term(policy, ar
 
 def test_frame_latency_gets_the_first_step_and_the_tail():
     c = calibration.load("moshi-7b-h200")
-    sc = Scenario(c, KVPolicy.sinks(16, 16, 256), Arrivals("all", sessions=50), 30.0, seed=1)
+    sc = Scenario(c, KVPolicy.sinks(16, 16, 256), Arrivals("all", sessions=50), 30.0, seed=1, phases="aligned")
     base = run(sc).summary
     first = run(replace(sc, calibration=_real_time(c, jitter=()))).summary
-    # every frame's first step takes 2 ms more, and nothing else changes
+    # in lockstep every frame's first step follows the idle gap: it takes 2 ms more, and nothing else changes
     assert first["p50_frame_latency_s"] == pytest.approx(base["p50_frame_latency_s"] + 0.002, abs=1e-6)
     jit = run(replace(sc, calibration=_real_time(c, first_s=0.0))).summary
     # jitter leaves the median near the model and puts a tail on the 99th percentile
@@ -113,3 +113,16 @@ def test_frame_latency_gets_the_first_step_and_the_tail():
     # and a different seed draws different steps
     other = run(replace(sc, calibration=_real_time(c, first_s=0.0), seed=2)).summary
     assert other["p99_frame_latency_s"] != jit["p99_frame_latency_s"]
+
+
+def test_the_first_step_term_is_paid_only_after_the_engine_idled():
+    """With independent phases the engine often steps back to back: a step that starts a frame right after
+    another step pays no first-step term; one after a wait does."""
+    c = calibration.load("moshi-7b-h200")
+    sc = Scenario(c, KVPolicy.sinks(16, 16, 256), Arrivals("all", sessions=40), 20.0, seed=1)
+    st = run(replace(sc, calibration=_real_time(c, jitter=()))).steps
+    gap = np.concatenate([[True], st.t_s.to_numpy()[1:] > (st.t_s + st.step_s).to_numpy()[:-1] + 1e-12])
+    model = c.step_latency.step_s(st.batch.to_numpy(), st.context_tokens.to_numpy(), st.new_tokens.to_numpy())
+    paid = st.step_s.to_numpy() - model
+    assert np.allclose(paid[gap], 0.002, atol=1e-9) and np.allclose(paid[~gap], 0.0, atol=1e-9)
+    assert gap.sum() > 10 and (~gap).sum() > 10  # both kinds of steps occur

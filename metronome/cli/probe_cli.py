@@ -92,10 +92,19 @@ def calibrate_parser() -> argparse.ArgumentParser:
                    help="session counts run on the frame clock; their steps set the real-time step model, the "
                         "frame's first-step cost and the jitter (counts that do not fit the pool are skipped)")
     p.add_argument("--paced-seconds", type=float, default=3.0, help="seconds per paced run (0: no paced runs)")
+    _phases_option(p, "the paced runs")
     p.add_argument("--save", action="store_true", help="also write calibration/<name>.json (a preset)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _phases_option(p: argparse.ArgumentParser, what: str) -> None:
+    from metronome import serving
+
+    p.add_argument("--phases", choices=serving.PHASES, default="aligned",
+                   help=f"frame clock of {what}: every session in lockstep (default, the driver's original "
+                        "regime) or each on its own seeded phase, the engine stepping while any has work")
 
 
 def _check_vllm() -> None:
@@ -124,7 +133,7 @@ def calibrate_main(argv: list[str]) -> int:
         sinks=args.sinks, kv_cache_gib=args.kv_cache_gib, stream=args.stream, grid_sessions=args.grid_sessions,
         grid_context=args.grid_context, decode_steps=args.decode_steps, fill_sessions=args.fill_sessions,
         fill_seconds=args.fill_seconds, paced_sessions=args.paced_sessions, paced_seconds=args.paced_seconds,
-        save=args.save, resume=args.resume, progress=not args.no_progress)
+        save=args.save, resume=args.resume, progress=not args.no_progress, phases=args.phases)
     policy_for(opts)  # bad --kv/--window combinations fail here, before any engine starts
     try:
         res = run_calibration(opts)
@@ -234,6 +243,7 @@ def validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=int, default=6, help="sessions, all starting at t=0 (default 6)")
     p.add_argument("--horizon", type=float, default=8.0, help="seconds each live run lasts (default 8)")
     p.add_argument("--deadline", type=float, help="frame deadline in seconds (default: one frame period)")
+    _phases_option(p, "the live runs, the calibration's paced runs and the simulation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -247,7 +257,7 @@ def validate_main(argv: list[str]) -> int:
         model=args.model, out=args.out, weights=args.weights, device=args.device, dtype=args.dtype,
         num_blocks=args.num_blocks, block_size=args.block_size, max_model_len=args.max_model_len, window=args.window,
         sinks=args.sinks, sessions=args.sessions, horizon_s=args.horizon, stream=args.stream,
-        deadline_s=args.deadline, seed=args.seed, progress=not args.no_progress)
+        deadline_s=args.deadline, seed=args.seed, progress=not args.no_progress, phases=args.phases)
     check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
     _check_vllm()
     if not args.verbose:
@@ -286,6 +296,7 @@ def run_parser() -> argparse.ArgumentParser:
                    help="if the engine's process dies, start a new one and readmit every session as a rebase "
                         "(frames are answered silent while it loads); without it the run stops and keeps its data")
     p.add_argument("--max-restarts", type=int, default=3, metavar="K", help="give up after K restarts (default 3)")
+    _phases_option(p, "the sessions")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -300,7 +311,8 @@ def run_main(argv: list[str]) -> int:
         horizon_s=args.horizon, kv=args.kv, window=args.window, sinks=args.sinks, num_blocks=args.num_blocks,
         block_size=args.block_size, max_model_len=args.max_model_len, stream=args.stream, deadline_s=args.deadline,
         metrics_port=args.metrics_port, seed=args.seed, prompt_tokens=args.prompt_tokens, weights=args.weights,
-        device=args.device, dtype=args.dtype, restart=args.restart, max_restarts=args.max_restarts)
+        device=args.device, dtype=args.dtype, restart=args.restart, max_restarts=args.max_restarts,
+        phases=args.phases)
     live_run.check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
     _check_vllm()
     if not args.verbose:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from metronome import serving
 from metronome.errors import MetronomeError
 from metronome.outputs import write_outputs
 
@@ -33,6 +34,9 @@ SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "deadline": (float, "frame deadline in seconds (default: the frame period)"),
     "num_blocks": (int, "override the calibration's pool size in blocks"),
     "admission": (str, "none | static:N | aimd | gradient (default none)"),
+    "phases": (str, f"{' | '.join(serving.PHASES)}: each session's frames on its own clock, the engine stepping while "
+                    "any has work (vLLM serving real clients; default), or every session in lockstep (a "
+                    "fixed-batch server)"),
 }
 FLAG = {"ramp_s": "--ramp", "arrival_rate": "--arrival-rate", "session_duration": "--session-duration",
         "num_blocks": "--num-blocks", "rate_pattern": "--rate-pattern"}
@@ -121,7 +125,7 @@ def _ms(x):
 def print_summary(s: dict, out: Path | None):
     con = _console()
     con.print(f"[bold]metronome-sim run[/] · {s['calibration']} ({s['provenance']}) · {s['policy']} · "
-              f"{s['workload']} · {s['horizon_s']:g} s · admission {s['admission']}")
+              f"{s['workload']} · {s['horizon_s']:g} s · admission {s['admission']} · {s['phases']} phases")
     pred, obs = s["t_sat_predicted_s"], s["t_sat_observed_s"]
     if pred is not None and obs is not None:
         err = f" ({100 * (obs - pred) / pred:+.1f}%)" if pred else ""
@@ -291,8 +295,10 @@ def cmd_capacity(args) -> int:
     con = _console()
     with con.status("bisecting on N ...") as status:
         res = capacity(cal, policy, args.deadline, args.target_fraction, args.percentile, duration,
+                       phases=serving.check_phases(args.phases or "independent"),
                        progress=lambda n, v: status.update(f"N={n}: p{args.percentile:g} {1e3 * v:.1f} ms"))
     con.print(f"[bold]capacity[/] · {res['calibration']} ({res['provenance']}) · {res['policy']} · "
+              f"{res['phases']} phases · "
               f"deadline {1e3 * res['deadline_s']:g} ms, target p{res['percentile']:g} <= {1e3 * res['target_latency_s']:.1f} ms")
     mc = res["memory_ceiling"]
     con.print(f"  memory ceiling      {mc if mc is not None else 'n/a'} sessions"
@@ -393,7 +399,8 @@ def cmd_report(args) -> int:
     options = ReportOptions(
         calibrations=tuple(args.calibration or [DEFAULT_CALIBRATION]), kv=args.kv, sinks=args.sinks,
         window=args.window, session_duration=args.session_duration, deadline_s=args.deadline,
-        arrival_rate=args.arrival_rate, seed=args.seed, mc_runs=args.mc_runs, live=tuple(args.live or ()))
+        arrival_rate=args.arrival_rate, seed=args.seed, mc_runs=args.mc_runs, live=tuple(args.live or ()),
+        phases=args.phases)
     out = check_out_dir(args.out)
     executor = _executor(args)
     con = _console()
@@ -435,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_executor_options(m)
     m.set_defaults(fn=cmd_metastability)
     cp = sub.add_parser("capacity", help="memory ceiling, deadline-bound N* and which binds")
-    for name in ("calibration", "kv", "window", "sinks", "session_duration", "num_blocks"):
+    for name in ("calibration", "kv", "window", "sinks", "session_duration", "num_blocks", "phases"):
         cp.add_argument(flag(name), dest=name, default=None, help=SCENARIO_OPTIONS[name][1])
     cp.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
     cp.add_argument("--target-fraction", type=float, default=0.8, help="p99 target as a fraction of the deadline")
@@ -463,6 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
     rp.add_argument("--arrival-rate", dest="arrival_rate", type=float, default=None,
                     help="offered sessions/s for AIMD tuning and goodput (default: 1.5x what N* carries)")
+    rp.add_argument("--phases", choices=serving.PHASES, default="independent",
+                    help="the regime the answer assumes: each session's frames on its own clock (vLLM serving "
+                         "real clients; default) or all in lockstep (a fixed-batch server); N* is computed under "
+                         "both and shown twice when they differ by more than 10%%")
     rp.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     rp.add_argument("--mc-runs", dest="mc_runs", type=int, default=5,
                     help="Monte Carlo runs per metastability cell (default 5)")

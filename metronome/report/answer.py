@@ -3,7 +3,12 @@ so the two can never disagree."""
 
 from __future__ import annotations
 
-from metronome.report.plan import OVERLOAD, TARGET_FRACTION
+from metronome.report.plan import OVERLOAD, REGIME_GAP, TARGET_FRACTION
+
+REGIMES = {"independent": "independent phases (each client's frames on its own clock, vLLM stepping while any "
+                          "has work: how vLLM serves real clients)",
+           "aligned": "aligned phases (every session's frames on one clock, served in lockstep: a fixed-batch "
+                      "server such as Moshi's own)"}
 
 
 # ------------------------------------------------------------------------------------------ formats
@@ -69,6 +74,28 @@ def collapse_words(c: dict) -> str:
     return f"does not collapse in {secs(u['horizon_s'])} (the pool never ran dry)"
 
 
+def regime_words(c: dict) -> str:
+    """Which regime the answer assumes, and N* under the other one when it differs by more than REGIME_GAP."""
+    cap = c["capacity"]
+    alt = cap.get("other_regime")
+    words = f"The answer assumes {REGIMES[cap['phases']]}."
+    if alt and regimes_differ(c):
+        words += (f" Under {alt['phases']} phases N* would be {count(alt['n_star'])} ({alt['binding']} binds; "
+                  f"deadline-bound {count(alt['deadline_n_star'])}), {regime_gap_words(c)}.")
+    return words
+
+
+def regimes_differ(c: dict) -> bool:
+    cap, alt = c["capacity"], c["capacity"].get("other_regime")
+    return bool(alt) and abs(alt["n_star"] - cap["n_star"]) > REGIME_GAP * max(cap["n_star"], 1)
+
+
+def regime_gap_words(c: dict) -> str:
+    cap, alt = c["capacity"], c["capacity"]["other_regime"]
+    gap = (alt["n_star"] - cap["n_star"]) / max(cap["n_star"], 1)
+    return f"{abs(gap):.0%} {'more' if gap > 0 else 'fewer'} than under {cap['phases']} phases"
+
+
 def headline(c: dict) -> str:
     """The answer in plain words, one paragraph per calibration."""
     cap, u = c["capacity"], c["unbounded_at_n_star"]
@@ -99,7 +126,7 @@ def headline(c: dict) -> str:
             fate = f"never run the pool dry in {secs(u['horizon_s'])}: enough of them end first"
         second = (f"Without the bound, {count(n)} sessions of this mix {fate}; unbounded, the pool holds "
                   f"only {count(c['memory_ceiling_unbounded'])} sessions of {secs(c['session_duration_mean_s'])}.")
-    return f"{first} {second}"
+    return f"{first} {second} {regime_words(c)}"
 
 
 def answer_rows(c: dict) -> list[tuple[str, str]]:
@@ -124,6 +151,13 @@ def answer_rows(c: dict) -> list[tuple[str, str]]:
         ("deadline-bound N*", f"{count(cap['deadline_n_star'])} sessions (p{cap['percentile']:g} ≤ "
                               f"{ms(cap['target_latency_s'])} = {TARGET_FRACTION:g} × deadline)"),
         ("which binds", f"{cap['binding']} → N* = {count(cap['n_star'])} sessions"),
+        ("phase regime", f"{cap['phases']}" + (f"; under {cap['other_regime']['phases']}: N* = "
+                                                f"{count(cap['other_regime']['n_star'])} "
+                                                f"({cap['other_regime']['binding']} binds, {regime_gap_words(c)})"
+                                                if regimes_differ(c) else
+                                                (f"; under {cap['other_regime']['phases']} within "
+                                                 f"{REGIME_GAP:.0%} ({count(cap['other_regime']['n_star'])})"
+                                                 if cap.get("other_regime") else ""))),
         ("recommended S, W", f"{bound_words(c)}{window_note}"),
         ("recommended admission", admission_words(c)),
         ("expected goodput", goodput),

@@ -53,11 +53,11 @@ TRACE_POINTS = 300  # buckets per admission trace
 
 # ------------------------------------------------------------------------------------------- tasks
 # Module-level so that a process pool or Ray can pickle them. Each returns plain numbers.
-def _capacity_task(task: tuple[str, str, int, int | None, float, float | None]) -> dict:
-    spec, kind, window, sinks, deadline_s, duration_s = task
+def _capacity_task(task: tuple[str, str, int, int | None, float, float | None, str]) -> dict:
+    spec, kind, window, sinks, deadline_s, duration_s, phases = task
     cal = calmod.load(spec)
     policy = make_policy(kind, cal.engine.block_size_tokens, window, sinks)
-    return capacity(cal, policy, deadline_s, TARGET_FRACTION, PERCENTILE, duration_s)
+    return capacity(cal, policy, deadline_s, TARGET_FRACTION, PERCENTILE, duration_s, phases=phases)
 
 
 def _sim_task(task: tuple[str, dict]) -> dict:
@@ -179,10 +179,15 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
     executor = executor or LocalExecutor()
     plans, live = load_plans(options)
 
-    # 1. capacity
+    # 1. capacity, under the regime the answer assumes and under the other one (the report shows both when
+    # they differ by more than REGIME_GAP)
+    other = {"independent": "aligned", "aligned": "independent"}[options.phases]
     tasks = [(p.spec, p.policy.kind, p.policy.window_tokens, p.policy.sink_tokens or None, p.deadline_s,
-              p.mean_duration_s) for p in plans]
-    caps = executor.map(_capacity_task, tasks, progress=progress("capacity: N* per calibration", len(tasks)))
+              p.mean_duration_s, ph) for ph in (options.phases, other) for p in plans]
+    both = executor.map(_capacity_task, tasks, progress=progress("capacity: N* per calibration and regime", len(tasks)))
+    caps, caps_other = both[:len(plans)], both[len(plans):]
+    for cap, alt in zip(caps, caps_other):
+        cap["other_regime"] = {k: alt[k] for k in ("phases", "n_star", "deadline_n_star", "binding")}
     for plan, cap in zip(plans, caps):
         if cap["n_star"] < 1:
             raise MetronomeError(f"{plan.calibration.name}: even one session misses the p99 target of "
@@ -260,7 +265,7 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
         "options": {"calibrations": list(options.calibrations), "kv": options.kv, "sinks": options.sinks,
                     "window": options.window, "session_duration": options.session_duration,
                     "deadline_s": options.deadline_s, "arrival_rate": options.arrival_rate, "seed": options.seed,
-                    "mc_runs": options.mc_runs, "live": list(options.live)},
+                    "mc_runs": options.mc_runs, "live": list(options.live), "phases": options.phases},
         "command": command or reproduce_command(options),
         "reproduce": reproduce_command(options),
         "versions": _versions(),
@@ -286,7 +291,7 @@ def reproduce_command(options: ReportOptions, out: str = "OUT") -> str:
         parts += ["--deadline", f"{options.deadline_s:g}"]
     if options.arrival_rate is not None:
         parts += ["--arrival-rate", f"{options.arrival_rate:g}"]
-    parts += ["--seed", str(options.seed), "--mc-runs", str(options.mc_runs)]
+    parts += ["--phases", options.phases, "--seed", str(options.seed), "--mc-runs", str(options.mc_runs)]
     for d in options.live:
         parts += ["--live", d]
     parts += ["--out", out]

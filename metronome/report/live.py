@@ -238,6 +238,12 @@ def _policy_label(origin: str, opts: dict | None, steps: pd.DataFrame, sim_summa
     return name
 
 
+def _live_phases() -> str:
+    from metronome.probe.driver import PHASES  # the regime the live driver runs (it ticks in lockstep)
+
+    return PHASES
+
+
 def _opt(origin: str, opts: dict, key: str, kind: type | tuple, required: bool = False):
     """One field of a run's ``options``, type-checked (None when absent or null and not required)."""
     v = opts.get(key)
@@ -289,7 +295,8 @@ def _resimulation(origin: str, obj: dict, ctl_info: dict) -> dict:
           "sinks": _opt(origin, opts, "sinks", int), "arrival_rate": rate, "rate_pattern": pattern,
           "session_duration": str(duration), "horizon": float(horizon), "seed": _opt(origin, opts, "seed", int) or 0,
           "deadline": deadline, "admission": _opt(origin, opts, "admission", str) or "none", "aimd_params": params,
-          "num_blocks": blocks}
+          "num_blocks": blocks,
+          "phases": _opt(origin, opts, "phases", str) or _live_phases()}
     return {"options": kw, "stream": stream, "block_size": _opt(origin, opts, "block_size", int)}
 
 

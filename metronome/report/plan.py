@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from metronome.calibration import Calibration
+from metronome import serving
 from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
 from metronome.kv_policy import KVPolicy, make_policy
@@ -36,6 +37,7 @@ DEFAULT_MC_RUNS = 5
 TARGET_FRACTION = 0.8  # N*: p99 frame latency at most this fraction of the deadline (as `capacity`)
 PERCENTILE = 99.0
 OVERLOAD = 1.5
+REGIME_GAP = 0.10  # N* under the two phase regimes: shown side by side when they differ by more than this
 MISS_BUDGET = 0.01
 
 SIGNAL_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
@@ -63,8 +65,10 @@ class ReportOptions:
     seed: int = 0
     mc_runs: int = DEFAULT_MC_RUNS
     live: tuple[str, ...] = ()
+    phases: str = "independent"  # serving.PHASES: the regime the answer assumes
 
     def validate(self) -> None:
+        serving.check_phases(self.phases)
         if not self.calibrations:
             raise MetronomeError("give at least one --calibration NAME|PATH")
         if len(self.calibrations) > 4:
@@ -97,6 +101,7 @@ class Plan:
     mc_runs: int
     arrival_rate: float | None
     window_defaulted: bool = False
+    phases: str = "independent"
 
     @property
     def unbounded(self) -> KVPolicy:
@@ -124,7 +129,7 @@ class Plan:
         return {"kv": p.kind, "window": p.window_tokens, "sinks": p.sink_tokens if p.kind == "sinks" else None}
 
     def base(self, **kw) -> dict:
-        return {"calibration": self.spec, "deadline": self.deadline_s, **kw}
+        return {"calibration": self.spec, "deadline": self.deadline_s, "phases": self.phases, **kw}
 
     # -- the grids ------------------------------------------------------------------------------------
     def sessions_grid(self, fractions) -> list[int]:
@@ -208,4 +213,4 @@ def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
                 session_duration=options.session_duration,
                 deadline_s=float(options.deadline_s or cal.stream.frame_period_s), seed=options.seed,
                 mc_runs=options.mc_runs, arrival_rate=options.arrival_rate,
-                window_defaulted=options.window is None)
+                window_defaulted=options.window is None, phases=options.phases)
