@@ -465,14 +465,13 @@ class SimEngine:
         """Lockstep: silent frames are answered once every running session's frame of their tick is done."""
         if not self.silent_pending:
             return
-        big = np.iinfo(np.int64).max
+        # lockstep only (every phase 0): a tick is its frame index
         run = np.flatnonzero(self.state == RUNNING)
         owed = np.where(self.inflight[run] >= 0, self.inflight[run],
-                        np.where(self.backlog[run] > 0, self.next_frame[run] - self.backlog[run], -1))
-        owed_key = np.where(owed >= 0, serving.tick_key(owed, self.pslot[run]), big)
-        unfinished = int(owed_key.min()) if owed_key.size else big
+                        np.where(self.backlog[run] > 0, self.next_frame[run] - self.backlog[run], np.iinfo(np.int64).max))
+        unfinished = int(owed.min()) if owed.size else np.iinfo(np.int64).max
         pend = np.array(self.silent_pending, dtype=np.int64).reshape(-1, 3)
-        now_ = serving.tick_key(pend[:, 1], self.pslot[pend[:, 0]]) < unfinished
+        now_ = pend[:, 1] < unfinished
         if now_.any():
             self._answer_many(pend[now_, 0], pend[now_, 1], pend[now_, 2])
             self.silent_pending = [tuple(x) for x in pend[~now_].tolist()]
