@@ -157,7 +157,12 @@ def main(argv=None) -> int:
                     help="bounded live runs, each followed by a calibration of the same engine (seeds SEED, SEED+1, "
                          "...); the verdict is then on their mean against N* from all the calibrations pooled")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phases", choices=("aligned", "independent"), default=PHASES,
+                    help="the frame clock of the live runs, the paced calibration runs and the simulation "
+                         f"(default {PHASES}, the probe's)")
     args = ap.parse_args(argv)
+    global PHASES
+    PHASES = args.phases  # every helper here simulates the regime the live runs run
     if args.repeat < 1 or args.calibrations < 1:
         print("bench_live_aimd: error: --repeat and --calibrations must be at least 1", file=sys.stderr)
         return 2
@@ -202,7 +207,7 @@ def main(argv=None) -> int:
         max_model_len=max_len, stream=stream, grid_sessions=(1, 2, 4, 8, 16), grid_context=(64, 128, 256),
         decode_steps=8, chunk_sizes=(stream.input_tokens_per_frame + 1,), chunk_repeats=3,
         growth_tokens=min(1024, max_len), chunk_idle_s=0.9 * stream.frame_period_s, fill_sessions=2,
-        fill_seconds=2.0, progress=False, seed=args.seed)
+        fill_seconds=2.0, progress=False, seed=args.seed, phases=PHASES)
     base = engine_config(copts, resolved)
     bounded = KVPolicy.window(bs, args.window)
 
@@ -210,14 +215,15 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f} s, load {os.getloadavg()[0]:.2f}] {msg}", flush=True)
 
     def plans(horizon, seed):
-        return make_plans(Arrivals("poisson", rate_per_s=args.rate), Durations.parse(args.duration), horizon, seed)
+        return make_plans(Arrivals("poisson", rate_per_s=args.rate), Durations.parse(args.duration), horizon, seed,
+                          phases=PHASES)
 
     def run_one(engine, name, horizon, deadline, seed=args.seed):
         ctl = make_controller("aimd", deadline, AIMDParams.from_dict(aimd))
         load0 = os.getloadavg()[0]
         res, summary = live_run(engine, stream, plans(horizon, seed), horizon, ctl, out / name, deadline_s=deadline,
                                 seed=seed, cap="rebase" if engine.policy.bounded else "finish",
-                                extra={"load_avg_start": load0})
+                                extra={"load_avg_start": load0}, phases=PHASES)
         summary["load_avg_end"] = os.getloadavg()[0]
         return summary
 
@@ -442,7 +448,7 @@ def main(argv=None) -> int:
     load_after = os.getloadavg()
     summary = {
         "command": "python benchmarks/bench_live_aimd.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "num_blocks": args.num_blocks, "window": args.window, "deadline_s": deadline, "stream": {
+        "phases": PHASES, "num_blocks": args.num_blocks, "window": args.window, "deadline_s": deadline, "stream": {
             "period_s": stream.frame_period_s, "in": stream.input_tokens_per_frame, "out": stream.output_tokens_per_frame},
         "arrival_rate": args.rate, "durations": args.duration, "aimd": aimd,
         "interval_tuning": {f"{i:g}": float(np.mean(e)) for i, e in tuning.items()},

@@ -153,6 +153,7 @@ SIM_ONLY_KEYS = {
     "calibration": "the calibration's name", "provenance": "how the calibration was obtained",
     "policy": "the KV policy", "workload": "arrivals and durations, in words", "admission": "the controller spec",
     "phases": "the frame clock's regime: independent (own phase per session) or aligned (lockstep)",
+    "loop": "who steps the engine: driver (the front end) or vllm (vLLM's own loop, the front end a client)",
     "horizon_s": "simulated seconds", "deadline_s": "a frame's deadline (s)",
     "t_sat_predicted_s": "the fill model's saturation time (s; None without a closed form)",
     "p_saturate_predicted": "the fill model's probability that the pool saturates within the horizon",

@@ -66,6 +66,27 @@ has. 64 slots put the phases 1.25 ms apart at Moshi's 80 ms period: below the sp
 so the batches a step meets are those of continuous phases up to one slot."""
 
 
+LOOPS = ("driver", "vllm")
+"""Who steps the engine, and so what the front end can see when the pool runs dry. ``driver``: the front end
+steps vLLM itself (the probe's default) and reads its scheduler after each step, so it sees a session whose
+work vLLM left waiting for want of blocks, and each request vLLM preempted, at once. ``vllm``: vLLM's own
+loop steps on its own in its own process (``AsyncLLM``, ``vllm serve``) and the front end is a client that
+sees only what the loop reports: it breaks a deadlock only once a step schedules nothing, and leaves a
+request vLLM preempted to vLLM (which re-prefills it in its own queue). :func:`sees_starvation`."""
+
+
+def check_loop(loop: str) -> str:
+    if loop not in LOOPS:
+        raise MetronomeError(f"--loop must be one of {', '.join(LOOPS)}, got {loop!r}")
+    return loop
+
+
+def sees_starvation(loop: str) -> bool:
+    """True when the front end sees, after each step, which sessions vLLM left waiting for blocks and which it
+    preempted (it steps the engine itself); False for a client of vLLM's own loop (:data:`LOOPS`)."""
+    return check_loop(loop) == "driver"
+
+
 def check_phases(phases: str) -> str:
     if phases not in PHASES:
         raise MetronomeError(f"--phases must be one of {', '.join(PHASES)}, got {phases!r}")

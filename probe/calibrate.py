@@ -20,6 +20,8 @@ used for the fit). :func:`run_calibration` is the entry point for code (``valida
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import os
@@ -81,6 +83,10 @@ class CalibrateOptions:
     # the paced runs' frame clock (serving.PHASES): in lockstep, or each session on its own phase so that the
     # steps fitted are the ones vLLM's loop takes for independent clients (small batches, back to back)
     phases: str = "aligned"
+    # serving.LOOPS: who steps the engine in the paced runs. "vllm": vLLM's own loop in its own process
+    # (probe.own_loop), so the paced steps fitted are timed as a client of that loop sees them; the grid, the
+    # KV growth and the fill rate still step the engine in process (they time or count each step themselves)
+    loop: str = "driver"
     fill_sessions: int = 4
     fill_seconds: float | None = None  # default: max(5 s, 8 frames), at most 30 s
     save: bool = False
@@ -101,6 +107,8 @@ class CalibrateOptions:
             d["chunk_idle_s"] = self.chunk_idle_s
         if self.phases != "aligned":  # only when set, so runs journaled before the option existed still resume
             d["phases"] = self.phases
+        if self.loop != "driver":
+            d["loop"] = self.loop
         if self.paced_sessions:
             d["paced"] = [list(self.paced_sessions), self.paced_seconds]
         return json.loads(json.dumps(d))
@@ -236,11 +244,12 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
                     measure_point(engine, policy, opts, n, c, run.journals["grid"], run.attempt, key)
                     run.mark_done(key)
                 bar.advance()
-            for n in paced_points(opts, engine, policy, stream):
-                key = f"paced N={n}"
-                bar.describe(key)
-                if key not in run.done:
-                    run.mark_done(key, measure_paced(engine, policy, stream, opts, n, run.journals["grid"],
+            paced = [n for n in paced_points(opts, engine, policy, stream) if f"paced N={n}" not in run.done]
+            with _paced_engine(opts, engine, run.dir, bool(paced)) as pacer:
+                for n in paced:
+                    key = f"paced N={n}"
+                    bar.describe(key)
+                    run.mark_done(key, measure_paced(pacer, policy, stream, opts, n, run.journals["grid"],
                                                      run.attempt, key, out_dir=run.dir))
             if "fill" not in run.done:
                 bar.describe("fill rate")
@@ -254,6 +263,7 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
             "fill_rate": run.done["fill"]["result"], "step_fit": fit,
             "grid_points": [list(p) for p in points],
             "paced": {k: v["result"] for k, v in run.done.items() if k.startswith("paced N=")},
+            "paced_loop": opts.loop, "paced_phases": opts.phases,
             "host": {"cpus": os.cpu_count(), "load_avg_start": load_before, "load_avg_end": os.getloadavg()[0]},
         }
         cal = build_calibration(engine, opts, policy, stream, pool, fit, measurements)
@@ -428,6 +438,22 @@ def paced_prompts(policy: KVPolicy, max_len: int, stream: TokenStream, n: int, r
     if hi <= lo:
         return [1] * n
     return [int(lo + (i + 0.5) / n * (hi - lo)) for i in range(n)]
+
+
+@contextlib.contextmanager
+def _paced_engine(opts: CalibrateOptions, engine: Engine, out_dir: Path, needed: bool):
+    """The engine the paced runs use: ``engine`` itself, or with ``loop="vllm"`` the same engine started on
+    vLLM's own loop in its own process (closed afterwards; the in-process engine waits meanwhile)."""
+    if serving.check_loop(opts.loop) == "driver" or not needed:
+        yield engine
+        return
+    from metronome.probe.own_loop import OwnLoopEngine
+
+    own = OwnLoopEngine(engine.config, log_path=out_dir / "engine.log")
+    try:
+        yield own
+    finally:
+        own.close()
 
 
 def effective_step_s(steps: pd.DataFrame, period_s: float, phases_s=(0.0,)) -> tuple[np.ndarray, np.ndarray]:

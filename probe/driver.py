@@ -670,9 +670,13 @@ class Driver:
         t_start = clock() - t0
         step_no = self._nsteps
         info = eng.step()
+        if info is None:  # an engine on its own loop reported no step yet (probe.own_loop): back to the clock
+            return
         self._nsteps += 1
         self._preempted = False
         now = clock() - t0
+        if info.t_end is not None:  # stepped on its own: the step ran and its outputs came in before we looked
+            t_start, now = info.t_start - t0, info.t_end - t0
         out_n = self.cfg.stream.output_tokens_per_frame
         for rid, toks in info.outputs.items():
             s = by_rid.get(rid)

@@ -117,6 +117,9 @@ class StepInfo:
     scheduled: dict[str, int] = field(default_factory=dict)  # scheduled request -> tokens computed in the step
     outputs: dict[str, list[int]] = field(default_factory=dict)  # session id -> tokens produced this step
     finished: list[str] = field(default_factory=list)  # requests the engine finished (not paused)
+    # when the step's outputs reached the caller (time.perf_counter), for an engine that steps on its own
+    # (probe.own_loop): the driver reads the report later than that. None: the step returned just now.
+    t_end: float | None = None
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ class RunOptions:
     restart: bool = False
     max_restarts: int = 3
     phases: str = "aligned"  # serving.PHASES: sessions in lockstep, or each on its own seeded phase
+    loop: str = "driver"  # serving.LOOPS: the driver steps the engine, or vLLM's own loop does (probe.own_loop)
 
 
 @dataclass
@@ -96,6 +97,8 @@ def check(opts: RunOptions) -> Checked:
     from metronome import serving
 
     serving.check_phases(opts.phases)
+    if serving.check_loop(opts.loop) == "vllm" and opts.restart:
+        raise MetronomeError("--restart needs --loop driver (the engine is restarted from the driver's process)")
     from metronome import admission as adm
     from metronome.workload import Arrivals, Durations
 
@@ -251,7 +254,12 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
         ecfg = engine_config(copts, resolved)
         # the engine lives in its own process, so the driver (and what it recorded) outlives it
         out.mkdir(parents=True, exist_ok=True)
-        engine = RemoteEngine(ecfg, log_path=out / "engine.log")  # vLLM's own output goes to the log
+        if opts.loop == "vllm":  # AsyncLLM: vLLM's EngineCore steps on its own in its own process
+            from metronome.probe.own_loop import OwnLoopEngine
+
+            engine = OwnLoopEngine(ecfg, log_path=out / "engine.log")
+        else:
+            engine = RemoteEngine(ecfg, log_path=out / "engine.log")  # vLLM's own output goes to the log
         try:
             if "signal" in stop_box:
                 raise KeyboardInterrupt
@@ -275,7 +283,7 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
                                cap="rebase" if checked.policy.bounded else "finish",
                                extra={"options": options, "engine": engine.describe(),
                                       "arrivals": checked.arrivals.describe(),
-                                      "durations": checked.durations.describe()},
+                                      "durations": checked.durations.describe(), "loop": opts.loop},
                                on_driver=hold, notify=lambda line: err(f"metronome-probe: {line}"),
                                restart=opts.restart, max_restarts=opts.max_restarts, phases=opts.phases)
         finally:

@@ -59,6 +59,8 @@ class ValidateOptions:
     seed: int = 0
     progress: bool = True
     phases: str = "aligned"  # serving.PHASES, for the live runs, the calibration's paced runs and the simulation
+    # serving.LOOPS: who steps the engine in the live runs and the calibration's paced runs
+    loop: str = "driver"
     # the calibration's grid: small, so that validate takes a minute or two on a 2-core CPU
     grid_sessions: tuple[int, ...] = (1, 2, 4, 8)
     grid_context: tuple[int, ...] = (64, 128, 256, 512)
@@ -79,6 +81,7 @@ def check(opts: ValidateOptions) -> None:
     from metronome import serving
 
     serving.check_phases(opts.phases)
+    serving.check_loop(opts.loop)
     if opts.num_blocks < 2:
         raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {opts.num_blocks}")
     if opts.sessions < 1:
@@ -131,7 +134,7 @@ def run_validate(opts: ValidateOptions, echo=print) -> dict:
         chunk_sizes=(stream.input_tokens_per_frame + 1,), chunk_repeats=3, growth_tokens=min(1024, max_len),
         chunk_idle_s=0.9 * stream.frame_period_s,  # chunk steps timed as they come in real time: after idle
         fill_sessions=opts.fill_sessions, fill_seconds=opts.fill_seconds, progress=opts.progress, seed=opts.seed,
-        phases=opts.phases)
+        phases=opts.phases, loop=opts.loop)
     base = engine_config(copts, resolved)
     t0 = time.perf_counter()
     summary = {
@@ -142,23 +145,30 @@ def run_validate(opts: ValidateOptions, echo=print) -> dict:
                    "output_tokens_per_frame": stream.output_tokens_per_frame},
         "window": opts.window, "sinks": opts.sinks, "deadline_s": opts.deadline_s or stream.frame_period_s,
         "targets": {"t_sat_relative_error": T_SAT_TARGET, "frame_latency_relative_error": LATENCY_TARGET},
-        "calibration": str(out / "calibration" / "calibration.json"), "phases": opts.phases, "policies": {},
+        "calibration": str(out / "calibration" / "calibration.json"), "phases": opts.phases, "loop": opts.loop, "policies": {},
     }
     cal = None
     for name, policy in opts.policies():
         config = replace(base, sliding_window=policy.window_tokens if policy.bounded else None,
                          sinks=policy.sink_tokens if policy.kind == "sinks" else None)
         echo(f"[{time.perf_counter() - t0:5.0f} s] {name}: starting the engine ({opts.num_blocks} blocks)")
-        engine = Engine(config, log_path=out / "engine.log")
+        engine = Engine(config, log_path=out / "engine.log") if cal is None or opts.loop == "driver" else None
         try:
-            summary.setdefault("engine", engine.describe())
             if cal is None:  # one calibration, on the unbounded engine (the step cost does not depend on the policy)
+                summary.setdefault("engine", engine.describe())
                 echo(f"[{time.perf_counter() - t0:5.0f} s] calibrating (small grid)")
                 res = run_calibration(copts, engine=engine)
                 cal = res.calibration
                 err = res.measurements["step_fit"]["error"]
                 summary["calibration_fit"] = {k: err[k] for k in ("median_abs_rel", "p90_abs_rel", "max_abs_rel")}
                 summary["calibration_seconds"] = round(res.seconds, 1)
+            if opts.loop == "vllm":  # the live run on vLLM's own loop: AsyncLLM, its EngineCore in a process of its own
+                from metronome.probe.own_loop import OwnLoopEngine
+
+                if engine is not None:
+                    engine.close()
+                engine = OwnLoopEngine(config, log_path=out / "engine.log")
+                summary["engine_live"] = engine.describe()
             echo(f"[{time.perf_counter() - t0:5.0f} s] {name}: {opts.sessions} sessions live for {opts.horizon_s:g} s")
             live = run_policy_live(engine, policy, stream, opts, out / name, name)
         finally:
@@ -212,7 +222,7 @@ def simulate(cal, policy: KVPolicy, opts: ValidateOptions, out_dir: Path):
     sc = sc_mod.make_scenario(calibration=cal, kv=policy.kind, window=policy.window_tokens or None,
                               sinks=policy.sink_tokens or None, sessions=opts.sessions, horizon=opts.horizon_s,
                               deadline=opts.deadline_s, num_blocks=opts.num_blocks, seed=opts.seed,
-                              phases=opts.phases)
+                              phases=opts.phases, loop=opts.loop)
     result = sc_mod.run(sc)
     sc_mod.write(result, out_dir)
     return result

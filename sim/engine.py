@@ -64,7 +64,7 @@ class SimEngine:
                  arrival_s: np.ndarray, duration_s: np.ndarray, horizon_s: float, deadline_s: float,
                  controller=None, fast_forward: bool = True, max_span_steps: int = 256,
                  check_invariants: bool = False, seed: int = 0, engine_model=EngineModel,
-                 phase_slot: np.ndarray | None = None, phases: str = "aligned"):
+                 phase_slot: np.ndarray | None = None, phases: str = "aligned", loop: str = "driver"):
         self.env, self.cal, self.policy = env, calibration, policy
         self.horizon = float(horizon_s)
         self.deadline = float(deadline_s)
@@ -110,6 +110,8 @@ class SimEngine:
                       else np.asarray(phase_slot, dtype=np.int64)[order])
         self.phase = serving.phase_offset_s(self.pslot, self.P)
         serving.check_phases(phases)
+        # serving.LOOPS: does the front end see starved and preempted sessions after each step?
+        self.sees_starvation = serving.sees_starvation(loop)
         self.lockstep = phases == "aligned"
         if self.lockstep and self.pslot.any():
             raise ValueError("aligned phases: every session's phase is 0")
@@ -555,7 +557,7 @@ class SimEngine:
     def _preempt_after_step(self, rec, step_no: int) -> list[int]:
         """The engine's own preemptions, then the deadlock rule's victims: each loses its place."""
         out = []
-        for r in rec.preempted:
+        for r in (rec.preempted if self.sees_starvation else ()):  # else vLLM re-prefills it in its own queue
             i = self.by_rid.get(r)
             if i is not None:
                 self._preempt(i)
@@ -563,7 +565,7 @@ class SimEngine:
         m = self.model
         # starved: work handed over before this step, not scheduled in it, waiting in the engine
         cand = np.flatnonzero((self.slot >= 0) & ((self.inflight >= 0) | (self.state == PREFILL))
-                              & (self.work_step <= step_no))
+                              & (self.work_step <= step_no)) if self.sees_starvation else np.zeros(0, np.int64)
         if cand.size:
             scheduled = np.zeros(self.sess_of_slot.size, dtype=bool)
             scheduled[rec.slots] = True

@@ -42,9 +42,11 @@ class Scenario:
     admission: object = None  # a factory () -> controller, or None (admit everything)
     admission_label: str = "none"
     phases: str = "independent"  # serving.PHASES: each client on its own clock, or all in lockstep
+    loop: str = "driver"  # serving.LOOPS: the front end steps vLLM, or is a client of vLLM's own loop
 
     def __post_init__(self):
         serving.check_phases(self.phases)
+        serving.check_loop(self.loop)
         if not (self.horizon_s > 0) or not math.isfinite(self.horizon_s):
             raise MetronomeError(f"--horizon must be a positive number of seconds, got {self.horizon_s}")
         if self.deadline_s is not None and not (self.deadline_s > 0):
@@ -95,7 +97,7 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
     eng = SimEngine(env, sc.calibration, sc.policy, arrival, duration, sc.horizon_s, sc.deadline,
                     controller=controller, fast_forward=fast_forward, check_invariants=check_invariants,
                     seed=sc.seed, phase_slot=draw_phases(arrival.size, sc.phases, sc.seed), phases=sc.phases,
-                    **({"engine_model": engine_model} if engine_model is not None else {}))
+                    loop=sc.loop, **({"engine_model": engine_model} if engine_model is not None else {}))
     eng.start()
     env.run(until=sc.horizon_s)
     eng.finalize()
@@ -173,6 +175,7 @@ def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.Data
         "workload": sc.arrivals.describe() + (f", durations {sc.durations.describe()}" if sc.durations else ""),
         "admission": sc.admission_label,
         "phases": sc.phases,
+        "loop": sc.loop,
         "horizon_s": sc.horizon_s,
         "deadline_s": sc.deadline,
         "t_sat_predicted_s": r(pred["t_sat_predicted_s"], 4),
@@ -207,7 +210,7 @@ def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "u
                   session_duration: str | float | None = None, horizon: float = 600.0, seed: int = 0,
                   deadline: float | None = None, admission: str = "none", aimd_params: str | dict | None = None,
                   num_blocks: int | None = None, rate_pattern: str | None = None,
-                  phases: str = "independent") -> Scenario:
+                  phases: str = "independent", loop: str = "driver") -> Scenario:
     """Build a scenario from the CLI's plain values (a what-if grid point is such a dict)."""
     from metronome import calibration as calmod
     from metronome.kv_policy import make_policy
@@ -241,7 +244,7 @@ def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "u
         durations = Durations.parse(str(session_duration))
     label, factory = _admission(admission, aimd_params, deadline or cal.stream.frame_period_s)
     return Scenario(cal, policy, arrivals, float(horizon), durations=durations, seed=int(seed),
-                    deadline_s=deadline, admission=factory, admission_label=label, phases=phases)
+                    deadline_s=deadline, admission=factory, admission_label=label, phases=phases, loop=loop)
 
 
 def _admission(spec: str | None, aimd_params, deadline_s: float):

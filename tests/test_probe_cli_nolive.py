@@ -33,9 +33,21 @@ def test_help_works_without_vllm():
 
 def test_probe_package_imports_without_vllm():
     code = ("import sys; sys.modules['vllm'] = None; import metronome.probe.models, metronome.probe.engine, "
-            "metronome.probe.driver, metronome.probe.calibrate, metronome.probe.records; print('ok')")
+            "metronome.probe.driver, metronome.probe.calibrate, metronome.probe.records, metronome.probe.own_loop; "
+            "print('ok')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--loop", "vllm", "--restart"], "--restart needs --loop driver"),
+    (["--loop", "async"], "invalid choice: 'async'"),
+])
+def test_bad_loop_is_one_line_before_any_engine(args, needle, tmp_path):
+    res = subprocess.run([sys.executable, "-c", NO_VLLM, "run", "--model", "tiny", "--out", "o", "--arrival-rate",
+                          "1", "--horizon", "5", *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and needle in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_usage_errors_are_one_line():

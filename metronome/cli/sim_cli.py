@@ -37,6 +37,9 @@ SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "phases": (str, f"{' | '.join(serving.PHASES)}: each session's frames on its own clock, the engine stepping while "
                     "any has work (vLLM serving real clients; default), or every session in lockstep (a "
                     "fixed-batch server)"),
+    "loop": (str, f"{' | '.join(serving.LOOPS)}: the front end steps vLLM and sees each starved session "
+                  "(default, as metronome-probe's driver), or is a client of vLLM's own loop (AsyncLLM, vllm serve) "
+                  "and breaks a full pool's deadlock only once a step runs nothing"),
 }
 FLAG = {"ramp_s": "--ramp", "arrival_rate": "--arrival-rate", "session_duration": "--session-duration",
         "num_blocks": "--num-blocks", "rate_pattern": "--rate-pattern"}
