@@ -422,6 +422,10 @@ class Driver:
             # rebase: a new request whose prompt is the last tokens of the history plus this frame
             self.engine.abort(s.rid)
             kept = self._rebase_prompt(s.history)
+            if not serving.frame_fits(len(kept) + len(chunk) + st.output_tokens_per_frame, self.max_len):
+                # the chunk alone does not fit: a first frame carrying a long prompt and the input of the
+                # frames it waited through; the new request keeps what a rebase keeps of all of it
+                kept, chunk = [], self._rebase_prompt(kept + chunk)
             rid = f"{s.plan.sid}.r{s.incarnation + 1}"
             self.engine.append(rid, kept + chunk, st.output_tokens_per_frame)
             s.rebases += 1

