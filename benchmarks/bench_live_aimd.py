@@ -132,6 +132,7 @@ def rel(x, ref):
 
 
 def main(argv=None) -> int:
+    global PHASES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/live-aimd")
     ap.add_argument("--num-blocks", type=int, default=384)
@@ -161,7 +162,6 @@ def main(argv=None) -> int:
                     help="the frame clock of the live runs, the paced calibration runs and the simulation "
                          f"(default {PHASES}, the probe's)")
     args = ap.parse_args(argv)
-    global PHASES
     PHASES = args.phases  # every helper here simulates the regime the live runs run
     if args.repeat < 1 or args.calibrations < 1:
         print("bench_live_aimd: error: --repeat and --calibrations must be at least 1", file=sys.stderr)

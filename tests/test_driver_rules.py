@@ -342,6 +342,18 @@ def test_at_max_model_len_a_bounded_session_is_rebased_to_its_sinks_and_last_win
     assert res.summary["rebases"] == 1 and session_row(res, "a")["rebases"] == 1
 
 
+def test_a_first_frame_past_max_model_len_is_rebased_into_it():
+    """A 310-token prompt + the frame's 14 inputs + 2 outputs = 326 >= 320: the first request itself would pass
+    max_model_len (vLLM refuses it: "your prompt contains ... input tokens"; seen in paced calibration runs,
+    where a long-history session's first frame also carries the input of frames it waited through). It starts
+    as a rebase does: its first S tokens and its last W."""
+    eng = FakeEngine(num_blocks=64, max_model_len=MAX_LEN, policy=KVPolicy.sinks(BS, S, W))
+    res = drive(eng, [SessionPlan("a", prompt_tokens=310)], horizon_s=0.35, cap="rebase")
+    first = first_append(eng, "a")
+    assert first is not None and len(first["tokens"]) == S + W
+    assert frames_of(res, "a")[0]["tokens_delivered"] == N_OUT and frames_of(res, "a")[0]["rebased"]
+
+
 def test_at_max_model_len_cap_finish_ends_the_session():
     eng, res = _capped("finish")
     row = session_row(res, "a")
