@@ -10,7 +10,8 @@ version fails with one line before any vLLM internals are touched.
 
 Both paths share one seam (see ``kv.py`` and ``attention.py``): the KV-cache spec registry (vLLM >= 0.23),
 ``Attention.get_kv_cache_spec`` (>= 0.19 location), ``SingleTypeKVCacheManager._remove_blocks_in_range``
-(>= 0.25) and ``AttentionMetadataBuilder.__init__`` / ``CommonAttentionMetadata`` (>= 0.22).
+(>= 0.25), ``AttentionGroup.create_metadata_builders`` / ``GPUModelRunner.initialize_metadata_builders`` and
+``CommonAttentionMetadata`` (>= 0.22).
 """
 
 from __future__ import annotations
