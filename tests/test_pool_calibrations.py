@@ -130,8 +130,10 @@ def test_the_pooled_calibration_is_the_first_ones_engine_with_the_pooled_step_mo
     # the simulator takes it: a noisier tail pooled in means a smaller deadline-bound N*
     pol = KVPolicy.window(BASE.engine.block_size_tokens, 512)
     calm, _ = pool_calibrations([folders["calm"], folders["calm2"]])
-    n_calm = capacity(calm, pol, deadline_s=0.08)["deadline_n_star"]
-    n_mixed = capacity(cal, pol, deadline_s=0.08)["deadline_n_star"]
+    # in lockstep: the claim holds in either regime, and under independent phases these jittered calibrations
+    # run step by step (the compiled loop does not cover correlated jitter): 11 minutes against seconds
+    n_calm = capacity(calm, pol, deadline_s=0.08, phases="aligned")["deadline_n_star"]
+    n_mixed = capacity(cal, pol, deadline_s=0.08, phases="aligned")["deadline_n_star"]
     assert n_mixed < n_calm
 
 
