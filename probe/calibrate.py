@@ -21,7 +21,6 @@ used for the fit). :func:`run_calibration` is the entry point for code (``valida
 from __future__ import annotations
 
 import contextlib
-
 import json
 import math
 import os
