@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
@@ -25,6 +25,30 @@ SCHEMA = "metronome.calibration/1"
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
 PROVENANCE_KINDS = ("measured", "estimated")
+COEFFICIENTS = ("base_s", "per_seq_s", "per_context_token_s", "per_new_token_s")
+# how a step-latency term was obtained: a vendor figure, fitted to a published measurement of real serving, a
+# measurement of this project's own code, or reasoned from a model's shape without a measurement to lean on
+TERM_BASES = ("datasheet", "anchored", "measured", "estimated")
+
+
+@dataclass(frozen=True)
+class StepTerm:
+    """One named part of a step-latency coefficient (``coefficient``, one of :data:`COEFFICIENTS`): what it
+    stands for, how much, how it was obtained (``basis``, one of :data:`TERM_BASES`) and from where."""
+
+    name: str
+    coefficient: str
+    value: float
+    basis: str
+    source: str = ""
+
+
+def sum_terms(terms) -> dict[str, float]:
+    """Each coefficient's total over ``terms``."""
+    out = dict.fromkeys(COEFFICIENTS, 0.0)
+    for t in terms:
+        out[t.coefficient] += t.value
+    return out
 
 
 @dataclass(frozen=True)
@@ -139,6 +163,12 @@ class StepLatencyModel:
       AR(1) over frames with correlation ``exp(−period/τ)`` a frame), and the ratio at its normal probability.
       So every step's marginal is still ``jitter``; two steps of one frame correlate by ``ρ + ρ_f``, steps
       ``k ≥ 1`` frames apart by ``ρ·exp(−k·period/τ)``. ``ρ = ρ_f = 0`` (the default) is the independent draw.
+
+    A calibration that is priced rather than fitted (the ``estimated`` presets) lists what its coefficients are
+    made of as ``terms`` (:class:`StepTerm`: name, coefficient, value, basis, source), which must add up to
+    them, and the costs an engine pays only when it runs the sink+window plugin as ``plugin_terms``
+    (:meth:`with_plugin`; :meth:`Calibration.step_latency_for` applies them for a policy that
+    :attr:`~metronome.kv_policy.KVPolicy.runs_plugin`).
     """
 
     base_s: float
@@ -153,6 +183,8 @@ class StepLatencyModel:
     jitter_shared: float = 0.0
     jitter_tau_s: float = 0.0
     jitter_frame: float = 0.0
+    terms: tuple[StepTerm, ...] = ()
+    plugin_terms: tuple[StepTerm, ...] = ()
 
     def ratio(self, index, seed: int = 0) -> np.ndarray:
         """The independent jitter ratio of step(s) ``index`` (an int or an array of ints) in a run seeded
@@ -165,6 +197,16 @@ class StepLatencyModel:
     def draws(self, seed: int, frame_period_s: float) -> "JitterDraws":
         """The jitter ratios of a run seeded ``seed`` on a frame clock of ``frame_period_s``."""
         return JitterDraws(self, seed, frame_period_s)
+
+    def with_plugin(self) -> "StepLatencyModel":
+        """The model of an engine running the sink+window plugin: ``plugin_terms`` added to the coefficients
+        (and listed among ``terms``). A calibration measured on the engine it describes has none: its fit
+        already holds whatever that engine did."""
+        if not self.plugin_terms:
+            return self
+        add = sum_terms(self.plugin_terms)
+        return replace(self, **{k: getattr(self, k) + add[k] for k in COEFFICIENTS},
+                       terms=self.terms + self.plugin_terms, plugin_terms=())
 
     def step_s(self, batch, context_tokens, new_tokens):
         """Vectorised: works on scalars and numpy arrays alike."""
@@ -270,6 +312,11 @@ class Calibration:
     def kv_bytes_per_token(self) -> int:
         return self.model.kv_bytes_per_token
 
+    def step_latency_for(self, policy) -> StepLatencyModel:
+        """The step-latency model of this engine serving ``policy`` (a :class:`~metronome.kv_policy.KVPolicy`):
+        with the plugin's terms when the policy runs through the plugin."""
+        return self.step_latency.with_plugin() if policy.runs_plugin else self.step_latency
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("path")
@@ -284,6 +331,9 @@ class Calibration:
         if not self.step_latency.jitter and not self.step_latency.frame_first_s:  # files stay as they were
             d["step_latency"].pop("jitter")
             d["step_latency"].pop("frame_first_s")
+        for key in ("terms", "plugin_terms"):
+            if not sl[key]:
+                sl.pop(key)
         return {"schema": SCHEMA, **d}
 
     def to_json(self) -> str:
@@ -375,6 +425,35 @@ def _jitter_correlation(sl: "_Reader") -> dict[str, float]:
     return {"jitter_shared": shared, "jitter_tau_s": tau, "jitter_frame": frame}
 
 
+def _terms(sl: "_Reader", key: str) -> tuple[StepTerm, ...]:
+    raw = sl.obj.get(key) or []
+    if not isinstance(raw, list):
+        sl._fail(key, "must be a list of {name, coefficient, value, basis, source} objects")
+    out = []
+    for k, item in enumerate(raw):
+        t = _Reader(sl.origin, item, f"{sl.prefix}{key}[{k}].")
+        coefficient, basis = t.get("coefficient", str), t.get("basis", str)
+        if coefficient not in COEFFICIENTS:
+            t._fail("coefficient", f"must be one of {', '.join(COEFFICIENTS)}, got {coefficient!r}")
+        if basis not in TERM_BASES:
+            t._fail("basis", f"must be one of {', '.join(TERM_BASES)}, got {basis!r}")
+        out.append(StepTerm(name=t.get("name", str), coefficient=coefficient, value=t.get("value", float, nonneg=True),
+                            basis=basis, source=t.get("source", str, default="")))
+    return tuple(out)
+
+
+def _check_terms(sl: "_Reader", step: StepLatencyModel) -> None:
+    """Terms, when a file lists them, must add up to the coefficients they explain (1e-9 relative: the
+    arithmetic of a sum written out with 17 digits)."""
+    if not step.terms:
+        return
+    total = sum_terms(step.terms)
+    for k in COEFFICIENTS:
+        have = getattr(step, k)
+        if not math.isclose(total[k], have, rel_tol=1e-9, abs_tol=1e-15):
+            sl._fail("terms", f"the terms of {k} add up to {total[k]!r}, not {have!r}")
+
+
 def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
     """Validate a parsed JSON object and build a :class:`Calibration`."""
     r = _Reader(origin, obj)
@@ -449,7 +528,10 @@ def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
         frame_first_s=sl.get("frame_first_s", float, default=0.0, nonneg=True),
         jitter=_jitter(sl),
         **_jitter_correlation(sl),
+        terms=_terms(sl, "terms"),
+        plugin_terms=_terms(sl, "plugin_terms"),
     )
+    _check_terms(sl, step)
     if step.step_s(1, 0, 1) <= 0:
         sl._fail("base_s", "a step must take some time: base_s + per_seq_s + per_new_token_s is 0")
 

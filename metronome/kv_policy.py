@@ -90,6 +90,14 @@ class KVPolicy:
         return self.kind != "unbounded"
 
     @property
+    def runs_plugin(self) -> bool:
+        """Whether a vLLM engine serves this policy through Metronome's sink+window plugin. vLLM's own sliding
+        window serves ``window`` as it serves any model (CUDA graphs, no extra host work); the plugin serves
+        ``sinks`` in eager mode and copies each step's block table to the host, which a GPU calibration prices
+        as :attr:`metronome.calibration.StepLatencyModel.plugin_terms`."""
+        return self.kind == "sinks"
+
+    @property
     def sink_blocks(self) -> int:
         return cdiv(self.sink_tokens, self.block_size) if self.kind == "sinks" else 0
 

@@ -91,7 +91,7 @@ class SimEngine:
         self.fast_forward = fast_forward and isinstance(self.model, EngineModel)
         self.outcome = serving.length_outcome(policy)
         self.keep_tokens = serving.rebase_keep_tokens(policy, self.maxlen)
-        self.lat = calibration.step_latency
+        self.lat = calibration.step_latency_for(policy)  # the plugin's own costs when the policy runs through it
         # extra time of a step that starts a frame after the engine idled (the calibration's "first step after
         # the idle gap"): in lockstep a frame's first step; with independent phases only when nothing ran before
         self.first_s = float(self.lat.frame_first_s)

@@ -7,22 +7,22 @@ import pandas as pd
 import pytest
 
 from sim_cli_helpers import run_cli
-from metronome import calibration
 from metronome.kv_policy import KVPolicy
 from metronome.sim.capacity import capacity
 from metronome.sim.scenario import make_scenario, run
+from fixed_engine import fast_moshi, write_fast_moshi
 
-# Moshi on an H200 with a 40 ms frame budget, served in lockstep (aligned phases, Moshi's own batched server):
+# Moshi on an H200 (the fixed engine of fixed_engine.py) with a 40 ms frame budget, served in lockstep (aligned phases, Moshi's own batched server):
 # the deadline binds (N* ≈ 283) before memory (512 sessions). Under independent phases a step batches only
 # the frames that arrived, latency stays far below 40 ms and memory binds (test_sim_scenarios covers them).
-BOUND = dict(calibration="moshi-7b-h200", kv="sinks", sinks=16, window=368, deadline=0.04, phases="aligned")
+BOUND = dict(calibration=fast_moshi(), kv="sinks", sinks=16, window=368, deadline=0.04, phases="aligned")
 AIMD = {"additive_increase": 5, "decrease_factor": 0.9, "target_fraction": 0.8}
 OVERLOAD = dict(arrival_rate=10.0, session_duration="exp:300", horizon=700.0)
 
 
 @pytest.fixture(scope="module")
 def n_star():
-    cap = capacity(calibration.load("moshi-7b-h200"), KVPolicy.sinks(16, 16, 368), deadline_s=0.04, phases="aligned")
+    cap = capacity(fast_moshi(), KVPolicy.sinks(16, 16, 368), deadline_s=0.04, phases="aligned")
     assert cap["binding"] == "deadline"
     return cap["n_star"]
 
@@ -39,7 +39,7 @@ def _in_flight(res):
 
 def test_capacity_reports_ceiling_n_star_and_which_binds(n_star):
     assert 250 < n_star < 320
-    mem = capacity(calibration.load("moshi-7b-h200"), KVPolicy.sinks(16, 16, 368), phases="aligned")  # 80 ms: memory
+    mem = capacity(fast_moshi(), KVPolicy.sinks(16, 16, 368), phases="aligned")  # 80 ms: memory
     assert mem["binding"] == "memory" and mem["n_star"] == mem["memory_ceiling"] == 512
     assert mem["deadline_n_star"] > 512
 
@@ -110,9 +110,15 @@ def test_queued_sessions_wait_and_time_out():
     assert (ses.end_reason == "queue_timeout").sum() > 0
 
 
+def _cli_args(folder) -> list[str]:
+    """BOUND as command-line options, the fixed engine written to a file."""
+    cli = {**BOUND, "calibration": write_fast_moshi(folder)}
+    return sum(([f"--{k}", str(v)] for k, v in cli.items()), [])
+
+
 def test_tune_aimd_output_feeds_run(tmp_path):
     out = tmp_path / "tune"
-    r = run_cli("tune-aimd", *sum(([f"--{k}", str(v)] for k, v in BOUND.items()), []), "--arrival-rate", "10",
+    r = run_cli("tune-aimd", *_cli_args(tmp_path), "--arrival-rate", "10",
                 "--session-duration", "exp:300", "--horizon", "200", "--seeds", "1", "--additive-increase", "2,5",
                 "--decrease-factor", "0.9", "--target-fraction", "0.8", "--interval", "1", "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -120,7 +126,7 @@ def test_tune_aimd_output_feeds_run(tmp_path):
     assert best["params"]["additive_increase"] in (2.0, 5.0) and best["figures"]["feasible"]
     table = pd.read_csv(out / "tradeoff.csv")
     assert len(table) == 2 and table.goodput_frames_per_s.iloc[0] >= table.goodput_frames_per_s.iloc[1]
-    r2 = run_cli("run", *sum(([f"--{k}", str(v)] for k, v in BOUND.items()), []), "--arrival-rate", "10",
+    r2 = run_cli("run", *_cli_args(tmp_path), "--arrival-rate", "10",
                  "--session-duration", "exp:300", "--horizon", "60", "--admission", "aimd", "--aimd-params",
                  str(out / "best_aimd.json"), "--json")
     assert r2.returncode == 0, r2.stderr

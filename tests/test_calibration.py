@@ -77,6 +77,11 @@ def _broken(tmp_path, mutate):
     (lambda d: d["provenance"].update(kind="guessed"), "provenance.kind"),
     (lambda d: d.pop("provenance"), "provenance"),
     (lambda d: d.update(schema="metronome.calibration/99"), "schema"),
+    (lambda d: d["step_latency"].update(base_s=d["step_latency"]["base_s"] * 1.01), "step_latency.terms"),
+    (lambda d: d["step_latency"]["terms"][0].update(basis="hunch"), "step_latency.terms[0].basis"),
+    (lambda d: d["step_latency"]["plugin_terms"][1].update(coefficient="per_frame_s"),
+     "step_latency.plugin_terms[1].coefficient"),
+    (lambda d: d["step_latency"]["plugin_terms"][0].update(value=-1e-3), "step_latency.plugin_terms[0].value"),
 ])
 def test_bad_fields_name_file_and_field(tmp_path, mutate, field):
     assert f"field '{field}'" in _broken(tmp_path, mutate)
@@ -105,3 +110,89 @@ def test_step_latency_is_the_linear_form():
     one = c.step_s(1, 0, 1)
     assert c.step_s(2, 0, 2) - one == pytest.approx(c.per_seq_s + c.per_new_token_s)
     assert c.step_s(1, 1000, 1) - one == pytest.approx(1000 * c.per_context_token_s)
+
+
+# ------------------------------------------------------------------------------ the GPU presets' prices
+# Every expected value below is worked by hand from the figures the presets quote (metronome.roofline.ANCHORS),
+# not taken from the code: Llama 3.1 8B on an H100 decodes a batch-1 step in 5.1 ms with CUDA graphs and 8.4 ms
+# eager; a blocking device-to-host copy stalls a step ~2 ms; Qwen3-Omni's audio RTF on an H100 goes 0.400 -> 0.578
+# from 16 to 32 concurrent requests. Tolerance: relative 1e-9, float arithmetic in another order.
+H100_BW, H200_BW, B200_BW = 3.35e12, 4.8e12, 8.0e12
+
+
+def _term(terms, name):
+    (t,) = [t for t in terms if t.name.startswith(name)]
+    return t
+
+
+def test_the_plugin_costs_eager_mode_the_host_copy_and_the_compaction():
+    sl = cal.load("moshi-7b-h200").step_latency
+    eager = _term(sl.plugin_terms, "eager")
+    assert eager.value == pytest.approx(32 * (8.4e-3 - 5.1e-3) / 32, rel=1e-9)  # Moshi has 32 layers, like Llama 8B
+    assert eager.basis == "anchored" and "8.4 ms" in eager.source
+    assert _term(sl.plugin_terms, "block table copied to the host (the sync)").value == pytest.approx(2e-3)
+    # the copy itself: 65,536 tokens / 16 per block x 4 B = 16,384 B a request over 64 GB/s
+    assert _term(sl.plugin_terms, "block table copied to the host (the bytes)").value == pytest.approx(16_384 / 64e9)
+    assert _term(sl.plugin_terms, "compaction").basis == "measured"
+    q3 = cal.load("qwen3-omni-30b-a3b-b200").step_latency
+    assert _term(q3.plugin_terms, "eager").value == pytest.approx(48 * 3.3e-3 / 32, rel=1e-9)
+
+
+def test_qwen3_omni_prices_its_speech_pipeline_from_vllm_omnis_measurement():
+    sl = cal.load("qwen3-omni-30b-a3b-h200").step_latency
+    speech = _term(sl.terms, "talker + code predictor + Code2Wav")
+    # 0.178 s of H100 time per second of speech for 16 more streams, scaled to the H200's bandwidth, for half of
+    # the conversation, spread over the 2 backbone steps of a 1 s frame
+    assert speech.value == pytest.approx((0.578 - 0.400) / 16 * (H100_BW / H200_BW) * 0.5 * 1.0 / 2, rel=1e-9)
+    assert speech.basis == "anchored" and "PR #3695" in speech.source
+    # the audio encoder: 25 positions/s x 2 x 0.6e9 FLOP at half of 989 TFLOP/s, over 2 steps a frame
+    assert _term(sl.terms, "audio encoder").value == pytest.approx(25 * 2 * 0.6e9 / (989e12 * 0.5) / 2, rel=1e-9)
+    # vLLM's own step: the 5.1 ms batch-1 step less 16.06 GB of Llama weights at 3.35 TB/s
+    assert _term(sl.terms, "vLLM per step").value == pytest.approx(5.1e-3 - 16.06e9 / H100_BW, rel=1e-9)
+    assert _term(sl.terms, "weights").value == pytest.approx(61e9 / H200_BW, rel=1e-9)
+
+
+def test_moshi_prices_its_depformer_and_codec_passes_every_frame():
+    sl = cal.load("moshi-7b-b200").step_latency
+    per_pass = (0.578 - 0.400) / 16 / (12.5 + 15 * 12.5 + 12.5) * (H100_BW / B200_BW)  # one pass, one session
+    # 8 depformer passes and 2 Mimi passes per 80 ms frame, every frame (full duplex), one backbone step a frame
+    assert _term(sl.terms, "depformer").value == pytest.approx(8 * per_pass, rel=1e-9)
+    assert _term(sl.terms, "Mimi").value == pytest.approx(2 * per_pass, rel=1e-9)
+    assert {t.basis for t in sl.terms} >= {"anchored", "datasheet", "estimated"}
+
+
+def test_the_policy_decides_whether_the_plugin_is_priced():
+    from metronome.kv_policy import KVPolicy
+
+    c = cal.load("qwen3-omni-30b-a3b-b200")
+    plugin = sum(t.value for t in c.step_latency.plugin_terms if t.coefficient == "base_s")
+    sinks = c.step_latency_for(KVPolicy.sinks(16, 16, 1760))
+    assert sinks.base_s == pytest.approx(c.step_latency.base_s + plugin, rel=1e-12)
+    assert sinks.per_seq_s > c.step_latency.per_seq_s and sinks.plugin_terms == ()
+    # vLLM's own sliding window and the unbounded engine run as vLLM runs any model
+    for policy in (KVPolicy.window(16, 1760), KVPolicy.unbounded(16)):
+        assert c.step_latency_for(policy) == c.step_latency
+
+
+def test_a_measured_calibration_has_no_plugin_terms_to_add():
+    c = cal.load("moshi-7b-h200")
+    from dataclasses import replace
+
+    from metronome.kv_policy import KVPolicy
+
+    bare = replace(c, step_latency=replace(c.step_latency, terms=(), plugin_terms=()))
+    assert bare.step_latency_for(KVPolicy.sinks(16, 16, 368)) == bare.step_latency
+
+
+def test_the_deadline_binds_before_memory_for_qwen3_omni_on_b200():
+    """The issue's example: W = 1760 on a B200. Datasheet-only pricing put the deadline-bound N* at 4,539
+    against a memory ceiling of 499; priced per frame, the deadline binds."""
+    from metronome.kv_policy import KVPolicy
+    from metronome.sim.capacity import capacity
+
+    c = cal.load("qwen3-omni-30b-a3b-b200")
+    for policy in (KVPolicy.sinks(16, 16, 1760), KVPolicy.window(16, 1760)):
+        cap = capacity(c, policy)
+        assert cap["binding"] == "deadline" and cap["deadline_n_star"] < cap["memory_ceiling"], cap
+    # the plugin's costs cost sessions: fewer under sinks than under vLLM's own window at the same W
+    assert capacity(c, KVPolicy.sinks(16, 16, 1760))["deadline_n_star"] < capacity(c, KVPolicy.window(16, 1760))["deadline_n_star"]

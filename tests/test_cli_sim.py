@@ -5,6 +5,7 @@ import json
 import pandas as pd
 import pytest
 
+from fixed_engine import write_fast_moshi
 from sim_cli_helpers import run_cli
 
 SUMMARY_KEYS = {"t_sat_predicted_s", "t_sat_observed_s", "silent_frame_fraction", "deadline_miss_fraction",
@@ -68,8 +69,9 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, needle
 
 def test_what_if_writes_one_row_per_point(tmp_path):
     out = tmp_path / "wi"
-    r = run_cli("what-if", "--sessions", "100:300:100", "--kv", "unbounded,sinks", "--window", "368", "--sinks",
-                "16", "--horizon", "60", "--num-blocks", "9000", "--out", str(out), "--workers", "2")
+    r = run_cli("what-if", "--calibration", str(write_fast_moshi(tmp_path)), "--sessions", "100:300:100", "--kv",
+                "unbounded,sinks", "--window", "368", "--sinks", "16", "--horizon", "60", "--num-blocks", "9000",
+                "--out", str(out), "--workers", "2")
     assert r.returncode == 0, r.stderr
     table = pd.read_parquet(out / "what_if.parquet")
     assert len(table) == 6 and len(pd.read_csv(out / "what_if.csv")) == 6

@@ -270,6 +270,28 @@ def test_provenance_gives_sources_seeds_and_the_command(report):
     assert ns.session_duration == "exp:120" and ns.mc_runs == 2 and len(ns.calibration) == 2 and len(ns.live) == 1
 
 
+def test_provenance_lists_what_each_step_term_is_and_where_it_comes_from(report):
+    """Every term of the calibration's step model, with its basis and source, in both files; the fidelity
+    sentence counts them by basis and says whether the plugin's own costs are in the answer."""
+    from metronome import calibration
+
+    md, page = report["md"], report["html"]
+    header = ["coefficient", "term", "value", "basis", "source"]
+    in_md = [t for t in md_tables(md.split("## 7. Provenance", 1)[1]) if t[0] == header]
+    in_html = [t for t in html_tables(page) if t and t[0] == header]
+    assert len(in_md) == 2 and in_md == in_html  # one per calibration, the same in both files
+    cal = calibration.load("moshi-7b-h200")  # small-h200 is this preset with a smaller pool
+    rows = in_md[0][1:]
+    want = [(t.coefficient, t.name, t.basis) for t in cal.step_latency.terms] + \
+        [(t.coefficient, t.name + " (sink+window plugin only)", t.basis) for t in cal.step_latency.plugin_terms]
+    assert [(r[0], r[1], r[3]) for r in rows] == want
+    assert ["base_s", "block table copied to the host (the sync) (sink+window plugin only)", "2 ms per step",
+            "anchored"] in [r[:4] for r in rows]
+    fid = md.split("## 6. Fidelity", 1)[1].split("\n## ", 1)[0]
+    # small-b200 has no --live: its sentence says what its terms are made of; the report's policy is sinks
+    assert "Its step model is 11 named terms (" in fid and "so they are priced in" in fid
+
+
 def test_default_bound_is_thirty_seconds_of_conversation():
     from metronome import calibration
     from metronome.report.plan import default_window_tokens

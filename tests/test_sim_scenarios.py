@@ -12,6 +12,7 @@ from metronome import calibration
 from metronome.kv_policy import KVPolicy
 from metronome.workload import Arrivals, Durations
 from metronome.sim.scenario import Scenario, run, write
+from fixed_engine import fast_moshi
 
 N = 100  # with a 2,000-block pool: t_sat = floor(2000/100)*16 tokens / 12.5 tok/s ≈ 25.7 s
 
@@ -22,7 +23,7 @@ def scenario(cal, policy, n=N, horizon=60.0, **kw):
 
 @pytest.fixture(scope="module")
 def cal():
-    c = calibration.load("moshi-7b-h200")
+    c = fast_moshi()
     return replace(c, engine=replace(c.engine, num_blocks=2_000))
 
 

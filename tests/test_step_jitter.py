@@ -122,7 +122,8 @@ def test_the_first_step_term_is_paid_only_after_the_engine_idled():
     sc = Scenario(c, KVPolicy.sinks(16, 16, 256), Arrivals("all", sessions=40), 20.0, seed=1)
     st = run(replace(sc, calibration=_real_time(c, jitter=()))).steps
     gap = np.concatenate([[True], st.t_s.to_numpy()[1:] > (st.t_s + st.step_s).to_numpy()[:-1] + 1e-12])
-    model = c.step_latency.step_s(st.batch.to_numpy(), st.context_tokens.to_numpy(), st.new_tokens.to_numpy())
+    model = c.step_latency_for(sc.policy).step_s(st.batch.to_numpy(), st.context_tokens.to_numpy(),
+                                                 st.new_tokens.to_numpy())
     paid = st.step_s.to_numpy() - model
     assert np.allclose(paid[gap], 0.002, atol=1e-9) and np.allclose(paid[~gap], 0.0, atol=1e-9)
     assert gap.sum() > 10 and (~gap).sum() > 10  # both kinds of steps occur

@@ -192,11 +192,11 @@ def fidelity(c: dict) -> tuple[str, list[list[str]] | None]:
     live = c.get("live")
     if live is None:
         if kind == "estimated":
-            return (f"{c['name']} is estimated: its pool size and step latency were computed from datasheet numbers "
-                    f"by {c['provenance']['source']}, not measured. The shape of every curve "
+            return (f"{c['name']} is estimated: its pool size and step latency were computed by "
+                    f"{c['provenance']['source']}, not measured on the target. The shape of every curve "
                     "(the cliff, the bound, the race) follows from the KV arithmetic and holds; the absolute N*, "
-                    "t_sat and latencies are as good as the roofline. Measure the target with metronome-probe and "
-                    f"{LIVE_HINT} to see predicted against measured here.", None)
+                    "t_sat and latencies are as good as the estimate. " + terms_words(c) + " Measure the target "
+                    f"with metronome-probe and {LIVE_HINT} to see predicted against measured here.", None)
         return (f"{c['name']} is measured ({c['provenance']['source']}, {c['provenance']['date']}) but no live "
                 f"results were given: {LIVE_HINT} to compare.", None)
     if live.get("kind") == "runs":
@@ -308,6 +308,45 @@ def provenance_rows(c: dict) -> list[tuple[str, str]]:
     rows.append(("stream", f"a frame every {1e3 * c['stream']['frame_period_s']:g} ms, "
                            f"{c['stream']['kv_tokens_per_s']:g} KV tokens/s per session"))
     return rows
+
+
+TERMS_HEADER = ["coefficient", "term", "value", "basis", "source"]
+TERM_UNITS = {"base_s": "per step", "per_seq_s": "per sequence", "per_context_token_s": "per context token",
+              "per_new_token_s": "per computed token"}
+
+
+def duration(x: float) -> str:
+    """A short duration at a readable scale."""
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x / 1e-9:.3g} ns"
+
+
+def term_rows(c: dict) -> list[list[str]]:
+    """What the step-latency model is made of (an estimated calibration lists it), the plugin's own terms
+    marked."""
+    return [[t["coefficient"], t["name"] + (" (sink+window plugin only)" if t["plugin"] else ""),
+             f"{duration(t['value'])} {TERM_UNITS[t['coefficient']]}", t["basis"], t["source"]]
+            for t in c["provenance"].get("terms", [])]
+
+
+def terms_words(c: dict) -> str:
+    """How the step model's terms were obtained, counted by basis, and whether the plugin's are priced in."""
+    terms = c["provenance"].get("terms", [])
+    if not terms:
+        return ""
+    by = {}
+    for t in terms:
+        by[t["basis"]] = by.get(t["basis"], 0) + 1
+    counts = ", ".join(f"{n} {b}" for b, n in sorted(by.items(), key=lambda kv: -kv[1]))
+    plugin = [t for t in terms if t["plugin"]]
+    cost = sum(t["value"] for t in plugin if t["coefficient"] == "base_s")
+    applied = ("the answer's policy runs through it, so they are priced in" if c["provenance"].get("plugin_priced")
+               else "the answer's policy does not run through it")
+    return (f"Its step model is {len(terms)} named terms ({counts}; section 7 lists each with its source); "
+            f"{len(plugin)} of them are the sink+window plugin's own costs on a GPU (eager mode without CUDA graphs, "
+            f"the block table copied to the host every step: {duration(cost)} a step), and {applied}.")
 
 
 def seeds_words(data: dict) -> str:

@@ -397,7 +397,12 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
         "provenance": {"kind": cal.provenance.kind, "source": cal.provenance.source,
                        "hardware": cal.provenance.hardware, "date": cal.provenance.date,
                        "engine": cal.provenance.engine, "weights": cal.provenance.weights,
-                       "notes": list(cal.provenance.notes), "path": cal.path, "description": cal.description},
+                       "notes": list(cal.provenance.notes), "path": cal.path, "description": cal.description,
+                       "terms": [{"coefficient": t.coefficient, "name": t.name, "value": t.value, "basis": t.basis,
+                                  "source": t.source, "plugin": plugin}
+                                 for terms, plugin in ((cal.step_latency.terms, False),
+                                                       (cal.step_latency.plugin_terms, True)) for t in terms],
+                       "plugin_priced": pol.runs_plugin and bool(cal.step_latency.plugin_terms)},
         "stream": {"frame_period_s": cal.stream.frame_period_s, "kv_tokens_per_s": cal.stream.kv_tokens_per_s},
         "pool": {"num_blocks": cal.engine.num_blocks, "block_size_tokens": cal.engine.block_size_tokens,
                  "bytes_per_block": cal.engine.bytes_per_block, "pool_bytes": cal.engine.pool_bytes},

@@ -124,6 +124,8 @@ def render_html(data: dict) -> str:
         notes = "".join(f"<li>{esc(n)}</li>" for n in c["provenance"]["notes"])
         prov.append(f"<div><p><b>{esc(c['name'])}</b></p>"
                     + html_table(["field", "value"], [list(r) for r in A.provenance_rows(c)], cls="plain")
+                    + (f"<p>Step-latency terms</p>" + html_table(A.TERMS_HEADER, A.term_rows(c))
+                       if A.term_rows(c) else "")
                     + (f"<details><summary>how the numbers were derived</summary><ul class='notes'>{notes}</ul></details>"
                        if notes else "") + "</div>")
     versions = ", ".join(f"{k} {v}" for k, v in data["versions"].items())

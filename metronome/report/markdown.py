@@ -44,6 +44,8 @@ def render_markdown(data: dict) -> str:
     s += ["## 7. Provenance", ""]
     for c in cals:
         s += [f"**{c['name']}**", "", md_table(["field", "value"], [list(r) for r in A.provenance_rows(c)]), ""]
+        if A.term_rows(c):
+            s += ["Step-latency terms:", "", md_table(A.TERMS_HEADER, A.term_rows(c)), ""]
         if c["provenance"]["notes"]:
             s += ["How the numbers were derived:", ""] + [f"- {n}" for n in c["provenance"]["notes"]] + [""]
     s += [f"Seeds: {A.seeds_words(data)}. Versions: "
