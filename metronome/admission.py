@@ -313,6 +313,14 @@ class AdmissionController(ABC):
         keys = ("t_s", "limit", "in_flight", "p_latency_s", "frames", "silent", "decision")
         return [dict(zip(keys, row)) for row in self._trace]
 
+    def take_trace(self) -> list[dict]:
+        """The rows of :meth:`trace` closed so far, then forget them: a driver that runs for days (a fleet of
+        engines over a simulated day, one row per engine per second) keeps its memory flat by taking the
+        trace as it goes. A later :meth:`trace` or ``take_trace`` starts after the rows taken."""
+        rows = self.trace()
+        self._trace.clear()
+        return rows
+
     # -- machinery -------------------------------------------------------------------------------------
     @staticmethod
     def _check_time(now_s) -> float:

@@ -209,7 +209,9 @@ class FillModel:
         return min(1.0, absorbed)
 
     # -- Poisson arrivals -------------------------------------------------------------------------------
-    def _blocks_at_age(self, age_s):
+    def blocks_at_age(self, age_s):
+        """Blocks one session holds ``age_s`` seconds after it started (vectorised; tokens stop growing at
+        ``max_model_len``)."""
         n = np.minimum(np.floor(self.tokens_at(age_s)), self.max_tokens).astype(np.int64)
         return self.policy.resident_blocks(np.maximum(n, 0)).astype(float)
 
@@ -223,7 +225,7 @@ class FillModel:
         # a fine grid (block counts are step functions) integrated with the trapezoid rule
         grid = np.linspace(0.0, t_s, 4001)
         sf = durations.survival(grid)
-        b = self._blocks_at_age(grid)
+        b = self.blocks_at_age(grid)
         mean = rate_per_s * integrate.trapezoid(sf * b, grid)
         var = rate_per_s * integrate.trapezoid(sf * b * b, grid)
         return float(mean), float(var)

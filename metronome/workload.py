@@ -2,7 +2,8 @@
 
 Durations are ``fixed``, ``exponential``, ``lognormal`` or a ``list`` of seconds to draw from; each
 gives samples and its survival function ``P(D > t)`` (the fill model needs the latter).
-Arrivals are ``all`` at t=0, a linear ``ramp`` over a number of seconds, or ``poisson`` at a rate.
+Arrivals are ``all`` at t=0, a linear ``ramp`` over a number of seconds, ``poisson`` at a rate, or a
+``pattern`` of Poisson rates (``SECONDS:RATE,...``, or a ``time,rate`` CSV such as a day in 15-minute buckets).
 :func:`draw` is the one place a run's sessions are drawn: the simulator (``metronome.sim.scenario.workload``)
 and a live run (``metronome.probe.live_run.make_plans``) both call it, so one seed gives the same sessions.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from scipy import stats
@@ -128,15 +130,12 @@ class Arrivals:
             if not self.segments:
                 raise MetronomeError("a rate pattern needs at least one SECONDS:RATE segment")
             for d, r in self.segments:
-                if not (d > 0 and math.isfinite(d)) or not (r >= 0 and math.isfinite(r)):
-                    raise MetronomeError(f"rate pattern segment {d:g}:{r:g} needs seconds > 0 and rate >= 0")
+                check_segment(d, r, f"rate pattern segment {d:g}:{r:g}")
 
     @classmethod
     def parse_pattern(cls, spec: str) -> "Arrivals":
         """``SECONDS:RATE,SECONDS:RATE,...`` (e.g. ``120:0.5,120:2,120:0.5``), or a file holding that text,
         one segment per line, or a JSON list of ``[seconds, rate]`` pairs."""
-        from pathlib import Path
-
         text, origin = spec, "--rate-pattern"
         p = Path(spec)
         if ":" not in spec or p.is_file():
@@ -155,6 +154,75 @@ class Arrivals:
         except (ValueError, TypeError):
             raise MetronomeError(f"{origin}: cannot parse the rate pattern (want SECONDS:RATE,... or [[seconds, rate], ...])") from None
         return cls("pattern", segments=tuple(pairs))
+
+    @classmethod
+    def from_csv(cls, path: str | Path) -> "Arrivals":
+        """A ``pattern`` from a CSV of ``time,rate`` rows: the offered rate in sessions per second from each
+        row's time on, e.g. a day in 15-minute buckets. A time is seconds from the start or a clock time
+        ``HH:MM`` (``HH:MM:SS``); an optional ``time,rate`` header, blank lines and ``#`` comments are skipped.
+
+        The rows must start at 0 (``00:00``) and be evenly spaced, so that a missing row (a gap), a repeated
+        or an out-of-order time is an error and not a silently stretched bucket; each row lasts that spacing,
+        the last one too. Every row's rate is checked as a pattern segment's (:func:`check_segment`)."""
+        p = Path(path)
+        try:
+            lines = p.read_text().splitlines()
+        except (OSError, UnicodeDecodeError):
+            raise MetronomeError(f"{p}: no such load CSV file (or not a text file)") from None
+        rows: list[tuple[int, float, float]] = []  # (line number, time s, rate)
+        for no, line in enumerate(lines, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            fields = [f.strip() for f in text.split(",")]
+            if len(fields) != 2:
+                raise MetronomeError(f"{p} line {no}: want TIME,RATE, got {line.strip()!r}")
+            if not rows and fields[0].lower() == "time":
+                continue  # the header
+            t = _clock_seconds(fields[0])
+            if t is None:
+                raise MetronomeError(f"{p} line {no}: cannot read {fields[0]!r} as a time (seconds or HH:MM)")
+            try:
+                r = float(fields[1])
+            except ValueError:
+                raise MetronomeError(f"{p} line {no}: cannot read {fields[1]!r} as a rate (sessions/s)") from None
+            rows.append((no, t, r))
+        if len(rows) < 2:
+            raise MetronomeError(f"{p}: a load CSV needs two or more time,rate rows (their spacing is each "
+                                 f"row's length), got {len(rows)}")
+        if rows[0][1] != 0:
+            raise MetronomeError(f"{p} line {rows[0][0]}: the first row must be at time 0 (00:00), got "
+                                 f"{rows[0][1]:g} s")
+        step = rows[1][1] - rows[0][1]
+        segments = []
+        for k, (no, t, r) in enumerate(rows):
+            if k:
+                prev = rows[k - 1][1]
+                if t == prev:
+                    raise MetronomeError(f"{p} line {no}: time {t:g} s repeats the row before")
+                if t < prev:
+                    raise MetronomeError(f"{p} line {no}: time {t:g} s comes before the row before ({prev:g} s); "
+                                         "rows must be in time order")
+                if abs((t - prev) - step) > 1e-9 * max(1.0, step):
+                    raise MetronomeError(f"{p} line {no}: time {t:g} s is {t - prev:g} s after the row before, "
+                                         f"but rows are {step:g} s apart (a gap, or uneven rows)")
+            check_segment(step, r, f"{p} line {no}")
+            segments.append((step, r))
+        return cls("pattern", segments=tuple(segments))
+
+    @property
+    def peak_rate_per_s(self) -> float | None:
+        """The highest offered arrival rate (sessions/s) of a ``poisson`` or ``pattern`` workload (else None)."""
+        if self.kind == "poisson":
+            return self.rate_per_s
+        if self.kind == "pattern":
+            return max(r for _, r in self.segments)
+        return None
+
+    @property
+    def pattern_s(self) -> float | None:
+        """The length of a ``pattern`` (the sum of its segments; the rate is 0 after it), else None."""
+        return float(sum(d for d, _ in self.segments)) if self.kind == "pattern" else None
 
     def rate_at(self, t_s: float) -> float:
         """The offered arrival rate at time ``t_s`` (sessions per second)."""
@@ -191,8 +259,35 @@ class Arrivals:
         if self.kind == "ramp":
             return f"{self.sessions} sessions ramped over {self.ramp_s:g} s"
         if self.kind == "pattern":
+            if len(self.segments) > 6:  # a day in buckets: the shape, not 96 items
+                return (f"Poisson arrivals, rate pattern of {len(self.segments)} segments over {self.pattern_s:g} s, "
+                        f"peak {self.peak_rate_per_s:g}/s")
             return "Poisson arrivals, rate pattern " + ", ".join(f"{d:g} s at {r:g}/s" for d, r in self.segments)
         return f"Poisson arrivals at {self.rate_per_s:g}/s"
+
+
+def check_segment(seconds: float, rate: float, where: str) -> None:
+    """The one check of a piece of offered load (a rate pattern's segment, a load CSV's row): a length of
+    seconds > 0 and a rate >= 0, both finite. ``where`` names the piece in the one-line error."""
+    if not (rate >= 0 and math.isfinite(rate)):
+        raise MetronomeError(f"{where}: the rate must be a finite number of sessions/s >= 0, got {rate:g}")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise MetronomeError(f"{where}: the length must be a finite number of seconds > 0, got {seconds:g}")
+
+
+def _clock_seconds(text: str) -> float | None:
+    """Seconds from ``SECONDS``, ``HH:MM`` or ``HH:MM:SS`` (None if it is neither)."""
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            v = float(text)
+            return v if math.isfinite(v) else None
+        if len(parts) in (2, 3) and all(x.strip().isdigit() for x in parts):
+            h, m, s = (int(x) for x in parts + ["0"] * (3 - len(parts)))
+            return float(3600 * h + 60 * m + s) if m < 60 and s < 60 else None
+    except ValueError:
+        pass
+    return None
 
 
 def draw(arrivals: Arrivals, durations: Durations | None, horizon_s: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""``metronome-sim``: run, what-if and calibrations (and, from later issues, more).
+"""``metronome-sim``: run, what-if, capacity, fleet, calibrations and more.
 
 Every error a user can cause prints one line on stderr and exits with code 2.
 """
@@ -273,13 +273,12 @@ def cmd_metastability(args) -> int:
     return 0
 
 
-def cmd_capacity(args) -> int:
+def _calibration_and_policy(args, name: str):
+    """The calibration ``name`` (with ``--num-blocks``) and the KV policy of ``--kv/--window/--sinks``."""
     from metronome import calibration as calmod
     from metronome.kv_policy import make_policy
-    from metronome.sim.capacity import capacity
-    from metronome.workload import Durations
 
-    cal = calmod.load(args.calibration or DEFAULT_CALIBRATION)
+    cal = calmod.load(name)
     if args.num_blocks is not None:
         from dataclasses import replace
 
@@ -289,9 +288,16 @@ def cmd_capacity(args) -> int:
         cal = replace(cal, engine=replace(cal.engine, num_blocks=nb))
     window = _parse_one("window", args.window) if args.window is not None else None
     sinks = _parse_one("sinks", args.sinks) if args.sinks is not None else None
+    return cal, make_policy(args.kv or "unbounded", cal.engine.block_size_tokens, window, sinks)
+
+
+def cmd_capacity(args) -> int:
+    from metronome.sim.capacity import capacity
+    from metronome.workload import Durations
+
+    cal, policy = _calibration_and_policy(args, args.calibration or DEFAULT_CALIBRATION)
     if not 0 < args.target_fraction <= 1:
         raise MetronomeError(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
-    policy = make_policy(args.kv or "unbounded", cal.engine.block_size_tokens, window, sinks)
     duration = Durations.parse(args.session_duration).mean_s if args.session_duration else None
     if args.deadline is not None and not args.deadline > 0:
         raise MetronomeError(f"--deadline must be positive seconds, got {args.deadline}")
@@ -366,6 +372,181 @@ def cmd_tune_aimd(args) -> int:
     con.print(t)
     con.print(f"wrote {out}/best_aimd.json (use: metronome-sim run --admission aimd --aimd-params {out}/best_aimd.json) "
               f"and {out}/tradeoff.parquet/.csv")
+    return 0
+
+
+def _prices(specs: list[str] | None) -> dict[str, float]:
+    """``NAME=USD_PER_HOUR`` flags as a dict (the names and prices are checked by the fleet's check_prices)."""
+    out: dict[str, float] = {}
+    for spec in specs or []:
+        name, eq, usd = spec.partition("=")
+        try:
+            out[name.strip()] = float(usd)
+        except ValueError:
+            eq = ""
+        if not eq or not name.strip():
+            raise MetronomeError(f"--gpu-price wants NAME=USD_PER_HOUR, got {spec!r}")
+    return out
+
+
+def _fleet_inputs(args):
+    """Every input of ``fleet``, checked before any work: (calibrations with policies, arrivals, durations, horizon,
+    routers, autoscale policy, AIMD params, prices by calibration name)."""
+    from metronome.erlang import check_refusal
+    from metronome.sim.fleet import (ROUTERS, AutoscalePolicy, check_engine_count, check_horizon, check_offered,
+                                      check_prices, check_router)
+    from metronome.workload import Arrivals, Durations
+
+    loads = [x for x in (args.arrival_rate, args.rate_pattern, args.load_csv) if x is not None]
+    if len(loads) != 1:
+        raise MetronomeError("give the offered load once: --arrival-rate R, --rate-pattern SPEC or --load-csv FILE")
+    if args.arrival_rate is not None:
+        arrivals = Arrivals("poisson", rate_per_s=_parse_one("arrival_rate", args.arrival_rate))
+    elif args.rate_pattern is not None:
+        arrivals = Arrivals.parse_pattern(args.rate_pattern)
+    else:
+        arrivals = Arrivals.from_csv(args.load_csv)
+    check_offered(arrivals)
+    durations = Durations.parse(args.session_duration)
+    horizon = check_horizon(_parse_one("horizon", args.horizon) if args.horizon is not None
+                            else arrivals.pattern_s or 86400.0)
+    check_refusal(args.max_refusal, "--max-refusal")
+    if args.engines is not None:
+        check_engine_count(args.engines)
+    if args.seeds < 1:
+        raise MetronomeError(f"--seeds must be >= 1, got {args.seeds}")
+    if not (args.peak_window > 0 and math.isfinite(args.peak_window)):
+        raise MetronomeError(f"--peak-window must be positive seconds, got {args.peak_window:g}")
+    if args.deadline is not None and not args.deadline > 0:
+        raise MetronomeError(f"--deadline must be positive seconds, got {args.deadline}")
+    routers = [check_router(r.strip()) for r in args.routers.split(",") if r.strip()]
+    if not routers:
+        raise MetronomeError(f"--routers needs one or more of {', '.join(ROUTERS)}")
+    autoscale = None
+    if args.autoscale:
+        autoscale = AutoscalePolicy(min_engines=args.min_engines, max_engines=args.max_engines,
+                                    scale_out_after_s=args.scale_out_after, scale_in_after_s=args.scale_in_after,
+                                    start_delay_s=args.engine_start_s, scale_out_utilization=args.scale_out_utilization,
+                                    scale_in_utilization=args.scale_in_utilization, max_refusal=args.max_refusal)
+    params = None
+    if args.aimd_params:
+        from metronome.admission import AIMDParams
+        from metronome.sim.scenario import _read_params
+
+        params = AIMDParams.from_dict(_read_params(args.aimd_params))
+    engines = [(name, *_calibration_and_policy(args, name)) for name in (args.calibration or [DEFAULT_CALIBRATION])]
+    by_arg = {name: cal.name for name, cal, _ in engines}  # a calibration is named by its argument or its own name
+    prices = check_prices({by_arg.get(k, k): usd for k, usd in _prices(args.gpu_price).items()},
+                          [cal.name for _, cal, _ in engines])
+    return engines, arrivals, durations, horizon, routers, autoscale, params, prices
+
+
+def cmd_fleet(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from metronome.outputs import atomic_dir, write_json
+    from metronome.results import COLLAPSE_SILENT_FRACTION
+    from metronome.sim.fleet import EngineType, capacity_cached, plan
+
+    engines, arrivals, durations, horizon, routers, autoscale, params, prices = _fleet_inputs(args)
+    phases = serving.check_phases(args.phases or "independent")
+    out = Path(args.out) if args.out else None
+    executor = _executor(args)
+    con = _console()
+    cache: dict = {}
+    types = []
+    for name, cal, policy in engines:
+        with con.status(f"capacity of {cal.name} under {policy.describe()} ..."):
+            cap = capacity_cached(cal, policy, args.deadline, durations.mean_s, cache, phases)
+        types.append(EngineType.from_capacity(cal, policy, cap))
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=con, transient=True) as bar:
+        def phase(label: str, total: int):
+            task = bar.add_task(label, total=total)
+            return lambda n: bar.advance(task, n)
+
+        summary, tables = plan(types, arrivals, durations, horizon, args.max_refusal, routers, seeds,
+                               engines=args.engines, controller=args.admission, aimd_params=params,
+                               autoscale=autoscale, prices=prices, peak_window_s=args.peak_window,
+                               executor=executor, progress=phase)
+    summary["offered_load"] = arrivals.describe()
+    summary["session_durations"] = durations.describe()
+    target = args.max_refusal
+    hours = horizon / 3600.0
+    for c in summary["calibrations"]:
+        con.print(f"[bold]fleet[/] · {c['calibration']} ({c['provenance']}) · {c['policy']} · "
+                  f"N* = {c['n_star']} sessions per GPU · peak {summary['peak_rate_per_s']:g}/s x "
+                  f"{summary['mean_session_s']:g} s = {summary['peak_offered_erlangs']:.0f} Erlangs · "
+                  f"refusal target {_pct(target)}")
+
+        def row(label: str, text: str):
+            con.print(f"  {label:<28} {text}", markup=False)
+
+        cf = c["closed_form_engines"]
+        row("GPUs at peak, closed form", f"{cf['pooled']} with a router that finds any free GPU · "
+                                         f"{cf['random']} with random routing (Erlang B)")
+        for r, rr in c["routers"].items():
+            sim = rr["simulated"]
+            ci = sim["refused_fraction_ci"]
+            ci_txt = f", 95% CI {_pct(ci[0])}-{_pct(ci[1])}" if ci else ""
+            row("GPUs at peak, simulated", f"{sim['engines']} with {r} (refused {_pct(sim['refused_fraction'])}{ci_txt})")
+        for r, rr in c["routers"].items():
+            st, au = rr["static"], rr.get("autoscaled")
+            text = f"[{r}] static {st['gpu_hours']:,.0f} ({st['engines']} GPUs)"
+            if au:
+                change = au["gpu_hours"] / st["gpu_hours"] - 1 if st["gpu_hours"] else 0.0
+                text += (f" · autoscaled {au['gpu_hours']:,.0f} (mean {au['engines_mean']:.1f}, max "
+                         f"{au['engines_max']} GPUs; {100 * change:+.0f}% vs static)")
+            row(f"GPU-hours ({hours:g} h)", text)
+            text = (f"[{r}] static {_pct(st['refused_fraction'])} · {_pct(st['silent_frame_fraction'])} (worst hour "
+                    f"{_pct(st['worst_bin_refused_fraction'])} · {_pct(st['worst_bin_silent_frame_fraction'])})")
+            if au:
+                text += (f"; autoscaled {_pct(au['refused_fraction'])} · {_pct(au['silent_frame_fraction'])} "
+                         f"(worst hour {_pct(au['worst_bin_refused_fraction'])} · "
+                         f"{_pct(au['worst_bin_silent_frame_fraction'])})")
+            row("refused · silent frames", text)
+            worst = max(x["worst_bin_silent_frame_fraction"] for x in (st, au) if x)
+            if worst >= COLLAPSE_SILENT_FRACTION:
+                row("", f"[{r}] an hour with {_pct(worst)} of frames silent: sessions that run long overflow an "
+                        f"engine's pool, which neither the router (in-flight counts) nor the refusals see; a bounded "
+                        f"KV policy keeps N* inside memory")
+            if c["gpu_price_per_hour"] is not None:
+                text = f"[{r}] static ${st['cost_per_1000_session_hours']:,.0f}"
+                if au:
+                    text += f" · autoscaled ${au['cost_per_1000_session_hours']:,.0f}"
+                row("cost per 1,000 session-h", text + f" (at ${c['gpu_price_per_hour']:g} per GPU-hour)")
+        b = tables["bins"]
+        r0 = routers[0]
+        t = Table(title=f"{c['calibration']} per hour ({r0})")
+        for col in ("hour", "offered/s", "static refused", "static silent", "static GPUs"):
+            t.add_column(col, justify="right")
+        auto_rows = b[(b.calibration == c["calibration"]) & (b.router == r0) & (b["mode"] == "autoscaled")]
+        if len(auto_rows):
+            for col in ("autoscaled refused", "autoscaled silent", "autoscaled GPUs (mean/max)"):
+                t.add_column(col, justify="right")
+        st_rows = b[(b.calibration == c["calibration"]) & (b.router == r0) & (b["mode"] == "static")]
+        for k, srow in enumerate(st_rows.itertuples()):
+            cells = [f"{srow.start_s / 3600:g}", f"{srow.offered_rate_per_s:.2f}", _pct(srow.refused_fraction),
+                     _pct(srow.silent_frame_fraction), f"{srow.engines_mean:.0f}"]
+            if len(auto_rows):
+                arow = auto_rows.iloc[k]
+                cells += [_pct(arow.refused_fraction), _pct(arow.silent_frame_fraction),
+                          f"{arow.engines_mean:.1f}/{arow.engines_max}"]
+            t.add_row(*cells)
+        con.print(t)
+    speed = summary["simulated_engine_seconds_per_wall_s"]
+    con.print(f"simulation speed: {speed:,.0f} simulated engine-seconds per wall second "
+              f"({summary['simulated_engine_seconds'] / 3600:,.0f} engine-hours; {summary['wall_s']:.1f} s wall in all, "
+              f"{executor.name} executor)")
+    if out is not None:
+        with atomic_dir(out) as tmp:
+            write_json(tmp / "fleet.json", summary)
+            for name, table in tables.items():
+                table.to_parquet(tmp / f"{name}.parquet", index=False)
+                table.to_csv(tmp / f"{name}.csv", index=False)
+        con.print(f"wrote {out}/fleet.json, {out}/bins.parquet/.csv and {out}/engines.parquet/.csv")
     return 0
 
 
@@ -487,6 +668,57 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", required=True, help="output folder for report.html, report.md and report.json")
     add_executor_options(rp)
     rp.set_defaults(fn=cmd_report)
+    f = sub.add_parser("fleet", help="how many GPUs: fleet size at peak (Erlang B and simulation), GPU-hours static "
+                                     "vs autoscaled, refusals and silent frames per hour, cost")
+    f.add_argument("--calibration", action="append", default=None,
+                   help=f"preset name or calibration JSON; repeat to compare (default {DEFAULT_CALIBRATION})")
+    for name in ("kv", "window", "sinks", "num_blocks", "phases"):
+        f.add_argument(flag(name), dest=name, default=None, help=SCENARIO_OPTIONS[name][1])
+    f.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
+    f.add_argument("--arrival-rate", dest="arrival_rate", default=None, help="offered load: constant sessions/s")
+    f.add_argument("--rate-pattern", dest="rate_pattern", default=None,
+                   help="offered load: SECONDS:RATE,... or a file of it (as run takes it)")
+    f.add_argument("--load-csv", dest="load_csv", default=None,
+                   help="offered load: a CSV of time,rate rows (seconds from the start or HH:MM; sessions/s), "
+                        "e.g. examples/day_of_traffic.csv")
+    f.add_argument("--session-duration", dest="session_duration", default="exp:300",
+                   help="SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default exp:300)")
+    f.add_argument("--horizon", default=None,
+                   help="simulated seconds of the whole run (default: the pattern's length, or 86400 for a constant rate)")
+    f.add_argument("--max-refusal", dest="max_refusal", type=float, default=0.01,
+                   help="the share of sessions that may be refused at the door (default 0.01)")
+    f.add_argument("--routers", default="least-loaded",
+                   help="comma list of round-robin, least-loaded, power-of-two, random (default least-loaded)")
+    f.add_argument("--engines", type=int, default=None,
+                   help="GPUs of the static fleet (default: the fewest whose simulated peak refusal meets the target, "
+                        "searched from the closed form)")
+    f.add_argument("--admission", choices=("static", "aimd"), default="static",
+                   help="each GPU's controller: a static cap at N* (default) or AIMD fed the GPU's p99 latency")
+    f.add_argument("--aimd-params", dest="aimd_params", default=None,
+                   help="AIMD parameters JSON (as written by metronome-sim tune-aimd)")
+    f.add_argument("--autoscale", action="store_true", help="also run the day with the autoscaler")
+    f.add_argument("--min-engines", dest="min_engines", type=int, default=1, help="autoscaler floor (default 1)")
+    f.add_argument("--max-engines", dest="max_engines", type=int, default=None,
+                   help="autoscaler ceiling (default: twice the static fleet)")
+    f.add_argument("--scale-out-after", dest="scale_out_after", type=float, default=30.0,
+                   help="seconds of sustained pressure before scaling out (default 30)")
+    f.add_argument("--scale-in-after", dest="scale_in_after", type=float, default=600.0,
+                   help="seconds of sustained slack before draining (default 600)")
+    f.add_argument("--scale-out-utilization", dest="scale_out_utilization", type=float, default=0.9,
+                   help="in-flight / places above which the fleet is under pressure (default 0.9)")
+    f.add_argument("--scale-in-utilization", dest="scale_in_utilization", type=float, default=0.7,
+                   help="in-flight / places below which it has slack (default 0.7)")
+    f.add_argument("--engine-start-s", dest="engine_start_s", type=float, default=180.0,
+                   help="seconds from starting a GPU's engine until it takes sessions (default 180)")
+    f.add_argument("--gpu-price", dest="gpu_price", action="append", default=None,
+                   help="NAME=USD_PER_HOUR for a calibration in the run (repeatable): cost per 1,000 session-hours")
+    f.add_argument("--peak-window", dest="peak_window", type=float, default=3600.0,
+                   help="measured seconds of each simulated sizing run at the peak rate (default 3600)")
+    f.add_argument("--seed", type=int, default=0, help="first random seed (default 0)")
+    f.add_argument("--seeds", type=int, default=1, help="seeds SEED..SEED+K-1 per simulation (default 1)")
+    f.add_argument("--out", default=None, help="output folder: fleet.json, bins and engines tables")
+    add_executor_options(f)
+    f.set_defaults(fn=cmd_fleet)
     c = sub.add_parser("calibrations", help="list the calibration presets with their provenance")
     c.set_defaults(fn=cmd_calibrations)
     return p
