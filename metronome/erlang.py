@@ -32,6 +32,8 @@ import numpy as np
 
 from metronome.errors import MetronomeError
 
+DEFAULT_MAX_REFUSAL = 0.01  # at most 1% of conversations refused at the door at the peak
+
 ROUTINGS = ("pooled", "random")
 
 

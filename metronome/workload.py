@@ -210,6 +210,23 @@ class Arrivals:
             segments.append((step, r))
         return cls("pattern", segments=tuple(segments))
 
+    @classmethod
+    def parse_offered(cls, spec: str) -> "Arrivals":
+        """An offered load as a user writes it: a rate in sessions per second (``4.5``), a load CSV (a ``.csv``
+        file, :meth:`from_csv`) or a rate pattern (:meth:`parse_pattern`: ``SECONDS:RATE,...`` or a file of it)."""
+        text = str(spec).strip()
+        try:
+            rate = float(text)
+        except ValueError:
+            rate = None
+        if rate is not None:
+            if not (rate > 0 and math.isfinite(rate)):
+                raise MetronomeError(f"an offered load of {text} sessions/s: the rate must be a positive number")
+            return cls("poisson", rate_per_s=rate)
+        if text.lower().endswith(".csv"):
+            return cls.from_csv(text)
+        return cls.parse_pattern(text)
+
     @property
     def peak_rate_per_s(self) -> float | None:
         """The highest offered arrival rate (sessions/s) of a ``poisson`` or ``pattern`` workload (else None)."""

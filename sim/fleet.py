@@ -61,7 +61,7 @@ import pandas as pd
 
 from metronome.admission import AIMDParams, make_controller
 from metronome.calibration import Calibration
-from metronome.erlang import batch_means_interval, check_refusal, engines_needed
+from metronome.erlang import DEFAULT_MAX_REFUSAL, batch_means_interval, check_refusal, engines_needed
 from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
 from metronome.kv_policy import KVPolicy
@@ -189,7 +189,7 @@ class AutoscalePolicy:
     start_delay_s: float = 180.0
     scale_out_utilization: float = 0.9
     scale_in_utilization: float = 0.7
-    max_refusal: float = 0.01
+    max_refusal: float = DEFAULT_MAX_REFUSAL
     check_s: float = 10.0
 
     def __post_init__(self):
@@ -868,7 +868,7 @@ def _day_task(cfg: FleetConfig) -> FleetResult:
 
 
 def plan(engine_types: Sequence[EngineType], arrivals: Arrivals, durations: Durations, horizon_s: float,
-         max_refusal: float = 0.01, routers: Sequence[str] = ("least-loaded",), seeds: Sequence[int] = (0,),
+         max_refusal: float = DEFAULT_MAX_REFUSAL, routers: Sequence[str] = ("least-loaded",), seeds: Sequence[int] = (0,),
          engines: int | None = None, controller: str = "static", aimd_params: AIMDParams | None = None,
          autoscale: AutoscalePolicy | None = None, prices: dict[str, float] | None = None,
          peak_window_s: float = 3600.0, executor=None, progress: Callable[[str, int], Callable[[int], None]] | None = None

@@ -19,7 +19,11 @@ import pytest
 from sim_cli_helpers import run_cli
 
 SMALL = {"small-h200": ("moshi-7b-h200", 2000), "small-b200": ("moshi-7b-b200", 2600)}
-ARGS = ["--session-duration", "exp:120", "--mc-runs", "2", "--workers", "2"]
+# an evening of three hours (2, then 6, then 2 sessions/s) for the "How many GPUs" section; small-h200 priced
+OFFERED = "3600:2,3600:6,3600:2"
+H200_PRICE = 3.5
+ARGS = ["--session-duration", "exp:120", "--mc-runs", "2", "--workers", "2", "--offered-load", OFFERED,
+        "--gpu-price", f"small-h200={H200_PRICE:g}"]
 
 
 def _write_small_calibrations(folder: Path) -> list[Path]:
@@ -89,9 +93,14 @@ def md_tables(md: str) -> list[list[list[str]]]:
     return tables
 
 
+def md_section(md: str, title: str) -> str:
+    """The text of report.md's section ``title`` (its number varies: "How many GPUs" comes and goes)."""
+    return re.split(r"\n## \d+\. " + re.escape(title) + r"\n", md, maxsplit=1)[1].split("\n## ", 1)[0]
+
+
 def answer_rows_from_markdown(md: str) -> tuple[list[str], list[list[str]]]:
     """The answer table of report.md: header and rows."""
-    section = md.split("## 1. The answer", 1)[1].split("\n## ", 1)[0]
+    section = md_section(md, "The answer")
     t = md_tables(section)[0]
     return t[0], t[1:]
 
@@ -133,15 +142,15 @@ def test_report_writes_a_self_contained_page_and_markdown(report):
     out, page = report["out"], report["html"]
     assert sorted(p.name for p in out.iterdir()) == ["report.html", "report.json", "report.md"]
     assert (out / "report.html").stat().st_size < 10e6
-    assert page.count("Plotly.newPlot(") == 4  # four figures ...
+    assert page.count("Plotly.newPlot(") == 5  # five figures (with "How many GPUs") ...
     assert len(re.findall(r"plotly\.js v\d", page)) == 1  # ... drawn by one inlined copy of plotly.js
     assert not re.search(r"<script[^>]+src=|<link[^>]+href=", page), "the page must open offline"
-    for sid in ("answer", "fill", "metastability", "signal", "admission", "fidelity", "provenance"):
+    for sid in ("answer", "gpus", "fill", "metastability", "signal", "admission", "fidelity", "provenance"):
         assert f'<section id="{sid}">' in page
     md = report["md"]
-    for n, title in enumerate(("The answer", "Pool fill", "Metastability", "The signal", "Admission", "Fidelity",
-                               "Provenance"), start=1):
-        assert f"## {n}. {title}" in md
+    for n, title in enumerate(("The answer", "How many GPUs", "Pool fill", "Metastability", "The signal", "Admission",
+                               "Fidelity", "Provenance"), start=1):
+        assert f"## {n}. {title}" in md and f"<h2>{n}. {title}</h2>" in page
 
 
 def test_long_work_shows_progress(report):
@@ -159,7 +168,7 @@ def test_markdown_and_html_carry_the_same_numbers(report):
 
 def test_the_answer_comes_first_in_plain_words(report):
     md, data = report["md"], report["data"]
-    answer = md.split("## 1. The answer", 1)[1].split("\n## ", 1)[0]
+    answer = md_section(md, "The answer")
     for c in data["calibrations"]:
         n = c["capacity"]["n_star"]
         assert f"carries {n:,} concurrent Moshi 7B sessions" in answer
@@ -247,7 +256,7 @@ def test_admission_traces_cover_both_policies(report):
 
 def test_fidelity_shows_live_errors_or_says_estimated(report):
     md = report["md"]
-    fid = md.split("## 6. Fidelity", 1)[1].split("\n## ", 1)[0]
+    fid = md_section(md, "Fidelity")
     t = md_tables(fid)[0]
     assert t[0] == ["policy", "figure", "measured", "predicted", "error"]
     assert ["unbounded", "t_sat", "4.1 s", "4.0 s", "-2.4%"] in t
@@ -260,7 +269,7 @@ def test_provenance_gives_sources_seeds_and_the_command(report):
     from metronome.cli.sim_cli import build_parser
 
     md, data = report["md"], report["data"]
-    prov = md.split("## 7. Provenance", 1)[1]
+    prov = md_section(md, "Provenance")
     assert "metronome.roofline" in prov and "Seeds: scenario seed 0" in prov
     cmd = data["reproduce"]
     assert cmd in prov and cmd in report["html"].replace("&#x27;", "'")
@@ -277,7 +286,7 @@ def test_provenance_lists_what_each_step_term_is_and_where_it_comes_from(report)
 
     md, page = report["md"], report["html"]
     header = ["coefficient", "term", "value", "basis", "source"]
-    in_md = [t for t in md_tables(md.split("## 7. Provenance", 1)[1]) if t[0] == header]
+    in_md = [t for t in md_tables(md_section(md, "Provenance")) if t[0] == header]
     in_html = [t for t in html_tables(page) if t and t[0] == header]
     assert len(in_md) == 2 and in_md == in_html  # one per calibration, the same in both files
     cal = calibration.load("moshi-7b-h200")  # small-h200 is this preset with a smaller pool
@@ -287,9 +296,47 @@ def test_provenance_lists_what_each_step_term_is_and_where_it_comes_from(report)
     assert [(r[0], r[1], r[3]) for r in rows] == want
     assert ["base_s", "block table copied to the host (the sync) (sink+window plugin only)", "2 ms per step",
             "anchored"] in [r[:4] for r in rows]
-    fid = md.split("## 6. Fidelity", 1)[1].split("\n## ", 1)[0]
+    fid = md_section(md, "Fidelity")
     # small-b200 has no --live: its sentence says what its terms are made of; the report's policy is sinks
     assert "Its step model is 11 named terms (" in fid and "so they are priced in" in fid
+
+
+def _erlang_b_by_logs(servers: int, erlangs: float) -> float:
+    """Erlang B from its definition, A^c/c! over the sum of A^k/k!, in logarithms (an independent check of
+    metronome.erlang's recursion)."""
+    import math
+
+    logs = [k * math.log(erlangs) - math.lgamma(k + 1) for k in range(servers + 1)]
+    top = max(logs)
+    return math.exp(logs[-1] - top) / sum(math.exp(x - top) for x in logs)
+
+
+def test_how_many_gpus_sizes_the_fleet_for_the_offered_peak(report):
+    md, page, data = report["md"], report["html"], report["data"]
+    assert "\n## 2. How many GPUs\n" in md and "\n## 3. Pool fill\n" in md  # right after the answer
+    sec = md_section(md, "How many GPUs")
+    fleet_md = md_tables(sec)[0]
+    assert fleet_md in html_tables(page) and fleet_md[0] == ["", "small-h200", "small-b200"]  # md = html
+    rows = {r[0]: r[1:] for r in fleet_md[1:]}
+    # the closed form: each GPU a loss system with the answer's N* places; the peak offers 6/s x 120 s = 720 Erlangs
+    for j, c in enumerate(data["calibrations"]):
+        n_star = c["capacity"]["n_star"]
+        g = 1
+        while _erlang_b_by_logs(g * n_star, 6 * 120) > 0.01:
+            g += 1
+        assert rows["GPUs at peak, closed form"][j].startswith(f"{g} with a router that finds any free GPU")
+    # the simulated fleet, the day's GPU-hours and the price line, from the same run's numbers
+    entry = data["fleet"]["summary"]["calibrations"][0]["routers"]["least-loaded"]
+    st, au = entry["static"], entry["autoscaled"]
+    assert st["gpu_hours"] == pytest.approx(st["engines"] * 3.0)  # a static fleet for the 3 h run
+    assert au["gpu_hours"] < st["gpu_hours"]  # two of the three hours need a third of the peak's GPUs
+    assert rows["cost per 1,000 session-h"][0] == (
+        f"[least-loaded] static ${1000 * st['gpu_hours'] * H200_PRICE / st['session_hours']:,.0f} · autoscaled "
+        f"${1000 * au['gpu_hours'] * H200_PRICE / au['session_hours']:,.0f} (at ${H200_PRICE:g} per GPU-hour)")
+    assert rows["cost per 1,000 session-h"][1] == ""  # small-b200 has no price
+    assert 'data-figure="gpus"' in page and "Per hour of the run:" in sec
+    hours = md_tables(sec)[1]
+    assert [r[0] for r in hours[1:]] == ["0", "1", "2"] and [r[1] for r in hours[1:]] == ["2.00", "6.00", "2.00"]
 
 
 def test_default_bound_is_thirty_seconds_of_conversation():
@@ -331,12 +378,20 @@ def _live(tmp_path, obj, name="live") -> str:
     (["--live", "BADFIELD"], "field 'unbounded.p99_frame_latency_s.live' must be a non-negative number"),
     (["--live", "NOLATENCY"], "has no live and simulated 'p50_frame_latency_s'"),
     (["--calibration", "moshi-7b-h200", "--calibration", "moshi-7b-h200"], "given twice"),
+    (["--offered-load", "-3"], "the rate must be a positive number"),
+    (["--offered-load", "60:1,60:-1"], "the rate must be a finite number of sessions/s >= 0"),
+    (["--offered-load", "LOADCSV"], "rows must be in time order"),
+    (["--offered-load", "2", "--max-refusal", "1.5"], "--max-refusal must be in (0, 1)"),
+    (["--offered-load", "2", "--gpu-price", "moshi-7b-b200=4"], "is not a calibration in this run"),
+    (["--gpu-price", "moshi-7b-h200=4"], "give the load with --offered-load"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, needle):
     bad_field = json.loads(json.dumps(LIVE_SUMMARY))
     bad_field["policies"]["unbounded"]["p99_frame_latency_s"]["live"] = "fast"
     no_latency = {"unbounded": {"t_sat_observed_s": 1.0, "t_sat_predicted_s": 1.0}}
-    subst = {"MISSING": str(tmp_path / "nope"), "NOSUMMARY": lambda: _live(tmp_path, None),
+    unsorted = tmp_path / "load.csv"
+    unsorted.write_text("time,rate\n0,1\n900,2\n600,1\n")
+    subst = {"MISSING": str(tmp_path / "nope"), "LOADCSV": str(unsorted), "NOSUMMARY": lambda: _live(tmp_path, None),
              "BADJSON": lambda: _live(tmp_path, '{"policies": '), "NOPOLICY": lambda: _live(tmp_path, {"a": 1}),
              "BADFIELD": lambda: _live(tmp_path, bad_field), "NOLATENCY": lambda: _live(tmp_path, no_latency)}
     args = [(subst[a]() if callable(subst[a]) else subst[a]) if a in subst else a for a in args]

@@ -48,11 +48,15 @@ INSPECT_JS = r"""
       ytitles: Array.from(gd.querySelectorAll('[class^="g-y"][class$="title"] text')).map(e => e.textContent),
     });
   }
-  const table = document.getElementById('answer-table');
-  const rows = table ? Array.from(table.querySelectorAll('tbody tr')).map(tr =>
-      Array.from(tr.querySelectorAll('td')).map(td => td.textContent)) : null;
-  const header = table ? Array.from(table.querySelectorAll('thead th')).map(th => th.textContent) : null;
-  return JSON.stringify({figures: out, answer: {header, rows}, height: document.documentElement.scrollHeight,
+  const shown = id => {
+    const table = document.getElementById(id);
+    const rows = table ? Array.from(table.querySelectorAll('tbody tr')).map(tr =>
+        Array.from(tr.querySelectorAll('td')).map(td => td.textContent)) : null;
+    const header = table ? Array.from(table.querySelectorAll('thead th')).map(th => th.textContent) : null;
+    return {header, rows};
+  };
+  return JSON.stringify({figures: out, answer: shown('answer-table'), fleet: shown('fleet-table'),
+                         height: document.documentElement.scrollHeight,
                          plotly: typeof Plotly !== 'undefined' ? Plotly.version : null,
                          external: Array.from(document.querySelectorAll('script[src], link[href]')).map(e => e.src || e.href)});
 })()
@@ -217,7 +221,7 @@ def test_no_javascript_errors(page):
 
 def test_every_figure_is_drawn_with_data(page):
     figs = page["state"]["figures"]
-    assert [f["id"] for f in figs] == ["fig-fill", "fig-metastability", "fig-signal", "fig-admission"]
+    assert [f["id"] for f in figs] == ["fig-gpus", "fig-fill", "fig-metastability", "fig-signal", "fig-admission"]
     for f in figs:
         assert f["hasLayout"] and f["width"] > 800 and f["height"] > 400, f["id"]
         data = [t for t in f["traces"] if t["points"] > 0]
@@ -230,6 +234,14 @@ def test_every_figure_is_drawn_with_data(page):
             assert f["scatterPaths"] >= 8, f"{f['id']}: lines not drawn"
     fill = next(f for f in figs if f["id"] == "fig-fill")
     assert fill["scatterPoints"] >= 100, "the simulated points of the pool fill were not drawn"
+
+
+def test_the_fleet_table_in_the_page_shows_the_numbers_in_report_md(page):
+    from test_report import md_section, md_tables
+
+    table = md_tables(md_section((page["out"] / "report.md").read_text(), "How many GPUs"))[0]
+    shown = page["state"]["fleet"]
+    assert shown["header"] == table[0] and shown["rows"] == table[1:]
 
 
 def test_answer_table_in_the_page_shows_the_numbers_in_report_md(page):

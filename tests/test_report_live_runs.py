@@ -20,7 +20,7 @@ import pytest
 
 from metronome.errors import MetronomeError
 from sim_cli_helpers import run_cli
-from test_report import html_tables, md_tables
+from test_report import html_tables, md_section, md_tables
 
 SMALL = {"small-h200": ("moshi-7b-h200", 2000), "small-b200": ("moshi-7b-b200", 2600)}
 REPORT_ARGS = ["--session-duration", "exp:120", "--mc-runs", "2", "--workers", "2"]
@@ -384,7 +384,7 @@ def report(folders):
     md = (out / "report.md").read_text()
     return {"out": out, "md": md, "html": (out / "report.html").read_text(),
             "data": json.loads((out / "report.json").read_text()),
-            "fidelity": md.split("## 6. Fidelity", 1)[1].split("\n## ", 1)[0]}
+            "fidelity": md_section(md, "Fidelity")}
 
 
 def _rows_by_run(table: list[list[str]]) -> dict[tuple[str, str], list[str]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metronome import serving
+from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.errors import MetronomeError
 from metronome.outputs import write_outputs
 
@@ -446,7 +447,7 @@ def cmd_fleet(args) -> int:
     from rich.table import Table
 
     from metronome.outputs import atomic_dir, write_json
-    from metronome.results import COLLAPSE_SILENT_FRACTION
+    from metronome.report.answer import fleet_rows
     from metronome.sim.fleet import EngineType, capacity_cached, plan
 
     engines, arrivals, durations, horizon, routers, autoscale, params, prices = _fleet_inputs(args)
@@ -474,49 +475,14 @@ def cmd_fleet(args) -> int:
     summary["offered_load"] = arrivals.describe()
     summary["session_durations"] = durations.describe()
     target = args.max_refusal
-    hours = horizon / 3600.0
     for c in summary["calibrations"]:
         con.print(f"[bold]fleet[/] · {c['calibration']} ({c['provenance']}) · {c['policy']} · "
                   f"N* = {c['n_star']} sessions per GPU · peak {summary['peak_rate_per_s']:g}/s x "
                   f"{summary['mean_session_s']:g} s = {summary['peak_offered_erlangs']:.0f} Erlangs · "
                   f"refusal target {_pct(target)}")
 
-        def row(label: str, text: str):
+        for label, text in fleet_rows(c, horizon):
             con.print(f"  {label:<28} {text}", markup=False)
-
-        cf = c["closed_form_engines"]
-        row("GPUs at peak, closed form", f"{cf['pooled']} with a router that finds any free GPU · "
-                                         f"{cf['random']} with random routing (Erlang B)")
-        for r, rr in c["routers"].items():
-            sim = rr["simulated"]
-            ci = sim["refused_fraction_ci"]
-            ci_txt = f", 95% CI {_pct(ci[0])}-{_pct(ci[1])}" if ci else ""
-            row("GPUs at peak, simulated", f"{sim['engines']} with {r} (refused {_pct(sim['refused_fraction'])}{ci_txt})")
-        for r, rr in c["routers"].items():
-            st, au = rr["static"], rr.get("autoscaled")
-            text = f"[{r}] static {st['gpu_hours']:,.0f} ({st['engines']} GPUs)"
-            if au:
-                change = au["gpu_hours"] / st["gpu_hours"] - 1 if st["gpu_hours"] else 0.0
-                text += (f" · autoscaled {au['gpu_hours']:,.0f} (mean {au['engines_mean']:.1f}, max "
-                         f"{au['engines_max']} GPUs; {100 * change:+.0f}% vs static)")
-            row(f"GPU-hours ({hours:g} h)", text)
-            text = (f"[{r}] static {_pct(st['refused_fraction'])} · {_pct(st['silent_frame_fraction'])} (worst hour "
-                    f"{_pct(st['worst_bin_refused_fraction'])} · {_pct(st['worst_bin_silent_frame_fraction'])})")
-            if au:
-                text += (f"; autoscaled {_pct(au['refused_fraction'])} · {_pct(au['silent_frame_fraction'])} "
-                         f"(worst hour {_pct(au['worst_bin_refused_fraction'])} · "
-                         f"{_pct(au['worst_bin_silent_frame_fraction'])})")
-            row("refused · silent frames", text)
-            worst = max(x["worst_bin_silent_frame_fraction"] for x in (st, au) if x)
-            if worst >= COLLAPSE_SILENT_FRACTION:
-                row("", f"[{r}] an hour with {_pct(worst)} of frames silent: sessions that run long overflow an "
-                        f"engine's pool, which neither the router (in-flight counts) nor the refusals see; a bounded "
-                        f"KV policy keeps N* inside memory")
-            if c["gpu_price_per_hour"] is not None:
-                text = f"[{r}] static ${st['cost_per_1000_session_hours']:,.0f}"
-                if au:
-                    text += f" · autoscaled ${au['cost_per_1000_session_hours']:,.0f}"
-                row("cost per 1,000 session-h", text + f" (at ${c['gpu_price_per_hour']:g} per GPU-hour)")
         b = tables["bins"]
         r0 = routers[0]
         t = Table(title=f"{c['calibration']} per hour ({r0})")
@@ -584,7 +550,8 @@ def cmd_report(args) -> int:
         calibrations=tuple(args.calibration or [DEFAULT_CALIBRATION]), kv=args.kv, sinks=args.sinks,
         window=args.window, session_duration=args.session_duration, deadline_s=args.deadline,
         arrival_rate=args.arrival_rate, seed=args.seed, mc_runs=args.mc_runs, live=tuple(args.live or ()),
-        phases=args.phases)
+        phases=args.phases, offered_load=args.offered_load, max_refusal=args.max_refusal,
+        gpu_prices=tuple(_prices(args.gpu_price).items()))
     out = check_out_dir(args.out)
     executor = _executor(args)
     con = _console()
@@ -665,6 +632,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="live results for the fidelity section: the --out folder of metronome-probe validate, of "
                          "metronome-probe run (re-simulated with this calibration unless it has a sim/ folder) or of "
                          "benchmarks/bench_live_aimd.py (its run subfolders); once per --calibration, in order")
+    rp.add_argument("--offered-load", dest="offered_load", default=None,
+                    help="add a 'How many GPUs' section for this offered load: a rate in sessions/s, a rate "
+                         "pattern SECONDS:RATE,... or a time,rate CSV file (e.g. a day in 15-minute buckets)")
+    rp.add_argument("--max-refusal", dest="max_refusal", type=float, default=DEFAULT_MAX_REFUSAL,
+                    help="with --offered-load: the share of conversations the fleet may refuse at its peak "
+                         f"(default {DEFAULT_MAX_REFUSAL:g})")
+    rp.add_argument("--gpu-price", dest="gpu_price", action="append", default=None, metavar="NAME=USD_PER_HOUR",
+                    help="with --offered-load: a calibration's GPU price, for the cost per 1,000 session-hours (repeatable)")
     rp.add_argument("--out", required=True, help="output folder for report.html, report.md and report.json")
     add_executor_options(rp)
     rp.set_defaults(fn=cmd_report)
@@ -685,8 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default exp:300)")
     f.add_argument("--horizon", default=None,
                    help="simulated seconds of the whole run (default: the pattern's length, or 86400 for a constant rate)")
-    f.add_argument("--max-refusal", dest="max_refusal", type=float, default=0.01,
-                   help="the share of sessions that may be refused at the door (default 0.01)")
+    f.add_argument("--max-refusal", dest="max_refusal", type=float, default=DEFAULT_MAX_REFUSAL,
+                   help=f"the share of sessions that may be refused at the door (default {DEFAULT_MAX_REFUSAL:g})")
     f.add_argument("--routers", default="least-loaded",
                    help="comma list of round-robin, least-loaded, power-of-two, random (default least-loaded)")
     f.add_argument("--engines", type=int, default=None,

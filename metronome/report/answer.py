@@ -4,6 +4,7 @@ so the two can never disagree."""
 from __future__ import annotations
 
 from metronome.report.plan import OVERLOAD, REGIME_GAP, TARGET_FRACTION
+from metronome.results import COLLAPSE_SILENT_FRACTION
 
 REGIMES = {"independent": "independent phases (each client's frames on its own clock, vLLM stepping while any "
                           "has work: how vLLM serves real clients)",
@@ -347,6 +348,116 @@ def terms_words(c: dict) -> str:
     return (f"Its step model is {len(terms)} named terms ({counts}; section 7 lists each with its source); "
             f"{len(plugin)} of them are the sink+window plugin's own costs on a GPU (eager mode without CUDA graphs, "
             f"the block table copied to the host every step: {duration(cost)} a step), and {applied}.")
+
+
+# ------------------------------------------------------------------------------------------ how many GPUs
+SECTION_TITLES = {"answer": "The answer", "gpus": "How many GPUs", "fill": "Pool fill", "metastability": "Metastability",
+                  "signal": "The signal", "admission": "Admission", "fidelity": "Fidelity", "provenance": "Provenance"}
+
+
+def sections(data: dict) -> list[tuple[str, str]]:
+    """(id, numbered title) of the report's sections in page order; "How many GPUs" only with an offered load."""
+    keys = [k for k in SECTION_TITLES if k != "gpus" or data.get("fleet")]
+    return [(k, f"{i}. {SECTION_TITLES[k]}") for i, k in enumerate(keys, 1)]
+
+
+def section_title(data: dict, key: str) -> str:
+    return dict(sections(data))[key]
+
+
+def fleet_rows(c: dict, horizon_s: float) -> list[tuple[str, str]]:
+    """One calibration's fleet answer (an entry of :func:`metronome.sim.fleet.plan`'s summary) as labelled lines:
+    the closed form and the simulated size at the peak, the run's GPU-hours static and autoscaled, the refusals
+    and silent frames achieved, the cost when priced. ``metronome-sim fleet`` prints the same lines."""
+    cf = c["closed_form_engines"]
+    rows = [("GPUs at peak, closed form", f"{cf['pooled']} with a router that finds any free GPU · "
+                                          f"{cf['random']} with random routing (Erlang B)")]
+    for r, rr in c["routers"].items():
+        sim = rr["simulated"]
+        ci = sim["refused_fraction_ci"]
+        ci_txt = f", 95% CI {pct(ci[0])}-{pct(ci[1])}" if ci else ""
+        rows.append(("GPUs at peak, simulated", f"{sim['engines']} with {r} (refused {pct(sim['refused_fraction'])}{ci_txt})"))
+    for r, rr in c["routers"].items():
+        st, au = rr["static"], rr.get("autoscaled")
+        text = f"[{r}] static {st['gpu_hours']:,.0f} ({st['engines']} GPUs)"
+        if au:
+            change = au["gpu_hours"] / st["gpu_hours"] - 1 if st["gpu_hours"] else 0.0
+            text += (f" · autoscaled {au['gpu_hours']:,.0f} (mean {au['engines_mean']:.1f}, max "
+                     f"{au['engines_max']} GPUs; {100 * change:+.0f}% vs static)")
+        rows.append((f"GPU-hours ({horizon_s / 3600:g} h)", text))
+        text = (f"[{r}] static {pct(st['refused_fraction'])} · {pct(st['silent_frame_fraction'])} (worst hour "
+                f"{pct(st['worst_bin_refused_fraction'])} · {pct(st['worst_bin_silent_frame_fraction'])})")
+        if au:
+            text += (f"; autoscaled {pct(au['refused_fraction'])} · {pct(au['silent_frame_fraction'])} "
+                     f"(worst hour {pct(au['worst_bin_refused_fraction'])} · "
+                     f"{pct(au['worst_bin_silent_frame_fraction'])})")
+        rows.append(("refused · silent frames", text))
+        worst = max(x["worst_bin_silent_frame_fraction"] for x in (st, au) if x)
+        if worst >= COLLAPSE_SILENT_FRACTION:
+            rows.append(("", f"[{r}] an hour with {pct(worst)} of frames silent: sessions that run long overflow an "
+                             f"engine's pool, which neither the router (in-flight counts) nor the refusals see; a "
+                             f"bounded KV policy keeps N* inside memory"))
+        if c["gpu_price_per_hour"] is not None:
+            text = f"[{r}] static ${st['cost_per_1000_session_hours']:,.0f}"
+            if au:
+                text += f" · autoscaled ${au['cost_per_1000_session_hours']:,.0f}"
+            rows.append(("cost per 1,000 session-h", text + f" (at ${c['gpu_price_per_hour']:g} per GPU-hour)"))
+    return rows
+
+
+def fleet_note(data: dict) -> str:
+    f = data["fleet"]
+    s = f["summary"]
+    parts = [f"Offered load: {f['offered_load']}; sessions {data['calibrations'][0]['session_duration']}. At the peak "
+             f"({s['peak_rate_per_s']:g}/s × {s['mean_session_s']:g} s = {s['peak_offered_erlangs']:,.0f} Erlangs) "
+             f"with at most {pct(s['max_refusal'])} of conversations refused at the door:"]
+    for c in s["calibrations"]:
+        rr = c["routers"]["least-loaded"]
+        st, au = rr["static"], rr.get("autoscaled")
+        text = (f"{c['calibration']} needs {c['closed_form_engines']['pooled']} GPUs by Erlang B (N* = {c['n_star']} "
+                f"places each, a router that finds any free GPU; {c['closed_form_engines']['random']} with random "
+                f"routing) and {rr['simulated']['engines']} simulated with least-loaded routing; over the "
+                f"{s['horizon_s'] / 3600:g} h run a static fleet of {st['engines']} uses {st['gpu_hours']:,.0f} GPU-hours")
+        if au:
+            text += f", autoscaling {au['gpu_hours']:,.0f} (max {au['engines_max']} at once)"
+        if c["gpu_price_per_hour"] is not None:
+            best = au or st
+            text += f", ${best['cost_per_1000_session_hours']:,.0f} per 1,000 session-hours"
+        parts.append(text + ".")
+    parts.append("Each GPU is a loss system with N* places (the answer's N*, with its bound), so Erlang B needs only "
+                 "the mean session length; the simulation routes every session of the run and adds the autoscaler "
+                 "(scale out on sustained pressure with an engine start delay, scale in by draining).")
+    return " ".join(parts)
+
+
+def fleet_table(data: dict) -> Table:
+    """The fleet answer side by side, one column per calibration."""
+    f = data["fleet"]
+    cols = f["summary"]["calibrations"]
+    per = [dict(fleet_rows(c, f["summary"]["horizon_s"])) for c in cols]
+    labels = [label for label, _ in fleet_rows(cols[0], f["summary"]["horizon_s"]) if label]
+    for p in per[1:]:
+        labels += [label for label in p if label and label not in labels]
+    return [""] + [c["calibration"] for c in cols], [[label] + [p.get(label, "") for p in per] for label in labels]
+
+
+def fleet_hours_table(data: dict) -> Table:
+    """Per hour of the run: the offered rate, engines (static, autoscaled mean) and refusals, per calibration."""
+    f = data["fleet"]
+    header = ["hour", "offered/s"]
+    for name in f["series"]:
+        header += [f"{name}: GPUs static · autoscaled", f"{name}: refused static · autoscaled"]
+    first = next(iter(f["series"].values()))
+    rows = []
+    for k, t in enumerate(first["start_s"]):
+        row = [f"{t / 3600:g}", f"{first['offered_rate_per_s'][k]:.2f}"]
+        for sr in f["series"].values():
+            au = sr["autoscaled_engines_mean"]
+            row += [f"{sr['static_engines'][k]:.0f} · {au[k]:.1f}" if au else f"{sr['static_engines'][k]:.0f}",
+                    f"{pct(sr['static_refused_fraction'][k])} · {pct(sr['autoscaled_refused_fraction'][k])}"
+                    if sr["autoscaled_refused_fraction"] else pct(sr["static_refused_fraction"][k])]
+        rows.append(row)
+    return header, rows
 
 
 def seeds_words(data: dict) -> str:

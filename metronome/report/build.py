@@ -7,7 +7,10 @@ Three phases, each fanned out over the executor with its own progress:
 3. **simulation**: everything else in one batch — the unbounded verdict at N*, pool fill for several
    N, the latency signal against N, the Monte Carlo metastability grid, the admission traces and, for a
    ``--live`` run folder without a ``sim/`` folder, the run's workload re-simulated with the calibration
-   (and the simulator's N* for the run's policy, pool and deadline).
+   (and the simulator's N* for the run's policy, pool and deadline);
+4. with an offered load (``--offered-load``), **the fleet**: how many GPUs of each calibration carry it with at
+   most ``--max-refusal`` refused (Erlang B on N*, and :mod:`metronome.sim.fleet` with a least-loaded router),
+   and the day's GPU-hours static and autoscaled, with the cost when ``--gpu-price`` is given.
 
 Every simulated run is seeded by its own point, so the report is the same whichever executor and how
 many workers run it. The dict is JSON-ready; :mod:`metronome.report.answer` turns it into the words and
@@ -33,7 +36,7 @@ from metronome.kv_policy import make_policy
 from metronome.workload import Durations
 
 from metronome.report.live import attach_simulation, check_resimulation, read_live, sim_side
-from metronome.report.plan import (FILL_FRACTIONS, MC_FRACTIONS, MC_HORIZON_FACTOR, MISS_BUDGET, OVERLOAD,
+from metronome.report.plan import (FILL_FRACTIONS, FLEET_DAY_S, MC_FRACTIONS, MC_HORIZON_FACTOR, MISS_BUDGET, OVERLOAD,
                                    PERCENTILE, SIGNAL_FRACTIONS, TARGET_FRACTION, TUNING_GRID, WINDOW_CONTEXT_S,
                                    Plan,
                                    ReportOptions, make_plan)
@@ -164,6 +167,10 @@ def load_plans(options: ReportOptions) -> tuple[list[Plan], list[dict | None]]:
     live = [read_live(d) for d in options.live] + [None] * (len(plans) - len(options.live))
     for plan, lv in zip(plans, live):  # a live run without sim/ is re-simulated with this plan's calibration
         check_resimulation(lv, plan.calibration)
+    if options.offered_load is not None:
+        from metronome.sim.fleet import check_prices
+
+        check_prices(dict(options.gpu_prices), names)
     for plan in plans:  # build one scenario of each kind now: a bad combination fails before the work
         scn.make_scenario(**plan.base(**plan.bound_options(), sessions=plan.memory_ceiling, horizon=1.0,
                                       session_duration=plan.session_duration))
@@ -260,12 +267,15 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
 
     cals = [_calibration_data(plan, cap, tun, raw, lv)
             for plan, cap, tun, raw, lv in zip(plans, caps, tunings, per_cal, live)]
+    fleet = _fleet_data(options, plans, caps, executor, progress) if options.offered_load is not None else None
     return _clean({
         "title": "Capacity plan: " + " vs ".join(c["name"] for c in cals),
         "options": {"calibrations": list(options.calibrations), "kv": options.kv, "sinks": options.sinks,
                     "window": options.window, "session_duration": options.session_duration,
                     "deadline_s": options.deadline_s, "arrival_rate": options.arrival_rate, "seed": options.seed,
-                    "mc_runs": options.mc_runs, "live": list(options.live), "phases": options.phases},
+                    "mc_runs": options.mc_runs, "live": list(options.live), "phases": options.phases,
+                    "offered_load": options.offered_load, "max_refusal": options.max_refusal,
+                    "gpu_prices": dict(options.gpu_prices)},
         "command": command or reproduce_command(options),
         "reproduce": reproduce_command(options),
         "versions": _versions(),
@@ -273,7 +283,35 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
         "simulated_runs": len(batch) + sum(len(t["table"]) for t in tunings),
         "wall_s": round(time.perf_counter() - t0, 2),
         "calibrations": cals,
+        "fleet": fleet,
     })
+
+
+def _fleet_data(options: ReportOptions, plans: list[Plan], caps: list[dict], executor, progress: Progress) -> dict:
+    """The "How many GPUs" section: each calibration as an engine of N* places (the capacity the answer found,
+    with the recommended bound), sized for the offered load's peak and run over its day."""
+    from metronome.sim.fleet import AutoscalePolicy, EngineType, plan as fleet_plan
+
+    arrivals = options.offered()
+    types = [EngineType.from_capacity(p.calibration, p.policy, cap) for p, cap in zip(plans, caps)]
+    horizon = arrivals.pattern_s or FLEET_DAY_S
+    summary, tables = fleet_plan(types, arrivals, plans[0].durations, horizon, options.max_refusal,
+                                 routers=("least-loaded",), seeds=(options.seed,), autoscale=AutoscalePolicy(),
+                                 prices=dict(options.gpu_prices), executor=executor, progress=progress)
+    bins = tables["bins"]
+    series = {}
+    for c in summary["calibrations"]:
+        b = bins[bins.calibration == c["calibration"]]
+        st, au = b[b["mode"] == "static"], b[b["mode"] == "autoscaled"]
+        series[c["calibration"]] = {
+            "start_s": st.start_s.tolist(), "offered_rate_per_s": st.offered_rate_per_s.tolist(),
+            "static_engines": st.engines_mean.tolist(), "autoscaled_engines_mean": au.engines_mean.tolist(),
+            "autoscaled_engines_max": au.engines_max.tolist(),
+            "static_refused_fraction": st.refused_fraction.tolist(),
+            "autoscaled_refused_fraction": au.refused_fraction.tolist(),
+            "static_silent_frame_fraction": st.silent_frame_fraction.tolist(),
+            "autoscaled_silent_frame_fraction": au.silent_frame_fraction.tolist()}
+    return {"offered_load": arrivals.describe(), "spec": options.offered_load, "summary": summary, "series": series}
 
 
 def reproduce_command(options: ReportOptions, out: str = "OUT") -> str:
@@ -294,6 +332,10 @@ def reproduce_command(options: ReportOptions, out: str = "OUT") -> str:
     parts += ["--phases", options.phases, "--seed", str(options.seed), "--mc-runs", str(options.mc_runs)]
     for d in options.live:
         parts += ["--live", d]
+    if options.offered_load is not None:
+        parts += ["--offered-load", options.offered_load, "--max-refusal", f"{options.max_refusal:g}"]
+        for name, usd in options.gpu_prices:
+            parts += ["--gpu-price", f"{name}={usd:g}"]
     parts += ["--out", out]
     return " ".join(shlex.quote(p) for p in parts)
 

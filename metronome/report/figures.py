@@ -263,10 +263,55 @@ def live_runs(data: dict) -> go.Figure | None:
     return _layout(fig, 120 + 340 * n_rows)
 
 
+# ------------------------------------------------------------------------------------------ how many GPUs
+def fleet(data: dict) -> go.Figure:
+    """Over the offered load's run: the load, the GPUs running (static fleet, autoscaled mean) and the refusals."""
+    series = data["fleet"]["series"]
+    names = list(series)
+    fig = make_subplots(rows=2, cols=len(names), shared_xaxes=True, vertical_spacing=0.12, horizontal_spacing=0.14,
+                        specs=[[{"secondary_y": True}] * len(names), [{}] * len(names)],
+                        subplot_titles=[f"<b>{n}</b> · {r}" for r in ("offered load and GPUs running",
+                                                                     "refused at the door per hour")
+                                        for n in names])
+    for j, name in enumerate(names, start=1):
+        sr = series[name]
+        hours = [t / 3600 for t in sr["start_s"]]
+        show = j == 1
+        fig.add_trace(go.Scatter(x=hours, y=sr["offered_rate_per_s"], mode="lines", line=dict(color=GREY, width=1.5),
+                                 line_shape="hv", name="offered load (sessions/s, right axis)", showlegend=show,
+                                 hovertemplate="hour %{x:g}: %{y:.2f} sessions/s<extra></extra>"),
+                      1, j, secondary_y=True)
+        fig.add_trace(go.Scatter(x=hours, y=sr["static_engines"], mode="lines", line=dict(color=UNBOUNDED, dash="dash"),
+                                 line_shape="hv", name="GPUs, static fleet sized for the peak", showlegend=show,
+                                 hovertemplate="hour %{x:g}: %{y:.0f} GPUs (static)<extra></extra>"), 1, j)
+        if sr["autoscaled_engines_mean"]:
+            fig.add_trace(go.Scatter(x=hours, y=sr["autoscaled_engines_mean"], mode="lines",
+                                     line=dict(color=BOUNDED, width=2), line_shape="hv",
+                                     name="GPUs, autoscaled (mean over the hour)", showlegend=show,
+                                     hovertemplate="hour %{x:g}: %{y:.1f} GPUs (autoscaled)<extra></extra>"), 1, j)
+            fig.add_trace(go.Scatter(x=hours, y=[100 * v for v in sr["autoscaled_refused_fraction"]], mode="lines",
+                                     line=dict(color=BOUNDED, width=2), line_shape="hv", name="refused, autoscaled",
+                                     showlegend=show,
+                                     hovertemplate="hour %{x:g}: %{y:.2f}% refused (autoscaled)<extra></extra>"), 2, j)
+        fig.add_trace(go.Scatter(x=hours, y=[100 * v for v in sr["static_refused_fraction"]], mode="lines",
+                                 line=dict(color=UNBOUNDED, dash="dash"), line_shape="hv", name="refused, static",
+                                 showlegend=show,
+                                 hovertemplate="hour %{x:g}: %{y:.2f}% refused (static)<extra></extra>"), 2, j)
+        fig.add_hline(y=100 * data["fleet"]["summary"]["max_refusal"], line=dict(color=GREY, dash="dot"), row=2, col=j,
+                      annotation_text="refusal target", annotation_position="top left")
+        fig.update_yaxes(title_text="GPUs", rangemode="tozero", row=1, col=j, secondary_y=False)
+        fig.update_yaxes(title_text="sessions/s", rangemode="tozero", row=1, col=j, secondary_y=True)
+        fig.update_yaxes(title_text="refused (%)", rangemode="tozero", row=2, col=j)
+        fig.update_xaxes(title_text="hour of the run", row=2, col=j)
+    return _layout(fig, 640)
+
+
 def all_figures(data: dict) -> dict[str, go.Figure]:
-    """Section id -> figure, in page order (``live`` only with live admission runs)."""
-    figs = {"fill": pool_fill(data), "metastability": metastability(data), "signal": signal(data),
-            "admission": admission(data)}
+    """Section id -> figure, in page order (``gpus`` only with an offered load, ``live`` only with live admission
+    runs)."""
+    figs = {"gpus": fleet(data)} if data.get("fleet") else {}
+    figs.update({"fill": pool_fill(data), "metastability": metastability(data), "signal": signal(data),
+                 "admission": admission(data)})
     live = live_runs(data)
     if live is not None:
         figs["live"] = live

@@ -46,9 +46,6 @@ pre { background: #f1f3f7; padding: 10px 12px; border-radius: 6px; overflow-x: a
 ul.notes { font-size: 13px; color: var(--muted); }
 """ % {"red": UNBOUNDED, "blue": BOUNDED}
 
-SECTIONS = (("answer", "1. The answer"), ("fill", "2. Pool fill"), ("metastability", "3. Metastability"),
-            ("signal", "4. The signal"), ("admission", "5. Admission"), ("fidelity", "6. Fidelity"),
-            ("provenance", "7. Provenance"))
 KEY_ROWS = {"which binds", "recommended S, W", "recommended admission"}
 
 
@@ -87,26 +84,35 @@ def render_html(data: dict) -> str:
             f'<p class="sub">metronome-sim report · {data["simulated_runs"]} simulated runs in {data["wall_s"]:.0f} s · '
             f'<span class="key-red">red: unbounded KV</span> · <span class="key-blue">blue: the sink+window bound</span> '
             f'{badges}</p></header>',
-            "<nav>" + "".join(f'<a href="#{k}">{esc(t)}</a>' for k, t in SECTIONS) + "</nav>"]
+            "<nav>" + "".join(f'<a href="#{k}">{esc(t)}</a>' for k, t in A.sections(data)) + "</nav>"]
+
+    def h2(key: str) -> str:
+        return f'<section id="{key}"><h2>{esc(A.section_title(data, key))}</h2>'
 
     header, rows = A.answer_table(data)
     classes = ["key" if r[0] in KEY_ROWS else ("danger" if r[0] == "unbounded at N*" else "") for r in rows]
-    body.append('<section id="answer"><h2>1. The answer</h2>'
+    body.append(h2("answer")
                 + "".join(f'<p class="headline" data-calibration="{esc(c["name"])}">{esc(A.headline(c))}</p>'
                           for c in cals)
                 + html_table(header, rows, cls="answer", table_id="answer-table", row_classes=classes) + "</section>")
 
-    body.append('<section id="fill"><h2>2. Pool fill</h2>'
+    if data.get("fleet"):
+        fh, frows = A.fleet_table(data)
+        body.append(h2("gpus") + f'<p class="note">{esc(A.fleet_note(data))}</p>'
+                    + html_table(fh, frows, cls="answer", table_id="fleet-table") + _figure(figs["gpus"], "gpus")
+                    + _numbers(*A.fleet_hours_table(data), title="per hour of the run") + "</section>")
+
+    body.append(h2("fill") +
                 f'<p class="note">{esc(A.fill_note(data))}</p>' + _figure(figs["fill"], "fill")
                 + _numbers(*A.fill_table(data)) + "</section>")
     meta_tables = "".join(f"<p><b>{esc(t)}</b></p>{html_table(*tb)}" for t, tb in A.metastability_tables(data))
-    body.append('<section id="metastability"><h2>3. Metastability</h2>'
+    body.append(h2("metastability") +
                 f'<p class="note">{esc(A.metastability_note(data))}</p>' + _figure(figs["metastability"], "metastability")
                 + f"<details><summary>the numbers behind the figure</summary>{meta_tables}</details></section>")
-    body.append('<section id="signal"><h2>4. The signal</h2>'
+    body.append(h2("signal") +
                 f'<p class="note">{esc(A.signal_note(data))}</p>' + _figure(figs["signal"], "signal")
                 + _numbers(*A.signal_table(data)) + "</section>")
-    body.append('<section id="admission"><h2>5. Admission</h2>'
+    body.append(h2("admission") +
                 f'<p class="note">{esc(A.admission_note(data))}</p>' + _figure(figs["admission"], "admission")
                 + html_table(*A.admission_table(data)) + "</section>")
 
@@ -116,7 +122,7 @@ def render_html(data: dict) -> str:
         fid.append(f"<div><p><b>{esc(c['name'])}.</b> {esc(text)}</p>"
                    + (html_table(A.FIDELITY_HEADER, frows) if frows else "") + "</div>")
     live_fig = _figure(figs["live"], "live") if "live" in figs else ""
-    body.append('<section id="fidelity"><h2>6. Fidelity</h2><div class="grid2">' + "".join(fid) + "</div>"
+    body.append(h2("fidelity") + '<div class="grid2">' + "".join(fid) + "</div>"
                 + live_fig + "</section>")
 
     prov = []
@@ -129,7 +135,7 @@ def render_html(data: dict) -> str:
                     + (f"<details><summary>how the numbers were derived</summary><ul class='notes'>{notes}</ul></details>"
                        if notes else "") + "</div>")
     versions = ", ".join(f"{k} {v}" for k, v in data["versions"].items())
-    body.append('<section id="provenance"><h2>7. Provenance</h2><div class="grid2">' + "".join(prov) + "</div>"
+    body.append(h2("provenance") + '<div class="grid2">' + "".join(prov) + "</div>"
                 f"<p>Seeds: {esc(A.seeds_words(data))}. Versions: {esc(versions)}.</p>"
                 "<p>Reproduce (the report is the same on any executor and worker count):</p>"
                 f"<pre id='reproduce'>{esc(data['reproduce'])}</pre></section>")

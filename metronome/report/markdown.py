@@ -28,20 +28,23 @@ def render_markdown(data: dict) -> str:
     s = [f"# {data['title']}", "",
          f"Built by `metronome-sim report` in {data['wall_s']:.0f} s ({data['simulated_runs']} simulated runs). "
          "The same numbers, with figures, are in report.html.", "",
-         "## 1. The answer", "", answer_markdown(data), ""]
-    s += ["## 2. Pool fill", "", A.fill_note(data), "", md_table(*A.fill_table(data)), ""]
-    s += ["## 3. Metastability", "", A.metastability_note(data), ""]
+         f"## {A.section_title(data, 'answer')}", "", answer_markdown(data), ""]
+    if data.get("fleet"):
+        s += [f"## {A.section_title(data, 'gpus')}", "", A.fleet_note(data), "", md_table(*A.fleet_table(data)), "",
+              "Per hour of the run:", "", md_table(*A.fleet_hours_table(data)), ""]
+    s += [f"## {A.section_title(data, 'fill')}", "", A.fill_note(data), "", md_table(*A.fill_table(data)), ""]
+    s += [f"## {A.section_title(data, 'metastability')}", "", A.metastability_note(data), ""]
     for title, table in A.metastability_tables(data):
         s += [f"**{title}**", "", md_table(*table), ""]
-    s += ["## 4. The signal", "", A.signal_note(data), "", md_table(*A.signal_table(data)), ""]
-    s += ["## 5. Admission", "", A.admission_note(data), "", md_table(*A.admission_table(data)), ""]
-    s += ["## 6. Fidelity", ""]
+    s += [f"## {A.section_title(data, 'signal')}", "", A.signal_note(data), "", md_table(*A.signal_table(data)), ""]
+    s += [f"## {A.section_title(data, 'admission')}", "", A.admission_note(data), "", md_table(*A.admission_table(data)), ""]
+    s += [f"## {A.section_title(data, 'fidelity')}", ""]
     for c in cals:
         text, rows = A.fidelity(c)
         s += [f"**{c['name']}.** {text}", ""]
         if rows:
             s += [md_table(A.FIDELITY_HEADER, rows), ""]
-    s += ["## 7. Provenance", ""]
+    s += [f"## {A.section_title(data, 'provenance')}", ""]
     for c in cals:
         s += [f"**{c['name']}**", "", md_table(["field", "value"], [list(r) for r in A.provenance_rows(c)]), ""]
         if A.term_rows(c):

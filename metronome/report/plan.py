@@ -26,7 +26,8 @@ from metronome import serving
 from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
 from metronome.kv_policy import KVPolicy, make_policy
-from metronome.workload import Durations
+from metronome.erlang import DEFAULT_MAX_REFUSAL, check_refusal
+from metronome.workload import Arrivals, Durations
 
 DEFAULT_KV = "sinks"
 DEFAULT_SINK_TOKENS = 16
@@ -39,6 +40,7 @@ PERCENTILE = 99.0
 OVERLOAD = 1.5
 REGIME_GAP = 0.10  # N* under the two phase regimes: shown side by side when they differ by more than this
 MISS_BUDGET = 0.01
+FLEET_DAY_S = 86400.0  # a constant offered rate is sized and costed over one day
 
 SIGNAL_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
 FILL_FRACTIONS = (0.25, 0.5, 1.0, 1.5)
@@ -66,9 +68,23 @@ class ReportOptions:
     mc_runs: int = DEFAULT_MC_RUNS
     live: tuple[str, ...] = ()
     phases: str = "independent"  # serving.PHASES: the regime the answer assumes
+    offered_load: str | None = None  # a rate, a rate pattern or a load CSV: the "How many GPUs" section
+    max_refusal: float = DEFAULT_MAX_REFUSAL
+    gpu_prices: tuple[tuple[str, float], ...] = ()  # (calibration name, USD per GPU-hour)
+
+    def offered(self) -> Arrivals | None:
+        """The offered load the fleet section sizes for (None: no such section)."""
+        return None if self.offered_load is None else Arrivals.parse_offered(self.offered_load)
 
     def validate(self) -> None:
         serving.check_phases(self.phases)
+        if self.offered_load is None and (self.gpu_prices or self.max_refusal != DEFAULT_MAX_REFUSAL):
+            raise MetronomeError("--gpu-price and --max-refusal size a fleet: give the load with --offered-load")
+        check_refusal(self.max_refusal, "--max-refusal")
+        if self.offered_load is not None:
+            from metronome.sim.fleet import check_offered
+
+            check_offered(self.offered())
         if not self.calibrations:
             raise MetronomeError("give at least one --calibration NAME|PATH")
         if len(self.calibrations) > 4:
