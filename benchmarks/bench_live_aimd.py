@@ -96,7 +96,7 @@ def bench_scenario(cal, aimd: dict, *, kv: str = "window", window: int, num_bloc
     (``kv="window"``) or unbounded KV. The interval tuning and the figure's simulated runs both use it."""
     from metronome.sim import scenario as sc_mod
 
-    return sc_mod.make_scenario(calibration=cal, kv=kv, window=window if kv == "window" else None,
+    return sc_mod.make_scenario(calibration=cal, kv=kv, window=window,
                                 arrival_rate=rate, session_duration=duration, horizon=horizon, seed=seed,
                                 deadline=deadline, admission="aimd", aimd_params=aimd, num_blocks=num_blocks,
                                 phases=PHASES)

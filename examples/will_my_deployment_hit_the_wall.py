@@ -46,8 +46,7 @@ def main():
 
     print("\none simulated run of each (seed 0):")
     for kv in ("unbounded", "sinks"):
-        s = run(make_scenario(cal, kv, window=a.window if kv == "sinks" else None,
-                              sinks=a.sinks if kv == "sinks" else None, sessions=a.sessions,
+        s = run(make_scenario(cal, kv, window=a.window, sinks=a.sinks, sessions=a.sessions,
                               session_duration=a.session_duration, horizon=horizon)).summary
         tsat = "never" if s["t_sat_observed_s"] is None else f"{s['t_sat_observed_s']:.1f} s"
         print(f"  {s['policy']:<20} pool dry at {tsat:<7} silent frames {100 * s['silent_frame_fraction']:5.1f}%  "

@@ -100,7 +100,7 @@ class FillModel:
     def _frame_starts(self) -> np.ndarray:
         """Token counts at the start of a session's frames, long enough to pass its steady state."""
         st, p = self.calibration.stream, self.policy
-        n_frames = (p.sink_tokens + p.window_tokens + 3 * p.block_size) // max(st.kv_tokens_per_frame, 1) + p.block_size
+        n_frames = (p.kept_tokens + 3 * p.block_size) // max(st.kv_tokens_per_frame, 1) + p.block_size
         return st.prompt_tokens + st.kv_tokens_per_frame * np.arange(n_frames + 1)
 
     @property

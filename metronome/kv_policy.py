@@ -32,6 +32,7 @@ import numpy as np
 from metronome.errors import MetronomeError
 
 POLICY_KINDS = ("unbounded", "window", "sinks")
+BOUNDED_KINDS = ("window", "sinks")  # the policies that keep a session's KV under a fixed size
 
 
 def cdiv(a, b):
@@ -182,9 +183,15 @@ class KVPolicy:
             return window
         return min(self.sink_blocks + window, int(cdiv(max_model_len, self.block_size)))
 
+    @property
+    def kept_tokens(self) -> int:
+        """The tokens the bound keeps, S + W (0 when unbounded): how long a session takes to reach its steady
+        state is this many tokens (plus up to a block) at its token rate."""
+        return self.sink_tokens + self.window_tokens if self.bounded else 0
+
     def rebase_tokens(self) -> int | None:
         """Prompt length of a session rebased near ``max_model_len``: S sinks plus the last W tokens."""
-        return self.sink_tokens + self.window_tokens if self.bounded else None
+        return self.kept_tokens if self.bounded else None
 
     def describe(self) -> str:
         if self.kind == "unbounded":
@@ -192,6 +199,53 @@ class KVPolicy:
         if self.kind == "window":
             return f"window(W={self.window_tokens})"
         return f"sinks(S={self.sink_tokens}, W={self.window_tokens})"
+
+    def short_words(self) -> str:
+        """How a sentence names the bound: ``sinks S=16, W=368``, ``window W=368`` or ``unbounded``."""
+        if self.kind == "sinks":
+            return f"sinks S={self.sink_tokens}, W={self.window_tokens}"
+        return f"window W={self.window_tokens}" if self.bounded else "unbounded"
+
+    def serving_words(self) -> str:
+        """What serves the policy in a vLLM engine."""
+        if self.runs_plugin:
+            return "the metronome sink+window vLLM plugin"
+        return "vLLM's own sliding window" if self.bounded else "vLLM, unbounded"
+
+    def options(self) -> dict:
+        """The policy as command-line style options (``kv``, ``window``, ``sinks``; None where it has none), which
+        :func:`make_policy` reads back."""
+        return {"kv": self.kind, "window": self.window_tokens if self.bounded else None,
+                "sinks": self.sink_tokens if self.kind == "sinks" else None}
+
+    def cli_args(self) -> list[str]:
+        """The flags that select this policy on any command (``--kv``, ``--window``, ``--sinks``)."""
+        return [x for k, v in self.options().items() if v is not None for x in (f"--{k}", str(v))]
+
+    def engine_settings(self) -> dict:
+        """How a live engine runs the policy (``metronome.probe.engine.EngineConfig`` fields): a sliding window
+        for a bounded policy, plus sinks when the plugin serves it."""
+        return {"sliding_window": self.window_tokens if self.bounded else None,
+                "sinks": self.sink_tokens if self.runs_plugin else None}
+
+    def slug(self) -> str:
+        """A file-name part: ``""``, ``-window368`` or ``-sinks16-window368``."""
+        return "".join(f"-{k}{v}" for k, v in (("sinks", self.options()["sinks"]), ("window", self.options()["window"]))
+                       if v is not None)
+
+
+def takes_sinks(kind: str) -> bool:
+    """Whether the policy ``kind`` keeps sink tokens (``--sinks`` applies to it)."""
+    return kind == "sinks"
+
+
+def check_sinks_option(kind: str, sink_tokens: int | None, required: bool = False) -> None:
+    """``--sinks`` given to a policy that keeps none is an error (a command that takes one policy); with
+    ``required``, a sinks policy must be given its S."""
+    if sink_tokens and not takes_sinks(kind):
+        raise MetronomeError(f"--sinks needs --kv sinks (the {kind} policy keeps no sinks)")
+    if required and takes_sinks(kind) and not sink_tokens:
+        raise MetronomeError("--kv sinks needs --sinks S (sink tokens) and --window W")
 
 
 def make_policy(kind: str, block_size: int, window_tokens: int | None = None, sink_tokens: int | None = None) -> KVPolicy:

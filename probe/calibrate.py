@@ -124,10 +124,7 @@ class CalibrationResult:
 
 
 def policy_for(opts: CalibrateOptions) -> KVPolicy:
-    if opts.kv == "sinks" and not opts.sinks:
-        raise MetronomeError("--kv sinks needs --sinks S (sink tokens) and --window W")
-    if opts.sinks is not None and opts.kv != "sinks":
-        raise MetronomeError("--sinks needs --kv sinks")
+    check_sinks_option(opts.kv, opts.sinks, required=True)
     return make_policy(opts.kv, opts.block_size, opts.window, opts.sinks)
 
 
@@ -138,8 +135,7 @@ def engine_config(opts: CalibrateOptions, resolved: models.ResolvedModel | None 
     return EngineConfig(model=resolved, device=device, block_size=opts.block_size, num_blocks=opts.num_blocks,
                         max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
                         max_model_len=opts.max_model_len, seed=opts.seed, kv_cache_gib=opts.kv_cache_gib,
-                        sliding_window=policy.window_tokens if policy.bounded else None,
-                        sinks=policy.sink_tokens if policy.kind == "sinks" else None)
+                        **policy.engine_settings())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -833,9 +829,7 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
     growth, fill = measurements["kv_growth"], measurements["fill_rate"]
     err = fit["error"]
     notes = [
-        f"KV policy during measurement: {policy.describe()} "
-        + ("(the metronome sink+window vLLM plugin)" if policy.kind == "sinks" else "(vLLM's own window)")
-        if policy.bounded else "KV policy during measurement: unbounded",
+        f"KV policy during measurement: {policy.describe()} ({policy.serving_words()})",
         f"kv bytes/token {pool['kv_bytes_per_token']:g} from the KV cache spec "
         f"(2·layers·kv_heads·head_dim·dtype = {pool['expected_kv_bytes_per_token']})",
         f"vLLM's null block: {pool['usable_blocks']} of {pool['num_blocks']} blocks can be handed out",
@@ -867,9 +861,8 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
                           reserved_blocks=1),  # vLLM's null block: counted in num_gpu_blocks, never allocated
         step_latency=step_latency_model(fit),
         provenance=Provenance(
-            kind="measured", source=f"metronome-probe calibrate --model {opts.model}"
-            + (f" --kv {opts.kv} --window {opts.window}" if policy.bounded else "")
-            + (f" --sinks {opts.sinks}" if policy.kind == "sinks" else ""),
+            kind="measured", source=" ".join(["metronome-probe", "calibrate", "--model", opts.model]
+                                             + (policy.cli_args() if policy.bounded else [])),
             hardware=hardware_description(engine.config.device), date=_now(), engine=engine.describe(),
             weights=m.weights, notes=tuple(notes)),
         description=f"Measured on the live engine: {m.name} ({m.weights}), {policy.describe()}",
@@ -968,10 +961,7 @@ def _correlation_fields(fit: dict) -> dict:
 
 def calibration_name(model: str, device: str, policy: KVPolicy) -> str:
     safe = "".join(ch if ch.isalnum() or ch in ".-" else "-" for ch in model).strip("-").lower()
-    suffix = f"-window{policy.window_tokens}" if policy.kind == "window" else ""
-    if policy.kind == "sinks":
-        suffix = f"-sinks{policy.sink_tokens}-window{policy.window_tokens}"
-    return f"measured-{safe}-{device}{suffix}"
+    return f"measured-{safe}-{device}{policy.slug()}"
 
 
 def save_preset(cal: Calibration) -> Path:

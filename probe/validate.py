@@ -149,8 +149,7 @@ def run_validate(opts: ValidateOptions, echo=print) -> dict:
     }
     cal = None
     for name, policy in opts.policies():
-        config = replace(base, sliding_window=policy.window_tokens if policy.bounded else None,
-                         sinks=policy.sink_tokens if policy.kind == "sinks" else None)
+        config = replace(base, **policy.engine_settings())
         echo(f"[{time.perf_counter() - t0:5.0f} s] {name}: starting the engine ({opts.num_blocks} blocks)")
         engine = Engine(config, log_path=out / "engine.log") if cal is None or opts.loop == "driver" else None
         try:
@@ -219,8 +218,7 @@ def run_policy_live(engine, policy: KVPolicy, stream: TokenStream, opts: Validat
 def simulate(cal, policy: KVPolicy, opts: ValidateOptions, out_dir: Path):
     from metronome.sim import scenario as sc_mod
 
-    sc = sc_mod.make_scenario(calibration=cal, kv=policy.kind, window=policy.window_tokens or None,
-                              sinks=policy.sink_tokens or None, sessions=opts.sessions, horizon=opts.horizon_s,
+    sc = sc_mod.make_scenario(calibration=cal, **policy.options(), sessions=opts.sessions, horizon=opts.horizon_s,
                               deadline=opts.deadline_s, num_blocks=opts.num_blocks, seed=opts.seed,
                               phases=opts.phases, loop=opts.loop)
     result = sc_mod.run(sc)

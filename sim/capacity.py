@@ -34,7 +34,7 @@ def _measure_window(cal: Calibration, policy: KVPolicy, duration_s: float | None
     """(warm-up, measured span) in seconds for the steady-state latency of N sessions."""
     r = cal.stream.kv_tokens_per_s
     if policy.bounded:
-        warm = (policy.sink_tokens + policy.window_tokens + 2 * policy.block_size) / r
+        warm = (policy.kept_tokens + 2 * policy.block_size) / r
         span = max(10 * cal.stream.frame_period_s, 5.0)
         if cal.step_latency.jitter:  # a tail to measure: enough ticks that the 99th percentile is not the max,
             span = max(span, 2000 * cal.stream.frame_period_s)

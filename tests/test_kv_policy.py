@@ -145,3 +145,41 @@ def test_admit_fcfs_admits_the_longest_prefix_that_fits(needs, free):
     assert admitted == list(range(k)) and list(queue) == list(range(k, len(needs)))  # order kept, head first
     assert sum(needs[:k]) <= free  # what it admitted fits
     assert k == len(needs) or sum(needs[:k + 1]) > free  # and it stopped at the first head that did not
+
+
+# ------------------------------------------------------------------------------ the policy answers for itself
+def test_the_policy_says_how_it_is_named_served_and_selected():
+    from metronome.kv_policy import make_policy
+
+    s, w, u = KVPolicy.sinks(16, 16, 368), KVPolicy.window(16, 368), KVPolicy.unbounded(16)
+    assert [p.short_words() for p in (s, w, u)] == ["sinks S=16, W=368", "window W=368", "unbounded"]
+    assert [p.slug() for p in (s, w, u)] == ["-sinks16-window368", "-window368", ""]
+    assert [p.cli_args() for p in (s, w, u)] == [["--kv", "sinks", "--window", "368", "--sinks", "16"],
+                                                 ["--kv", "window", "--window", "368"], ["--kv", "unbounded"]]
+    assert s.engine_settings() == {"sliding_window": 368, "sinks": 16}  # the plugin
+    assert w.engine_settings() == {"sliding_window": 368, "sinks": None}  # vLLM's own window
+    assert u.engine_settings() == {"sliding_window": None, "sinks": None}
+    assert [p.runs_plugin for p in (s, w, u)] == [True, False, False]
+    for p in (s, w, u):  # the options read back into the same policy
+        o = p.options()
+        assert make_policy(o["kv"], 16, o["window"], o["sinks"]) == p
+
+
+def test_no_code_outside_kv_policy_branches_on_a_policy_kind():
+    """A new policy is a new KVPolicy, not a new branch in every caller: outside metronome/kv_policy.py no code
+    compares a policy's kind (or a --kv value) with a policy name."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    branch = re.compile(r"""\b(kind|kv)\s*(==|!=)\s*["'](unbounded|window|sinks)["']"""
+                        r"""|(==|!=)\s*["'](window|sinks)["']|\bin\s*\(\s*["'](window|sinks)["']""")
+    found = []
+    for folder in ("metronome", "sim", "probe", "benchmarks", "examples"):
+        for f in sorted((root / folder).rglob("*.py")):
+            if f == root / "metronome" / "kv_policy.py":
+                continue
+            for no, line in enumerate(f.read_text().splitlines(), 1):
+                if branch.search(line) and not line.lstrip().startswith("for "):  # a loop over policies is fine
+                    found.append(f"{f.relative_to(root)}:{no}: {line.strip()}")
+    assert found == [], "\n".join(found)

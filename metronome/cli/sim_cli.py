@@ -15,6 +15,7 @@ from typing import Any, Callable
 from metronome import serving
 from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.errors import MetronomeError
+from metronome.kv_policy import BOUNDED_KINDS, POLICY_KINDS
 from metronome.outputs import write_outputs
 
 DEFAULT_CALIBRATION = "moshi-7b-h200"
@@ -22,7 +23,7 @@ DEFAULT_CALIBRATION = "moshi-7b-h200"
 # option name -> (parser of one value, help)
 SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "calibration": (str, f"preset name or calibration JSON file (default {DEFAULT_CALIBRATION})"),
-    "kv": (str, "KV policy: unbounded | window | sinks (default unbounded)"),
+    "kv": (str, f"KV policy: {' | '.join(POLICY_KINDS)} (default unbounded)"),
     "window": (int, "window W in tokens (with --kv window or sinks)"),
     "sinks": (int, "sink tokens S (with --kv sinks)"),
     "sessions": (int, "N sessions start at t=0 (or over --ramp seconds)"),
@@ -612,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="capacity-planning report (report.html + report.md) for one or more calibrations")
     rp.add_argument("--calibration", action="append", default=None,
                     help="preset name or calibration JSON; repeat to compare side by side (default moshi-7b-h200)")
-    rp.add_argument("--kv", choices=("sinks", "window"), default="sinks", help="the bounded policy to recommend")
+    rp.add_argument("--kv", choices=BOUNDED_KINDS, default="sinks", help="the bounded policy to recommend")
     rp.add_argument("--sinks", type=int, default=None, help="sink tokens S (default 16)")
     rp.add_argument("--window", type=int, default=None,
                     help="window W in tokens (default: about the last 30 s of conversation, whole blocks)")

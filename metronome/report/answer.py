@@ -46,8 +46,7 @@ def deadline_words(c: dict) -> str:
 
 
 def bound_words(c: dict) -> str:
-    p = c["policy"]
-    return f"sinks S={p['sinks']}, W={p['window']}" if p["kind"] == "sinks" else f"window W={p['window']}"
+    return c["policy"]["words"]
 
 
 def admission_words(c: dict) -> str:

@@ -32,7 +32,7 @@ import pandas as pd
 from metronome import __version__
 from metronome import calibration as calmod
 from metronome.errors import MetronomeError
-from metronome.kv_policy import make_policy
+from metronome.kv_policy import KVPolicy
 from metronome.workload import Durations
 
 from metronome.report.live import attach_simulation, check_resimulation, read_live, sim_side
@@ -56,11 +56,9 @@ TRACE_POINTS = 300  # buckets per admission trace
 
 # ------------------------------------------------------------------------------------------- tasks
 # Module-level so that a process pool or Ray can pickle them. Each returns plain numbers.
-def _capacity_task(task: tuple[str, str, int, int | None, float, float | None, str]) -> dict:
-    spec, kind, window, sinks, deadline_s, duration_s, phases = task
-    cal = calmod.load(spec)
-    policy = make_policy(kind, cal.engine.block_size_tokens, window, sinks)
-    return capacity(cal, policy, deadline_s, TARGET_FRACTION, PERCENTILE, duration_s, phases=phases)
+def _capacity_task(task: tuple[str, KVPolicy, float, float | None, str]) -> dict:
+    spec, policy, deadline_s, duration_s, phases = task
+    return capacity(calmod.load(spec), policy, deadline_s, TARGET_FRACTION, PERCENTILE, duration_s, phases=phases)
 
 
 def _sim_task(task: tuple[str, dict]) -> dict:
@@ -189,8 +187,7 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
     # 1. capacity, under the regime the answer assumes and under the other one (the report shows both when
     # they differ by more than REGIME_GAP)
     other = {"independent": "aligned", "aligned": "independent"}[options.phases]
-    tasks = [(p.spec, p.policy.kind, p.policy.window_tokens, p.policy.sink_tokens or None, p.deadline_s,
-              p.mean_duration_s, ph) for ph in (options.phases, other) for p in plans]
+    tasks = [(p.spec, p.policy, p.deadline_s, p.mean_duration_s, ph) for ph in (options.phases, other) for p in plans]
     both = executor.map(_capacity_task, tasks, progress=progress("capacity: N* per calibration and regime", len(tasks)))
     caps, caps_other = both[:len(plans)], both[len(plans):]
     for cap, alt in zip(caps, caps_other):
@@ -248,7 +245,7 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
                                       horizon=MC_HORIZON_FACTOR * d, seed=plan.seed + r))
             params = tun["best"]["params"] if tun["best"] else None
             add(ci, "admission", pol, "admission",
-                {**plan.admission_point(n_star, kw["kv"]), "aimd_params": params, "seed": plan.seed})
+                {**plan.admission_point(n_star, kw), "aimd_params": params, "seed": plan.seed})
     for ci, (plan, lv) in enumerate(zip(plans, live)):  # live runs without a sim/ folder: simulate them here
         for name, run in (lv["runs"].items() if lv and lv["kind"] == "runs" else ()):
             if run["scenario"] is not None:
@@ -453,7 +450,7 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
         "session_duration_mean_s": plan.mean_duration_s,
         "seed": plan.seed,
         "policy": {"kind": pol.kind, "sinks": pol.sink_tokens, "window": pol.window_tokens,
-                   "describe": pol.describe(), "peak_blocks_per_session": peak_blocks,
+                   "describe": pol.describe(), "words": pol.short_words(), "peak_blocks_per_session": peak_blocks,
                    "bytes_per_session": peak_blocks * cal.engine.bytes_per_block,
                    "window_defaulted": plan.window_defaulted, "window_context_s": WINDOW_CONTEXT_S},
         "capacity": cap,

@@ -25,7 +25,7 @@ from metronome.calibration import Calibration
 from metronome import serving
 from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
-from metronome.kv_policy import KVPolicy, make_policy
+from metronome.kv_policy import BOUNDED_KINDS, KVPolicy, check_sinks_option, make_policy, takes_sinks
 from metronome.erlang import DEFAULT_MAX_REFUSAL, check_refusal
 from metronome.workload import Arrivals, Durations
 
@@ -89,8 +89,8 @@ class ReportOptions:
             raise MetronomeError("give at least one --calibration NAME|PATH")
         if len(self.calibrations) > 4:
             raise MetronomeError(f"a report compares at most 4 calibrations, got {len(self.calibrations)}")
-        if self.kv not in ("sinks", "window"):
-            raise MetronomeError(f"--kv {self.kv!r}: the report recommends a bounded policy (sinks or window); "
+        if self.kv not in BOUNDED_KINDS:
+            raise MetronomeError(f"--kv {self.kv!r}: the report recommends a bounded policy ({' or '.join(BOUNDED_KINDS)}); "
                                  "the unbounded one is always shown beside it")
         if self.deadline_s is not None and not (self.deadline_s > 0 and math.isfinite(self.deadline_s)):
             raise MetronomeError(f"--deadline must be positive seconds, got {self.deadline_s}")
@@ -141,8 +141,7 @@ class Plan:
 
     def bound_options(self) -> dict:
         """The bounded policy as make_scenario options."""
-        p = self.policy
-        return {"kv": p.kind, "window": p.window_tokens, "sinks": p.sink_tokens if p.kind == "sinks" else None}
+        return self.policy.options()
 
     def base(self, **kw) -> dict:
         return {"calibration": self.spec, "deadline": self.deadline_s, "phases": self.phases, **kw}
@@ -157,7 +156,7 @@ class Plan:
         n_min = self.sessions_grid(FILL_FRACTIONS)[0]
         t_small = self.fill_unbounded.t_sat(n_min)
         p = self.policy
-        window_fill_s = (p.sink_tokens + p.window_tokens + p.block_size) / self.calibration.stream.kv_tokens_per_s
+        window_fill_s = (p.kept_tokens + p.block_size) / self.calibration.stream.kv_tokens_per_s
         return float(max(1.25 * (t_small or 0.0), 2.0 * window_fill_s, 10 * self.calibration.stream.frame_period_s))
 
     def mc_durations_s(self, n_star: int) -> list[float]:
@@ -178,10 +177,11 @@ class Plan:
         base_rate = n_star / self.mean_duration_s
         return [(self.mean_duration_s, f * base_rate) for f in ADMISSION_PATTERN]
 
-    def admission_point(self, n_star: int, kv: str) -> dict:
+    def admission_point(self, n_star: int, policy_options: dict) -> dict:
+        """The admission trace's scenario under a policy (make_scenario options: ``{"kv": "unbounded"}`` or
+        :meth:`bound_options`)."""
         pattern = ",".join(f"{d:g}:{r:.6g}" for d, r in self.admission_pattern(n_star))
-        bound = self.bound_options() if kv != "unbounded" else {"kv": "unbounded"}
-        return self.base(**bound, rate_pattern=pattern, session_duration=self.session_duration,
+        return self.base(**policy_options, rate_pattern=pattern, session_duration=self.session_duration,
                          horizon=len(ADMISSION_PATTERN) * self.mean_duration_s, admission="aimd")
 
 
@@ -212,12 +212,11 @@ def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
     """Resolve the defaults for one calibration (one-line errors for a bad combination)."""
     bs = cal.engine.block_size_tokens
     sinks = 0
-    if options.kv == "sinks":
+    check_sinks_option(options.kv, options.sinks)
+    if takes_sinks(options.kv):
         sinks = DEFAULT_SINK_TOKENS if options.sinks is None else int(options.sinks)
-    elif options.sinks:
-        raise MetronomeError("--sinks needs --kv sinks (the window policy keeps no sinks)")
     window = options.window if options.window is not None else default_window_tokens(cal, sinks)
-    policy = make_policy(options.kv, bs, int(window), sinks if options.kv == "sinks" else None)
+    policy = make_policy(options.kv, bs, int(window), sinks)
     durations = Durations.parse(options.session_duration)
     if not math.isfinite(durations.mean_s):
         raise MetronomeError(f"--session-duration {options.session_duration!r}: needs a finite mean")
