@@ -1,7 +1,7 @@
 """Estimated calibrations: pool size and step latency from datasheet numbers and published measurements.
 
-Used to build the ``estimated`` presets in ``calibration/`` (``python -m metronome.roofline`` rewrites them; a
-test checks the shipped files match). Every coefficient of the step-latency model is a sum of named terms
+Used to build the ``estimated`` presets in ``calibration/``, one per model of :data:`metronome.models.MODELS`
+and GPU of :data:`GPUS` (``python -m metronome.roofline`` rewrites them; a test checks the shipped files match). Every coefficient of the step-latency model is a sum of named terms
 (:class:`~metronome.calibration.StepTerm`), each with its value, its basis and its source, written into the
 preset; the report prints them. The live probe replaces all of it with a ``measured`` calibration.
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from metronome.calibration import (Calibration, EnginePool, ModelShape, Provenance, StepLatencyModel, StepTerm,
-                                   TokenStream, sum_terms)
+from metronome.calibration import Calibration, EnginePool, Provenance, StepLatencyModel, StepTerm, sum_terms
+from metronome.models import MODELS, QWEN3_OMNI_SPEECH_PASSES_PER_S, Model, Stage
 
 
 @dataclass(frozen=True)
@@ -38,37 +38,6 @@ class GPU:
     bf16_flops: float  # dense peak
     pcie_bytes_per_s: float  # host link, one direction
     source: str
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One part of a model's frame pipeline besides the backbone vLLM serves, run per session on the same GPU.
-
-    ``decode``: an autoregressive or iterative generator (talker, code predictor, depformer, codec decoder,
-    vocoder ODE steps) taking ``rate`` sequential forward passes per second while it runs; small per-pass work
-    does not fill the GPU, so it is priced per pass per session (:data:`ANCHORS` ``pass``).
-    ``encode``: an encoder over ``rate`` positions per second of its input, priced by its matmul work
-    (2·``params`` per position). ``duty`` is the share of a conversation it runs (speech out: the assistant's
-    share of the talk)."""
-
-    name: str
-    kind: str  # "decode" | "encode"
-    rate: float
-    duty: float
-    source: str
-    params: float = 0.0  # encode only
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    key: str
-    shape: ModelShape
-    stream: TokenStream
-    weight_bytes: float  # all weights resident on the device (encoders and talker included)
-    streamed_weight_bytes: float  # weights read per decode step (MoE at large batch touches ~all experts)
-    source: str
-    stream_note: str
-    pipeline: tuple[Stage, ...] = ()
 
 
 GPUS = {
@@ -96,78 +65,6 @@ ANCHORS = {
                                      "requests, 0.578 at 32 (vllm-project/vllm-omni PR #3695 perf baselines)"),
 }
 LLAMA_8B_LAYERS = 32
-# Qwen3-Omni's speech side per second of speech: 12.5 talker steps, 15 code-predictor passes per codec frame,
-# 12.5 Code2Wav frames (notes: 12.5 Hz codec, 16 codebooks, MTP for codebooks 1-15)
-QWEN3_OMNI_SPEECH_PASSES_PER_S = 12.5 + 15 * 12.5 + 12.5
-
-SPEECH_DUTY = 0.5  # half-duplex models speak for about half of a conversation (assumed)
-
-MODELS = {
-    "moshi-7b": ModelSpec(
-        "moshi-7b",
-        ModelShape("Moshi 7B (temporal transformer)", layers=32, kv_heads=32, head_dim=128, kv_dtype="bf16",
-                   max_model_len_tokens=65536, params=7.7e9, active_params=7.7e9),
-        TokenStream(frame_period_s=0.08, input_tokens_per_frame=0, output_tokens_per_frame=1),
-        weight_bytes=15.4e9, streamed_weight_bytes=15.4e9,
-        source="kyutai-labs/moshi configs/moshi_7b_202409.json: dim 4096, 32 heads, 32 layers, kv_repeat 1 (MHA), bf16",
-        stream_note="12.5 Hz: one fused text+audio KV position per 80 ms frame (input folded into the decode step)",
-        pipeline=(
-            Stage("depformer", "decode", 8 / 0.08, 1.0,
-                  "8 sequential depformer steps per 80 ms frame (6 layers, dim 1024), every frame: full duplex"),
-            Stage("Mimi encoder + decoder", "decode", 2 / 0.08, 1.0,
-                  "one streaming Mimi encoder and one decoder pass per 80 ms frame"),
-        ),
-    ),
-    "qwen2.5-omni-7b": ModelSpec(
-        "qwen2.5-omni-7b",
-        ModelShape("Qwen2.5-Omni-7B (thinker)", layers=28, kv_heads=4, head_dim=128, kv_dtype="bf16",
-                   max_model_len_tokens=32768, params=10.7e9, active_params=7.6e9),
-        TokenStream(frame_period_s=2.0, input_tokens_per_frame=50, output_tokens_per_frame=4),
-        weight_bytes=21.4e9, streamed_weight_bytes=15.2e9,
-        source="transformers qwen2_5_omni configuration: thinker hidden 3584, 28 layers, 28 heads, 4 KV heads, head_dim 128",
-        stream_note="25 audio tokens/s in TMRoPE 2 s chunks: 50 input tokens per 2 s frame, 4 text tokens out",
-        pipeline=(
-            Stage("audio encoder", "encode", 50.0, 1.0,
-                  "Whisper-large-v3-style encoder (~0.64B params) over 50 positions/s before pooling to 25 tokens/s",
-                  params=0.64e9),
-            Stage("talker", "decode", 50.0, SPEECH_DUTY, "talker: ~50 codec tokens per second of speech (24 layers, hidden 896)"),
-            Stage("token2wav", "decode", 11.0, SPEECH_DUTY,
-                  "DiT flow matching (10 ODE steps) plus one BigVGAN pass per second of speech (assumed chunking)"),
-        ),
-    ),
-    "qwen3-omni-30b-a3b": ModelSpec(
-        "qwen3-omni-30b-a3b",
-        ModelShape("Qwen3-Omni-30B-A3B (thinker)", layers=48, kv_heads=4, head_dim=128, kv_dtype="bf16",
-                   max_model_len_tokens=65536, params=35e9, active_params=3.3e9),
-        TokenStream(frame_period_s=1.0, input_tokens_per_frame=13, output_tokens_per_frame=2),
-        weight_bytes=70e9, streamed_weight_bytes=61e9,
-        source="Qwen3-Omni thinker = Qwen3-30B-A3B attention: 48 layers, 32 heads, 4 KV heads, head_dim 128, 128 experts / 8 active",
-        stream_note="13 audio tokens/s (12.5 Hz encoder) per 1 s frame, 2 text tokens out",
-        pipeline=(
-            Stage("audio encoder", "encode", 25.0, 1.0, "AuT encoder (~0.6B params) over 25 positions/s before "
-                  "the 2x downsampling to 12.5 Hz", params=0.6e9),
-            Stage("talker + code predictor + Code2Wav", "decode", QWEN3_OMNI_SPEECH_PASSES_PER_S, SPEECH_DUTY,
-                  "per second of speech: 12.5 talker steps, 15 code-predictor passes per codec frame, 12.5 Code2Wav "
-                  "frames (anchored as a whole: ANCHORS speech)"),
-        ),
-    ),
-    "minicpm-o-4.5": ModelSpec(
-        "minicpm-o-4.5",
-        ModelShape("MiniCPM-o 4.5 (Qwen3-8B LLM)", layers=36, kv_heads=8, head_dim=128, kv_dtype="bf16",
-                   max_model_len_tokens=40960, params=9e9, active_params=8.2e9),
-        TokenStream(frame_period_s=1.0, input_tokens_per_frame=12, output_tokens_per_frame=8),
-        weight_bytes=18e9, streamed_weight_bytes=16.4e9,
-        source="MiniCPM-o 4.5 = Qwen3-8B LLM: 36 layers, 32 heads, 8 KV heads, head_dim 128",
-        stream_note="1 Hz duplex unit: <unit> + 10 audio tokens + markers in, ~8 speak tokens out on average",
-        pipeline=(
-            Stage("audio encoder", "encode", 50.0, 1.0, "Whisper-medium encoder (~0.3B params) over 50 frames/s",
-                  params=0.3e9),
-            Stage("TTS LM", "decode", 25.0, SPEECH_DUTY, "CosyVoice2-style TTS LM: 25 speech tokens per second of speech"),
-            Stage("flow-matching vocoder", "decode", 10.0, SPEECH_DUTY,
-                  "flow matching (10 ODE steps) per second of speech (assumed chunking)"),
-        ),
-    ),
-}
 
 # Assumptions shared by every estimate (each is written into the preset's notes).
 GPU_MEMORY_UTILISATION = 0.9
@@ -204,7 +101,7 @@ def stage_s_per_s(stage: Stage, gpu: GPU) -> float:
     return stage.duty * stage.rate * 2 * stage.params / (gpu.bf16_flops * MFU)
 
 
-def step_terms(m: ModelSpec, g: GPU) -> tuple[tuple[StepTerm, ...], tuple[StepTerm, ...]]:
+def step_terms(m: Model, g: GPU) -> tuple[tuple[StepTerm, ...], tuple[StepTerm, ...]]:
     """The backbone's step terms and the plugin's, for model ``m`` on GPU ``g``."""
     kv_tok = m.shape.kv_bytes_per_token
     steps_per_frame = m.stream.output_tokens_per_frame

@@ -5,7 +5,7 @@ a vLLM model; a 30B checkpoint may not be on the machine), so each preset carrie
 HF config: the same layers, heads, head dim and MoE shape as the LLM that holds the KV. KV growth, pool size
 and step latency depend on that shape, not on the weight values, so ``--weights dummy`` (vLLM's
 ``load_format="dummy"``, random values) calibrates faithfully. Numbers: shared/notes/controllers-and-models.md
-Part B. Each preset also carries its real-time stream, matching the simulator presets.
+Part B. The presets come from the one table of models (:mod:`metronome.models`), as the simulator's do.
 
 This module does not import vLLM; ``tiny`` and ``smollm2`` import torch/transformers only when first built.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from metronome.calibration import TokenStream
 from metronome.errors import MetronomeError
+from metronome.models import MODELS, hf_config
 
 WEIGHTS_KINDS = ("auto", "dummy")
 
@@ -41,48 +42,12 @@ class Preset:
     max_model_len: int | None = None  # the model's own context limit, when below max_position_embeddings
 
 
-def _cfg(arch: str, model_type: str, **kw) -> dict:
-    base = dict(architectures=[arch], model_type=model_type, hidden_act="silu", rms_norm_eps=1e-6,
-                rope_theta=1_000_000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
-                bos_token_id=0, eos_token_id=1, attention_bias=False)
-    base.update(kw)
-    return base
-
-
-PRESETS: dict[str, Preset] = {p.name: p for p in [
-    Preset(
-        "qwen3-omni", "Qwen3-Omni-30B-A3B thinker (Qwen3-MoE: 48 layers, 32 q / 4 kv heads, 128 experts, 8 active)",
-        _cfg("Qwen3MoeForCausalLM", "qwen3_moe", hidden_size=2048, intermediate_size=6144,
-             moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-             head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
-             mlp_only_layers=[], vocab_size=152064, max_position_embeddings=65536),
-        TokenStream(1.0, 13, 2), hub_id="Qwen/Qwen3-Omni-30B-A3B-Instruct"),
-    Preset(
-        "qwen2.5-omni", "Qwen2.5-Omni-7B thinker (Qwen2: 28 layers, 28 q / 4 kv heads, head_dim 128)",
-        _cfg("Qwen2ForCausalLM", "qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-             num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
-             attention_bias=True),
-        TokenStream(2.0, 50, 4), hub_id="Qwen/Qwen2.5-Omni-7B"),
-    Preset(
-        # Moshi's temporal transformer is plain MHA (kv_repeat=1) with RoPE and a gated FFN of
-        # int(2/3·4.125·4096) = 11264; a Llama config has exactly that shape. Moshi's own server keeps a
-        # 3000-step ring (a 240 s window without sinks); served by vLLM, the context is what the engine allows,
-        # 65,536 positions as in the simulator's preset, so unbounded sessions can grow past 4 minutes.
-        "moshi", "Moshi 7B temporal transformer as Llama-style MHA (32 layers, 32 heads, head_dim 128)",
-        _cfg("LlamaForCausalLM", "llama", hidden_size=4096, intermediate_size=11264, num_hidden_layers=32,
-             num_attention_heads=32, num_key_value_heads=32, head_dim=128, vocab_size=32000,
-             max_position_embeddings=65536, rope_theta=10000.0),
-        TokenStream(0.08, 0, 1), hub_id=None),
-    Preset(
-        "minicpm-o", "MiniCPM-o 4.5 LLM (Qwen3-8B: 36 layers, 32 q / 8 kv heads, head_dim 128)",
-        _cfg("Qwen3ForCausalLM", "qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-             num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-             max_position_embeddings=40960),
-        TokenStream(1.0, 12, 8), hub_id="openbmb/MiniCPM-o-4_5"),
-]}
+# One preset per model of the one table (metronome.models): its backbone's HF config and its stream.
+PRESETS: dict[str, Preset] = {m.probe_name: Preset(m.probe_name, m.description, m.backbone_config, m.stream, m.hub_id)
+                              for m in MODELS.values()}
 
 # A small Qwen2-shaped model: fast enough on 2 CPU cores for a full calibration in minutes.
-TINY_CONFIG = _cfg("Qwen2ForCausalLM", "qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+TINY_CONFIG = hf_config("Qwen2ForCausalLM", "qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=2048,
                    max_position_embeddings=8192, torch_dtype="float32", rope_theta=10000.0,
                    attention_bias=True, use_sliding_window=False, sliding_window=None, max_window_layers=4)

@@ -196,3 +196,21 @@ def test_the_deadline_binds_before_memory_for_qwen3_omni_on_b200():
         assert cap["binding"] == "deadline" and cap["deadline_n_star"] < cap["memory_ceiling"], cap
     # the plugin's costs cost sessions: fewer under sinks than under vLLM's own window at the same W
     assert capacity(c, KVPolicy.sinks(16, 16, 1760))["deadline_n_star"] < capacity(c, KVPolicy.window(16, 1760))["deadline_n_star"]
+
+
+def test_one_table_of_models_feeds_the_presets_and_the_probe():
+    """metronome.models is the one table: each backbone config vLLM loads has the shape the presets price, the
+    probe's presets are the table's, and each shipped preset file carries its model's stream."""
+    from metronome.models import MODELS
+    from metronome.probe.models import PRESETS
+
+    assert sorted(p.name.rsplit("-", 1)[0] for p in map(cal.load, cal.preset_names())) == sorted(2 * list(MODELS))
+    for m in MODELS.values():
+        c = m.backbone_config
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        assert (c["num_hidden_layers"], c["num_key_value_heads"], head_dim) == (
+            m.shape.layers, m.shape.kv_heads, m.shape.head_dim), m.key
+        assert c["max_position_embeddings"] == m.shape.max_model_len_tokens, m.key
+        assert PRESETS[m.probe_name].stream == m.stream and PRESETS[m.probe_name].hf_config == c
+        for gpu in ("h200", "b200"):
+            assert cal.load(f"{m.key}-{gpu}").stream == m.stream

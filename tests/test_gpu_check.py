@@ -30,5 +30,5 @@ def test_decode_step_refuses_an_unknown_preset(tmp_path):
     res = subprocess.run([sys.executable, "-m", "metronome.probe.decode_step", "--device", "cpu", "--presets", "nope",
                           "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
-        "decode_step: error: unknown preset 'nope'; choose from qwen3-omni, qwen2.5-omni, moshi, minicpm-o"]
+        "decode_step: error: unknown preset 'nope'; choose from moshi, qwen2.5-omni, qwen3-omni, minicpm-o"]
     assert not (tmp_path / "x.json").exists()
