@@ -17,16 +17,17 @@ import time
 
 import torch
 
+from metronome.kv_policy import cdiv
 from metronome.probe.plugin import compaction
 
 
 def per_step_s(n: int, repeats: int, bs: int = 16, sinks: int = 16, window: int = 1760) -> float:
     seq = [5000 + 37 * i for i in range(n)]
-    width = max(-(-s // bs) for s in seq) + 1
+    width = max(cdiv(s, bs) for s in seq) + 1
     table = torch.arange(n * width, dtype=torch.int32).reshape(n, width)
     qsl = torch.arange(n + 1, dtype=torch.int32)
     lens = torch.tensor(seq, dtype=torch.int32)
-    sink_blocks = -(-sinks // bs)
+    sink_blocks = cdiv(sinks, bs)
     for _ in range(3):
         compaction.compact_tables(qsl, lens, table, sink_blocks, window, bs)
     t0 = time.perf_counter()

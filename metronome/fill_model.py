@@ -40,7 +40,7 @@ import numpy as np
 from scipy import integrate, stats
 
 from metronome.calibration import Calibration
-from metronome.kv_policy import KVPolicy
+from metronome.kv_policy import KVPolicy, cdiv
 from metronome.workload import Durations
 
 
@@ -267,8 +267,8 @@ class FillModel:
         block count stays the policy's."""
         st = self.calibration.stream
         n_frames = max(0, int(math.ceil(horizon_s / st.frame_period_s - 1e-9)))
-        g = max(1, -(-n_frames // self.MAX_CELLS))
-        n_cells = -(-n_frames // g)
+        g = max(1, cdiv(n_frames, self.MAX_CELLS))
+        n_cells = cdiv(n_frames, g)
         f = np.arange(n_cells * g)
         n = st.prompt_tokens + (f + 1) * st.kv_tokens_per_frame
         life = n_frames
@@ -314,7 +314,7 @@ class FillModel:
             return t_sat, phi
         # frames a session is answered in: f = 0 .. ceil(D/P) − 1 (and none past max_model_len)
         m = np.minimum(np.ceil(d / P - 1e-9), life).astype(np.int64)
-        q = np.minimum(-(-m // g), n_cells)  # cells whose first frame the session is alive in
+        q = np.minimum(cdiv(m, g), n_cells)  # cells whose first frame the session is alive in
         chunk = max(1, 2_000_000 // (n_cells + 1))
         cells = np.arange(n_cells)
         for lo in range(0, runs, chunk):

@@ -309,7 +309,7 @@ class EngineModel:
 
     def _res(self, n: int) -> int:
         """Blocks resident after ``n`` computed tokens (KVPolicy.resident_blocks, on Python ints)."""
-        total = -(-n // self.bs)
+        total = cdiv(n, self.bs)
         if not self._bounded:
             return total
         lo = max(n - self._window + 1, 0) // self.bs
@@ -413,7 +413,7 @@ class EngineModel:
             if keep < held:
                 self.used -= held - keep
                 self.held_a[s] = keep
-        need = max(-(-(comp + k) // self.bs) - slots, 0)
+        need = max(cdiv(comp + k, self.bs) - slots, 0)
         if need + watermark > self.free_blocks():
             return False
         self.slots_a[s] += need

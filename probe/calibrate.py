@@ -39,7 +39,7 @@ from metronome.calibration import (DTYPE_BYTES, Calibration, EnginePool, ModelSh
                                    StepLatencyModel, TokenStream, load_file)
 from metronome import serving
 from metronome.errors import MetronomeError
-from metronome.kv_policy import KVPolicy, make_policy
+from metronome.kv_policy import KVPolicy, cdiv, check_sinks_option, make_policy
 from metronome.probe import models
 from metronome.probe.engine import Engine, EngineConfig, default_device, hardware_description
 from metronome.probe.records import Journal, journal_to_parquet, read_journal
@@ -338,7 +338,7 @@ def measure_kv_growth(engine: Engine, policy: KVPolicy, stream: TokenStream, jou
             n = engine.computed_tokens(sid)
             nb = n - info.scheduled.get(sid, 0)
             held, want = engine.blocks_of(sid), int(policy.resident_blocks(n))
-            lag = (-(-n // bs) - want) - (-(-nb // bs) - int(policy.resident_blocks(nb)))
+            lag = (cdiv(n, bs) - want) - (cdiv(nb, bs) - int(policy.resident_blocks(nb)))
             pool = engine.pool()
             row = {"attempt": attempt, "phase": "kv_growth", "frame": i, "computed_tokens": n,
                    "computed_before": nb, "engine_blocks": held, "policy_blocks": want,
@@ -478,7 +478,7 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
 
     engine.reset()
     room = engine.num_blocks - 1 - n * _paced_blocks(opts, policy, stream)
-    chunk = -(-engine.config.max_num_batched_tokens // engine.block_size) + 1
+    chunk = cdiv(engine.config.max_num_batched_tokens, engine.block_size) + 1
     prompts = paced_prompts(policy, engine.max_model_len, stream, n, room_blocks=room, chunk_blocks=chunk)
     prefill_s = 2.0 if max(prompts) > 1 else 0.0  # time for the histories' prefill, on top of paced_seconds
     cfg = DriverConfig(stream=stream, horizon_s=opts.paced_seconds + prefill_s, run=key, seed=opts.seed + n,

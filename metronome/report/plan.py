@@ -25,7 +25,7 @@ from metronome.calibration import Calibration
 from metronome import serving
 from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
-from metronome.kv_policy import BOUNDED_KINDS, KVPolicy, check_sinks_option, make_policy, takes_sinks
+from metronome.kv_policy import BOUNDED_KINDS, KVPolicy, cdiv, check_sinks_option, make_policy, takes_sinks
 from metronome.erlang import DEFAULT_MAX_REFUSAL, check_refusal
 from metronome.workload import Arrivals, Durations
 
@@ -200,7 +200,7 @@ def default_window_tokens(cal: Calibration, sink_tokens: int) -> int:
     window rather than a report that cannot run)."""
     bs = cal.engine.block_size_tokens
     want = sink_tokens + WINDOW_CONTEXT_S * cal.stream.kv_tokens_per_s
-    floor_blocks = -(-sink_tokens // bs) + 1
+    floor_blocks = cdiv(sink_tokens, bs) + 1
     blocks = max(int(math.floor(want / bs + 0.5)), floor_blocks)
     # a session holds up to S+W blocks plus one in flight
     fit = (cal.engine.usable_blocks - cal.engine.watermark_blocks) // MIN_BOUNDED_SESSIONS - 1
