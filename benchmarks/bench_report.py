@@ -13,6 +13,7 @@ import argparse
 import os
 import time
 
+from metronome.outputs import check_out
 from metronome.report import ReportOptions, build_report, write_report
 from metronome.sim.executors import LocalExecutor
 from metronome.sim.scenario import make_scenario, run
@@ -34,7 +35,9 @@ def main(argv=None):
     ap.add_argument("--calibration", default="moshi-7b-h200")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--out", default="bench-out/report")
+    ap.add_argument("--replace", action="store_true", help="replace the results of an earlier run in --out")
     a = ap.parse_args(argv)
+    check_out(a.out, replace=a.replace)  # before the work, not after it
     cores = os.cpu_count() or 1
     load0 = os.getloadavg()[0]
     ref = reference_s()
@@ -48,7 +51,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     data = build_report(ReportOptions(calibrations=(a.calibration,)), LocalExecutor(a.workers), progress)
     t_build = time.perf_counter() - t0
-    out = write_report(data, a.out)
+    out = write_report(data, a.out, replace=a.replace)
     t_all = time.perf_counter() - t0
     marks.append(t0 + t_build)
     html_mb = (out / "report.html").stat().st_size / 1e6

@@ -26,13 +26,15 @@ def sh(*args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="examples-out/live")
+    ap.add_argument("--replace", action="store_true", help="replace the results of an earlier run in --out")
     a = ap.parse_args()
     out = Path(a.out)
+    again = ["--replace"] if a.replace else []
     validate, report = out / "validate", out / "report"
     sh(sys.executable, "-m", "metronome.cli.probe_cli", "validate", "--model", "tiny", "--sinks", "32",
-       "--out", str(validate), "--no-progress")
+       "--out", str(validate), "--no-progress", *again)
     sh(sys.executable, "-m", "metronome.cli.sim_cli", "report", "--calibration",
-       str(validate / "calibration" / "calibration.json"), "--live", str(validate), "--out", str(report))
+       str(validate / "calibration" / "calibration.json"), "--live", str(validate), "--out", str(report), *again)
     s = json.loads((validate / "summary.json").read_text())
     u = s["policies"]["unbounded"]
     print(f"t_sat live {u['t_sat_observed_s']:.3f} s vs simulated {u['t_sat_predicted_s']:.3f} s; "

@@ -17,6 +17,7 @@ from rich.progress import Progress
 from metronome import calibration
 from metronome.fill_model import FillModel
 from metronome.kv_policy import KVPolicy
+from metronome.outputs import check_out
 from metronome.report import ReportOptions, answer_markdown, build_report, write_report
 from metronome.sim.executors import LocalExecutor
 
@@ -26,8 +27,10 @@ PRESETS = ("qwen3-omni-30b-a3b-h200", "qwen3-omni-30b-a3b-b200")
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="examples-out/qwen3-omni-h200-vs-b200")
+    ap.add_argument("--replace", action="store_true", help="replace the results of an earlier run in --out")
     ap.add_argument("--workers", type=int, default=None)
     a = ap.parse_args()
+    check_out(a.out, replace=a.replace)  # before the work, not after it
 
     con = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     with Progress(console=con) as bar:
@@ -36,7 +39,7 @@ def main():
             return lambda n: bar.advance(task, n)
 
         data = build_report(ReportOptions(calibrations=PRESETS), LocalExecutor(a.workers), phase)
-    out = write_report(data, a.out)
+    out = write_report(data, a.out, replace=a.replace)
     print(answer_markdown(data))
 
     h, b = data["calibrations"]

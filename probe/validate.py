@@ -33,7 +33,7 @@ from pathlib import Path
 from metronome.calibration import TokenStream
 from metronome.errors import MetronomeError
 from metronome.kv_policy import KVPolicy, make_policy
-from metronome.outputs import write_json
+from metronome.outputs import check_out, run_dir, write_json
 
 from metronome.probe.records import RUN_TABLES as TABLES
 T_SAT_TARGET, LATENCY_TARGET = 0.05, 0.10
@@ -61,6 +61,7 @@ class ValidateOptions:
     phases: str = "aligned"  # serving.PHASES, for the live runs, the calibration's paced runs and the simulation
     # serving.LOOPS: who steps the engine in the live runs and the calibration's paced runs
     loop: str = "driver"
+    replace: bool = False  # write into a temporary folder that replaces out only once validate completes
     # the calibration's grid: small, so that validate takes a minute or two on a 2-core CPU
     grid_sessions: tuple[int, ...] = (1, 2, 4, 8)
     grid_context: tuple[int, ...] = (64, 128, 256, 512)
@@ -77,9 +78,10 @@ class ValidateOptions:
 
 
 def check(opts: ValidateOptions) -> None:
-    """Bad input fails here, in one line, before any engine starts."""
+    """Bad input fails here, in one line, before any engine starts or any file is made."""
     from metronome import serving
 
+    check_out(opts.out, opts.replace)
     serving.check_phases(opts.phases)
     serving.check_loop(opts.loop)
     if opts.num_blocks < 2:
@@ -111,21 +113,25 @@ def _max_model_len(opts: ValidateOptions, resolved) -> int:
 def run_validate(opts: ValidateOptions, echo=print) -> dict:
     """Calibrate, run live per policy, simulate, compare. Returns the summary written to ``DIR/summary.json``."""
     from metronome.probe import models
-    from metronome.probe.calibrate import CalibrateOptions, engine_config, run_calibration
-    from metronome.probe.engine import Engine, default_device, hardware_description
+    from metronome.probe.engine import check_build, default_device
 
     check(opts)
-    out = Path(opts.out)
-    if (out / "summary.json").exists() or (out / "calibration").exists():
-        raise MetronomeError(f"{out} already holds a validate run; choose another --out")
-    device = opts.device or default_device()
+    device = check_build(opts.device or default_device())
     resolved = models.resolve(opts.model, opts.weights, device, opts.dtype, opts.stream)  # bad --model fails here
+    with run_dir(opts.out, opts.replace) as work:
+        return _validate(opts, work, device, resolved, echo)
+
+
+def _validate(opts: ValidateOptions, out: Path, device: str, resolved, echo) -> dict:
+    """The body of :func:`run_validate`, writing into ``out`` (``--out``, or the folder that replaces it)."""
+    from metronome.probe.calibrate import CalibrateOptions, engine_config, run_calibration
+    from metronome.probe.engine import Engine, hardware_description
+
     stream = opts.stream or resolved.stream
     max_len = _max_model_len(opts, resolved)
     horizon_tokens = stream.kv_tokens_per_s * opts.horizon_s + 1
     if horizon_tokens + stream.kv_tokens_per_frame >= max_len:
         echo(f"note: sessions reach max_model_len ({max_len}) before the horizon; unbounded ones finish there")
-    out.mkdir(parents=True, exist_ok=True)
     copts = CalibrateOptions(
         model=opts.model, out=str(out / "calibration"), weights=opts.weights, device=device, dtype=opts.dtype,
         num_blocks=opts.num_blocks, block_size=opts.block_size, max_model_len=max_len,
@@ -145,7 +151,8 @@ def run_validate(opts: ValidateOptions, echo=print) -> dict:
                    "output_tokens_per_frame": stream.output_tokens_per_frame},
         "window": opts.window, "sinks": opts.sinks, "deadline_s": opts.deadline_s or stream.frame_period_s,
         "targets": {"t_sat_relative_error": T_SAT_TARGET, "frame_latency_relative_error": LATENCY_TARGET},
-        "calibration": str(out / "calibration" / "calibration.json"), "phases": opts.phases, "loop": opts.loop, "policies": {},
+        "calibration": str(Path(opts.out) / "calibration" / "calibration.json"), "phases": opts.phases,
+        "loop": opts.loop, "policies": {},
     }
     cal = None
     for name, policy in opts.policies():

