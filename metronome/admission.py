@@ -33,10 +33,12 @@ from one place.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import numpy as np
 
@@ -184,6 +186,28 @@ class AIMDParams:
             if key not in known:
                 raise MetronomeError(f"unknown admission parameter {key!r} (known: {', '.join(known)})")
         return cls(**d)
+
+    @classmethod
+    def from_file(cls, path) -> "AIMDParams":
+        """From a parameter file: what ``metronome-sim tune-aimd`` writes or a bare parameters object."""
+        return cls.from_dict(read_params_file(path))
+
+
+def read_params_file(path) -> dict:
+    """The parameters object of a JSON file: ``best_aimd.json`` as ``tune-aimd`` writes it
+    (``{"params": {...}, "figures": {...}}``) or the bare object. One-line errors for a missing or bad file."""
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise MetronomeError(f"{p}: no such AIMD parameter file") from None
+    except json.JSONDecodeError as exc:
+        raise MetronomeError(f"{p}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if isinstance(obj, dict) and "params" in obj and isinstance(obj["params"], dict):
+        obj = obj["params"]
+    if not isinstance(obj, dict):
+        raise MetronomeError(f"{p}: an AIMD parameter file must be a JSON object")
+    return obj
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -230,8 +230,8 @@ class KVPolicy:
 
     def slug(self) -> str:
         """A file-name part: ``""``, ``-window368`` or ``-sinks16-window368``."""
-        return "".join(f"-{k}{v}" for k, v in (("sinks", self.options()["sinks"]), ("window", self.options()["window"]))
-                       if v is not None)
+        o = self.options()
+        return "".join(f"-{k}{o[k]}" for k in ("sinks", "window") if o[k] is not None)
 
 
 def takes_sinks(kind: str) -> bool:

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from metronome.admission import AIMDParams
 from metronome.errors import MetronomeError
 from metronome.outputs import check_out, run_dir
 
@@ -75,14 +76,6 @@ class Checked:
     make_controller: object  # () -> controller
 
 
-def read_aimd_params(path: str):
-    """The file ``metronome-sim tune-aimd`` writes ({"params": {...}, ...}) or a bare params object."""
-    from metronome.admission import AIMDParams
-    from metronome.sim.scenario import _read_params
-
-    return AIMDParams.from_dict(_read_params(path))
-
-
 def check_port(port: int) -> None:
     """Fail with one line if the metrics port cannot be bound (checked before the engine starts)."""
     if not 0 < port < 65536:
@@ -126,7 +119,7 @@ def check(opts: RunOptions) -> Checked:
 
     policy = policy_for(CalibrateOptions(model=opts.model, out=opts.out, kv=opts.kv, window=opts.window,
                                          sinks=opts.sinks, block_size=opts.block_size))
-    params = read_aimd_params(opts.aimd_params) if opts.aimd_params else None
+    params = AIMDParams.from_file(opts.aimd_params) if opts.aimd_params else None
     adm.check_params_apply([opts.admission], params is not None)
     deadline = opts.deadline_s or (opts.stream.frame_period_s if opts.stream is not None else 1.0)
     adm.make_controller(opts.admission, deadline, params)  # bad specs (static:0, ...) fail here

@@ -8,7 +8,6 @@ there too (:data:`~metronome.results.COLLAPSE_SILENT_FRACTION`, re-exported here
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, replace
@@ -257,23 +256,9 @@ def _admission(spec: str | None, aimd_params, deadline_s: float):
     spec = (spec or "none").strip()
     params = None
     if aimd_params is not None:  # read even where it cannot apply: a missing file is always an error
-        params = adm.AIMDParams.from_dict(aimd_params if isinstance(aimd_params, dict) else _read_params(aimd_params))
+        params = (adm.AIMDParams.from_dict(aimd_params) if isinstance(aimd_params, dict)
+                  else adm.AIMDParams.from_file(aimd_params))
     if spec == "none":
         return "none", None
     adm.make_controller(spec, deadline_s, params)  # validate now: one-line error before any work
     return spec, functools.partial(adm.make_controller, spec, deadline_s, params)
-
-
-def _read_params(path: str) -> dict:
-    p = Path(path)
-    try:
-        obj = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise MetronomeError(f"{p}: no such AIMD parameter file") from None
-    except json.JSONDecodeError as exc:
-        raise MetronomeError(f"{p}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    if isinstance(obj, dict) and "params" in obj and isinstance(obj["params"], dict):
-        obj = obj["params"]  # the file tune-aimd writes: {"params": {...}, "figures": {...}}
-    if not isinstance(obj, dict):
-        raise MetronomeError(f"{p}: an AIMD parameter file must be a JSON object")
-    return obj

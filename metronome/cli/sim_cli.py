@@ -9,12 +9,12 @@ import argparse
 import json
 import math
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
 from metronome import serving
-from metronome.admission import check_params_apply
-from metronome.admission import CONTROLLER_SPECS
+from metronome.admission import CONTROLLER_SPECS, check_params_apply
 from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.errors import MetronomeError
 from metronome.kv_policy import BOUNDED_KINDS, POLICY_KINDS
@@ -396,6 +396,21 @@ def cmd_tune_aimd(args) -> int:
     return 0
 
 
+@contextmanager
+def _phases(con, transient: bool = False):
+    """A progress display for work in named phases: yields ``phase(label, total) -> advance(n)``, the callback
+    the report and the fleet planner take."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=con, transient=transient) as bar:
+        def phase(label: str, total: int):
+            task = bar.add_task(label, total=total)
+            return lambda n: bar.advance(task, n)
+
+        yield phase
+
+
 def _prices(specs: list[str] | None) -> dict[str, float]:
     """``NAME=USD_PER_HOUR`` flags as a dict (the names and prices are checked by the fleet's check_prices)."""
     out: dict[str, float] = {}
@@ -452,9 +467,8 @@ def _fleet_inputs(args):
     params = None
     if args.aimd_params:
         from metronome.admission import AIMDParams
-        from metronome.sim.scenario import _read_params
 
-        params = AIMDParams.from_dict(_read_params(args.aimd_params))
+        params = AIMDParams.from_file(args.aimd_params)
     engines = [(name, *_calibration_and_policy(args, name)) for name in (args.calibration or [DEFAULT_CALIBRATION])]
     by_arg = {name: cal.name for name, cal, _ in engines}  # a calibration is named by its argument or its own name
     prices = check_prices({by_arg.get(k, k): usd for k, usd in _prices(args.gpu_price).items()},
@@ -463,7 +477,6 @@ def _fleet_inputs(args):
 
 
 def cmd_fleet(args) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from metronome.outputs import atomic_dir, write_json
@@ -482,12 +495,7 @@ def cmd_fleet(args) -> int:
             cap = capacity_cached(cal, policy, args.deadline, durations.mean_s, cache, phases)
         types.append(EngineType.from_capacity(cal, policy, cap))
     seeds = list(range(args.seed, args.seed + args.seeds))
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=con, transient=True) as bar:
-        def phase(label: str, total: int):
-            task = bar.add_task(label, total=total)
-            return lambda n: bar.advance(task, n)
-
+    with _phases(con, transient=True) as phase:
         summary, tables = plan(types, arrivals, durations, horizon, args.max_refusal, routers, seeds,
                                engines=args.engines, controller=args.admission, aimd_params=params,
                                autoscale=autoscale, prices=prices, peak_window_s=args.peak_window,
@@ -562,8 +570,6 @@ def cmd_calibrations(args) -> int:
 def cmd_report(args) -> int:
     import shlex
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from metronome.report import ReportOptions, build_report, write_report
 
     out = out_dir(args)
@@ -576,12 +582,7 @@ def cmd_report(args) -> int:
     executor = _executor(args)
     con = _console()
     command = " ".join(shlex.quote(a) for a in ["metronome-sim", *sys.argv[1:]])
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=con) as bar:
-        def phase(label: str, total: int):
-            task = bar.add_task(label, total=total)
-            return lambda n: bar.advance(task, n)
-
+    with _phases(con) as phase:
         data = build_report(options, executor=executor, progress=phase, command=command)
     write_report(data, out, args.replace)
     from metronome.report.answer import headline

@@ -283,9 +283,9 @@ def _resimulation(origin: str, obj: dict, ctl_info: dict) -> dict:
         if params is not None and not isinstance(params, dict):
             raise MetronomeError(f"{origin}: field 'controller.params' must be an object or null, got {params!r}")
     elif _opt(origin, opts, "aimd_params", str):
-        from metronome.sim.scenario import _read_params
+        from metronome.admission import read_params_file
 
-        params = _read_params(opts["aimd_params"])
+        params = read_params_file(opts["aimd_params"])
     else:
         params = None
     blocks = obj.get("num_blocks", opts.get("num_blocks"))

@@ -72,11 +72,11 @@ def test_bad_input_one_line_exit_2(probe, tmp_path):
 
 
 def test_tune_aimd_file_is_read(tmp_path):
-    from metronome.probe.live_run import read_aimd_params
+    from metronome.admission import AIMDParams
 
     f = tmp_path / "aimd.json"
     f.write_text(json.dumps({"params": {"additive_increase": 2.0, "interval_s": 0.5}, "figures": {"x": 1}}))
-    p = read_aimd_params(str(f))
+    p = AIMDParams.from_file(str(f))
     assert p.additive_increase == 2.0 and p.interval_s == 0.5
 
 
