@@ -20,12 +20,16 @@ from typing import Any, Mapping
 import numpy as np
 
 from metronome.errors import CalibrationError
+from metronome.jitter import JitterDraws
 
 SCHEMA = "metronome.calibration/1"
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
 PROVENANCE_KINDS = ("measured", "estimated")
 COEFFICIENTS = ("base_s", "per_seq_s", "per_context_token_s", "per_new_token_s")
+# what each coefficient is charged per (the report's terms table, the probe's printout)
+COEFFICIENT_UNITS = {"base_s": "per step", "per_seq_s": "per sequence", "per_context_token_s": "per context token",
+                     "per_new_token_s": "per computed token"}
 # how a step-latency term was obtained: a vendor figure, fitted to a published measurement of real serving, a
 # measurement of this project's own code, or reasoned from a model's shape without a measurement to lean on
 TERM_BASES = ("datasheet", "anchored", "measured", "estimated")
@@ -41,6 +45,17 @@ class StepTerm:
     value: float
     basis: str
     source: str = ""
+
+
+def step_inputs(batch, context_tokens, new_tokens):
+    """What each of :data:`COEFFICIENTS` multiplies, in order, for a step of ``batch`` sequences attending over
+    ``context_tokens`` and computing ``new_tokens`` (scalars or numpy arrays).
+
+    The one statement of the model's form: :meth:`StepLatencyModel.step_s`, the fit's design matrix
+    (:func:`metronome.fit.fit_step_latency`) and the simulator's compiled loop (which compiles this very
+    function) all read it, so a new term is a coefficient, its unit and its input here. Plain arithmetic
+    only, for the compiler."""
+    return (1.0, batch, context_tokens, new_tokens)
 
 
 def sum_terms(terms) -> dict[str, float]:
@@ -120,23 +135,9 @@ class EnginePool:
         return self.num_blocks - self.reserved_blocks
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _uniform(index: np.ndarray, seed: int) -> np.ndarray:
-    """Counter-based uniform numbers in [0, 1): splitmix64 of (seed, index). Pure, so any subset of indices
-    gives the same numbers whatever order they are asked in."""
-    with np.errstate(over="ignore"):
-        x = index.astype(np.uint64) + np.uint64(int(seed) & 0xFFFFFFFFFFFFFFFF) * _GOLDEN + _GOLDEN
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
-
-
 @dataclass(frozen=True)
 class StepLatencyModel:
-    """Latency of one engine step (form ``linear/1``)::
+    """Latency of one engine step (form ``linear/1``; :func:`step_inputs` is its one statement)::
 
         step_s = base_s + per_seq_s·batch + per_context_token_s·context_tokens + per_new_token_s·new_tokens
 
@@ -194,8 +195,9 @@ class StepLatencyModel:
             raise ValueError("correlated jitter needs each step's frame: use StepLatencyModel.draws()")
         return JitterDraws(self, seed, 1.0).ratio(index, 0)
 
-    def draws(self, seed: int, frame_period_s: float) -> "JitterDraws":
-        """The jitter ratios of a run seeded ``seed`` on a frame clock of ``frame_period_s``."""
+    def draws(self, seed: int, frame_period_s: float) -> JitterDraws:
+        """The jitter ratios of a run seeded ``seed`` on a frame clock of ``frame_period_s`` (the sampler is
+        :mod:`metronome.jitter`)."""
         return JitterDraws(self, seed, frame_period_s)
 
     def with_plugin(self) -> "StepLatencyModel":
@@ -208,82 +210,17 @@ class StepLatencyModel:
         return replace(self, **{k: getattr(self, k) + add[k] for k in COEFFICIENTS},
                        terms=self.terms + self.plugin_terms, plugin_terms=())
 
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """The coefficients in :data:`COEFFICIENTS` order (what :func:`step_inputs` pairs with)."""
+        return tuple(getattr(self, k) for k in COEFFICIENTS)
+
     def step_s(self, batch, context_tokens, new_tokens):
-        """Vectorised: works on scalars and numpy arrays alike."""
-        return (
-            self.base_s
-            + self.per_seq_s * batch
-            + self.per_context_token_s * context_tokens
-            + self.per_new_token_s * new_tokens
-        )
-
-
-class JitterDraws:
-    """One run's step-jitter ratios (:class:`StepLatencyModel`'s ``jitter``, ``jitter_shared``, ``jitter_tau_s``,
-    ``jitter_frame``).
-
-    ``ratio(step, frame)`` is a pure function of (seed, step index, frame index): any subset asked in any order
-    gives the same numbers, so a span simulated step by step or fast-forwarded draws the same. The shared part is
-    an AR(1) over frame indices whose innovations are hashed from (seed, frame); it is computed in fixed chunks
-    from frame 0 and kept, so it never depends on which frames were asked for first.
-    """
-
-    CHUNK = 4096
-
-    def __init__(self, model: "StepLatencyModel", seed: int, frame_period_s: float):
-        self.on = bool(model.jitter)
-        self.seed = int(seed)
-        self.rho = float(model.jitter_shared) if self.on else 0.0
-        self.rho_f = float(model.jitter_frame) if self.on else 0.0
-        if self.on:
-            self._p, self._r = np.array(model.jitter, dtype=float).T
-        self._phi = math.exp(-float(frame_period_s) / model.jitter_tau_s) if self.rho else 0.0
-        self._a = np.zeros(0)
-
-    def _shared(self, frame: np.ndarray) -> np.ndarray:
-        from scipy.signal import lfilter
-        from scipy.special import ndtri
-
-        need = int(frame.max()) + 1 if frame.size else 0
-        while self._a.size < need:
-            lo = self._a.size
-            idx = np.arange(lo, lo + self.CHUNK, dtype=np.uint64)
-            e = ndtri(_open_uniform(idx, self.seed ^ _SHARED_STREAM))
-            phi = self._phi
-            if lo == 0:  # stationary start: a_0 ~ N(0, 1)
-                head = e[:1]
-                rest = lfilter([math.sqrt(1 - phi * phi)], [1.0, -phi], e[1:], zi=[phi * e[0]])[0]
-                chunk = np.concatenate([head, rest])
-            else:
-                chunk = lfilter([math.sqrt(1 - phi * phi)], [1.0, -phi], e, zi=[phi * self._a[-1]])[0]
-            self._a = np.concatenate([self._a, chunk])
-        return self._a[frame]
-
-    def ratio(self, step, frame) -> np.ndarray:
-        """The ratio of step(s) ``step`` taken on frame(s) ``frame`` (ints or arrays of ints, broadcast)."""
-        idx = np.atleast_1d(np.asarray(step, dtype=np.uint64))
-        if not self.on:
-            return np.ones(idx.shape)
-        if not self.rho and not self.rho_f:
-            return np.interp(_uniform(idx, self.seed), self._p, self._r)
-        from scipy.special import ndtr, ndtri
-
-        fr = np.broadcast_to(np.atleast_1d(np.asarray(frame, dtype=np.int64)), idx.shape)
-        y = math.sqrt(1 - self.rho - self.rho_f) * ndtri(_open_uniform(idx, self.seed))
-        if self.rho:
-            y = y + math.sqrt(self.rho) * self._shared(fr)
-        if self.rho_f:
-            y = y + math.sqrt(self.rho_f) * ndtri(_open_uniform(fr.astype(np.uint64), self.seed ^ _FRAME_STREAM))
-        return np.interp(ndtr(y), self._p, self._r)
-
-
-_SHARED_STREAM = 0x2545F4914F6CDD1D  # the shared part's innovations: a second counter stream of the seed
-_FRAME_STREAM = 0x61C8864680B583EB  # the frame-only part: a third
-
-
-def _open_uniform(index: np.ndarray, seed: int) -> np.ndarray:
-    """:func:`_uniform` moved to the open interval (0, 1), for normal scores."""
-    return _uniform(index, seed) + 2.0 ** -54
+        """Σ coefficient × :func:`step_inputs`, summed in order. Vectorised: scalars and numpy arrays alike."""
+        total = 0.0
+        for c, x in zip(self.coefficients, step_inputs(batch, context_tokens, new_tokens)):
+            total = total + c * x
+        return total
 
 
 @dataclass(frozen=True)
@@ -518,10 +455,7 @@ def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
     if not isinstance(fit_error, Mapping):
         sl._fail("fit_error", "must be an object")
     step = StepLatencyModel(
-        base_s=sl.get("base_s", float, nonneg=True),
-        per_seq_s=sl.get("per_seq_s", float, nonneg=True),
-        per_context_token_s=sl.get("per_context_token_s", float, nonneg=True),
-        per_new_token_s=sl.get("per_new_token_s", float, nonneg=True),
+        **{k: sl.get(k, float, nonneg=True) for k in COEFFICIENTS},
         fitted_range=fitted,
         form=form,
         fit_error={str(k): float(v) for k, v in fit_error.items()},

@@ -657,9 +657,9 @@ class SimEngine:
             -1 if self.cap_blocks is None else self.cap_blocks, self.n_in, self.n_out, n_max, nslots,
             int((self.state == RUNNING).sum()), len(self.waiting), self.waiting[0] if self.waiting else -1,
             self.prompt, ans_cap]
-        fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, lat.base_s,
-                          lat.per_seq_s, lat.per_context_token_s, lat.per_new_token_s, self.first_s, _EPS,
+        fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, self.first_s, _EPS,
                           1.0 if self.jitter else 0.0, self.horizon])
+        coef = np.array(lat.coefficients, dtype=np.float64)
         jit = (np.asarray(self.draws.ratio(self.n_steps + np.arange(n_max), 0), dtype=np.float64)
                if self.jitter else np.zeros(0))
         istate = np.array([m.used, m.n_paused, m.steps, self.serving_frame, self.peak_used, len(m.running),
@@ -679,7 +679,7 @@ class SimEngine:
         kvh_arr[:len(m.kv_holding)] = list(m.kv_holding)
         st_t, st_lat, st_i = buf["st_t"], buf["st_lat"], buf["st_i"]
         fr_f, fr_tick, fr_done, fr_lat, fr_i = buf["fr_f"], buf["fr_tick"], buf["fr_done"], buf["fr_lat"], buf["fr_i"]
-        fp.run_span(iconf, fconf, istate, fstate, live, self.state, self.phase, self.pslot, self.slot,
+        fp.run_span(iconf, fconf, coef, istate, fstate, live, self.state, self.phase, self.pslot, self.slot,
                     self.next_frame, self.backlog, self.inflight, self.inflight_tok, self.hist, self.last_tok,
                     self.pending_in, self.work_step, self.running_since, self.started, ~np.isnan(self.s_admitted),
                     self.s_tokens, self.s_frames, self.s_silent, self.s_late,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from metronome.calibration import step_inputs
 from metronome.serving import PHASE_SLOTS, EngineModel
 
 P_CODE, W_CODE, R_CODE = EngineModel.PAUSED_CODE, EngineModel.WAITING_CODE, EngineModel.RUNNING_CODE
@@ -32,8 +33,10 @@ I_BS, I_BOUNDED, I_SINKB, I_WINDOW, I_NB, I_MAXSEQS, I_BUDGET, I_MAXLEN, I_WM, I
 # frame rows' integer columns (fr_i)
 R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE = range(5)
 WAITING_STATE = 1  # SimEngine's front-end state of a session waiting for blocks
-# fconf: times and the step-latency model
-F_P, F_PQ, F_DEADLINE, F_TNEXT, F_BASE, F_SEQ, F_CTX, F_NEW, F_FIRST, F_EPS, F_JITTER, F_HORIZON = range(12)
+# fconf: times and the step-latency model's real-time terms (its coefficients come as their own array, ``coef``)
+F_P, F_PQ, F_DEADLINE, F_TNEXT, F_FIRST, F_EPS, F_JITTER, F_HORIZON = range(8)
+# the step model's form, compiled from its one statement (so a new term needs no change here)
+_step_inputs = nb.njit(cache=True)(step_inputs)
 # istate[S_TURNED]: 0 the caller takes the turn at fstate[0]; 1 the turn there is taken, the step is the caller's;
 # 2 a step (or a wait) starts at fstate[0] and ends at fstate[1], at or past the horizon, where SimPy stops the
 # run (the step-by-step path never gets to its records either)
@@ -138,7 +141,7 @@ def _flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f
 
 
 @nb.njit(cache=True)
-def run_span(iconf, fconf, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
+def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
              inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens,
              s_frames, s_silent, s_late, status, computed, ntok, slots, held, out, maxtok, fresh, sess_of_slot,
              run_arr, kvh_arr, jit, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i):
@@ -148,7 +151,7 @@ def run_span(iconf, fconf, istate, fstate, live, state, phase, pslot, sslot, nex
     max_steps, nslots, n_running_state = iconf[I_MAXSTEPS], iconf[I_SLOTS], iconf[I_NRUNNING]
     n_waiting, head, prompt, ans_cap = iconf[I_NWAITING], iconf[I_HEAD], iconf[I_PROMPT], iconf[I_ANSCAP]
     P, Pq, deadline, t_next, eps = fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_TNEXT], fconf[F_EPS]
-    base, c_seq, c_ctx, c_new, first_s = fconf[F_BASE], fconf[F_SEQ], fconf[F_CTX], fconf[F_NEW], fconf[F_FIRST]
+    first_s = fconf[F_FIRST]
     jitter = fconf[F_JITTER] != 0.0
     horizon = fconf[F_HORIZON]
     used, n_paused, m_steps, sframe, peak = istate[S_USED], istate[S_PAUSED], istate[S_MSTEPS], istate[S_SFRAME], istate[S_PEAK]
@@ -396,7 +399,10 @@ def run_span(iconf, fconf, istate, fstate, live, state, phase, pslot, sslot, nex
                     kvh_len += 1
         idle = False
         m_steps += 1
-        lat = base + c_seq * nS + c_ctx * ctx + c_new * new_tokens
+        xs = _step_inputs(float(nS), float(ctx), float(new_tokens))
+        lat = 0.0
+        for i in range(coef.size):  # StepLatencyModel.step_s, in the same order (same sums, bit for bit)
+            lat += coef[i] * xs[i]
         if first:
             lat += first_s
         if jitter:

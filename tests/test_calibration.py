@@ -214,3 +214,30 @@ def test_one_table_of_models_feeds_the_presets_and_the_probe():
         assert PRESETS[m.probe_name].stream == m.stream and PRESETS[m.probe_name].hf_config == c
         for gpu in ("h200", "b200"):
             assert cal.load(f"{m.key}-{gpu}").stream == m.stream
+
+
+def test_the_step_models_form_is_stated_once():
+    """A new term of the step-latency model is a coefficient, its unit and its input in metronome/calibration.py
+    (:func:`step_inputs`), its fit and its tests. No other code names a coefficient, except the roofline, which
+    prices the estimated presets term by term, and the GPU decode-step micro-benchmark, which fits its own
+    attention-only model."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    allowed = {root / "metronome" / "calibration.py", root / "metronome" / "roofline.py",
+               root / "probe" / "decode_step.py"}
+    name = re.compile(r"\b(per_seq_s|per_context_token_s|per_new_token_s)\b|\.base_s\b")
+    found = [f"{f.relative_to(root)}:{no}: {line.strip()}"
+             for folder in ("metronome", "sim", "probe", "benchmarks", "examples")
+             for f in sorted((root / folder).rglob("*.py")) if f not in allowed
+             for no, line in enumerate(f.read_text().splitlines(), 1) if name.search(line)]
+    assert found == [], "\n".join(found)
+
+
+def test_step_s_is_the_coefficients_times_the_inputs():
+    # hand arithmetic: 2 ms + 3 × 0.1 ms + 1000 × 1 ns + 4 × 20 us
+    m = cal.StepLatencyModel(base_s=2e-3, per_seq_s=1e-4, per_context_token_s=1e-9, per_new_token_s=2e-5)
+    assert m.step_s(3, 1000, 4) == pytest.approx(2e-3 + 3e-4 + 1e-6 + 8e-5, rel=1e-12)
+    assert m.coefficients == (2e-3, 1e-4, 1e-9, 2e-5)
+    assert set(cal.COEFFICIENT_UNITS) == set(cal.COEFFICIENTS) == set(cal.sum_terms(()))

@@ -18,8 +18,7 @@ from metronome import calibration
 from metronome.calibration import StepLatencyModel, from_dict
 from metronome.errors import CalibrationError
 from metronome.kv_policy import KVPolicy
-from metronome.probe.calibrate import (fit_jitter_correlation, jitter_correlation, normal_scores,
-                                       tick_correlations)
+from metronome.fit import fit_jitter_correlation, jitter_correlation, normal_scores, tick_correlations
 from metronome.sim.scenario import Scenario, run
 from metronome.workload import Arrivals
 
@@ -116,13 +115,13 @@ def test_independent_steps_fit_no_shared_part():
     assert fit_jitter_correlation(run_id[:100], tick[:100], y[:100], 0.1) is None  # too few steps to say
 
 
-def test_calibration_grid_without_ticks_fits_nothing():
+def test_calibration_grid_fits_its_paced_steps():
     grid = pd.DataFrame({"kind": ["paced"] * 300, "phase": ["paced N=4"] * 300, "batch": 4, "new_tokens": 4,
-                         "first": False, "step_s": np.linspace(0.01, 0.02, 300), "preemptions": 0})
-    assert jitter_correlation(grid, 0.1) is None  # journalled before paced steps carried their tick
-    grid["tick"] = np.arange(300) // 2
+                         "first": False, "step_s": np.linspace(0.01, 0.02, 300), "preemptions": 0,
+                         "tick": np.arange(300) // 2})
     fit = jitter_correlation(grid, 0.1)
     assert fit is not None and fit["steps"] == 300
+    assert jitter_correlation(grid[:199], 0.1) is None  # too few steps to say
 
 
 # ------------------------------------------------------------------------------------------ file form

@@ -1,4 +1,4 @@
-"""Pooling calibrations of one engine (``metronome-probe pool``, ``calibrate.pool_calibrations``): no engine needed.
+"""Pooling calibrations of one engine (``metronome-probe pool``, ``metronome.probe.pooling.pool_calibrations``): no engine needed.
 
 Each calibration folder here is written as ``metronome-probe calibrate`` leaves it (``calibration.json``, the
 ``grid`` journal, ``done.jsonl``), with paced runs whose step times carry a known jitter: a calm engine (small
@@ -16,7 +16,8 @@ import pytest
 from metronome import calibration
 from metronome.errors import MetronomeError
 from metronome.kv_policy import KVPolicy
-from metronome.probe.calibrate import fit_step_latency, pool_calibrations, pool_grids
+from metronome.fit import fit_step_latency, pool_grids
+from metronome.probe.pooling import pool_calibrations
 from metronome.probe.records import Journal
 from metronome.sim.capacity import capacity
 

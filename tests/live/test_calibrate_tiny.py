@@ -117,7 +117,7 @@ def test_paced_runs_set_the_real_time_terms(calibrated):
         # a frame's chunk step and its decode steps (2 out) per tick; a frame that runs past the next tick (a
         # loaded host) shares that tick with the next frame's steps, so the typical tick is what is checked
         assert run.groupby("tick").size().median() <= 1 + 2
-    # The jitter's correlation in time needs at least 200 paced steps (calibrate.jitter_correlation's rule).
+    # The jitter's correlation in time needs at least 200 paced steps (metronome.fit.jitter_correlation's rule).
     # Here, by hand: 3 runs x at most 21 ticks in 2 s (0.0 .. 2.0) x at most 3 steps a tick (one chunk step,
     # then decode steps for the 2 output tokens) = 189 at most, fewer after the warm-up is cut: too few, so no
     # correlation is fitted and the simulator draws the jitter independently (jitter_shared 0).
