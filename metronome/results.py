@@ -1,7 +1,7 @@
 """One results schema: the summary keys a simulated and a live run share, and the one percentile they use.
 
 ``metronome-sim run`` (:func:`metronome.sim.scenario.summarize`) and ``metronome-probe run`` / ``validate``
-(:func:`metronome.probe.driver.summarize`) both build the shared part of their ``summary.json`` with
+(:func:`metronome.probe.summary.summarize`) both build the shared part of their ``summary.json`` with
 :func:`shared_summary`: every key of :data:`SUMMARY_KEYS` is computed by the same code, from frame, step and
 session figures of the same meaning, so a key means the same thing (and has the same unit) in both. Each side
 adds keys that only make sense there: :data:`SIM_ONLY_KEYS`, :data:`LIVE_ONLY_KEYS`.

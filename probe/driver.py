@@ -32,9 +32,12 @@ rules are :mod:`metronome.serving`'s, the same the simulator runs (README, "The 
 
 Every frame, step and event (preemption, readmission) is appended to a journal (see ``records``), written
 when the engine is idle between frames and at least once a second, so a crash or Ctrl-C keeps what was
-measured and no file I/O sits between two steps of a frame. Admission controllers have the
-``observe(now_s, latency_s, frames=1, silent=0)`` / ``may_admit(now_s, in_flight)`` interface shared with
-the simulator.
+measured and no file I/O sits between two steps of a frame. The driver calls its engine through
+:class:`metronome.probe.engine.DrivenEngine` and its admission controller through
+:class:`AdmissionController`, the interface :mod:`metronome.admission`'s controllers share with the simulator.
+
+The engine's health (silence, death, restart) is :mod:`metronome.probe.supervise`'s, the run's figures
+:mod:`metronome.probe.summary`'s, the Prometheus export :mod:`metronome.probe.metrics`'s.
 """
 
 from __future__ import annotations
@@ -48,14 +51,16 @@ from typing import Protocol
 
 import numpy as np
 
-from metronome.results import REFUSED_REASONS, percentile, shared_summary
 from metronome.calibration import TokenStream
 from metronome.kv_policy import KVPolicy
 from metronome import serving
 from metronome.serving import EndReason, admit_fcfs
-from metronome.probe.engine import Engine
+from metronome.probe.engine import DrivenEngine
+from metronome.probe.metrics import LiveMetrics
 from metronome.probe.records import Journal
 from metronome.probe.remote import EngineDied
+from metronome.probe.summary import summarize
+from metronome.probe.supervise import Supervisor
 
 PHASES = "aligned"  # serving.PHASES: the regime a live run uses unless told otherwise (DriverConfig.phases);
 # whatever simulates a live run (validate, the report's --live, the AIMD bench) simulates the run's regime
@@ -69,6 +74,19 @@ RUNNING, PREFILL, WAITING = "running", "prefill", "waiting"
 
 
 class AdmissionController(Protocol):
+    """What the driver calls on its admission controller: :mod:`metronome.admission`'s controllers (the
+    simulator's) and :class:`AdmitAll`. :class:`metronome.serving.AdmissionGate` reads its queueing settings."""
+
+    interval_s: float  # its control interval; the engine-silence threshold unless DriverConfig.silence_s
+
+    @property
+    def limit(self) -> int | None: ...  # the session limit, for the metrics (None: none to report)
+
+    @property
+    def dead(self) -> bool: ...  # refusing everything because the latency signal is dead
+
+    def advance(self, now_s: float, in_flight: int) -> None: ...  # close the control intervals up to now_s
+
     def observe(self, now_s: float, latency_s: float, frames: int = 1, silent: int = 0) -> None: ...
 
     def may_admit(self, now_s: float, in_flight: int) -> bool: ...
@@ -76,6 +94,13 @@ class AdmissionController(Protocol):
 
 class AdmitAll:
     """The default controller: admit every session."""
+
+    interval_s = 1.0
+    limit = None
+    dead = False
+
+    def advance(self, now_s: float, in_flight: int) -> None:
+        pass
 
     def observe(self, now_s: float, latency_s: float, frames: int = 1, silent: int = 0) -> None:
         pass
@@ -173,7 +198,7 @@ class RunResult:
 class Driver:
     """Runs one scenario (a list of :class:`SessionPlan`) against the engine; use one Driver per run."""
 
-    def __init__(self, engine: Engine, config: DriverConfig, admission: AdmissionController | None = None,
+    def __init__(self, engine: DrivenEngine, config: DriverConfig, admission: AdmissionController | None = None,
                  out_dir: str | Path | None = None, notify=None, retain: bool = True,
                  clock=time.perf_counter, sleep=time.sleep):
         self.engine, self.cfg = engine, config
@@ -192,25 +217,20 @@ class Driver:
         # stays flat; they are read back from the journals once it ends (for the summary and the RunResult)
         self.retain = retain or self.out_dir is None
         self._journals = {}
-        self._metrics = _Metrics(config.prometheus_port) if config.prometheus_port else None
+        self._metrics = LiveMetrics(config.prometheus_port) if config.prometheus_port else None
         # True after a step that scheduled nothing and left nothing the driver could preempt: stepping again
         # would spin, so the driver waits for its next event instead.
         self._stalled = False
         self._preempted = False  # the last step (or the check after it) preempted: admit nobody before the next
         self._seq = 0
         self._nsteps = 0
+        self._flushed_at = 0.0  # when the journals were last written (the run's clock)
         self._stop_reason: str | None = None  # set by stop() (e.g. from a SIGTERM handler): a clean stop
-        self._last_token_s = 0.0  # when the engine last produced a token (or nothing was waiting for one)
-        self._silent_since: float | None = None  # start of the current engine-silent episode
-        self.silence: list[tuple[float, float]] = []  # engine-silent episodes (start, end)
-        self.notify = notify  # notify(line): one line for the user when the engine dies or comes back
-        self._check_alive = getattr(engine, "check_alive", None)  # RemoteEngine: raises EngineDied if it is gone
-        self._down_since: float | None = None  # the engine died at this time and a new one is loading
-        self.outages: list[tuple[float, float]] = []  # engine deaths: (died, back or run end)
-        self.engine_deaths = 0
-        self.engine_error: str | None = None  # why the run stopped, when the engine died for good
-        self.engine_restarts = 0
+        silence_s = config.silence_s if config.silence_s is not None else float(self.admission.interval_s)
+        self.supervisor = Supervisor(engine, self._record, silence_s=silence_s, restart=config.restart,
+                                     max_restarts=config.max_restarts, metrics=self._metrics, notify=notify)
         self.t_stopped_s: float | None = None
+        self._active: dict[str, _Session] = {}  # by session id
         self.waiting: deque[_Session] = deque()  # admitted by the controller, waiting for blocks (FCFS)
         self.silent_pending: list[tuple[_Session, _Frame]] = []  # answered with their tick's lockstep
         self._lockstep = serving.check_phases(config.phases) == "aligned"
@@ -218,6 +238,7 @@ class Driver:
         self.steps: list[dict] = []
         self.sessions: list[dict] = []
         self.events: list[dict] = []
+        self._tables = {"frames": self.frames, "steps": self.steps, "sessions": self.sessions, "events": self.events}
 
     def stop(self, reason: str = EndReason.STOPPED) -> None:
         """Ask the run to stop cleanly at its next loop turn (safe from a signal handler): every session is
@@ -225,34 +246,11 @@ class Driver:
         if self._stop_reason is None:
             self._stop_reason = reason
 
-    def _silence_s(self) -> float:
-        if self.cfg.silence_s is not None:
-            return self.cfg.silence_s
-        return float(getattr(self.admission, "interval_s", 1.0) or 1.0)
-
-    def _watch_silence(self, now: float) -> None:
-        """Flag the engine silent when frames wait in it and no token came for ``silence_s``."""
-        waiting_for_tokens = any(s.inflight is not None or s.state == PREFILL for s in self._active.values())
-        if not waiting_for_tokens:
-            self._last_token_s = now
-        silent = waiting_for_tokens and now - self._last_token_s >= self._silence_s()
-        if silent and self._silent_since is None:
-            self._silent_since = self._last_token_s
-            self._record("events", {"t_s": now, "event": "engine_silent", "session": None, "rid": None,
-                                    "since_s": self._last_token_s})
-        elif not silent and self._silent_since is not None:
-            self.silence.append((self._silent_since, now))
-            self._record("events", {"t_s": now, "event": "engine_resumed", "session": None, "rid": None,
-                                    "since_s": self._silent_since})
-            self._silent_since = None
-        if self._metrics:
-            self._metrics.engine_silent.set(1 if silent else 0)
-
     # -- records ---------------------------------------------------------------------------------------
     def _record(self, table: str, row: dict) -> None:
         row = {"run": self.cfg.run, **row}
         if self.retain:
-            getattr(self, table).append(row)
+            self._tables[table].append(row)
         if self.out_dir is not None:
             if table not in self._journals:
                 self._journals[table] = Journal(self.out_dir, table, deferred=True)
@@ -279,9 +277,7 @@ class Driver:
         })
         if not censored:
             observed = latency if latency is not None else now - f.tick_s
-            advance = getattr(self.admission, "advance", None)  # the simulator's controllers close intervals here
-            if advance is not None:
-                advance(now, len(getattr(self, "_active", ())))
+            self.admission.advance(now, len(self._active))  # the controller closes its intervals here
             self.admission.observe(now, observed, frames=1, silent=int(silent))
             if self._metrics:
                 self._metrics.frame(observed, silent)
@@ -414,7 +410,7 @@ class Driver:
         first = s.last_token is None
         chunk = (self._tokens(max(s.plan.prompt_tokens, 1)) if first else [s.last_token])
         chunk += s.pending_input + self._tokens(st.input_tokens_per_frame)
-        # vLLM does not enforce max_model_len across chunks and dies if a session passes it (notes Q4),
+        # vLLM does not enforce max_model_len across chunks and dies if a session passes it,
         # so the driver caps the history itself.
         if not serving.frame_fits(len(s.history) + len(chunk) + st.output_tokens_per_frame, self.max_len):
             if self.outcome == "finish":
@@ -473,15 +469,11 @@ class Driver:
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self, plans: list[SessionPlan]) -> RunResult:
         cfg, eng = self.cfg, self.engine
-        period = cfg.stream.frame_period_s
         arrivals = deque(sorted(plans, key=lambda p: p.arrival_s))
-        self._active: dict[str, _Session] = {}  # by session id
         by_rid: dict[str, _Session] = {}  # by current engine request id
         clock = self.clock
         t0 = clock()
-        if getattr(eng, "pid", None) is not None:  # an engine in its own process: say which, for operators
-            self._record("events", {"t_s": 0.0, "event": "engine_started", "session": None, "rid": None,
-                                    "pid": eng.pid})
+        self.supervisor.started()
         self._flushed_at = t0
         try:
             while True:
@@ -496,12 +488,7 @@ class Driver:
                     self._flush()
                     self._engine_died(exc, clock() - t0, by_rid)
             now = clock() - t0
-            if self._down_since is not None:
-                self.outages.append((self._down_since, now))
-                self._down_since = None
-            if self._silent_since is not None:
-                self.silence.append((self._silent_since, now))
-                self._silent_since = None
+            self.supervisor.close(now)
             if self._stop_reason is not None:
                 self.t_stopped_s = now
             for s in list(self._active.values()):
@@ -511,20 +498,13 @@ class Driver:
                 j.close()
             if self._metrics:
                 self._metrics.close()
-        if not self.retain:
+        if not self.retain:  # the rows went only to the journals: read them back
             for table, j in self._journals.items():
-                setattr(self, table, j.read_own())
+                self._tables[table].extend(j.read_own())
         summary = summarize(self.frames, self.steps, self.sessions, eng.num_blocks, self.events)
         summary.update({
             "stopped": self._stop_reason is not None, "stop_reason": self._stop_reason, "t_stopped_s": self.t_stopped_s,
-            "engine_silent_episodes": len(self.silence),
-            "engine_silent_s": round(sum(b - a for a, b in self.silence), 6),
-            "t_first_engine_silent_s": self.silence[0][0] if self.silence else None,
-            "silence_threshold_s": self._silence_s(),
-            "engine_deaths": self.engine_deaths, "engine_restarts": self.engine_restarts,
-            "engine_error": self.engine_error,
-            "engine_outage_s": round(sum(b - a for a, b in self.outages), 6),
-            "engine_outages": [[round(a, 6), round(b, 6)] for a, b in self.outages],
+            **self.supervisor.summary(),
         })
         return RunResult(self.frames, self.steps, self.sessions, summary, self.events)
 
@@ -532,8 +512,8 @@ class Driver:
         """One turn of the loop: arrivals, ends, admission, due frames, then one engine step (or a nap)."""
         cfg, eng, clock = self.cfg, self.engine, self.clock
         period = cfg.stream.frame_period_s
-        if self._down_since is not None:
-            self._engine_back(now)
+        if self.supervisor.down_since is not None and self.supervisor.back(now):
+            self._stalled = False
         while arrivals and arrivals[0].arrival_s <= now:
             plan = arrivals.popleft()
             decision = self.gate.offer(plan, plan.arrival_s, now, len(self._active))
@@ -554,7 +534,7 @@ class Driver:
         self._admit(now, by_rid)
         self._ticks(now, by_rid)
         self._answer_silent(now)
-        self._watch_silence(now)
+        self.supervisor.watch(now, any(s.inflight is not None or s.state == PREFILL for s in self._active.values()))
         if eng.has_work() and not self._stalled:
             self._step(t0, by_rid)
         else:
@@ -562,8 +542,7 @@ class Driver:
                       + [s.end_s for s in self._active.values()]
                       + ([arrivals[0].arrival_s] if arrivals else []) + [cfg.horizon_s])
             self._preempted = False  # no step ran: the next admission check is not "right after"
-            if self._check_alive is not None:
-                self._check_alive()  # an engine in its own process, idle: a step would have noticed its death
+            eng.check_alive()  # an engine in its own process, idle: a step would have noticed its death
             gap = nxt - (clock() - t0)
             if gap >= FLUSH_MIN_GAP_S:
                 self._flush()  # idle: the rows go to disk off the timing path (records.Journal, deferred)
@@ -571,50 +550,17 @@ class Driver:
             self.sleep(max(0.0, min(gap, period, 0.05)))
 
     # -- engine death ---------------------------------------------------------------------------------------
-    def _say(self, line: str) -> None:
-        if self.notify is not None:
-            self.notify(line)
-
     def _engine_died(self, exc: EngineDied, now: float, by_rid: dict) -> None:
         """The engine's process is gone, and every session's KV with it: each session in the engine goes back
         to the head of the waiting queue (in admission order) to be readmitted as a rebase; its frames are
         answered silent meanwhile. Then restart (``restart``) or stop the run (``stop_reason="engine_died"``)."""
-        self.engine_deaths += 1
-        back = self._down_since is not None  # it died again while (re)starting
-        if not back:
-            self._down_since = now
-        self._record("events", {"t_s": now, "event": "engine_died", "session": None, "rid": None, "error": str(exc)})
-        if self._metrics:
-            self._metrics.engine_up.set(0)
+        self.supervisor.died(exc, now)
         lost = sorted((s for s in self._active.values() if s not in self.waiting), key=lambda s: s.admit_seq)
         for s in reversed(lost):  # appendleft in reverse: the oldest admitted ends up first
             self._preempt(s, now, "engine_died", 0, event="lost")
         self._preempted = False
-        if self.cfg.restart and self.engine_restarts < self.cfg.max_restarts:
-            self.engine_restarts += 1
-            self._say(f"{exc} at {now:.1f} s{_log_of(exc)}; restarting it ({self.engine_restarts} of {self.cfg.max_restarts}), "
-                      f"{len(lost)} session(s) will be readmitted as a rebase")
-            self.engine.restart()
-            self._record("events", {"t_s": now, "event": "engine_restarting", "session": None, "rid": None})
-        else:
-            why = "" if not self.cfg.restart else f" (gave up after {self.cfg.max_restarts} restarts)"
-            self.engine_error = f"{exc} at {now:.1f} s{why}{_log_of(exc)}"
+        if not self.supervisor.recover(exc, now, len(lost)):
             self.stop(EndReason.ENGINE_DIED)
-
-    def _engine_back(self, now: float) -> None:
-        """While a new engine loads: is it up? (raises EngineDied if it failed to start)"""
-        if not self.engine.ready():
-            return
-        since = self._down_since
-        self.outages.append((since, now))
-        self._down_since = None
-        self._stalled = False
-        self._record("events", {"t_s": now, "event": "engine_restarted", "session": None, "rid": None,
-                                "outage_s": now - since, "pid": getattr(self.engine, "pid", None)})
-        if self._metrics:
-            self._metrics.engine_up.set(1)
-            self._metrics.restarts.inc()
-        self._say(f"the engine is back at {now:.1f} s after {now - since:.1f} s down; readmitting sessions")
 
     def _ticks(self, now: float, by_rid: dict) -> None:
         """Frames that came due: queue (and submit) those of running sessions; waiting and re-prefilling
@@ -687,7 +633,7 @@ class Driver:
             if s is None:
                 continue
             if toks:
-                self._last_token_s = now
+                self.supervisor.token(now)
             if s.state == PREFILL:  # the re-prefill is done: the sampled token starts the next chunk
                 s.last_token = toks[-1]
                 s.state = RUNNING
@@ -733,7 +679,7 @@ class Driver:
                "held_tokens": sum(eng.computed_tokens(s.rid) for s in self._active.values() if s.in_engine)}
         self._record("steps", row)
         if self._metrics:
-            self._metrics.step(row, getattr(self.admission, "limit", None))
+            self._metrics.step(row, self.admission.limit)
 
     def _preempt_after_step(self, info, step_no: int, t_start: float, by_rid: dict) -> list[tuple[str, str]]:
         """Break vLLM's paused-session deadlock: preempt (most recently admitted first) while a session with
@@ -766,11 +712,7 @@ class Driver:
         return done
 
 
-def _log_of(exc: EngineDied) -> str:
-    return f" (its log: {exc.log_path})" if exc.log_path else ""
-
-
-def run_live(engine: Engine, stream: TokenStream, plans: list[SessionPlan], horizon_s: float, *,
+def run_live(engine: DrivenEngine, stream: TokenStream, plans: list[SessionPlan], horizon_s: float, *,
              policy: KVPolicy | None = None, admission: AdmissionController | None = None,
              out_dir: str | Path | None = None, run: str | None = None, **config) -> RunResult:
     """Run one scenario live on an idle engine and return every frame, step, session and event plus a summary.
@@ -788,138 +730,3 @@ def run_live(engine: Engine, stream: TokenStream, plans: list[SessionPlan], hori
     finally:
         engine.reset()
 
-
-def _pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile, the one every report uses (:func:`metronome.results.percentile`)."""
-    v = percentile(values, q)
-    return None if v is None else round(v, 6)
-
-
-def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_blocks: int,
-              events: list[dict] | None = None) -> dict:
-    """Per-run figures: the keys a simulated run's summary shares (:func:`metronome.results.shared_summary`,
-    same meaning and unit), then the live driver's own (:data:`metronome.results.LIVE_ONLY_KEYS`).
-
-    ``t_sat_observed_s`` is the start of the first step after which the driver (or vLLM) had to preempt, or
-    that left requests waiting on an empty pool, or stalled: the moment some session needed a block and none
-    was free, the simulator's ``t_sat``. A frame is *silent after a preemption* (``silent_preempted_fraction``,
-    ``collapsed``) when it is silent and its session had been preempted (or lost its KV with the engine) by
-    the time the frame was answered. ``num_blocks`` is vLLM's pool, its null block included."""
-    events = events or []
-    done = [f for f in frames if not f["censored"]]
-    n = len(done)
-    preempts = [e for e in events if e["event"] == "preempt"]
-    first_preempt = preempts[0]["t_s"] if preempts else next((s["t_s"] for s in steps if s["preemptions"]), None)
-    # a stall: requests want tokens but the step scheduled nothing (the paused-sessions deadlock of notes Q4)
-    first_full = next((s["t_s"] for s in steps if (s["free_blocks"] == 0 and s["waiting"] > 0) or s["stalled"]),
-                      None)
-    sat = [t for t in (first_preempt, first_full) if t is not None]
-    lost_at: dict = {}  # session -> when it first lost its place (preempted, or its KV died with the engine)
-    for e in events:
-        if e["event"] in ("preempt", "lost") and e.get("session") is not None:
-            lost_at.setdefault(e["session"], e["t_s"])
-
-    def silent_preempted(f) -> bool:
-        t = lost_at.get(f["session"])
-        answered = f["done_s"] if f["done_s"] is not None else math.inf
-        return bool(f["silent"]) and t is not None and t <= answered
-
-    not_running = [f for f in done if f["state"] != "running"]
-    shared = shared_summary(
-        tick_s=[f["tick_s"] for f in done],
-        latency_s=[math.nan if f["latency_s"] is None else f["latency_s"] for f in done],
-        frames=np.ones(n, dtype=np.int64), silent=[bool(f["silent"]) for f in done],
-        silent_preempted=[silent_preempted(f) for f in done], late=[not f["met_deadline"] for f in done],
-        tokens=[f["tokens_delivered"] for f in done], t_sat_s=min(sat) if sat else None,
-        step_s=[s["step_s"] for s in steps], peak_used_blocks=max((s["used_blocks"] for s in steps), default=0),
-        usable_blocks=num_blocks - 1,
-        preemptions=len(preempts) if events else int(sum(s["preemptions"] for s in steps)),
-        rebases=sum(1 for e in events if e["event"] == "rebase"),
-        sessions_offered=len(sessions), sessions_admitted=sum(1 for s in sessions if s.get("admitted")),
-        sessions_refused=sum(1 for s in sessions if s.get("reason") in REFUSED_REASONS))
-    return {
-        **shared,
-        "frames_unfinished": sum(1 for f in done if f["done_s"] is None),
-        "silent_by_deadline_fraction": (sum(bool(f["silent_by_deadline"]) for f in done) / n) if n else 0.0,
-        "preemptions_by_reason": {r: sum(1 for e in preempts if e.get("reason") == r)
-                                  for r in sorted({e.get("reason") for e in preempts})},
-        "readmissions": sum(1 for e in events if e["event"] == "readmit"),
-        # the rebase cost, measured where it happens: frames that carried an S+W prefill vs the rest
-        "p50_rebase_frame_latency_s": _pct([f["latency_s"] for f in done
-                                            if f.get("rebased") and f["latency_s"] is not None], 50),
-        "frames_not_running": len(not_running),
-        "t_first_preemption_s": first_preempt,
-        "t_pool_full_s": first_full,
-        "stalls": sum(1 for s in steps if s["stalled"]),
-        "num_blocks": num_blocks,
-    }
-
-
-class _Metrics:
-    """Prometheus export (prometheus-client) on a port: limit, p99 frame latency, silent frames, pool."""
-
-    def __init__(self, port: int | None):
-        """Serves the metrics on ``port``; ``None``: no server (the gauges are only kept, e.g. in a test)."""
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-
-        self.registry = r = CollectorRegistry()
-        self.limit = Gauge("metronome_admission_limit", "Admission controller's session limit", registry=r)
-        self.p99 = Gauge("metronome_frame_latency_p99_seconds",
-                         "p99 frame latency (nearest rank), last 500 non-silent frames", registry=r)
-        self.frames = Counter("metronome_frames", "Frames completed or abandoned", registry=r)
-        self.silent = Counter("metronome_silent_frames", "Frames with no token by their deadline", registry=r)
-        self.usage = Gauge("metronome_kv_pool_usage", "KV pool occupancy (0-1)", registry=r)
-        self.running = Gauge("metronome_sessions_running", "Requests running in the engine", registry=r)
-        self.waiting = Gauge("metronome_sessions_waiting", "Requests queued or preempted", registry=r)
-        self.preempt = Counter("metronome_preemptions", "Engine preemptions", registry=r)
-        self.p50 = Gauge("metronome_frame_latency_p50_seconds",
-                         "p50 frame latency (nearest rank), last 500 non-silent frames", registry=r)
-        self.silent_rate = Gauge("metronome_silent_frame_rate", "Fraction of the last 500 frames that were silent",
-                                 registry=r)
-        self.admitted = Counter("metronome_sessions_admitted", "Sessions the admission controller admitted",
-                                registry=r)
-        self.refused = Counter("metronome_sessions_refused", "Sessions the admission controller refused",
-                                registry=r)
-        self.dead = Gauge("metronome_admission_dead", "1 while the controller sees a dead signal", registry=r)
-        self.engine_up = Gauge("metronome_engine_up", "1 while the engine answers, 0 while it is dead or restarting",
-                               registry=r)
-        self.engine_up.set(1)
-        self.restarts = Counter("metronome_engine_restarts", "Times the engine came back after dying", registry=r)
-        self.engine_silent = Gauge("metronome_engine_silent", "1 while frames wait and the engine produces no token",
-                                   registry=r)
-        self._recent = deque(maxlen=500)
-        self._recent_silent = deque(maxlen=500)
-        self.server, self.thread = (start_http_server(port, registry=r) if port is not None else None) or (None, None)
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-
-    def admission(self, controller, admitted: bool) -> None:
-        (self.admitted if admitted else self.refused).inc()
-        limit = getattr(controller, "limit", None)
-        if limit is not None:
-            self.limit.set(math.inf if limit >= 2**62 else limit)
-        self.dead.set(1 if getattr(controller, "dead", False) else 0)
-
-    def frame(self, latency: float, silent: bool) -> None:
-        self.frames.inc()
-        if silent:
-            self.silent.inc()
-        self._recent_silent.append(bool(silent))
-        self.silent_rate.set(sum(self._recent_silent) / len(self._recent_silent))
-        if not silent:
-            self._recent.append(latency)
-        if self._recent:  # the one percentile (metronome.results): the summary's and the controller's p99
-            self.p99.set(percentile(self._recent, 99))
-            self.p50.set(percentile(self._recent, 50))
-
-    def step(self, row: dict, limit) -> None:
-        self.usage.set(row["kv_usage"])
-        self.running.set(row["running"])
-        self.waiting.set(row["waiting"])
-        if row["preemptions"]:
-            self.preempt.inc(row["preemptions"])
-        if limit is not None:
-            self.limit.set(math.inf if limit >= 2**62 else limit)

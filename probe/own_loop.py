@@ -47,6 +47,9 @@ class OwnLoopEngine:
     """The engine interface the driver uses (``append``, ``abort``, ``step``, ``pool``, per-request counts),
     over ``AsyncLLM`` running its own loop in its own process. Start it once per run; ``close()`` stops it."""
 
+    num_blocks: int  # set once vLLM has started
+    max_model_len: int
+
     def __init__(self, config: EngineConfig, log_path: str | os.PathLike | None = None):
         self.config = config
         check_build(config.device)
@@ -72,6 +75,10 @@ class OwnLoopEngine:
         self._busy = False  # work was owed when the last report came in
         self._error: str | None = None  # a failure of this client: raised as MetronomeError
         self._dead: str | None = None  # the engine's process died: raised as EngineDied
+        # set by _start() on the loop thread: vLLM's client, the classes its requests use, the pool's shape
+        self.llm = None
+        self._SP = self._TP = self._SI = self._DELTA = None
+        self.num_blocks = self.max_model_len = self.block_size = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="metronome-asyncllm", daemon=True)
         self._ready = threading.Event()
@@ -294,6 +301,14 @@ class OwnLoopEngine:
             raise exc
         if self._error:
             raise MetronomeError(self._error)
+
+    def ready(self) -> bool:
+        """True: the constructor returns once the engine has started, and it is never restarted."""
+        return True
+
+    def restart(self) -> None:
+        raise MetronomeError("vLLM's own loop cannot be restarted after its engine died "
+                             "(a restart needs the driver stepping the engine: --loop driver)")
 
     def pool(self) -> PoolState:
         with self._cv:

@@ -1,12 +1,12 @@
 """A fake engine for the driver's unit tests: vLLM 0.32's scheduler, as :class:`metronome.serving.EngineModel`
 models it, on virtual time.
 
-:class:`FakeEngine` has the interface the driver uses of :class:`metronome.probe.engine.Engine` (``append``,
-``abort``, ``step`` -> :class:`StepInfo`, ``pool`` -> :class:`PoolState`, ``has_work``, ``is_scheduled_waiting``,
-``tokens_of``, ``blocks_of``, ``computed_tokens``, ``reset``, ``policy``, ``max_model_len``,
-``max_num_batched_tokens``, ``num_blocks``); :class:`FakeRemoteEngine` adds what
-:class:`metronome.probe.remote.RemoteEngine` has for engine deaths (``pid``, ``check_alive``, ``ready``,
-``restart``) and can be killed at a virtual time.
+:class:`FakeEngine` implements the interface the driver uses (:class:`metronome.probe.engine.DrivenEngine`:
+``append``, ``abort``, ``step`` -> :class:`StepInfo`, ``pool`` -> :class:`PoolState`, ``has_work``,
+``is_scheduled_waiting``, ``tokens_of``, ``blocks_of``, ``computed_tokens``, ``reset``, ``policy``,
+``max_model_len``, ``max_num_batched_tokens``, ``num_blocks``) as an engine that never dies (``pid`` None);
+:class:`FakeRemoteEngine` is one in a 'child process', as :class:`metronome.probe.remote.RemoteEngine`
+(``pid``, ``check_alive``, ``ready``, ``restart``), and can be killed at a virtual time.
 
 Time is virtual: hand ``clock=eng.clock, sleep=eng.sleep`` to the Driver. Only ``step()`` (by its modelled
 latency) and ``sleep()`` advance the clock, so a run is deterministic and takes no wall time.
@@ -89,6 +89,7 @@ class FakeEngine:
     now: float = 0.0
     log: list[dict] = field(default_factory=list)
     steps: int = 0
+    pid: int | None = None  # an engine in this process: it never dies (FakeRemoteEngine can)
 
     def __post_init__(self):
         if self.policy is None:
@@ -149,6 +150,15 @@ class FakeEngine:
 
     def status_of(self, rid: str) -> str | None:
         return self.model.status(rid)
+
+    def check_alive(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return True
+
+    def restart(self) -> None:
+        raise FakeEngineMisuse("the driver restarted an engine that never died")
 
     def describe(self) -> str:
         return "fake vLLM 0.32 (metronome.serving.EngineModel)"

@@ -1,6 +1,6 @@
 """One results schema (issue 14): a simulated and a live run's summaries share their keys, meanings and units,
 every reported percentile is the nearest-rank one, one function draws every workload, and every decision a
-controller records is a named one. No vLLM: the live side is ``probe.driver.summarize`` on hand-made rows."""
+controller records is a named one. No vLLM: the live side is ``probe.summary.summarize`` on hand-made rows."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import pytest
 from metronome import results
 from metronome.admission import DECISIONS, AIMDController, AIMDParams, make_controller
 from metronome.probe import driver as live
+from metronome.probe import metrics as live_metrics
+from metronome.probe import summary as probe_summary
 from metronome.sim import scenario as sim
 from metronome.workload import Arrivals, Durations
 
@@ -101,7 +103,7 @@ def sim_tables():
 
 def live_summary():
     frames, steps, sessions, events = live_rows()
-    return live.summarize(frames, steps, sessions, num_blocks=10, events=events)
+    return probe_summary.summarize(frames, steps, sessions, num_blocks=10, events=events)
 
 
 def sim_summary():
@@ -172,8 +174,8 @@ def test_step_rows_are_stamped_at_their_start_in_both():
     frames, steps, sessions, events = live_rows()
     # the live t_sat is the start of the step that preempted, as the simulator's is: from the preemption
     # events, and from the step rows alone (a run recorded without events)
-    assert live.summarize(frames, steps, sessions, 10, events)["t_sat_observed_s"] == T_PREEMPT
-    assert live.summarize(frames, steps, sessions, 10, [])["t_sat_observed_s"] == T_PREEMPT
+    assert probe_summary.summarize(frames, steps, sessions, 10, events)["t_sat_observed_s"] == T_PREEMPT
+    assert probe_summary.summarize(frames, steps, sessions, 10, [])["t_sat_observed_s"] == T_PREEMPT
     res = sim.run(sim.make_scenario(sessions=5, horizon=1.0, num_blocks=400))
     t, d = res.steps.t_s.to_numpy(), res.steps.step_s.to_numpy()
     # the first step starts at the first frame's tick; a step starts once the one before ends
@@ -186,7 +188,7 @@ SAMPLES = [0.01 * k for k in range(1, 11)]  # nearest rank: p99 = 0.10, p50 = 0.
 
 def test_prometheus_gauge_run_summary_and_controller_report_one_p99():
     pytest.importorskip("prometheus_client")
-    m = live._Metrics(None)  # no server
+    m = live_metrics.LiveMetrics(None)  # no server
     for x in SAMPLES:
         m.frame(x, silent=False)
     gauge_p99 = m.registry.get_sample_value("metronome_frame_latency_p99_seconds")
@@ -195,7 +197,7 @@ def test_prometheus_gauge_run_summary_and_controller_report_one_p99():
     frames = [{"session": "s", "frame": i, "tick_s": float(i), "done_s": i + x, "latency_s": x, "silent": False,
                "silent_by_deadline": False, "met_deadline": True, "censored": False, "state": "running",
                "tokens_delivered": 1} for i, x in enumerate(SAMPLES)]
-    live_s = live.summarize(frames, [], [], num_blocks=10, events=[])
+    live_s = probe_summary.summarize(frames, [], [], num_blocks=10, events=[])
 
     sim_frames = pd.DataFrame({"tick_s": np.arange(10.0), "latency_s": SAMPLES, "frames": 1, "silent": 0,
                                "silent_preempted": 0, "late": 0, "tokens": 1})
@@ -222,7 +224,8 @@ def test_the_percentile_has_one_home():
     from metronome.sim import recorder
 
     assert admission.weighted_percentile is results.weighted_percentile  # old imports keep working
-    assert calibrate.percentile is results.percentile and live.percentile is results.percentile
+    assert calibrate.percentile is results.percentile and probe_summary.percentile is results.percentile
+    assert live_metrics.percentile is results.percentile
     assert recorder.weighted_quantile(np.array(SAMPLES), np.ones(10), 0.99) == 0.10
     assert results.percentile([], 99) is None and results.percentile([math.nan, 0.3], 50) == 0.3
 

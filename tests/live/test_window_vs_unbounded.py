@@ -127,8 +127,14 @@ def test_prometheus_export(windowed):
 class _Cap:
     """An admission controller that admits at most `limit` sessions and records what it observed."""
 
+    interval_s = 1.0
+    dead = False
+
     def __init__(self, limit):
         self.limit, self.observed = limit, []
+
+    def advance(self, now_s, in_flight):
+        pass
 
     def observe(self, now_s, latency_s, frames=1, silent=0):
         self.observed.append((now_s, latency_s, frames, silent))
