@@ -12,7 +12,7 @@ Runs in one process (one core). Scenarios (all on the Moshi H200 preset, 80 ms f
 For each, the simulated seconds per wall second of the default run (fast paths on) over ``--horizon``, the
 share of engine steps the fast paths took, and the speed-up over the ``--no-fast-forward`` reference (one SimPy
 event per step) measured in the same run over ``--reference-horizon`` (ratios, so a noisy machine cancels
-out). Target (issue 15): >= 20,000x real time on each, one core. Prints the load average and peak RSS.
+out). Target: >= 20,000x real time on each, one core. Prints the load average and peak RSS.
 """
 
 from __future__ import annotations

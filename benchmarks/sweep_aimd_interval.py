@@ -8,9 +8,10 @@ For each calibration (as ``benchmarks/bench_live_aimd.py`` writes them) and each
 benchmark's bounded scenario (vLLM's window on the pool, Poisson arrivals well above capacity, the benchmark's AIMD
 from N*/2) over several seeds and prints the settled concurrency (mean admitted sessions over the second
 half, as the benchmark measures it) relative to that calibration's deadline-bound N* (``metronome.sim.capacity``),
-the interval the benchmark would pick on it (``tune_interval``), then each interval's mean and worst error over all
-calibrations and seeds. ``--jitter-correlation`` replaces the calibrations' slow-spell terms (``jitter_shared``,
-``jitter_tau_s``, ``jitter_frame``), e.g. to see what spells do to calibrations taken before they were measured.
+the interval the benchmark would pick on it (:func:`metronome.probe.live_aimd.tune_interval`), then each
+interval's mean and worst error over all calibrations and seeds. ``--jitter-correlation`` replaces the
+calibrations' slow-spell terms (``jitter_shared``, ``jitter_tau_s``, ``jitter_frame``), e.g. to see what spells
+do to calibrations taken before they were measured.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from dataclasses import replace
 import numpy as np
 
 from metronome.probe.driver import PHASES
+from metronome.probe.live_aimd import AIMD, INTERVALS, TUNING_SEEDS, tune_interval
 
 
 def main(argv=None) -> int:
-    from bench_live_aimd import AIMD, INTERVALS, TUNING_SEEDS, tune_interval
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("calibrations", nargs="+", help="calibration.json files")
     ap.add_argument("--deadline", type=float, default=0.04, help="frame deadline, seconds")

@@ -11,6 +11,8 @@ Modules (one idea each; none imports vLLM at import time, so ``metronome-sim`` w
 * ``records``   append-only JSONL journals converted to Parquet (a crash keeps every sample).
 * ``calibrate`` :func:`~metronome.probe.calibrate.run_calibration`: pool, KV growth, step-latency grid and
   fill rate → a ``measured`` calibration.
+* ``live_aimd`` live AIMD against the simulator's N* (``benchmarks/bench_live_aimd.py``): the scenario, settled
+  concurrency, the deadline and AIMD-interval choices, one live run and its live-vs-simulated figures.
 
 Running a scenario live (what ``validate`` needs)::
 
