@@ -23,7 +23,8 @@ from metronome.erlang import refusal_probability
 from metronome.kv_policy import make_policy
 from metronome.workload import Arrivals, Durations
 
-from metronome.sim.fleet import EngineType, FleetConfig, capacity_cached, simulate
+from metronome.sim.fleet import simulate
+from metronome.sim.fleet_config import EngineType, FleetConfig, capacity_cached
 
 
 def load_for(refusal: float, places: int, engines: int) -> float:

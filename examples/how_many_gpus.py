@@ -26,9 +26,10 @@ from pathlib import Path
 
 from metronome import calibration
 from metronome.kv_policy import KVPolicy
-from metronome.report.answer import fleet_rows
+from metronome.report.answer import fleet_rows, peak_words
 from metronome.sim.capacity import capacity
-from metronome.sim.fleet import AutoscalePolicy, EngineType, plan
+from metronome.sim.fleet_config import AutoscalePolicy, EngineType
+from metronome.sim.fleet_plan import plan
 from metronome.workload import Arrivals, Durations
 
 PRESETS = ("qwen3-omni-30b-a3b-h200", "qwen3-omni-30b-a3b-b200")
@@ -58,8 +59,7 @@ def main():
     prices = {PRESETS[0]: a.h200_price, PRESETS[1]: a.b200_price}
     summary, tables = plan(types, day, SESSIONS, day.pattern_s, max_refusal=0.01, autoscale=AutoscalePolicy(),
                            prices=prices)
-    print(f"\noffered: {day.describe()}; peak {summary['peak_rate_per_s']:g}/s x {SESSIONS.mean_s:g} s = "
-          f"{summary['peak_offered_erlangs']:,.0f} Erlangs; at most 1% refused")
+    print(f"\noffered: {day.describe()}; peak {peak_words(summary)}; at most 1% refused")
     for c in summary["calibrations"]:
         print(f"\n{c['calibration']} (N* = {c['n_star']})")
         for label, text in fleet_rows(c, summary["horizon_s"]):

@@ -31,13 +31,13 @@ model's approximation: a preempted session comes back holding all the blocks of 
 lets it back with fewer, so this runs a few percent above it, as :meth:`FillModel.silenced_fraction` notes), and
 an unbounded session that reaches ``max_model_len`` keeps its blocks until it ends (vLLM would end it).
 
-**Autoscaling** (:class:`AutoscalePolicy`): every ``check_s`` the autoscaler looks at the fleet's utilisation,
-sessions in flight on serving engines over the places of the serving and starting engines (a starting engine
-counts ``N*``). Pressure = utilisation above ``scale_out_utilization`` (engines at or near their limit), or
-more than ``max_refusal`` of the arrivals since the last check refused while no engine is starting (a
-refusal an engine already starting will answer is not counted twice); after ``scale_out_after_s`` of it, it
-brings enough engines (draining ones back first, then new ones that serve after ``start_delay_s``) to bring
-utilisation to the middle of the two thresholds, at least one. Slack = utilisation below
+**Autoscaling** (:class:`metronome.sim.fleet_config.AutoscalePolicy`): every ``check_s`` the autoscaler looks at
+the fleet's utilisation, sessions in flight on serving engines over the places of the serving and starting
+engines (a starting engine counts ``N*``). Pressure = utilisation above ``scale_out_utilization`` (engines at
+or near their limit), or more than ``max_refusal`` of the arrivals since the last check refused while no engine
+is starting (a refusal an engine already starting will answer is not counted twice); after
+``scale_out_after_s`` of it, it brings enough engines (draining ones back first, then new ones that serve after
+``start_delay_s``) to bring utilisation to the middle of the two thresholds, at least one. Slack = utilisation below
 ``scale_in_utilization`` and no refusal over the target; after ``scale_in_after_s`` of it, it drains engines
 (the least loaded) down to that middle: a draining engine takes no new session and is released when its last
 one ends. GPU-hours integrate every engine from its start to its release (starting, serving, draining).
@@ -45,6 +45,10 @@ one ends. GPU-hours integrate every engine from its start to its release (starti
 Everything is event-driven on arrivals, departures, engine starts and autoscaler checks; the same
 configuration and seed give the same result (the sessions come from :func:`metronome.workload.draw`, the
 router's draws from a generator of their own seeded with the same seed).
+
+The run's inputs and result are :mod:`metronome.sim.fleet_config`; the memory's silence
+:mod:`metronome.sim.fleet_memory`; the tables' per-bin tallies :mod:`metronome.sim.fleet_bins`; sweeps, sizing and
+the plan over many runs :mod:`metronome.sim.fleet_plan`.
 """
 
 from __future__ import annotations
@@ -52,348 +56,20 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass, replace
-from functools import cached_property
-from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
 
-from metronome.admission import AIMDParams, make_controller
-from metronome.calibration import Calibration
-from metronome.erlang import DEFAULT_MAX_REFUSAL, batch_means_interval, check_refusal, engines_needed
-from metronome.errors import MetronomeError
-from metronome.fill_model import FillModel
-from metronome.kv_policy import KVPolicy
-from metronome.workload import Arrivals, Durations, draw
+from metronome.erlang import batch_means_interval
+from metronome.workload import draw
 
-from metronome.sim.executors import LocalExecutor
+from metronome.sim.fleet_bins import expected_by_bin, level_max_by_bin, overlap_by_bin
+from metronome.sim.fleet_config import ROUTERS, FleetConfig, FleetResult
+from metronome.sim.fleet_memory import silent_mask, silent_on_grid
 
-ROUTERS = ("round-robin", "least-loaded", "power-of-two", "random")
-CONTROLLERS = ("static", "aimd")
-# Which closed form a router's simulated sizing search starts from (the others lie between the two).
-CLOSED_FORM_START = {"least-loaded": "pooled", "round-robin": "pooled", "power-of-two": "pooled", "random": "random"}
 _ROUTER_STREAM = 0xF1EE7  # the router's draws: a generator of their own, so sessions do not depend on the router
 _STARTING, _SERVING, _DRAINING, _RELEASED = 0, 1, 2, 3
 _FREE = 1 << 40  # the load least-loaded sees for an engine that is not serving
-
-
-def check_engine_count(n) -> int:
-    if isinstance(n, bool) or int(n) != n or n < 1:
-        raise MetronomeError(f"--engines must be an integer >= 1, got {n}")
-    return int(n)
-
-
-def check_router(name: str) -> str:
-    if name not in ROUTERS:
-        raise MetronomeError(f"unknown router {name!r} (one of {', '.join(ROUTERS)})")
-    return name
-
-
-def check_offered(arrivals: Arrivals) -> float:
-    """The peak offered rate (sessions/s) of a workload a fleet can be sized for."""
-    peak = arrivals.peak_rate_per_s
-    if not peak:
-        raise MetronomeError("the offered load is zero at every time: nothing to size a fleet for")
-    return peak
-
-
-def check_prices(prices: dict[str, float], names: Sequence[str]) -> dict[str, float]:
-    """GPU prices (USD per GPU-hour) by calibration name: every name in the run, every price > 0."""
-    for name, usd in prices.items():
-        if name not in names:
-            raise MetronomeError(f"--gpu-price {name}=...: {name!r} is not a calibration in this run "
-                                 f"({', '.join(names)})")
-        if not (usd > 0 and math.isfinite(usd)):
-            raise MetronomeError(f"--gpu-price {name}: the price must be a positive number of USD per hour, got {usd}")
-    return dict(prices)
-
-
-def check_horizon(seconds: float) -> float:
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise MetronomeError(f"--horizon must be a positive number of seconds, got {seconds:g}")
-    return float(seconds)
-
-
-# ------------------------------------------------------------------------------------------- engines
-@dataclass(frozen=True)
-class EngineType:
-    """One kind of engine: a calibration under a KV policy, with its capacity.
-
-    ``n_star`` is the static admission cap (``capacity()['n_star']``); ``latency_curve`` the p99 frame latency
-    at each number of sessions ``capacity()`` evaluated (what an AIMD controller is fed); ``deadline_s`` the
-    frame deadline both were found for."""
-
-    calibration: Calibration
-    policy: KVPolicy
-    n_star: int
-    deadline_s: float
-    latency_curve: tuple[tuple[int, float], ...] = ()
-
-    def __post_init__(self):
-        if isinstance(self.n_star, bool) or int(self.n_star) != self.n_star or self.n_star < 1:
-            raise MetronomeError(f"{self.calibration.name}: N* is {self.n_star} under {self.policy.describe()} "
-                                 f"at a {self.deadline_s:g} s deadline: not one session fits, no fleet can serve it")
-        if not (self.deadline_s > 0 and math.isfinite(self.deadline_s)):
-            raise MetronomeError(f"--deadline must be positive seconds, got {self.deadline_s}")
-        if self.policy.block_size != self.calibration.engine.block_size_tokens:
-            raise MetronomeError("the KV policy's block size differs from the calibration's")
-
-    @classmethod
-    def from_capacity(cls, calibration: Calibration, policy: KVPolicy, cap: dict) -> "EngineType":
-        """From the dict :func:`metronome.sim.capacity.capacity` returns for this calibration and policy."""
-        curve = tuple((int(e["sessions"]), float(e["p_latency_s"])) for e in cap["evaluations"])
-        return cls(calibration, policy, int(cap["n_star"]), float(cap["deadline_s"]), curve)
-
-    @property
-    def name(self) -> str:
-        return self.calibration.name
-
-    @cached_property
-    def fill(self) -> FillModel:
-        return FillModel(self.calibration, self.policy)
-
-    def needs_memory(self, limit_max: int) -> bool:
-        """Whether memory can silence sessions on an engine that admits up to ``limit_max`` sessions."""
-        ceiling = self.fill.memory_ceiling()
-        return ceiling is None or limit_max > ceiling
-
-    def latency_at(self, running) -> np.ndarray:
-        """p99 frame latency with ``running`` sessions running, interpolated along ``latency_curve`` (past its
-        last point, that point's value: it is already over the target there, so the verdict is the same)."""
-        n, v = zip(*self.latency_curve)
-        return np.interp(np.asarray(running, dtype=float), np.asarray(n, dtype=float), np.asarray(v, dtype=float))
-
-
-def capacity_cached(calibration: Calibration, policy: KVPolicy, deadline_s: float | None, duration_s: float | None,
-                    cache: dict, phases: str = "independent") -> dict:
-    """:func:`metronome.sim.capacity.capacity` once per (calibration, policy, deadline, session length, phases)
-    in ``cache`` (a dict the caller keeps for a run: capacity takes tens of seconds on some calibrations)."""
-    from metronome.sim.capacity import capacity
-
-    key = (calibration.to_json(), policy, deadline_s, duration_s, phases)
-    if key not in cache:
-        cache[key] = capacity(calibration, policy, deadline_s, duration_s=duration_s, phases=phases)
-    return cache[key]
-
-
-# ------------------------------------------------------------------------------------------- policy
-@dataclass(frozen=True)
-class AutoscalePolicy:
-    """When the fleet grows and shrinks (see the module docstring). Times in seconds."""
-
-    min_engines: int = 1
-    max_engines: int | None = None
-    scale_out_after_s: float = 30.0
-    scale_in_after_s: float = 600.0
-    start_delay_s: float = 180.0
-    scale_out_utilization: float = 0.9
-    scale_in_utilization: float = 0.7
-    max_refusal: float = DEFAULT_MAX_REFUSAL
-    check_s: float = 10.0
-
-    def __post_init__(self):
-        if isinstance(self.min_engines, bool) or int(self.min_engines) != self.min_engines or self.min_engines < 1:
-            raise MetronomeError(f"--min-engines must be an integer >= 1, got {self.min_engines}")
-        if self.max_engines is not None and (int(self.max_engines) != self.max_engines
-                                             or self.max_engines < self.min_engines):
-            raise MetronomeError(f"--max-engines must be an integer >= --min-engines ({self.min_engines}), "
-                                 f"got {self.max_engines}")
-        for name, flag_ in (("scale_out_after_s", "--scale-out-after"), ("scale_in_after_s", "--scale-in-after"),
-                            ("start_delay_s", "--engine-start-s")):
-            v = getattr(self, name)
-            if not (v >= 0 and math.isfinite(v)):
-                raise MetronomeError(f"{flag_} must be a finite number of seconds >= 0, got {v}")
-        if not (self.check_s > 0 and math.isfinite(self.check_s)):
-            raise MetronomeError(f"the autoscaler's check interval must be > 0 s, got {self.check_s}")
-        check_refusal(self.max_refusal)
-        lo, hi = self.scale_in_utilization, self.scale_out_utilization
-        if not (0 < lo < hi <= 1):
-            raise MetronomeError(f"autoscaling needs 0 < --scale-in-utilization < --scale-out-utilization <= 1, "
-                                 f"got {lo:g} and {hi:g}")
-
-    @property
-    def target_utilization(self) -> float:
-        """The utilisation a scaling decision aims at: the middle of the two thresholds."""
-        return (self.scale_in_utilization + self.scale_out_utilization) / 2
-
-
-# ------------------------------------------------------------------------------------------- config
-@dataclass(frozen=True)
-class FleetConfig:
-    """One fleet run. ``engines`` is the fleet's size (static) or its size at t=0 (autoscaled).
-
-    ``warmup_s``: the totals (refused and silent fractions) count only sessions arriving from then on (the
-    fleet starts empty); the per-bin tables cover the whole run. ``bin_s``: the length of a table row (an hour)."""
-
-    engine: EngineType
-    engines: int
-    arrivals: Arrivals
-    durations: Durations
-    horizon_s: float
-    router: str = "least-loaded"
-    seed: int = 0
-    controller: str = "static"
-    aimd_params: AIMDParams | None = None
-    autoscale: AutoscalePolicy | None = None
-    warmup_s: float = 0.0
-    bin_s: float = 3600.0
-    memory_grid_s: float = 5.0
-
-    def __post_init__(self):
-        check_engine_count(self.engines)
-        check_router(self.router)
-        if self.controller not in CONTROLLERS:
-            raise MetronomeError(f"unknown fleet admission controller {self.controller!r} "
-                                 f"(one of {', '.join(CONTROLLERS)})")
-        if self.controller == "aimd" and not self.engine.latency_curve:
-            raise MetronomeError("the AIMD controller is fed the engine's latency curve; this engine type has none")
-        if not isinstance(self.durations, Durations):
-            raise MetronomeError("a fleet needs session durations (--session-duration): sessions must also leave")
-        check_horizon(self.horizon_s)
-        if not 0 <= self.warmup_s < self.horizon_s:
-            raise MetronomeError(f"the warm-up ({self.warmup_s:g} s) must be in [0, horizon {self.horizon_s:g} s)")
-        if not (self.bin_s > 0 and math.isfinite(self.bin_s)):
-            raise MetronomeError(f"the table's bin must be positive seconds, got {self.bin_s}")
-        if not (self.memory_grid_s > 0 and math.isfinite(self.memory_grid_s)):
-            raise MetronomeError(f"the memory grid must be positive seconds, got {self.memory_grid_s}")
-        a = self.autoscale
-        if a is not None and not (a.min_engines <= self.engines <= (a.max_engines or self.engines)):
-            raise MetronomeError(f"the fleet starts with {self.engines} engines, outside the autoscaler's "
-                                 f"[{a.min_engines}, {a.max_engines}]")
-
-    @property
-    def params(self) -> AIMDParams:
-        return self.aimd_params or AIMDParams()
-
-    def make_controller(self):
-        """A fresh controller for one engine. A static cap decides nothing per interval, so its control
-        interval is only the granularity of its trace: one row per table bin keeps a day's trace small."""
-        if self.controller == "static":
-            return make_controller(f"static:{self.engine.n_star}", self.engine.deadline_s,
-                                   replace(self.params, interval_s=self.bin_s))
-        return make_controller("aimd", self.engine.deadline_s, self.params)
-
-    @property
-    def limit_max(self) -> int:
-        return self.engine.n_star if self.controller == "static" else self.params.max_limit
-
-    def describe(self) -> str:
-        mode = "autoscaled" if self.autoscale else "static"
-        return (f"{self.engine.name} · {self.engine.policy.describe()} · {self.engines} engines ({mode}) · "
-                f"{self.router} router · {self.controller} admission · {self.arrivals.describe()} · "
-                f"{self.durations.describe()} · {self.horizon_s:g} s · seed {self.seed}")
-
-
-@dataclass
-class FleetResult:
-    """``bins``: one row per bin of the run (offered, admitted, refused, silent frames, engines, GPU-hours);
-    ``engines``: one row per engine per bin (in flight, silent frames, admitted, refused, limit); ``lifecycle``:
-    one row per engine (provisioned, serving from, released; ``inf``: still there at the horizon); ``totals``."""
-
-    config: FleetConfig
-    bins: pd.DataFrame
-    engines: pd.DataFrame
-    lifecycle: pd.DataFrame
-    totals: dict
-
-
-# ------------------------------------------------------------------------------------------- memory
-def _silent_mask(blocks: np.ndarray, starts: np.ndarray, usable: int, max_seqs: int) -> np.ndarray:
-    """Which sessions are silent, for groups of sessions (one engine at one instant each) laid one after another,
-    each in admission order: a group runs the longest prefix whose blocks fit in ``usable`` blocks and that has
-    at most ``max_seqs`` sessions; the rest wait (vLLM preempts the most recently admitted, and its waiting
-    queue is first come, first served)."""
-    if blocks.size == 0:
-        return np.zeros(0, dtype=bool)
-    lens = np.diff(np.append(starts, blocks.size))
-    first = np.repeat(starts, lens)
-    cs = np.cumsum(blocks)
-    within = cs - (cs - blocks)[first]
-    return (within > usable) | (np.arange(blocks.size) - first >= max_seqs)
-
-
-def _silent_on_grid(start, stop, eng, n_eng, fill: FillModel, max_seqs: int, grid_s: float, horizon_s: float,
-                    bin_s: float, n_bins: int):
-    """Silent and in-flight session counts summed over the ticks ``(k + ½)·grid_s`` of each (engine, bin), for
-    admitted sessions in admission order (``start`` sorted)."""
-    silent = np.zeros(n_eng * n_bins)
-    flying = np.zeros(n_eng * n_bins)
-    n_ticks = int(math.ceil(horizon_s / grid_s - 0.5))
-    if start.size == 0 or n_ticks <= 0:
-        return silent.reshape(n_eng, n_bins), flying.reshape(n_eng, n_bins)
-    first_tick = np.maximum(np.ceil(start / grid_s - 0.5), 0).astype(np.int64)  # first k with (k+½)g >= start
-    end_tick = np.minimum(np.ceil(stop / grid_s - 0.5), n_ticks).astype(np.int64)  # first k with (k+½)g >= stop
-    chunk = max(1, int(300 // grid_s))  # five minutes of ticks at a time: a 100-engine fleet's pairs stay ~50 MB
-    for k0 in range(0, n_ticks, chunk):
-        k1 = min(n_ticks, k0 + chunk)
-        hi = int(np.searchsorted(first_tick, k1, side="left"))
-        cand = np.flatnonzero(end_tick[:hi] > k0)
-        if cand.size == 0:
-            continue
-        a = np.maximum(first_tick[cand], k0)
-        b = np.minimum(end_tick[cand], k1)
-        lens = np.maximum(b - a, 0)
-        total = int(lens.sum())
-        if total == 0:
-            continue
-        sess = np.repeat(cand, lens)
-        k = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens) + np.repeat(a, lens)
-        t = (k + 0.5) * grid_s
-        key = (k - k0) * n_eng + eng[sess]
-        order = np.argsort(key, kind="stable")  # stable: within an (instant, engine), admission order stays
-        key, sess, t = key[order], sess[order], t[order]
-        blocks = fill.blocks_at_age(t - start[sess])
-        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        mute = _silent_mask(blocks, starts, fill.usable_blocks, max_seqs)
-        cell = eng[sess] * n_bins + np.minimum((t // bin_s).astype(np.int64), n_bins - 1)
-        silent += np.bincount(cell, weights=mute, minlength=n_eng * n_bins)
-        flying += np.bincount(cell, minlength=n_eng * n_bins)
-    return silent.reshape(n_eng, n_bins), flying.reshape(n_eng, n_bins)
-
-
-def _overlap_by_bin(start, stop, group, n_groups: int, edges: np.ndarray) -> np.ndarray:
-    """Seconds each group's intervals ``[start, stop)`` spend in each bin ``[edges[k], edges[k+1])``."""
-    cum = np.empty((n_groups, edges.size))
-    for k, e in enumerate(edges):
-        cum[:, k] = np.bincount(group, weights=np.clip(np.minimum(stop, e) - start, 0, None), minlength=n_groups)
-    return np.diff(cum, axis=1)
-
-
-def _level_max_by_bin(start, stop, group, n_groups: int, edges: np.ndarray) -> np.ndarray:
-    """The most intervals of each group open at once within each bin (a departure before an arrival at the same
-    instant, as the simulation processes them)."""
-    n_bins = edges.size - 1
-    out = np.zeros((n_groups, n_bins), dtype=np.int64)
-    for k in range(n_bins):  # the level carried into each bin
-        at = (start <= edges[k]) & (stop > edges[k])
-        out[:, k] = np.bincount(group[at], minlength=n_groups)
-    inside = stop < edges[-1]
-    t = np.concatenate([start, stop[inside]])
-    d = np.concatenate([np.ones(start.size, dtype=np.int64), -np.ones(int(inside.sum()), dtype=np.int64)])
-    g = np.concatenate([group, group[inside]])
-    order = np.lexsort((d, t, g))
-    t, d, g = t[order], d[order], g[order]
-    level = np.cumsum(d)
-    firsts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-    level -= np.repeat(level[firsts] - d[firsts], np.diff(np.append(firsts, g.size)))
-    b = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, n_bins - 1)
-    np.maximum.at(out, (g, b), level)
-    return out
-
-
-def _expected_by_bin(arrivals: Arrivals, edges: np.ndarray) -> np.ndarray:
-    """Sessions the arrival rate offers in each bin (the integral of the rate; ``all``/``ramp``: none)."""
-    if arrivals.kind == "poisson":
-        return arrivals.rate_per_s * np.diff(edges)
-    if arrivals.kind != "pattern":
-        return np.zeros(edges.size - 1)
-    lengths = np.array([d for d, _ in arrivals.segments], dtype=float)
-    rates = np.array([r for _, r in arrivals.segments], dtype=float)
-    starts = np.cumsum(lengths) - lengths
-    # sessions offered from 0 to each edge: every segment's rate times the part of it before the edge
-    cum = np.clip(edges[:, None] - starts[None, :], 0.0, lengths[None, :]) @ rates
-    return np.diff(cum)
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -428,6 +104,17 @@ class _Run:
         self.limit_sum: dict[tuple[int, int], float] = {}
         self.limit_n: dict[tuple[int, int], int] = {}
         self.decreases: dict[tuple[int, int], int] = {}
+        # the run's sessions (run() draws them): arrival, end, engine that served each (-1: refused) and the
+        # engine the router picked
+        self.arr = np.zeros(0)
+        self.stop = np.zeros(0)
+        self.eng_of: list[int] = []
+        self.chosen: list[int] = []
+        # the autoscaler's view: arrivals and refusals so far and at its last check, and since when the fleet
+        # has been under pressure (or slack)
+        self.arrived = self.arrived_seen = self.refused_seen = 0
+        self.pressure_since: float | None = None
+        self.slack_since: float | None = None
 
     # -- engines ---------------------------------------------------------------------------------------
     def provision(self, t: float, serve_at: float) -> int:
@@ -492,7 +179,7 @@ class _Run:
         n = len(sess)
         ages = times[:, None] - self.arr[np.asarray(sess)][None, :]
         blocks = self.fill.blocks_at_age(ages).ravel()
-        mute = _silent_mask(blocks, np.arange(times.size) * n, self.fill.usable_blocks, self.max_seqs)
+        mute = silent_mask(blocks, np.arange(times.size) * n, self.fill.usable_blocks, self.max_seqs)
         return mute.reshape(times.size, n).sum(axis=1)
 
     def latency(self, running: int) -> float:
@@ -600,8 +287,6 @@ class _Run:
         for _ in range(cfg.engines):
             self.provision(0.0, 0.0)
         pol = cfg.autoscale
-        self.refused_seen = self.arrived = self.arrived_seen = 0
-        self.pressure_since = self.slack_since = None
         check_s = pol.check_s if pol else math.inf
         next_check = check_s
         inflight, state, ctl, load, active = self.inflight, self.state, self.ctl, self.load, self.active
@@ -701,18 +386,18 @@ class _Run:
         refused = offered - admitted
         # per engine: sessions, silent frames, provisioned time
         start, stop, eng = arr[adm], self.stop[adm], eng_of[adm]
-        in_flight_s = _overlap_by_bin(start, stop, eng, n_eng, edges)
-        in_flight_max = _level_max_by_bin(start, stop, eng, n_eng, edges)
+        in_flight_s = overlap_by_bin(start, stop, eng, n_eng, edges)
+        in_flight_max = level_max_by_bin(start, stop, eng, n_eng, edges)
         if self.memory:
-            silent_ticks, flying_ticks = _silent_on_grid(start, stop, eng, n_eng, self.fill, self.max_seqs,
+            silent_ticks, flying_ticks = silent_on_grid(start, stop, eng, n_eng, self.fill, self.max_seqs,
                                                          cfg.memory_grid_s, H, cfg.bin_s, n_bins)
         else:
             silent_ticks = flying_ticks = np.zeros((n_eng, n_bins))
         t_prov = np.asarray(self.t_prov)
         t_rel = np.minimum(np.asarray(self.t_rel), H)
         ids = np.arange(n_eng)
-        prov_s = _overlap_by_bin(t_prov, t_rel, ids, n_eng, edges)
-        eng_level = _level_max_by_bin(t_prov, t_rel, np.zeros(n_eng, dtype=np.int64), 1, edges)[0]
+        prov_s = overlap_by_bin(t_prov, t_rel, ids, n_eng, edges)
+        eng_level = level_max_by_bin(t_prov, t_rel, np.zeros(n_eng, dtype=np.int64), 1, edges)[0]
         e_adm = np.bincount(eng * n_bins + bin_of[adm], minlength=n_eng * n_bins).reshape(n_eng, n_bins)
         ref = (~adm) & (chosen >= 0)
         e_ref = np.bincount(chosen[ref] * n_bins + bin_of[ref], minlength=n_eng * n_bins).reshape(n_eng, n_bins)
@@ -728,7 +413,7 @@ class _Run:
 
         bins = pd.DataFrame({
             "bin": np.arange(n_bins), "start_s": edges[:-1], "end_s": edges[1:],
-            "offered_rate_per_s": _expected_by_bin(cfg.arrivals, edges) / width,
+            "offered_rate_per_s": expected_by_bin(cfg.arrivals, edges) / width,
             "offered": offered, "admitted": admitted, "refused": refused,
             "refused_fraction": frac(refused, offered),
             "silent_frame_fraction": frac(silent_ticks.sum(axis=0), flying_ticks.sum(axis=0)),
@@ -765,7 +450,7 @@ class _Run:
             "refused_fraction": (n_off - n_adm) / n_off if n_off else 0.0,
             "refused_fraction_ci": None if ci is None else [round(float(x), 6) for x in ci],
             "silent_frame_fraction": float(silent_s / flying_s) if flying_s else 0.0,
-            "session_hours": float(_overlap_by_bin(start, stop, np.zeros(start.size, dtype=np.int64), 1,
+            "session_hours": float(overlap_by_bin(start, stop, np.zeros(start.size, dtype=np.int64), 1,
                                                    w_edges).sum() / 3600.0),
             "gpu_hours": engine_s / 3600.0, "engines_mean": engine_s / H, "engines_max": int(eng_level.max()),
             "engines_provisioned": n_eng,
@@ -786,209 +471,3 @@ def simulate(cfg: FleetConfig) -> FleetResult:
     res.totals["engine_seconds_per_wall_s"] = res.totals["gpu_hours"] * 3600.0 / wall
     return res
 
-
-# ------------------------------------------------------------------------------------------- sweeps
-def _totals(cfg: FleetConfig) -> dict:
-    return simulate(cfg).totals
-
-
-def grid(engine_types: Sequence[EngineType], engines: Sequence[int], routers: Sequence[str], seeds: Sequence[int],
-         **common) -> list[FleetConfig]:
-    """Every (engine type × engine count × router × seed), the last varying fastest; ``common`` holds the other
-    :class:`FleetConfig` fields (arrivals, durations, horizon_s, ...)."""
-    return [FleetConfig(engine=et, engines=int(g), router=r, seed=int(s), **common)
-            for et in engine_types for g in engines for r in routers for s in seeds]
-
-
-def sweep(configs: Sequence[FleetConfig], executor=None, progress: Callable[[int], None] | None = None) -> pd.DataFrame:
-    """Run every configuration on ``executor`` (:func:`metronome.sim.executors.make_executor`: a local process pool
-    or Ray; default local): one row of totals per configuration, in input order."""
-    rows = (executor or LocalExecutor()).map(_totals, list(configs), progress=progress)
-    return pd.DataFrame(rows)
-
-
-# ------------------------------------------------------------------------------------------- sizing
-def peak_config(cfg: FleetConfig, window_s: float = 3600.0, warmup_s: float | None = None) -> FleetConfig:
-    """The stationary run at ``cfg``'s peak arrival rate: a warm-up of five mean session lengths (an empty fleet
-    fills to within 1% of its steady occupancy for exponential sessions, closer for fixed ones), then
-    ``window_s`` measured in four batches (each several sessions long) for the confidence interval."""
-    peak = check_offered(cfg.arrivals)
-    batch = window_s / 4
-    w = 5 * cfg.durations.mean_s if warmup_s is None else warmup_s
-    w = math.ceil(w / batch - 1e-9) * batch  # whole batches, so that each batch is all warm or all measured
-    return replace(cfg, arrivals=Arrivals("poisson", rate_per_s=peak), horizon_s=w + window_s, warmup_s=w,
-                   bin_s=batch, autoscale=None)
-
-
-def size_by_simulation(cfg: FleetConfig, max_refusal: float, seeds: Sequence[int], start: int) -> dict:
-    """The fewest engines whose simulated refused fraction (over ``seeds``, after the warm-up) is at most
-    ``max_refusal``, searched from ``start`` (a closed-form answer): down one engine at a time while it holds,
-    else up by doubling steps and then bisection. ``cfg`` is a stationary run (:func:`peak_config`); its
-    ``engines`` is ignored. Returns the answer, its refused fraction and interval, and every (G, fraction) tried."""
-    check_refusal(max_refusal)
-    seen: dict[int, tuple[float, Any]] = {}
-
-    def refused(g: int) -> float:
-        if g not in seen:
-            res = [simulate(replace(cfg, engines=g, seed=s)) for s in seeds]
-            off = sum(r.totals["offered"] for r in res)
-            ref = sum(r.totals["refused"] for r in res)
-            batches = pd.concat([r.bins[r.bins.start_s >= cfg.warmup_s] for r in res])
-            ci = None
-            if (batches.offered > 0).sum() >= 2:
-                ci = batch_means_interval(batches.refused, batches.offered)[1:]
-            seen[g] = (ref / off if off else 0.0, ci)
-        return seen[g][0]
-
-    g = max(1, int(start))
-    if refused(g) <= max_refusal:
-        while g > 1 and refused(g - 1) <= max_refusal:
-            g -= 1
-    else:
-        lo, step = g, 1
-        while refused(lo + step) > max_refusal:
-            lo, step = lo + step, step * 2
-        hi = lo + step
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if refused(mid) <= max_refusal else (mid, hi)
-        g = hi
-    p, ci = seen[g]
-    return {"engines": g, "refused_fraction": p, "refused_fraction_ci": None if ci is None else list(ci),
-            "tried": sorted((k, v[0]) for k, v in seen.items())}
-
-
-def _size_task(item: tuple) -> dict:
-    cfg, max_refusal, seeds, start = item
-    return size_by_simulation(cfg, max_refusal, seeds, start)
-
-
-def _day_task(cfg: FleetConfig) -> FleetResult:
-    return simulate(cfg)
-
-
-def plan(engine_types: Sequence[EngineType], arrivals: Arrivals, durations: Durations, horizon_s: float,
-         max_refusal: float = DEFAULT_MAX_REFUSAL, routers: Sequence[str] = ("least-loaded",), seeds: Sequence[int] = (0,),
-         engines: int | None = None, controller: str = "static", aimd_params: AIMDParams | None = None,
-         autoscale: AutoscalePolicy | None = None, prices: dict[str, float] | None = None,
-         peak_window_s: float = 3600.0, executor=None, progress: Callable[[str, int], Callable[[int], None]] | None = None
-         ) -> tuple[dict, dict[str, pd.DataFrame]]:
-    """How many engines of each type carry ``arrivals`` with at most ``max_refusal`` refused, and at what cost.
-
-    Per engine type: the closed form at the peak (Erlang B, pooled and random routing; the offered load is the
-    peak rate × the mean session length); per router, the simulated size at the peak (:func:`size_by_simulation`
-    from the closed form); then the whole run (``horizon_s``) with a static fleet of that size (or ``engines``)
-    and, with ``autoscale``, an autoscaled one starting from the closed form at the rate at t=0. ``prices``:
-    USD per GPU-hour by calibration name, for the cost per 1,000 session-hours.
-
-    Returns ``(summary, tables)``: tables ``bins`` (per bin of each day run) and ``engines`` (per engine per bin)."""
-    check_refusal(max_refusal)
-    prices = check_prices(prices or {}, [et.name for et in engine_types])
-    for r in routers:
-        check_router(r)
-    if engines is not None:
-        check_engine_count(engines)
-    peak = check_offered(arrivals)
-    offered = peak * durations.mean_s
-    seeds = [int(s) for s in seeds]
-    executor = executor or LocalExecutor()
-    t0 = time.perf_counter()
-
-    def base(et: EngineType) -> FleetConfig:
-        return FleetConfig(engine=et, engines=1, arrivals=arrivals, durations=durations, horizon_s=horizon_s,
-                           controller=controller, aimd_params=aimd_params)
-
-    closed = {et.name: {rt: engines_needed(offered, et.n_star, max_refusal, rt) for rt in ("pooled", "random")}
-              for et in engine_types}
-    # simulated sizing at the peak: one task per (engine type, router)
-    items = [(replace(peak_config(base(et), peak_window_s), router=r), max_refusal, seeds,
-              closed[et.name][CLOSED_FORM_START[r]]) for et in engine_types for r in routers]
-    tick = progress("sizing at the peak", len(items)) if progress else None
-    sized = executor.map(_size_task, items, progress=tick)
-    sizing = {(et.name, r): sized[k * len(routers) + j] for k, et in enumerate(engine_types)
-              for j, r in enumerate(routers)}
-    # the whole run: static (sized for the peak) and autoscaled, per router and seed
-    days: list[tuple[str, str, str, FleetConfig]] = []
-    for et in engine_types:
-        for r in routers:
-            g_static = int(engines) if engines is not None else sizing[(et.name, r)]["engines"]
-            for s in seeds:
-                days.append((et.name, r, "static", replace(base(et), engines=g_static, router=r, seed=s)))
-                if autoscale is not None:
-                    g0 = engines_needed(arrivals.rate_at(0.0) * durations.mean_s, et.n_star, max_refusal,
-                                        CLOSED_FORM_START[r])
-                    pol = autoscale if autoscale.max_engines is not None else replace(
-                        autoscale, max_engines=max(2 * g_static, autoscale.min_engines))
-                    g0 = min(max(g0, pol.min_engines), pol.max_engines)
-                    days.append((et.name, r, "autoscaled",
-                                 replace(base(et), engines=g0, router=r, seed=s, autoscale=pol)))
-    tick = progress("the whole run", len(days)) if progress else None
-    results = executor.map(_day_task, [d[3] for d in days], progress=tick)
-    wall = time.perf_counter() - t0
-
-    bins, engs = [], []
-    summary: dict[str, Any] = {"max_refusal": max_refusal, "peak_rate_per_s": peak,
-                               "mean_session_s": durations.mean_s, "peak_offered_erlangs": offered,
-                               "horizon_s": horizon_s, "seeds": seeds, "routers": list(routers),
-                               "controller": controller, "calibrations": []}
-    sim_engine_s = sim_wall = 0.0
-    for et in engine_types:
-        entry = {"calibration": et.name, "provenance": et.calibration.provenance.kind,
-                 "policy": et.policy.describe(), "n_star": et.n_star, "deadline_s": et.deadline_s,
-                 "memory_ceiling": et.fill.memory_ceiling(None if et.policy.bounded else durations.mean_s),
-                 "closed_form_engines": closed[et.name], "gpu_price_per_hour": prices.get(et.name),
-                 "routers": {}}
-        for r in routers:
-            row: dict[str, Any] = {"simulated": sizing[(et.name, r)]}
-            for mode in ("static", "autoscaled"):
-                runs = [res for (name, rt, md, _), res in zip(days, results) if name == et.name and rt == r
-                        and md == mode]
-                if not runs:
-                    continue
-                b = pd.concat([x.bins for x in runs]).groupby("bin", as_index=False).agg(
-                    start_s=("start_s", "first"), end_s=("end_s", "first"),
-                    offered_rate_per_s=("offered_rate_per_s", "first"), offered=("offered", "sum"),
-                    admitted=("admitted", "sum"), refused=("refused", "sum"),
-                    silent_frame_fraction=("silent_frame_fraction", "mean"), in_flight_mean=("in_flight_mean", "mean"),
-                    engines_mean=("engines_mean", "mean"), engines_max=("engines_max", "max"),
-                    gpu_hours=("gpu_hours", "mean"), session_hours=("session_hours", "mean"))
-                b["refused_fraction"] = np.where(b.offered > 0, b.refused / b.offered.clip(lower=1), 0.0)
-                b.insert(0, "mode", mode)
-                b.insert(0, "router", r)
-                b.insert(0, "calibration", et.name)
-                bins.append(b)
-                for x in runs:
-                    e = x.engines.copy()
-                    e.insert(0, "seed", x.config.seed)
-                    e.insert(0, "mode", mode)
-                    e.insert(0, "router", r)
-                    e.insert(0, "calibration", et.name)
-                    engs.append(e)
-                    sim_engine_s += x.totals["gpu_hours"] * 3600.0
-                    sim_wall += x.totals["wall_s"]
-                tot = [x.totals for x in runs]
-                off = sum(t["offered"] for t in tot)
-                gpu_h = float(np.mean([t["gpu_hours"] for t in tot]))
-                sess_h = float(np.mean([t["session_hours"] for t in tot]))
-                price = prices.get(et.name)
-                row[mode] = {
-                    "engines": runs[0].config.engines if mode == "static" else None,
-                    "engines_max": int(max(t["engines_max"] for t in tot)),
-                    "engines_mean": float(np.mean([t["engines_mean"] for t in tot])),
-                    "gpu_hours": gpu_h, "session_hours": sess_h,
-                    "refused_fraction": sum(t["refused"] for t in tot) / off if off else 0.0,
-                    "worst_bin_refused_fraction": float(b.refused_fraction.max()),
-                    "silent_frame_fraction": float(np.mean([t["silent_frame_fraction"] for t in tot])),
-                    "worst_bin_silent_frame_fraction": float(b.silent_frame_fraction.max()),
-                    "cost_usd": None if price is None else gpu_h * price,
-                    "cost_per_1000_session_hours": (None if price is None or sess_h <= 0
-                                                    else 1000.0 * gpu_h * price / sess_h),
-                }
-            entry["routers"][r] = row
-        summary["calibrations"].append(entry)
-    summary["simulated_engine_seconds"] = sim_engine_s
-    summary["simulated_engine_seconds_per_wall_s"] = sim_engine_s / sim_wall if sim_wall > 0 else None
-    summary["wall_s"] = round(wall, 3)
-    tables = {"bins": pd.concat(bins, ignore_index=True) if bins else pd.DataFrame(),
-              "engines": pd.concat(engs, ignore_index=True) if engs else pd.DataFrame()}
-    return summary, tables

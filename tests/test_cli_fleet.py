@@ -6,6 +6,8 @@ from fractions import Fraction
 import pandas as pd
 import pytest
 
+from metronome.report.answer import fleet_hours_table
+from metronome.sim.fleet_plan import hour_series
 from sim_cli_helpers import run_cli
 
 # Moshi on an H200 under a bound with a small pool: its memory ceiling, 600 // 25 blocks = 24 sessions, is its N*
@@ -53,6 +55,13 @@ def test_fleet_answers_how_many_gpus_and_writes_its_files(tmp_path):
     bins = pd.read_parquet(out / "bins.parquet")
     assert set(bins["mode"]) == {"static", "autoscaled"} and set(bins.router) == {"least-loaded", "random"}
     assert len(bins) == 2 * 2 * 2  # two hours (1.5 h) x 2 routers x 2 modes
+    # the per-hour table is the report's: its one builder over the first router's rows of the bins written
+    header, rows = fleet_hours_table({"moshi-7b-h200": hour_series(bins, "moshi-7b-h200", "least-loaded")})
+    lines = r.stdout.splitlines()
+    shown_header = next([c.strip() for c in line.split("┃")[1:-1]] for line in lines if line.startswith("┃"))
+    shown_rows = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    assert shown_header == header and shown_rows == rows and len(rows) == 2
+    assert header[-1] == "silent frames static · autoscaled"  # one calibration: the title names it
     assert s["simulated_engine_seconds_per_wall_s"] > 0
 
 

@@ -15,9 +15,10 @@ from metronome.fill_model import FillModel
 from metronome.kv_policy import make_policy
 from metronome.workload import Arrivals, Durations
 from metronome.sim.executors import LocalExecutor
-from metronome.sim.fleet import (AutoscalePolicy, EngineType, FleetConfig, ROUTERS, grid, simulate,
-                                 size_by_simulation, sweep)
-from metronome.sim.fleet import _level_max_by_bin, _overlap_by_bin  # the tables' arithmetic, checked by hand
+from metronome.sim.fleet import simulate
+from metronome.sim.fleet_bins import level_max_by_bin, overlap_by_bin  # the tables' arithmetic, checked by hand
+from metronome.sim.fleet_config import ROUTERS, AutoscalePolicy, EngineType, FleetConfig
+from metronome.sim.fleet_plan import grid, size_by_simulation, sweep
 
 
 # --------------------------------------------------------------------------------------------- Erlang B
@@ -279,9 +280,9 @@ def test_in_flight_peaks_per_bin_by_hand():
     stop = np.array([10.0, 20.0, 4000.0, 200.0, 200.0, 200.0])
     group = np.array([0, 0, 0, 1, 1, 1])
     edges = np.array([0.0, 3600.0, 7200.0])
-    peaks = _level_max_by_bin(start, stop, group, 2, edges)
+    peaks = level_max_by_bin(start, stop, group, 2, edges)
     assert peaks.tolist() == [[2, 1], [3, 0]]
-    seconds = _overlap_by_bin(start, stop, group, 2, edges)
+    seconds = overlap_by_bin(start, stop, group, 2, edges)
     assert seconds.tolist() == [[10 + 10 + 3595, 400], [100 + 80 + 50, 0]]
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from metronome.report.answer import fleet_hours_table
 from sim_cli_helpers import run_cli
 
 SMALL = {"small-h200": ("moshi-7b-h200", 2000), "small-b200": ("moshi-7b-b200", 2600)}
@@ -337,6 +338,11 @@ def test_how_many_gpus_sizes_the_fleet_for_the_offered_peak(report):
     assert 'data-figure="gpus"' in page and "Per hour of the run:" in sec
     hours = md_tables(sec)[1]
     assert [r[0] for r in hours[1:]] == ["0", "1", "2"] and [r[1] for r in hours[1:]] == ["2.00", "6.00", "2.00"]
+    # the same builder as metronome-sim fleet's per-hour table, over the series kept in report.json
+    header, rows = fleet_hours_table(data["fleet"]["series"])
+    assert hours == [header] + rows and hours in html_tables(page)
+    assert header[2:5] == ["small-h200: GPUs static · autoscaled", "small-h200: refused static · autoscaled",
+                           "small-h200: silent frames static · autoscaled"]
 
 
 def test_default_bound_is_thirty_seconds_of_conversation():

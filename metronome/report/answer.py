@@ -3,6 +3,7 @@ so the two can never disagree."""
 
 from __future__ import annotations
 
+from metronome.calibration import COEFFICIENT_UNITS
 from metronome.report.plan import OVERLOAD, REGIME_GAP, TARGET_FRACTION
 from metronome.results import COLLAPSE_SILENT_FRACTION
 
@@ -311,8 +312,6 @@ def provenance_rows(c: dict) -> list[tuple[str, str]]:
 
 
 TERMS_HEADER = ["coefficient", "term", "value", "basis", "source"]
-TERM_UNITS = {"base_s": "per step", "per_seq_s": "per sequence", "per_context_token_s": "per context token",
-              "per_new_token_s": "per computed token"}
 
 
 def duration(x: float) -> str:
@@ -327,7 +326,7 @@ def term_rows(c: dict) -> list[list[str]]:
     """What the step-latency model is made of (an estimated calibration lists it), the plugin's own terms
     marked."""
     return [[t["coefficient"], t["name"] + (" (sink+window plugin only)" if t["plugin"] else ""),
-             f"{duration(t['value'])} {TERM_UNITS[t['coefficient']]}", t["basis"], t["source"]]
+             f"{duration(t['value'])} {COEFFICIENT_UNITS[t['coefficient']]}", t["basis"], t["source"]]
             for t in c["provenance"].get("terms", [])]
 
 
@@ -365,7 +364,7 @@ def section_title(data: dict, key: str) -> str:
 
 
 def fleet_rows(c: dict, horizon_s: float) -> list[tuple[str, str]]:
-    """One calibration's fleet answer (an entry of :func:`metronome.sim.fleet.plan`'s summary) as labelled lines:
+    """One calibration's fleet answer (an entry of :func:`metronome.sim.fleet_plan.plan`'s summary) as labelled lines:
     the closed form and the simulated size at the peak, the run's GPU-hours static and autoscaled, the refusals
     and silent frames achieved, the cost when priced. ``metronome-sim fleet`` prints the same lines."""
     cf = c["closed_form_engines"]
@@ -404,11 +403,17 @@ def fleet_rows(c: dict, horizon_s: float) -> list[tuple[str, str]]:
     return rows
 
 
+def peak_words(summary: dict) -> str:
+    """The offered load at the peak of a fleet plan's summary: the rate × the mean session length, in Erlangs."""
+    return (f"{summary['peak_rate_per_s']:g}/s × {summary['mean_session_s']:g} s = "
+            f"{summary['peak_offered_erlangs']:,.0f} Erlangs")
+
+
 def fleet_note(data: dict) -> str:
     f = data["fleet"]
     s = f["summary"]
     parts = [f"Offered load: {f['offered_load']}; sessions {data['calibrations'][0]['session_duration']}. At the peak "
-             f"({s['peak_rate_per_s']:g}/s × {s['mean_session_s']:g} s = {s['peak_offered_erlangs']:,.0f} Erlangs) "
+             f"({peak_words(s)}) "
              f"with at most {pct(s['max_refusal'])} of conversations refused at the door:"]
     for c in s["calibrations"]:
         rr = c["routers"]["least-loaded"]
@@ -440,21 +445,27 @@ def fleet_table(data: dict) -> Table:
     return [""] + [c["calibration"] for c in cols], [[label] + [p.get(label, "") for p in per] for label in labels]
 
 
-def fleet_hours_table(data: dict) -> Table:
-    """Per hour of the run: the offered rate, engines (static, autoscaled mean) and refusals, per calibration."""
-    f = data["fleet"]
+def fleet_hours_table(series: dict[str, dict]) -> Table:
+    """Per hour of the run, calibrations side by side: the offered rate, then each calibration's GPUs (static,
+    autoscaled mean), refused and silent frames, static · autoscaled (static alone without the autoscaler); columns
+    carry the calibration's name when there are several. ``series``: :func:`metronome.sim.fleet_plan.hour_series` by calibration name. The report's per-hour table and
+    ``metronome-sim fleet``'s are these rows."""
     header = ["hour", "offered/s"]
-    for name in f["series"]:
-        header += [f"{name}: GPUs static · autoscaled", f"{name}: refused static · autoscaled"]
-    first = next(iter(f["series"].values()))
+    for name, sr in series.items():
+        modes = "static · autoscaled" if sr["autoscaled_engines_mean"] else "static"
+        named = f"{name}: " if len(series) > 1 else ""  # one calibration: the table's title names it
+        header += [f"{named}GPUs {modes}", f"{named}refused {modes}", f"{named}silent frames {modes}"]
+    first = next(iter(series.values()))
     rows = []
     for k, t in enumerate(first["start_s"]):
         row = [f"{t / 3600:g}", f"{first['offered_rate_per_s'][k]:.2f}"]
-        for sr in f["series"].values():
-            au = sr["autoscaled_engines_mean"]
-            row += [f"{sr['static_engines'][k]:.0f} · {au[k]:.1f}" if au else f"{sr['static_engines'][k]:.0f}",
-                    f"{pct(sr['static_refused_fraction'][k])} · {pct(sr['autoscaled_refused_fraction'][k])}"
-                    if sr["autoscaled_refused_fraction"] else pct(sr["static_refused_fraction"][k])]
+        for sr in series.values():
+            au = bool(sr["autoscaled_engines_mean"])
+            row += [f"{sr['static_engines'][k]:.0f}" + (f" · {sr['autoscaled_engines_mean'][k]:.1f}" if au else ""),
+                    pct(sr["static_refused_fraction"][k])
+                    + (f" · {pct(sr['autoscaled_refused_fraction'][k])}" if au else ""),
+                    pct(sr["static_silent_frame_fraction"][k])
+                    + (f" · {pct(sr['autoscaled_silent_frame_fraction'][k])}" if au else "")]
         rows.append(row)
     return header, rows
 

@@ -166,7 +166,7 @@ def load_plans(options: ReportOptions) -> tuple[list[Plan], list[dict | None]]:
     for plan, lv in zip(plans, live):  # a live run without sim/ is re-simulated with this plan's calibration
         check_resimulation(lv, plan.calibration)
     if options.offered_load is not None:
-        from metronome.sim.fleet import check_prices
+        from metronome.sim.fleet_config import check_prices
 
         check_prices(dict(options.gpu_prices), names)
     for plan in plans:  # build one scenario of each kind now: a bad combination fails before the work
@@ -287,7 +287,8 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
 def _fleet_data(options: ReportOptions, plans: list[Plan], caps: list[dict], executor, progress: Progress) -> dict:
     """The "How many GPUs" section: each calibration as an engine of N* places (the capacity the answer found,
     with the recommended bound), sized for the offered load's peak and run over its day."""
-    from metronome.sim.fleet import AutoscalePolicy, EngineType, plan as fleet_plan
+    from metronome.sim.fleet_config import AutoscalePolicy, EngineType
+    from metronome.sim.fleet_plan import hour_series, plan as fleet_plan
 
     arrivals = options.offered()
     types = [EngineType.from_capacity(p.calibration, p.policy, cap) for p, cap in zip(plans, caps)]
@@ -295,19 +296,8 @@ def _fleet_data(options: ReportOptions, plans: list[Plan], caps: list[dict], exe
     summary, tables = fleet_plan(types, arrivals, plans[0].durations, horizon, options.max_refusal,
                                  routers=("least-loaded",), seeds=(options.seed,), autoscale=AutoscalePolicy(),
                                  prices=dict(options.gpu_prices), executor=executor, progress=progress)
-    bins = tables["bins"]
-    series = {}
-    for c in summary["calibrations"]:
-        b = bins[bins.calibration == c["calibration"]]
-        st, au = b[b["mode"] == "static"], b[b["mode"] == "autoscaled"]
-        series[c["calibration"]] = {
-            "start_s": st.start_s.tolist(), "offered_rate_per_s": st.offered_rate_per_s.tolist(),
-            "static_engines": st.engines_mean.tolist(), "autoscaled_engines_mean": au.engines_mean.tolist(),
-            "autoscaled_engines_max": au.engines_max.tolist(),
-            "static_refused_fraction": st.refused_fraction.tolist(),
-            "autoscaled_refused_fraction": au.refused_fraction.tolist(),
-            "static_silent_frame_fraction": st.silent_frame_fraction.tolist(),
-            "autoscaled_silent_frame_fraction": au.silent_frame_fraction.tolist()}
+    series = {c["calibration"]: hour_series(tables["bins"], c["calibration"], "least-loaded")
+              for c in summary["calibrations"]}
     return {"offered_load": arrivals.describe(), "spec": options.offered_load, "summary": summary, "series": series}
 
 

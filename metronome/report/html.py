@@ -100,7 +100,7 @@ def render_html(data: dict) -> str:
         fh, frows = A.fleet_table(data)
         body.append(h2("gpus") + f'<p class="note">{esc(A.fleet_note(data))}</p>'
                     + html_table(fh, frows, cls="answer", table_id="fleet-table") + _figure(figs["gpus"], "gpus")
-                    + _numbers(*A.fleet_hours_table(data), title="per hour of the run") + "</section>")
+                    + _numbers(*A.fleet_hours_table(data["fleet"]["series"]), title="per hour of the run") + "</section>")
 
     body.append(h2("fill") +
                 f'<p class="note">{esc(A.fill_note(data))}</p>' + _figure(figs["fill"], "fill")

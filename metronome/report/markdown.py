@@ -31,7 +31,7 @@ def render_markdown(data: dict) -> str:
          f"## {A.section_title(data, 'answer')}", "", answer_markdown(data), ""]
     if data.get("fleet"):
         s += [f"## {A.section_title(data, 'gpus')}", "", A.fleet_note(data), "", md_table(*A.fleet_table(data)), "",
-              "Per hour of the run:", "", md_table(*A.fleet_hours_table(data)), ""]
+              "Per hour of the run:", "", md_table(*A.fleet_hours_table(data["fleet"]["series"])), ""]
     s += [f"## {A.section_title(data, 'fill')}", "", A.fill_note(data), "", md_table(*A.fill_table(data)), ""]
     s += [f"## {A.section_title(data, 'metastability')}", "", A.metastability_note(data), ""]
     for title, table in A.metastability_tables(data):

@@ -82,7 +82,7 @@ class ReportOptions:
             raise MetronomeError("--gpu-price and --max-refusal size a fleet: give the load with --offered-load")
         check_refusal(self.max_refusal, "--max-refusal")
         if self.offered_load is not None:
-            from metronome.sim.fleet import check_offered
+            from metronome.sim.fleet_config import check_offered
 
             check_offered(self.offered())
         if not self.calibrations:
