@@ -46,7 +46,14 @@ from metronome.errors import MetronomeError
 from metronome.results import weighted_percentile  # the one percentile (re-exported: existing imports work)
 
 __all__ = [
+    "ControllerParams",
     "AIMDParams",
+    "GradientParams",
+    "CONTROLLERS",
+    "register",
+    "controller_specs",
+    "check_params",
+    "read_params",
     "AdmissionController",
     "NoAdmission",
     "StaticCap",
@@ -73,7 +80,7 @@ _REL_EPS = 1e-9
 
 
 # ---------------------------------------------------------------------------------------------------
-# Parameters
+# Parameters: each controller declares its own (``Params``); a parameter file may hold any of them
 # ---------------------------------------------------------------------------------------------------
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -84,32 +91,106 @@ def _is_real(x) -> bool:
             and not isinstance(x, (bool, np.bool_)) and math.isfinite(float(x)))
 
 
-@dataclass(frozen=True)
-class AIMDParams:
-    """Settings of the AIMD controller (the Gradient controller reads the shared ones).
+def _real(obj, key: str, what: str) -> float:
+    x = getattr(obj, key)
+    if not _is_real(x):
+        raise MetronomeError(f"{what} must be a finite number, got {x!r} ({key})")
+    return float(x)
+
+
+def _integer(obj, key: str, what: str) -> int:
+    x = getattr(obj, key)
+    if not _is_int(x):
+        raise MetronomeError(f"{what} must be an integer, got {x!r} ({key})")
+    return int(x)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerParams:
+    """What every controller reads: the control interval, the latency percentile of its trace, and what
+    the driver does with a refused session (``on_refuse``, ``queue_timeout_s``: read by the driver, carried
+    by the controller so every driver reads them from one place).
+
+    A controller with settings of its own declares a subclass as its ``Params``. Construction validates;
+    :meth:`validate` of a subclass checks its own fields after ``super().validate()``.
+    """
+
+    percentile: float = 99.0
+    interval_s: float = 1.0
+    on_refuse: str = "reject"
+    queue_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`MetronomeError` (one line, naming the field) if any setting is invalid."""
+        p = _real(self, "percentile", "percentile")
+        if not 0 < p <= 100:
+            raise MetronomeError(f"percentile must be in (0, 100], got {p:g} (percentile)")
+        i = _real(self, "interval_s", "control interval")
+        if i <= 0:
+            raise MetronomeError(f"control interval must be > 0 s, got {i:g} (interval_s)")
+        if self.on_refuse not in ON_REFUSE:
+            raise MetronomeError(f"on_refuse must be one of {', '.join(ON_REFUSE)}, got {self.on_refuse!r} (on_refuse)")
+        qt = _real(self, "queue_timeout_s", "queue timeout")
+        if qt < 0:
+            raise MetronomeError(f"queue timeout must be >= 0 s, got {qt:g} (queue_timeout_s)")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of every field (``from_dict(to_dict())`` gives an equal object)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """Build from a dict (e.g. parsed JSON); missing keys take their defaults.
+
+        Unknown keys, wrong types and out-of-range values raise :class:`MetronomeError` naming the key.
+        """
+        if not isinstance(d, dict):
+            raise MetronomeError(f"admission parameters must be a JSON object, got {type(d).__name__}")
+        known = cls.keys()
+        for key in d:
+            if key not in known:
+                raise MetronomeError(f"unknown admission parameter {key!r} (known: {', '.join(known)})")
+        return cls(**d)
+
+    @classmethod
+    def take(cls, given: "ControllerParams | dict | None"):
+        """This controller's settings out of ``given``: a parameter file's object or another controller's
+        ``Params``. Keys that only another controller reads are left to it (an AIMD file also sets a static
+        cap's interval); a key no registered controller reads is an error (:func:`check_params`)."""
+        if given is None:
+            return cls()
+        if isinstance(given, cls):
+            return given
+        d = check_params(given)
+        known = cls.keys()
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True, kw_only=True)
+class AIMDParams(ControllerParams):
+    """Settings of the AIMD controller (the Gradient controller reads these too).
 
     ``target_fraction`` and ``percentile`` define congestion by latency: the interval's weighted
     ``percentile`` of non-silent frame latencies above ``target_fraction · deadline_s``. The limits
-    are in sessions. ``on_refuse``/``queue_timeout_s`` are read by the driver, not by the controller.
-    ``dead_intervals · interval_s`` should exceed the longest frame period (2 s for the slowest models),
-    or a healthy session between two frames reads as a dead signal.
+    are in sessions. ``dead_intervals · interval_s`` should exceed the longest frame period (2 s for the
+    slowest models), or a healthy session between two frames reads as a dead signal.
     """
 
     additive_increase: float = 1.0
     decrease_factor: float = 0.9
     target_fraction: float = 0.8
-    percentile: float = 99.0
-    interval_s: float = 1.0
     min_limit: int = 1
     max_limit: int = 10_000
     initial_limit: int | None = None
-    on_refuse: str = "reject"
-    queue_timeout_s: float = 30.0
     silent_tolerance: float = 0.0
     dead_intervals: int = 3
-
-    def __post_init__(self):
-        self.validate()
 
     @property
     def start_limit(self) -> int:
@@ -117,80 +198,68 @@ class AIMDParams:
         return self.min_limit if self.initial_limit is None else int(self.initial_limit)
 
     def validate(self) -> None:
-        """Raise :class:`MetronomeError` (one line, naming the field) if any setting is invalid."""
-
-        def real(key, what):
-            x = getattr(self, key)
-            if not _is_real(x):
-                raise MetronomeError(f"{what} must be a finite number, got {x!r} ({key})")
-            return float(x)
-
-        def integer(key, what):
-            x = getattr(self, key)
-            if not _is_int(x):
-                raise MetronomeError(f"{what} must be an integer, got {x!r} ({key})")
-            return int(x)
-
-        a = real("additive_increase", "additive increase")
+        a = _real(self, "additive_increase", "additive increase")
         if a <= 0:
             raise MetronomeError(f"additive increase must be > 0, got {a:g} (additive_increase)")
-        b = real("decrease_factor", "decrease factor")
+        b = _real(self, "decrease_factor", "decrease factor")
         if not 0 < b < 1:
             raise MetronomeError(f"decrease factor must be in (0, 1), got {b:g} (decrease_factor)")
-        tf = real("target_fraction", "target fraction")
+        tf = _real(self, "target_fraction", "target fraction")
         if not 0 < tf <= 1:
             raise MetronomeError(f"target fraction must be in (0, 1], got {tf:g} (target_fraction)")
-        p = real("percentile", "percentile")
-        if not 0 < p <= 100:
-            raise MetronomeError(f"percentile must be in (0, 100], got {p:g} (percentile)")
-        i = real("interval_s", "control interval")
-        if i <= 0:
-            raise MetronomeError(f"control interval must be > 0 s, got {i:g} (interval_s)")
-        lo = integer("min_limit", "minimum limit")
-        hi = integer("max_limit", "maximum limit")
+        super().validate()
+        lo = _integer(self, "min_limit", "minimum limit")
+        hi = _integer(self, "max_limit", "maximum limit")
         if lo < 1:
             raise MetronomeError(f"minimum limit must be >= 1, got {lo} (min_limit)")
         if hi < lo:
             raise MetronomeError(f"maximum limit ({hi}) must be >= minimum limit ({lo}) (max_limit)")
         if self.initial_limit is not None:
-            il = integer("initial_limit", "initial limit")
+            il = _integer(self, "initial_limit", "initial limit")
             if not lo <= il <= hi:
                 raise MetronomeError(
                     f"initial limit must be in [min_limit, max_limit] = [{lo}, {hi}], got {il} (initial_limit)")
-        if self.on_refuse not in ON_REFUSE:
-            raise MetronomeError(f"on_refuse must be one of {', '.join(ON_REFUSE)}, got {self.on_refuse!r} (on_refuse)")
-        qt = real("queue_timeout_s", "queue timeout")
-        if qt < 0:
-            raise MetronomeError(f"queue timeout must be >= 0 s, got {qt:g} (queue_timeout_s)")
-        st = real("silent_tolerance", "silent tolerance")
+        st = _real(self, "silent_tolerance", "silent tolerance")
         if not 0 <= st < 1:
             raise MetronomeError(f"silent tolerance must be in [0, 1), got {st:g} (silent_tolerance)")
-        d = integer("dead_intervals", "dead intervals")
+        d = _integer(self, "dead_intervals", "dead intervals")
         if d < 1:
             raise MetronomeError(f"dead intervals must be >= 1, got {d} (dead_intervals)")
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict of every field (``from_dict(to_dict())`` gives an equal object)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "AIMDParams":
-        """Build from a dict (e.g. parsed JSON); missing keys take their defaults.
-
-        Unknown keys, wrong types and out-of-range values raise :class:`MetronomeError` naming the key.
-        """
-        if not isinstance(d, dict):
-            raise MetronomeError(f"admission parameters must be a JSON object, got {type(d).__name__}")
-        known = [f.name for f in fields(cls)]
-        for key in d:
-            if key not in known:
-                raise MetronomeError(f"unknown admission parameter {key!r} (known: {', '.join(known)})")
-        return cls(**d)
 
     @classmethod
     def from_file(cls, path) -> "AIMDParams":
         """From a parameter file: what ``metronome-sim tune-aimd`` writes or a bare parameters object."""
         return cls.from_dict(read_params_file(path))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradientParams(AIMDParams):
+    """The Gradient controller's own settings over the shared adaptive ones (defaults as Netflix's
+    ``Gradient2Limit``; see :class:`GradientController`)."""
+
+    smoothing: float = 0.2
+    rtt_tolerance: float = 1.5
+    queue_size: float = 4.0
+    long_window: int = 600
+    warmup: int = 10
+    drift_fraction: float = 0.1
+
+    def validate(self) -> None:
+        super().validate()
+        sm = _real(self, "smoothing", "gradient smoothing")
+        if not 0 < sm <= 1:
+            raise MetronomeError(f"gradient smoothing must be in (0, 1], got {sm:g} (smoothing)")
+        if _real(self, "rtt_tolerance", "gradient rtt tolerance") < 1:
+            raise MetronomeError(f"gradient rtt tolerance must be >= 1, got {self.rtt_tolerance!r} (rtt_tolerance)")
+        if _real(self, "queue_size", "gradient queue size") < 0:
+            raise MetronomeError(f"gradient queue size must be >= 0, got {self.queue_size!r} (queue_size)")
+        if _integer(self, "long_window", "gradient long window") < 1:
+            raise MetronomeError(f"gradient long window must be >= 1, got {self.long_window!r} (long_window)")
+        if _integer(self, "warmup", "gradient warmup") < 0:
+            raise MetronomeError(f"gradient warmup must be >= 0, got {self.warmup!r} (warmup)")
+        df = _real(self, "drift_fraction", "gradient drift fraction")
+        if not 0 <= df <= 1:
+            raise MetronomeError(f"gradient drift fraction must be in [0, 1], got {df:g} (drift_fraction)")
 
 
 def read_params_file(path) -> dict:
@@ -210,6 +279,30 @@ def read_params_file(path) -> dict:
     return obj
 
 
+def check_params(given: "ControllerParams | dict") -> dict:
+    """A parameters object checked against every registered controller: each key is read by some
+    controller, and each controller's own ``Params`` accepts its share. Returns it as a dict."""
+    d = given.to_dict() if isinstance(given, ControllerParams) else given
+    if not isinstance(d, dict):
+        raise MetronomeError(f"admission parameters must be a JSON object, got {type(d).__name__}")
+    types = {c.Params for c in CONTROLLERS.values()}
+    known = sorted({k for t in types for k in t.keys()})
+    for key in d:
+        if key not in known:
+            raise MetronomeError(f"unknown admission parameter {key!r} (known: {', '.join(known)})")
+    for t in types:
+        t(**{k: v for k, v in d.items() if k in t.keys()})
+    return dict(d)
+
+
+def read_params(path_or_obj: "str | Path | dict | ControllerParams") -> dict:
+    """An ``--aimd-params`` value (a file, or an already parsed object) checked by :func:`check_params`:
+    a missing file or a bad value fails here, before any work, whichever controller will read it."""
+    if isinstance(path_or_obj, (dict, ControllerParams)):
+        return check_params(path_or_obj)
+    return check_params(read_params_file(path_or_obj))
+
+
 # ---------------------------------------------------------------------------------------------------
 # The interface and the interval machinery
 # ---------------------------------------------------------------------------------------------------
@@ -217,10 +310,16 @@ class AdmissionController(ABC):
     """The interface the simulator and the live driver call; also the per-interval bookkeeping.
 
     Subclasses give :attr:`limit`, and :meth:`_decide`, called once per closed interval with its
-    aggregates, which may change the limit and returns one of :data:`DECISIONS`.
+    aggregates, which may change the limit and returns one of :data:`DECISIONS`. A controller the CLIs can
+    name is registered (:func:`register`) with its ``name``, its ``spec`` (how the CLI writes it, e.g.
+    ``static:N``), its ``Params`` (the settings it reads from a parameter file) and :meth:`from_spec`.
     """
 
     name: str = "controller"
+    spec: str = "controller"
+    Params: type[ControllerParams] = ControllerParams
+    #: whether a parameter file can change anything it does (``none`` admits everything whatever the file says)
+    reads_params: bool = True
 
     def __init__(self, interval_s: float = 1.0, percentile: float = 99.0,
                  on_refuse: str = "reject", queue_timeout_s: float = 30.0):
@@ -243,6 +342,16 @@ class AdmissionController(ABC):
         self._peak = 0                   # peak in_flight reported in the open interval
         self._last_in_flight = 0
         self._trace: list[tuple] = []
+
+    @classmethod
+    def from_spec(cls, arg: str | None, deadline_s: float, params: ControllerParams | dict | None):
+        """Build from the CLI spec's argument (``"64"`` of ``static:64``; ``None`` without a colon), the
+        frame deadline and a parameters object (this controller takes its share, :meth:`ControllerParams.take`)."""
+        if arg is not None:
+            raise MetronomeError(f"bad admission spec '{cls.name}:{arg}': {cls.name} takes no argument")
+        p = cls.Params.take(params)
+        return cls(interval_s=p.interval_s, percentile=p.percentile, on_refuse=p.on_refuse,
+                   queue_timeout_s=p.queue_timeout_s)
 
     # -- the interface -------------------------------------------------------------------------------
     @property
@@ -394,7 +503,8 @@ class NoAdmission(AdmissionController):
     every decision is ``"hold"``.
     """
 
-    name = "none"
+    name = spec = "none"
+    reads_params = False
 
     @property
     def limit(self) -> int:
@@ -411,6 +521,8 @@ class NoAdmission(AdmissionController):
 class StaticCap(AdmissionController):
     """Admit while ``in_flight < n``: a fixed cap, e.g. from the fill model's memory ceiling."""
 
+    spec = "static:N"
+
     def __init__(self, n: int, interval_s: float = 1.0, percentile: float = 99.0,
                  on_refuse: str = "reject", queue_timeout_s: float = 30.0):
         if not _is_int(n):
@@ -420,6 +532,18 @@ class StaticCap(AdmissionController):
         super().__init__(interval_s, percentile, on_refuse, queue_timeout_s)
         self._n = int(n)
         self.name = f"static:{self._n}"
+
+    @classmethod
+    def from_spec(cls, arg, deadline_s, params):
+        try:
+            n = int((arg or "").strip())
+        except ValueError:
+            spec = "static" if arg is None else f"static:{arg}"
+            raise MetronomeError(
+                f"bad admission spec {spec!r}: static needs an integer limit, e.g. static:64") from None
+        p = cls.Params.take(params)
+        return cls(n, interval_s=p.interval_s, percentile=p.percentile, on_refuse=p.on_refuse,
+                   queue_timeout_s=p.queue_timeout_s)
 
     @property
     def limit(self) -> int:
@@ -443,10 +567,12 @@ class _Adaptive(AdmissionController):
     is nothing to wait for, and refusing forever would deadlock (no session, so never a frame).
     """
 
-    def __init__(self, params: AIMDParams | None, deadline_s: float):
-        params = AIMDParams() if params is None else params
-        if not isinstance(params, AIMDParams):
-            raise MetronomeError(f"admission parameters must be AIMDParams, got {type(params).__name__}")
+    Params = AIMDParams
+
+    def __init__(self, params: ControllerParams | dict | None, deadline_s: float):
+        if params is not None and not isinstance(params, (ControllerParams, dict)):
+            raise MetronomeError(f"admission parameters must be {self.Params.__name__}, got {type(params).__name__}")
+        params = self.Params.take(params)
         if not _is_real(deadline_s) or deadline_s <= 0:
             raise MetronomeError(f"frame deadline must be > 0 s, got {deadline_s!r}")
         super().__init__(params.interval_s, params.percentile, params.on_refuse, params.queue_timeout_s)
@@ -456,6 +582,12 @@ class _Adaptive(AdmissionController):
         self._limit = float(params.start_limit)
         self._dead = False
         self._dead_run = 0
+
+    @classmethod
+    def from_spec(cls, arg, deadline_s, params):
+        if arg is not None:
+            raise MetronomeError(f"bad admission spec '{cls.name}:{arg}': {cls.name} takes no argument")
+        return cls(params, deadline_s)
 
     @property
     def limit(self) -> int:
@@ -511,9 +643,9 @@ class AIMDController(_Adaptive):
     ``(1+b)/2·K``.
     """
 
-    name = "aimd"
+    name = spec = "aimd"
 
-    def __init__(self, params: AIMDParams | None = None, deadline_s: float = 1.0):
+    def __init__(self, params: AIMDParams | dict | None = None, deadline_s: float = 1.0):
         super().__init__(params, deadline_s)
 
     def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
@@ -548,7 +680,7 @@ class GradientController(_Adaptive):
     all while the interval's peak in_flight < L/2 (app-limited guard; growth only, a cut always applies).
     Then clamped to ``[min_limit, max_limit]``; :attr:`limit` is ``floor(L)``.
 
-    Lessons applied (see the research note, Part A):
+    Lessons applied (from the concurrency-limits issue tracker):
 
     * **Silent frames are congestion** (Netflix #176): a silent fraction over ``silent_tolerance``
       counts as the hardest cut (gradient 0.5) and the silent frames never enter ``short``.
@@ -567,30 +699,22 @@ class GradientController(_Adaptive):
     * Netflix's recovery rule is kept: when ``long > 2·short`` (overload ended), ``long ← 0.95·long``.
     """
 
-    name = "gradient"
+    name = spec = "gradient"
+    Params = GradientParams
 
-    def __init__(self, params: AIMDParams | None = None, deadline_s: float = 1.0, *,
-                 smoothing: float = 0.2, rtt_tolerance: float = 1.5, queue_size: float = 4.0,
-                 long_window: int = 600, warmup: int = 10, drift_fraction: float = 0.1):
+    def __init__(self, params: GradientParams | AIMDParams | dict | None = None, deadline_s: float = 1.0,
+                 **overrides):
+        """``overrides`` set single Gradient settings (``smoothing=0.3``) over ``params``."""
+        if overrides:
+            params = {**(self.Params.take(params).to_dict()), **overrides}
         super().__init__(params, deadline_s)
-        if not _is_real(smoothing) or not 0 < smoothing <= 1:
-            raise MetronomeError(f"gradient smoothing must be in (0, 1], got {smoothing!r}")
-        if not _is_real(rtt_tolerance) or rtt_tolerance < 1:
-            raise MetronomeError(f"gradient rtt tolerance must be >= 1, got {rtt_tolerance!r}")
-        if not _is_real(queue_size) or queue_size < 0:
-            raise MetronomeError(f"gradient queue size must be >= 0, got {queue_size!r}")
-        if not _is_int(long_window) or long_window < 1:
-            raise MetronomeError(f"gradient long window must be an integer >= 1, got {long_window!r}")
-        if not _is_int(warmup) or warmup < 0:
-            raise MetronomeError(f"gradient warmup must be an integer >= 0, got {warmup!r}")
-        if not _is_real(drift_fraction) or not 0 <= drift_fraction <= 1:
-            raise MetronomeError(f"gradient drift fraction must be in [0, 1], got {drift_fraction!r}")
-        self.smoothing = float(smoothing)
-        self.rtt_tolerance = float(rtt_tolerance)
-        self.queue_size = float(queue_size)
-        self.long_window = int(long_window)
-        self.warmup = int(warmup)
-        self.drift_fraction = float(drift_fraction)
+        p = self.params
+        self.smoothing = float(p.smoothing)
+        self.rtt_tolerance = float(p.rtt_tolerance)
+        self.queue_size = float(p.queue_size)
+        self.long_window = int(p.long_window)
+        self.warmup = int(p.warmup)
+        self.drift_fraction = float(p.drift_fraction)
         self._ema = 2.0 / (self.long_window + 1)
         self._long: float | None = None
         self._n_long = 0
@@ -643,45 +767,62 @@ class GradientController(_Adaptive):
 # ---------------------------------------------------------------------------------------------------
 # Factory
 # ---------------------------------------------------------------------------------------------------
-CONTROLLER_SPECS = ("none", "static:N", "aimd", "gradient")
+CONTROLLERS: dict[str, type[AdmissionController]] = {}
+
+#: the ``--aimd-params`` help of every CLI (the flag keeps its name: tune-aimd's files are its first use)
+PARAMS_HELP = ("the controller's parameters, a JSON file: what metronome-sim tune-aimd writes, or an object of "
+               "any registered controller's parameters (each controller reads its own)")
+
+
+def register(cls: type[AdmissionController]) -> type[AdmissionController]:
+    """Make a controller class nameable from the CLIs (``--admission NAME``) and by :func:`make_controller`;
+    its ``Params`` keys become valid in a parameter file."""
+    CONTROLLERS[cls.spec.partition(":")[0]] = cls
+    return cls
+
+
+for _cls in (NoAdmission, StaticCap, AIMDController, GradientController):
+    register(_cls)
+
+
+def controller_specs() -> tuple[str, ...]:
+    """How the CLIs write each registered controller (``none``, ``static:N``, ...): for help and errors."""
+    return tuple(c.spec for c in CONTROLLERS.values())
+
+
+CONTROLLER_SPECS = controller_specs()
+
+
+def _parse_spec(spec: str) -> tuple[type[AdmissionController], str | None]:
+    if not isinstance(spec, str):
+        raise MetronomeError(f"admission controller spec must be a string, got {spec!r}")
+    name, colon, arg = spec.strip().lower().partition(":")
+    cls = CONTROLLERS.get(name.strip())
+    if cls is None:
+        raise MetronomeError(f"unknown admission controller {spec!r} (one of {', '.join(controller_specs())})")
+    return cls, (arg if colon else None)
 
 
 def check_params_apply(specs, given: bool) -> None:
-    """Refuse ``--aimd-params`` when no controller of ``specs`` reads them: ``none`` admits every session and
-    decides nothing (``static:N`` reads ``on_refuse``, ``queue_timeout_s`` and ``interval_s``; the adaptive
-    ones read all). A grid may mix ``none`` with controllers that do."""
-    if given and all(str(s).strip().lower() == "none" for s in specs):
-        raise MetronomeError("--aimd-params does not apply to --admission none (it admits every session); "
-                             "pass --admission aimd, gradient or static:N, or leave --aimd-params out")
+    """Refuse ``--aimd-params`` when no controller of ``specs`` reads them (``none`` admits every session and
+    decides nothing). A grid may mix ``none`` with controllers that do."""
+    if given and not any(_parse_spec(str(s))[0].reads_params for s in specs):
+        readers = ", ".join(c.spec for c in CONTROLLERS.values() if c.reads_params)
+        raise MetronomeError(f"--aimd-params does not apply to --admission {', '.join(map(str, specs))} (it admits "
+                             f"every session); pass --admission one of {readers}, or leave --aimd-params out")
 
 
-def make_controller(spec: str, deadline_s: float, aimd_params: AIMDParams | None = None) -> AdmissionController:
-    """Build a controller from a CLI spec: ``none``, ``static:N``, ``aimd`` or ``gradient``.
+def make_controller(spec: str, deadline_s: float,
+                    params: ControllerParams | dict | None = None) -> AdmissionController:
+    """Build a controller from a CLI spec (``none``, ``static:N``, ``aimd``, ``gradient`` or any registered one).
 
-    ``aimd_params`` configures the adaptive controllers; its ``interval_s``, ``percentile``,
-    ``on_refuse`` and ``queue_timeout_s`` also apply to ``none`` and ``static:N``. Bad specs raise
-    :class:`MetronomeError` with one line.
+    ``params`` (a parameter file's object, or a ``Params`` instance) configures it: each controller takes
+    the keys its own ``Params`` declares (``interval_s``, ``percentile``, ``on_refuse`` and
+    ``queue_timeout_s`` apply to all). Bad specs and bad parameters raise :class:`MetronomeError` with one line.
     """
-    if not isinstance(spec, str):
-        raise MetronomeError(f"admission controller spec must be a string, got {spec!r}")
-    if aimd_params is not None and not isinstance(aimd_params, AIMDParams):
-        raise MetronomeError(f"admission parameters must be AIMDParams, got {type(aimd_params).__name__}")
-    params = aimd_params if aimd_params is not None else AIMDParams()
-    common = dict(interval_s=params.interval_s, percentile=params.percentile,
-                  on_refuse=params.on_refuse, queue_timeout_s=params.queue_timeout_s)
-    s = spec.strip().lower()
-    if s == "none":
-        return NoAdmission(**common)
-    if s == "aimd":
-        return AIMDController(params, deadline_s)
-    if s == "gradient":
-        return GradientController(params, deadline_s)
-    if s == "static" or s.startswith("static:"):
-        arg = s.partition(":")[2].strip()
-        try:
-            n = int(arg)
-        except ValueError:
-            raise MetronomeError(
-                f"bad admission spec {spec!r}: static needs an integer limit, e.g. static:64") from None
-        return StaticCap(n, **common)
-    raise MetronomeError(f"unknown admission controller {spec!r} (one of {', '.join(CONTROLLER_SPECS)})")
+    cls, arg = _parse_spec(spec)
+    if params is not None and not isinstance(params, (ControllerParams, dict)):
+        raise MetronomeError(f"admission parameters must be a parameters object, got {type(params).__name__}")
+    if isinstance(params, dict):
+        check_params(params)
+    return cls.from_spec(arg, deadline_s, params)

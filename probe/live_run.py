@@ -27,7 +27,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from metronome.admission import AIMDParams
 from metronome.errors import MetronomeError
 from metronome.outputs import check_out, run_dir
 
@@ -119,7 +118,7 @@ def check(opts: RunOptions) -> Checked:
 
     policy = policy_for(CalibrateOptions(model=opts.model, out=opts.out, kv=opts.kv, window=opts.window,
                                          sinks=opts.sinks, block_size=opts.block_size))
-    params = AIMDParams.from_file(opts.aimd_params) if opts.aimd_params else None
+    params = adm.read_params(opts.aimd_params) if opts.aimd_params else None
     adm.check_params_apply([opts.admission], params is not None)
     deadline = opts.deadline_s or (opts.stream.frame_period_s if opts.stream is not None else 1.0)
     adm.make_controller(opts.admission, deadline, params)  # bad specs (static:0, ...) fail here

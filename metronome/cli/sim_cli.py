@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from metronome import serving
-from metronome.admission import CONTROLLER_SPECS, check_params_apply
+from metronome.admission import PARAMS_HELP, check_params_apply, controller_specs
 from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.errors import MetronomeError
 from metronome.kv_policy import BOUNDED_KINDS, POLICY_KINDS
@@ -37,7 +37,7 @@ SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "seed": (int, "random seed (default 0)"),
     "deadline": (float, "frame deadline in seconds (default: the frame period)"),
     "num_blocks": (int, "override the calibration's pool size in blocks"),
-    "admission": (str, f"{' | '.join(CONTROLLER_SPECS)} (default none)"),
+    "admission": (str, f"{' | '.join(controller_specs())} (default none)"),
     "phases": (str, f"{' | '.join(serving.PHASES)}: each session's frames on its own clock, the engine stepping while "
                     "any has work (vLLM serving real clients; default), or every session in lockstep (a "
                     "fixed-batch server)"),
@@ -106,8 +106,7 @@ def add_scenario_options(p: argparse.ArgumentParser, lists: bool, out_default: s
     for name, (_, help_) in SCENARIO_OPTIONS.items():
         p.add_argument(flag(name), dest=name, default=None,
                        help=help_ + (" — a list a,b,c or a range start:stop:step" if lists else ""))
-    p.add_argument("--aimd-params", dest="aimd_params", default=None,
-                   help="AIMD parameters JSON (as written by metronome-sim tune-aimd)")
+    p.add_argument("--aimd-params", dest="aimd_params", default=None, help=PARAMS_HELP)
     add_out_options(p, "output folder", out_default)
 
 
@@ -429,8 +428,8 @@ def _fleet_inputs(args):
     """Every input of ``fleet``, checked before any work: (calibrations with policies, arrivals, durations, horizon,
     routers, autoscale policy, AIMD params, prices by calibration name)."""
     from metronome.erlang import check_refusal
-    from metronome.sim.fleet import (ROUTERS, AutoscalePolicy, check_engine_count, check_horizon, check_offered,
-                                      check_prices, check_router)
+    from metronome.sim.fleet_config import (ROUTERS, AutoscalePolicy, check_engine_count, check_horizon,
+                                             check_offered, check_prices, check_router)
     from metronome.workload import Arrivals, Durations
 
     loads = [x for x in (args.arrival_rate, args.rate_pattern, args.load_csv) if x is not None]
@@ -480,8 +479,9 @@ def cmd_fleet(args) -> int:
     from rich.table import Table
 
     from metronome.outputs import atomic_dir, write_json
-    from metronome.report.answer import fleet_rows
-    from metronome.sim.fleet import EngineType, capacity_cached, plan
+    from metronome.report.answer import fleet_hours_table, fleet_rows, peak_words
+    from metronome.sim.fleet_config import EngineType, capacity_cached
+    from metronome.sim.fleet_plan import hour_series, plan
 
     out = out_dir(args)
     engines, arrivals, durations, horizon, routers, autoscale, params, prices = _fleet_inputs(args)
@@ -505,30 +505,16 @@ def cmd_fleet(args) -> int:
     target = args.max_refusal
     for c in summary["calibrations"]:
         con.print(f"[bold]fleet[/] · {c['calibration']} ({c['provenance']}) · {c['policy']} · "
-                  f"N* = {c['n_star']} sessions per GPU · peak {summary['peak_rate_per_s']:g}/s x "
-                  f"{summary['mean_session_s']:g} s = {summary['peak_offered_erlangs']:.0f} Erlangs · "
-                  f"refusal target {_pct(target)}")
+                  f"N* = {c['n_star']} sessions per GPU · peak {peak_words(summary)} · refusal target {_pct(target)}")
 
         for label, text in fleet_rows(c, horizon):
             con.print(f"  {label:<28} {text}", markup=False)
-        b = tables["bins"]
-        r0 = routers[0]
-        t = Table(title=f"{c['calibration']} per hour ({r0})")
-        for col in ("hour", "offered/s", "static refused", "static silent", "static GPUs"):
+        header, rows = fleet_hours_table({c["calibration"]: hour_series(tables["bins"], c["calibration"], routers[0])})
+        t = Table(title=f"{c['calibration']} per hour ({routers[0]})")
+        for col in header:
             t.add_column(col, justify="right")
-        auto_rows = b[(b.calibration == c["calibration"]) & (b.router == r0) & (b["mode"] == "autoscaled")]
-        if len(auto_rows):
-            for col in ("autoscaled refused", "autoscaled silent", "autoscaled GPUs (mean/max)"):
-                t.add_column(col, justify="right")
-        st_rows = b[(b.calibration == c["calibration"]) & (b.router == r0) & (b["mode"] == "static")]
-        for k, srow in enumerate(st_rows.itertuples()):
-            cells = [f"{srow.start_s / 3600:g}", f"{srow.offered_rate_per_s:.2f}", _pct(srow.refused_fraction),
-                     _pct(srow.silent_frame_fraction), f"{srow.engines_mean:.0f}"]
-            if len(auto_rows):
-                arow = auto_rows.iloc[k]
-                cells += [_pct(arow.refused_fraction), _pct(arow.silent_frame_fraction),
-                          f"{arow.engines_mean:.1f}/{arow.engines_max}"]
-            t.add_row(*cells)
+        for row in rows:
+            t.add_row(*row)
         con.print(t)
     speed = summary["simulated_engine_seconds_per_wall_s"]
     con.print(f"simulation speed: {speed:,.0f} simulated engine-seconds per wall second "
