@@ -3,8 +3,8 @@ weights, frame pipeline and the backbone a vLLM engine loads for them.
 
 Both readers take it from here: :mod:`metronome.roofline` prices each model on each GPU (the ``estimated``
 presets in ``calibration/``, regenerated from this table), and ``metronome-probe --model NAME`` loads each
-backbone's HF config with random weights (``--weights dummy``) to calibrate it live. Numbers and their sources:
-shared notes, controllers-and-models Part B, and each entry's ``source``.
+backbone's HF config with random weights (``--weights dummy``) to calibrate it live. Each entry's ``source``
+says where its numbers come from (docs/gpu-pricing.md lists them).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def hf_config(arch: str, model_type: str, **kw) -> dict:
 
 SPEECH_DUTY = 0.5  # half-duplex models speak for about half of a conversation (assumed)
 # Qwen3-Omni's speech side per second of speech: 12.5 talker steps, 15 code-predictor passes per codec frame,
-# 12.5 Code2Wav frames (notes: 12.5 Hz codec, 16 codebooks, MTP for codebooks 1-15)
+# 12.5 Code2Wav frames (Qwen3-Omni's 12.5 Hz codec, 16 codebooks, MTP for codebooks 1-15)
 QWEN3_OMNI_SPEECH_PASSES_PER_S = 12.5 + 15 * 12.5 + 12.5
 
 MODELS: dict[str, Model] = {m.key: m for m in [

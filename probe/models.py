@@ -4,8 +4,7 @@ A preset names a real-time interaction model. vLLM cannot always run the real mu
 a vLLM model; a 30B checkpoint may not be on the machine), so each preset carries its **backbone-equivalent**
 HF config: the same layers, heads, head dim and MoE shape as the LLM that holds the KV. KV growth, pool size
 and step latency depend on that shape, not on the weight values, so ``--weights dummy`` (vLLM's
-``load_format="dummy"``, random values) calibrates faithfully. Numbers: shared/notes/controllers-and-models.md
-Part B. The presets come from the one table of models (:mod:`metronome.models`), as the simulator's do.
+``load_format="dummy"``, random values) calibrates faithfully. The presets come from the one table of models (:mod:`metronome.models`), as the simulator's do.
 
 This module does not import vLLM; ``tiny`` and ``smollm2`` import torch/transformers only when first built.
 """

@@ -162,7 +162,7 @@ prefix caching off, no spec decode. Each fact has a test in ``test_vllm_schedule
    chunk's own length is validated, ``input_processor.py`` L565-600) and admission does **not** cap
    ``num_new_tokens`` by max_model_len (L1129, L1169): the chunk is scheduled past max_model_len with no
    new blocks (allocation is capped at ``cdiv(max_model_len, bs)``); the real CPU worker crashes on that
-   step (shared/notes/realtime-driver.md Q4). If the chunk is longer than the budget, the session is left
+   step. If the chunk is longer than the budget, the session is left
    RUNNING with ``num_computed_tokens > max_model_len``; the running loop's count is then negative,
    ``_reserve_prefill_lookahead`` clamps it to 0 (L589) and the request is skipped (L755): it stays RUNNING
    with 0 tokens every step, forever, holding its blocks and a slot. A plain (non-resumable) request
