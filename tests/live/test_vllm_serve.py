@@ -199,7 +199,10 @@ def test_without_the_variable_the_servers_kv_usage_grows(tiny_model, tmp_path, p
     assert len(choice["token_ids"]) == GEN
     print(f"unbounded server: peak {peak:.1f} blocks in use")
     bound = KVPolicy.sinks(BS, S, W).max_resident_blocks + 1
-    assert peak >= 2 * bound, peak  # it grows with the session (22 blocks at its end), far past the bound
+    # it grows with the session (22 blocks at its end). Sampled, the peak seen is a lower bound of the true one
+    # and under load the sampler sees less of the run (9 blocks once), so what is asserted is that it passes
+    # the bound the bounded server never passes
+    assert peak > bound, (peak, bound)
 
 
 def test_a_malformed_variable_stops_the_server_in_one_line(tiny_model, tmp_path):
