@@ -36,7 +36,7 @@ def test_presets_load_and_are_estimated_with_their_arithmetic(name):
         layers, kvh, hd, per_tok = ARCH[name.rsplit("-", 1)[0]]
         assert (m.layers, m.kv_heads, m.head_dim) == (layers, kvh, hd)
         assert c.kv_bytes_per_token == per_tok == 2 * layers * kvh * hd * 2
-    assert c.engine.bytes_per_block == per_tok * c.engine.block_size_tokens
+    assert c.engine.bytes_per_block == c.kv_bytes_per_token * c.engine.block_size_tokens
     assert c.provenance.kind == "estimated"
     assert any("KV bytes/token" in n for n in c.provenance.notes)
     # the shipped file is exactly what the roofline computes today (no stale presets)
