@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
@@ -221,6 +221,12 @@ class StepLatencyModel:
         for c, x in zip(self.coefficients, step_inputs(batch, context_tokens, new_tokens)):
             total = total + c * x
         return total
+
+
+# A coefficient declared with a default (a term added after files were written) reads as that default from a
+# file that does not list it; the others are required.
+_COEFFICIENT_DEFAULTS = {f.name: f.default for f in fields(StepLatencyModel)
+                         if f.name in COEFFICIENTS and f.default is not MISSING}
 
 
 @dataclass(frozen=True)
@@ -455,7 +461,7 @@ def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
     if not isinstance(fit_error, Mapping):
         sl._fail("fit_error", "must be an object")
     step = StepLatencyModel(
-        **{k: sl.get(k, float, nonneg=True) for k in COEFFICIENTS},
+        **{k: sl.get(k, float, nonneg=True, default=_COEFFICIENT_DEFAULTS.get(k, ...)) for k in COEFFICIENTS},
         fitted_range=fitted,
         form=form,
         fit_error={str(k): float(v) for k, v in fit_error.items()},
