@@ -19,6 +19,10 @@ there. ``tests/test_sim_scenarios.py`` compares the two, bit for bit.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+from pathlib import Path
+
 import numba as nb
 import numpy as np
 
@@ -453,3 +457,35 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED] = nsteps, nrows, turned
     istate[S_IDLE] = 1 if idle else 0
     fstate[0] = now
+
+
+def forget_other_forms(where: Path, form: str) -> bool:
+    """Drop this module's cached machine code in ``where`` unless it was compiled from step model form ``form``.
+
+    numba keys its cache of these loops on this file alone, but :func:`run_span` compiles
+    :func:`metronome.calibration.step_inputs` into itself: after that function changes (a new term), the cached
+    loop would go on running the old form. A marker beside the cache names the form it was compiled from.
+    Returns whether anything was dropped."""
+    mark = where / "fastpath.step_inputs.sha256"
+    try:
+        if mark.read_text() == form:
+            return False
+    except OSError:
+        pass
+    stale = list(where.glob("fastpath.*.nb[ic]"))
+    for f in stale:
+        f.unlink(missing_ok=True)
+    try:
+        mark.write_text(form)
+    except OSError:  # a read-only install: numba then caches elsewhere or not at all
+        pass
+    return bool(stale)
+
+
+STEP_FORM = hashlib.sha256(inspect.getsource(step_inputs).encode()).hexdigest()
+try:
+    _CACHE = Path(run_span._cache._cache_path)  # numba's cache folder for this module (not public API)
+except AttributeError:  # another numba: no guard, as numba itself has none
+    _CACHE = None
+if _CACHE is not None:
+    forget_other_forms(_CACHE, STEP_FORM)  # before any loop is called, so none has loaded its cache yet
