@@ -61,6 +61,20 @@ def _prepare_env(device: str) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def let_vllm_scan_modules() -> None:
+    """Make every loaded module safe for vLLM's kernel scan; call before an engine starts in this process.
+
+    vLLM 0.32's CPU worker rebinds Triton kernels by reading ``vars(x).get("kernel")`` for every attribute of
+    every loaded module that has a ``__dict__``. llvmlite's library wrapper (loaded with numba, which the
+    simulator's compiled loop uses) answers any attribute name with a C function, ``__dict__`` included, so once
+    the simulator has run in a process an in-process engine failed to start. Its ``__dict__`` is made a real,
+    empty one (the wrapper's own cache of looked-up names)."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    fntab = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(fntab, dict) and not isinstance(fntab.get("__dict__"), dict):  # a lookup may have cached a C one
+        fntab["__dict__"] = {}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ResolvedModel
@@ -230,6 +244,7 @@ class Engine:
                                  "reinstall with scripts/install_live_cpu.sh") from None
         self._SamplingParams, self._TokensPrompt = SamplingParams, TokensPrompt
         self._DELTA, self._Status = RequestOutputKind.DELTA, RequestStatus
+        let_vllm_scan_modules()
         try:
             with _sinks_plugin(config):
                 self.llm = LLMEngine.from_engine_args(EngineArgs(**_engine_args(config)))

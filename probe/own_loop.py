@@ -37,7 +37,7 @@ from collections import deque
 from metronome.errors import MetronomeError
 from metronome.kv_policy import cdiv
 from metronome.probe.engine import (EngineConfig, PoolState, StepInfo, _engine_args, _fds_to, _one_line,
-                                    _sinks_plugin, check_build, check_version)
+                                    _sinks_plugin, check_build, check_version, let_vllm_scan_modules)
 
 POLL_S = 0.002  # how long step() waits for vLLM's next step report before handing the driver its clock back
 START_TIMEOUT_S = 600.0
@@ -132,6 +132,7 @@ class OwnLoopEngine:
         args = _engine_args(self.config)
         args["disable_log_stats"] = True  # the quiet logger above turns stats on
         args["enable_logging_iteration_details"] = True  # each step's duration and token counts
+        let_vllm_scan_modules()  # a forked engine process inherits this process's modules
         with _sinks_plugin(self.config):  # the engine process inherits METRONOME_KV_SINKS at its start
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_Quiet])
         vc = self.llm.vllm_config

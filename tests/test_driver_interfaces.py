@@ -108,3 +108,28 @@ def test_the_admission_interface_is_what_the_driver_calls():
     assert {"observe", "advance", "limit"} <= used  # the scan sees the calls
     # may_admit: metronome.serving.AdmissionGate calls it, for the driver
     assert used | {"may_admit"} == members(AdmissionController)
+
+
+def test_an_engine_can_start_after_the_simulator_has_run():
+    """vLLM's CPU worker reads ``vars(x).get("kernel")`` for every module attribute with a ``__dict__`` when an
+    engine starts; llvmlite (loaded by the simulator's numba loop) answered ``__dict__`` with a C function and
+    the start failed. The same scan, after the guard, passes over every loaded module."""
+    import sys
+
+    import numba  # noqa: F401  (loads llvmlite's library wrapper)
+    from llvmlite.binding import ffi
+
+    from metronome.probe.engine import let_vllm_scan_modules
+
+    ffi.lib._fntab.pop("__dict__", None)  # as a fresh process has it
+
+    def scan():
+        for module in list(sys.modules.values()):
+            for value in list((getattr(module, "__dict__", None) or {}).values()):
+                if hasattr(value, "__dict__"):
+                    vars(value).get("kernel")
+
+    with pytest.raises(AttributeError, match="_lib_fn_wrapper"):
+        scan()
+    let_vllm_scan_modules()
+    scan()
