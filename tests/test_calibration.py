@@ -31,7 +31,7 @@ def test_every_model_ships_on_both_gpus():
 def test_presets_load_and_are_estimated_with_their_arithmetic(name):
     c = cal.load(name)
     m = c.model
-    assert c.kv_bytes_per_token == 2 * m.layers * m.kv_heads * m.head_dim * cal.DTYPE_BYTES[m.kv_dtype]
+    # each model's backbone config vs its shape: test_one_table_of_models_feeds_the_presets_and_the_probe
     if name.rsplit("-", 1)[0] in ARCH:  # the models checked by hand against their published shapes
         layers, kvh, hd, per_tok = ARCH[name.rsplit("-", 1)[0]]
         assert (m.layers, m.kv_heads, m.head_dim) == (layers, kvh, hd)
