@@ -137,6 +137,10 @@ class ControllerParams:
         if qt < 0:
             raise MetronomeError(f"queue timeout must be >= 0 s, got {qt:g} (queue_timeout_s)")
 
+    def common(self) -> dict:
+        """The settings every controller's constructor takes (:class:`AdmissionController`'s keywords)."""
+        return {k: getattr(self, k) for k in ControllerParams.keys()}
+
     @classmethod
     def keys(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
@@ -323,12 +327,8 @@ class AdmissionController(ABC):
 
     def __init__(self, interval_s: float = 1.0, percentile: float = 99.0,
                  on_refuse: str = "reject", queue_timeout_s: float = 30.0):
-        if not _is_real(interval_s) or interval_s <= 0:
-            raise MetronomeError(f"control interval must be > 0 s, got {interval_s!r}")
-        if not _is_real(percentile) or not 0 < percentile <= 100:
-            raise MetronomeError(f"percentile must be in (0, 100], got {percentile!r}")
-        if on_refuse not in ON_REFUSE:
-            raise MetronomeError(f"on_refuse must be one of {', '.join(ON_REFUSE)}, got {on_refuse!r}")
+        ControllerParams(interval_s=interval_s, percentile=percentile, on_refuse=on_refuse,
+                         queue_timeout_s=queue_timeout_s)  # the one check of what every controller reads
         self.interval_s = float(interval_s)
         self.percentile = float(percentile)
         self.on_refuse = on_refuse
@@ -347,11 +347,13 @@ class AdmissionController(ABC):
     def from_spec(cls, arg: str | None, deadline_s: float, params: ControllerParams | dict | None):
         """Build from the CLI spec's argument (``"64"`` of ``static:64``; ``None`` without a colon), the
         frame deadline and a parameters object (this controller takes its share, :meth:`ControllerParams.take`)."""
+        cls._no_argument(arg)
+        return cls(**cls.Params.take(params).common())
+
+    @classmethod
+    def _no_argument(cls, arg: str | None) -> None:
         if arg is not None:
             raise MetronomeError(f"bad admission spec '{cls.name}:{arg}': {cls.name} takes no argument")
-        p = cls.Params.take(params)
-        return cls(interval_s=p.interval_s, percentile=p.percentile, on_refuse=p.on_refuse,
-                   queue_timeout_s=p.queue_timeout_s)
 
     # -- the interface -------------------------------------------------------------------------------
     @property
@@ -541,9 +543,7 @@ class StaticCap(AdmissionController):
             spec = "static" if arg is None else f"static:{arg}"
             raise MetronomeError(
                 f"bad admission spec {spec!r}: static needs an integer limit, e.g. static:64") from None
-        p = cls.Params.take(params)
-        return cls(n, interval_s=p.interval_s, percentile=p.percentile, on_refuse=p.on_refuse,
-                   queue_timeout_s=p.queue_timeout_s)
+        return cls(n, **cls.Params.take(params).common())
 
     @property
     def limit(self) -> int:
@@ -575,7 +575,7 @@ class _Adaptive(AdmissionController):
         params = self.Params.take(params)
         if not _is_real(deadline_s) or deadline_s <= 0:
             raise MetronomeError(f"frame deadline must be > 0 s, got {deadline_s!r}")
-        super().__init__(params.interval_s, params.percentile, params.on_refuse, params.queue_timeout_s)
+        super().__init__(**params.common())
         self.params = params
         self.deadline_s = float(deadline_s)
         self.target_s = params.target_fraction * self.deadline_s
@@ -585,8 +585,7 @@ class _Adaptive(AdmissionController):
 
     @classmethod
     def from_spec(cls, arg, deadline_s, params):
-        if arg is not None:
-            raise MetronomeError(f"bad admission spec '{cls.name}:{arg}': {cls.name} takes no argument")
+        cls._no_argument(arg)
         return cls(params, deadline_s)
 
     @property
@@ -823,6 +822,4 @@ def make_controller(spec: str, deadline_s: float,
     cls, arg = _parse_spec(spec)
     if params is not None and not isinstance(params, (ControllerParams, dict)):
         raise MetronomeError(f"admission parameters must be a parameters object, got {type(params).__name__}")
-    if isinstance(params, dict):
-        check_params(params)
-    return cls.from_spec(arg, deadline_s, params)
+    return cls.from_spec(arg, deadline_s, params)  # each Params.take checks a dict against every controller

@@ -940,3 +940,16 @@ def test_a_registered_controller_runs_from_the_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["sessions_admitted"] == 3 and s["sessions_refused"] == 3
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: StaticCap(3, interval_s=0), "control interval must be > 0 s, got 0 (interval_s)"),
+    (lambda: NoAdmission(percentile=0), "percentile must be in (0, 100], got 0 (percentile)"),
+    (lambda: NoAdmission(on_refuse="drop"), "on_refuse must be one of reject, queue, got 'drop'"),
+    (lambda: StaticCap(3, queue_timeout_s=-1), "queue timeout must be >= 0 s, got -1 (queue_timeout_s)"),
+])
+def test_a_controller_built_directly_checks_the_common_settings(make, message):
+    """The constructors check what every controller reads the way a parameter file is checked."""
+    with pytest.raises(MetronomeError) as e:
+        make()
+    assert message in str(e.value) and "\n" not in str(e.value)
