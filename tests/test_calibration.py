@@ -247,3 +247,15 @@ def test_step_s_is_the_coefficients_times_the_inputs():
     assert m.step_s(3, 1000, 4) == pytest.approx(2e-3 + 3e-4 + 1e-6 + 8e-5, rel=1e-12)
     assert m.coefficients == (2e-3, 1e-4, 1e-9, 2e-5)
     assert set(cal.COEFFICIENT_UNITS) == set(cal.COEFFICIENTS) == set(cal.sum_terms(()))
+
+
+def test_a_coefficient_with_a_default_may_be_absent_and_the_others_may_not(monkeypatch):
+    """A term added after files were written reads as its default; the loader still requires the rest."""
+    d = cal.load("moshi-7b-h200").to_dict()
+    del d["step_latency"]["per_context_token_s"]
+    d["step_latency"].pop("terms", None)  # terms must add up to the coefficients; this test is not about them
+    d["step_latency"].pop("plugin_terms", None)
+    with pytest.raises(CalibrationError, match="per_context_token_s': missing"):
+        cal.from_dict(copy.deepcopy(d))
+    monkeypatch.setattr(cal, "_COEFFICIENT_DEFAULTS", {"per_context_token_s": 0.0})
+    assert cal.from_dict(copy.deepcopy(d)).step_latency.per_context_token_s == 0.0
