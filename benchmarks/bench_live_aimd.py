@@ -114,13 +114,12 @@ def set_engine_environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def claim_out(path: str) -> Path | None:
-    """The output folder, made; None if it already holds a run."""
-    out = Path(path)
-    if (out / "summary.json").exists() or (out / "calibration").exists():
-        return None
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+def claim_out(path: str) -> Path:
+    """The output folder, refused (MetronomeError) when it already holds results: every command's rule
+    (:func:`metronome.outputs.check_out`). Not made yet: nothing is created before the inputs are checked."""
+    from metronome.outputs import check_out
+
+    return check_out(path, replace=None)
 
 
 def read_aimd(args) -> dict:
@@ -553,12 +552,16 @@ def main(argv=None) -> int:
     if args.repeat < 1 or args.calibrations < 1:
         return fail(f"{PROG}: error: --repeat and --calibrations must be at least 1")
     set_engine_environment()
-    out = claim_out(args.out)
-    if out is None:
-        return fail(f"{Path(args.out)} already holds a run; choose another --out")
-    aimd = read_aimd(args)
+    from metronome.errors import MetronomeError
+
+    try:
+        out = claim_out(args.out)
+        aimd = read_aimd(args)
+    except (MetronomeError, ValueError) as exc:  # ValueError: --aimd is not JSON
+        return fail(f"{PROG}: error: {exc}")
     if (error := interval_error(args, aimd)) is not None:
         return fail(error)
+    out.mkdir(parents=True, exist_ok=True)
     b = set_up(args, out)
 
     b.log(f"calibrating tiny on {args.num_blocks} blocks (window {args.window} engine, small grid + paced runs "

@@ -55,9 +55,13 @@ def main(argv=None) -> int:
 
     stream = TokenStream(0.1, 14, 2)
     horizon = args.minutes * 60
-    out = Path(args.out)
-    if (out / "frames.jsonl").exists():
-        print(f"{out} already holds a run", file=sys.stderr)
+    from metronome.errors import MetronomeError
+    from metronome.outputs import check_out
+
+    try:  # every command's rule for --out: refused when it already holds results
+        out = check_out(args.out, replace=None)
+    except MetronomeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     engine = RemoteEngine(EngineConfig(models.resolve("tiny").with_stream(stream), num_blocks=256, max_model_len=2048,

@@ -30,11 +30,11 @@ def _holds_results(p: Path) -> bool:
     return p.exists()
 
 
-def check_out(out: str | Path, replace: bool = False, resume: bool | None = None, file: bool = False) -> Path:
+def check_out(out: str | Path, replace: bool | None = False, resume: bool | None = None, file: bool = False) -> Path:
     """Refuse ``out`` unless it may receive this command's results; call it before any work.
 
-    ``resume`` is None for a command that cannot continue a run, else whether ``--resume`` was given.
-    ``file``: the command writes one file at ``out`` rather than a folder."""
+    ``resume`` is None for a command that cannot continue a run, else whether ``--resume`` was given; ``replace``
+    is None for one that never overwrites (a benchmark), else whether ``--replace`` was given. ``file``: the command writes one file at ``out`` rather than a folder."""
     p = Path(out)
     if replace and resume:
         raise MetronomeError("--replace and --resume: pass one (replace the run in --out, or continue it)")
@@ -49,7 +49,10 @@ def check_out(out: str | Path, replace: bool = False, resume: bool | None = None
             break
     if replace or resume or not _holds_results(p):
         return p
-    ways = "pass --replace to overwrite it" + (" or --resume to continue it" if resume is not None else "")
+    if replace is None:
+        ways = "choose another --out"
+    else:
+        ways = "pass --replace to overwrite it" + (" or --resume to continue it" if resume is not None else "")
     raise MetronomeError(f"{p} already holds results; {ways}")
 
 

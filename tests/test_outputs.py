@@ -279,3 +279,23 @@ def test_calibrate_on_a_build_without_the_device_leaves_nothing_behind(tmp_path,
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--device cuda needs the vllm (GPU) build" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_command_without_replace_is_not_told_to_pass_it(tmp_path):
+    """A benchmark never overwrites (``replace=None``): its refusal names no flag it lacks, and it refuses
+    before any engine starts or anything is written."""
+    out = tmp_path / "out"
+    _old_run(out)
+    with pytest.raises(MetronomeError) as exc:
+        check_out(out, replace=None)
+    assert str(exc.value) == f"{out} already holds results; choose another --out"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for bench in ("bench_live_aimd.py", "bench_live_soak.py"):
+        r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", bench), "--out", str(out)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.strip().endswith("already holds results; choose another --out")
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    fresh = tmp_path / "fresh"
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_live_aimd.py"), "--out", str(fresh),
+                        "--aimd", '{"bogus": 1}'], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown admission parameter 'bogus'" in r.stderr and not fresh.exists()
