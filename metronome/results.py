@@ -274,3 +274,11 @@ def check_types(summary: dict) -> list[str]:
         if not ok:
             bad.append(f"{k.name}: {v!r} is not {want.__name__} ({k.unit})")
     return bad
+
+
+def settled_mean(t: np.ndarray, y: np.ndarray, horizon_s: float) -> float | None:
+    """The settled value of a run: the mean of ``y`` over the samples at or after ``horizon_s / 2`` (None: no such
+    sample). The settled concurrency of a live or simulated AIMD run is this over its admitted sessions per step."""
+    t, y = np.asarray(t, dtype=float), np.asarray(y, dtype=float)
+    late = y[(t >= horizon_s / 2) & np.isfinite(y)]
+    return float(late.mean()) if late.size else None

@@ -7,7 +7,7 @@ saturates. Here are
 * the scenario, in the simulator (:func:`scenario`) and live (:func:`run_live_aimd`), with the same arrivals
   for one seed;
 * the **settled concurrency**: the mean of the admitted sessions over the second half of a run, over step
-  samples (:func:`second_half_mean`; live ``steps.sessions``, simulated ``running + waiting``);
+  samples (:func:`metronome.results.settled_mean`; live ``steps.sessions``, simulated ``running + waiting``);
 * the choice of deadline (:func:`binding_deadline`) and of AIMD's control interval (:func:`tune_interval`),
   both made in the simulator on a calibration before going live, as a user would;
 * one run's live-vs-simulated figures (:func:`compare_run`) and the verdicts (:func:`single_run_verdict`,
@@ -24,6 +24,7 @@ import os
 import numpy as np
 import pandas as pd
 
+from metronome.results import settled_mean
 from metronome.probe.driver import PHASES  # the live driver's regime, so the default of the simulated side too
 
 AUTO_DEADLINES = (0.040, 0.030, 0.025, 0.020, 0.015)  # largest first: best conditioned (binding_deadline)
@@ -50,12 +51,6 @@ def rel(x, ref):
     return None if x is None or ref in (None, 0) else (x - ref) / ref
 
 
-def second_half_mean(t: np.ndarray, n: np.ndarray, horizon: float) -> float | None:
-    """The settled concurrency: the mean of ``n`` over the samples in the second half of the run."""
-    late = n[t >= horizon / 2]
-    return float(late.mean()) if late.size else None
-
-
 # ------------------------------------------------------------------------------------------ the simulated side
 
 
@@ -77,11 +72,11 @@ def sim_admitted(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 
 
 def simulated_settled(cal, aimd: dict, *, seeds, **scenario_kw) -> list[float]:
-    """Where the simulated AIMD settles (:func:`second_half_mean`) in the bounded :func:`scenario`, one value per
-    seed."""
+    """Where the simulated AIMD settles (:func:`~metronome.results.settled_mean`) in the bounded :func:`scenario`,
+    one value per seed."""
     from metronome.sim import scenario as sc_mod
 
-    return [second_half_mean(*sim_admitted(sc_mod.run(scenario(cal, aimd, seed=seed, **scenario_kw)).steps),
+    return [settled_mean(*sim_admitted(sc_mod.run(scenario(cal, aimd, seed=seed, **scenario_kw)).steps),
                              scenario_kw["horizon"]) for seed in seeds]
 
 
@@ -161,34 +156,27 @@ def sim_trace(result) -> tuple[np.ndarray, np.ndarray, pd.DataFrame]:
 # ------------------------------------------------------------------------------------------ comparing
 
 
+def _settled_side(trace: tuple, summary: dict, horizon: float, extra: tuple[str, ...]) -> dict:
+    """One side of :func:`compare_run`: second-half means of the admitted sessions and of the controller's peak
+    in-flight and limit, its cuts, and ``summary``'s figures (the shared ones, then ``extra``)."""
+    t, n, ctl = trace
+    keys = ("preemptions", "silent_frame_fraction", "p50_frame_latency_s", "p99_frame_latency_s", *extra)
+    return {"settled_sessions": settled_mean(t, n, horizon),
+            "settled_peak_in_flight": settled_mean(ctl.t_s, ctl.in_flight, horizon),
+            "settled_limit": settled_mean(ctl.t_s, ctl.limit, horizon),
+            "cuts": int((ctl.decision == "decrease").sum()),
+            **{k: summary.get(k) for k in keys}}
+
+
 def compare_run(live: tuple, live_summary: dict, sim: tuple, sim_result, horizon: float) -> dict:
     """One run's figures, live beside simulated: settled sessions, the controller's settled peak in-flight and
     limit (second-half means), its cuts, and the run's preemptions, silence and frame latency. ``live`` and
     ``sim`` are :func:`live_trace` and :func:`sim_trace`."""
-    lt, ln, lctl = live
-    stt, sn, sctl = sim
-    half = lambda c: c[c.t_s >= horizon / 2]  # noqa: E731
-    summ, ssum = live_summary, sim_result.summary
     return {
         "horizon_s": horizon,
-        "live": {"settled_sessions": second_half_mean(lt, ln, horizon),
-                 "settled_peak_in_flight": float(half(lctl).in_flight.mean()),
-                 "settled_limit": float(half(lctl).limit.mean()),
-                 "cuts": int((lctl.decision == "decrease").sum()),
-                 "preemptions": summ.get("preemptions"), "silent_frame_fraction": summ.get("silent_frame_fraction"),
-                 "p50_frame_latency_s": summ.get("p50_frame_latency_s"),
-                 "p99_frame_latency_s": summ.get("p99_frame_latency_s"),
-                 "sessions_admitted": summ.get("sessions_admitted"), "sessions_planned": summ.get("sessions_planned"),
-                 "load_avg_start": summ.get("load_avg_start"), "load_avg_end": summ.get("load_avg_end")},
-        "sim": {"settled_sessions": second_half_mean(stt, sn, horizon),
-                "settled_peak_in_flight": float(half(sctl).in_flight.mean()),
-                "settled_limit": float(half(sctl).limit.mean()),
-                "cuts": int((sctl.decision == "decrease").sum()),
-                "preemptions": ssum.get("preemptions"),
-                "silent_frame_fraction": ssum.get("silent_frame_fraction"),
-                "p50_frame_latency_s": ssum.get("p50_frame_latency_s"),
-                "p99_frame_latency_s": ssum.get("p99_frame_latency_s"),
-                "collapsed": ssum.get("collapsed")},
+        "live": _settled_side(live, live_summary, horizon,
+                              ("sessions_admitted", "sessions_planned", "load_avg_start", "load_avg_end")),
+        "sim": _settled_side(sim, sim_result.summary, horizon, ("collapsed",)),
     }
 
 

@@ -13,16 +13,17 @@ import pytest
 
 from metronome.kv_policy import KVPolicy
 from metronome.probe import live_aimd as la
+from metronome.results import settled_mean
 
 WINDOW = 368
 SCENARIO = dict(window=WINDOW, num_blocks=2_000, rate=6.0, duration="exp:20", horizon=40.0, deadline=0.04)
 
 
-def test_second_half_mean_and_rel():
+def test_settled_mean_and_rel():
     t = np.arange(10.0)
     n = np.array([0, 0, 0, 0, 0, 4, 6, 4, 6, 5])
-    assert la.second_half_mean(t, n, horizon=10.0) == 5.0  # samples at t >= 5 only
-    assert la.second_half_mean(t[:3], n[:3], horizon=10.0) is None  # nothing in the second half
+    assert settled_mean(t, n, 10.0) == 5.0  # samples at t >= 5 only
+    assert settled_mean(t[:3], n[:3], 10.0) is None  # nothing in the second half
     assert la.rel(11.0, 10) == pytest.approx(0.1)
     assert la.rel(None, 10) is None and la.rel(3.0, None) is None and la.rel(3.0, 0) is None
 
@@ -99,7 +100,7 @@ def test_compare_run(small_cal, tmp_path):
     assert live["settled_sessions"] == 12.0 and live["settled_limit"] == 14.0
     assert live["settled_peak_in_flight"] == 12.0 and live["cuts"] == len(ct) // 2
     assert live["p99_frame_latency_s"] == 0.03 and live["sessions_planned"] == 240 and live["p50_frame_latency_s"] is None
-    assert sim["settled_sessions"] == la.second_half_mean(*la.sim_admitted(res.steps), horizon)
+    assert sim["settled_sessions"] == settled_mean(*la.sim_admitted(res.steps), horizon)
     assert sim["settled_sessions"] > 0 and sim["preemptions"] == res.summary["preemptions"]
     assert sim["cuts"] == sum(1 for r in res.controller_trace if r["decision"] == "decrease")
 

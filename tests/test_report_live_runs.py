@@ -392,7 +392,7 @@ def _rows_by_run(table: list[list[str]]) -> dict[tuple[str, str], list[str]]:
 
 
 def test_report_json_carries_the_runs_and_the_resimulation(report, folders):
-    from metronome.report.live import settled_mean
+    from metronome.results import settled_mean
     from metronome.sim import scenario as scn
 
     bench, run = (c["live"] for c in report["data"]["calibrations"])

@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from metronome.errors import MetronomeError
+from metronome.results import settled_mean
 
 LATENCIES = ("p50_frame_latency_s", "p99_frame_latency_s")
 LIVE_KEYS = ("live", "measured", "observed")
@@ -149,13 +150,6 @@ def _field(origin: str, obj: dict, key: str, required: bool = True) -> float | N
 
 
 # ------------------------------------------------------------------------------------------ series
-def settled_mean(t: np.ndarray, y: np.ndarray, horizon_s: float) -> float | None:
-    """Mean of ``y`` over the samples at or after ``horizon_s / 2`` (None: no such sample)."""
-    t, y = np.asarray(t, dtype=float), np.asarray(y, dtype=float)
-    late = y[(t >= horizon_s / 2) & np.isfinite(y)]
-    return float(late.mean()) if late.size else None
-
-
 def downsample(t: np.ndarray, y: np.ndarray, horizon_s: float, how: str = "mean") -> dict:
     """At most ``SERIES_POINTS`` points: per time bucket the mean (at its middle) or the last value (at its end)."""
     t, y = np.asarray(t, dtype=float), np.asarray(y, dtype=float)
