@@ -429,7 +429,8 @@ def paced_prompts(policy: KVPolicy, max_len: int, stream: TokenStream, n: int, r
     lo, hi = policy.rebase_tokens(), max_len - 3 * stream.kv_tokens_per_frame
     if hi <= lo:
         return [1] * n
-    return [int(lo + (i + 0.5) / n * (hi - lo)) for i in range(n)]
+    # the middle of each of n equal slices, in integers: floats put 6,727.9999 for 6,728 and broke the even spacing
+    return [lo + (2 * i + 1) * (hi - lo) // (2 * n) for i in range(n)]
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from metronome.calibration import TokenStream
@@ -44,6 +44,7 @@ def test_unbounded_or_too_short_a_cycle_or_too_small_a_pool_gives_fresh_sessions
 
 
 @given(n=st.integers(1, 64), max_len=st.integers(256, 40_000), window=st.sampled_from([32, 64, 128, 512]))
+@example(n=18, max_len=12368, window=512)  # found by a CI run: float slices truncated to 655 and 657 for 656
 def test_prompts_stay_inside_the_cycle_and_increase(n, max_len, window):
     policy = KVPolicy.window(32, window)
     p = _prompts(policy, max_len, STREAM, n)
