@@ -51,8 +51,32 @@ def test_bad_loop_is_one_line_before_any_engine(args, needle, tmp_path):
 
 
 def test_usage_errors_are_one_line():
-    res = _probe("--model", "tiny")  # --out missing
-    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--out" in res.stderr
+    res = _probe("--out", "unused")  # --model missing
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--model" in res.stderr
+
+
+@pytest.mark.parametrize("command", ["calibrate", "validate", "run"])
+def test_out_defaults_to_the_command_model_and_device(command):
+    """The headline command (`metronome-probe --model qwen3-omni`) runs as written: --out has a default."""
+    from metronome.cli import probe_cli
+
+    parser = {"calibrate": probe_cli.calibrate_parser, "validate": probe_cli.validate_parser,
+              "run": probe_cli.run_parser}[command]()
+    more = ["--horizon", "5", "--arrival-rate", "1"] if command == "run" else []
+    assert parser.parse_args(["--model", "qwen3-omni", "--device", "cuda", *more]).out == f"runs/{command}-qwen3-omni-cuda"
+    assert parser.parse_args(["--model", "/ckpt/my-model/", "--device", "cpu", *more]).out == f"runs/{command}-my-model-cpu"
+    assert parser.parse_args(["--model", "tiny", "--out", "mine", *more]).out == "mine"
+
+
+def test_the_default_out_keeps_the_refusal_of_a_folder_with_results(tmp_path):
+    held = tmp_path / "runs" / "calibrate-tiny-cpu"
+    held.mkdir(parents=True)
+    (held / "calibration.json").write_text("{}")
+    res = subprocess.run([sys.executable, "-c", NO_VLLM, "--model", "tiny", "--device", "cpu"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "runs/calibrate-tiny-cpu" in res.stderr and "--replace" in res.stderr, res.stderr
+    assert (held / "calibration.json").read_text() == "{}"
 
 
 def test_unsupported_vllm_version_is_refused(monkeypatch):

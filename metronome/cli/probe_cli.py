@@ -53,13 +53,34 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and exit 2, like every other user error
         raise MetronomeError(message)
 
+    def parse_args(self, *a, **kw):
+        args = super().parse_args(*a, **kw)
+        if getattr(args, "model", None) is not None and getattr(args, "out", "") is None:
+            args.out = default_out(self.prog.split()[-1], args.model, args.device)
+        return args
+
+
+def default_out(command: str, model: str, device: str | None) -> str:
+    """Where a live command writes when --out is not given: ``runs/<command>-<model>-<device>`` (a checkpoint
+    directory stands for its last path part), so the headline command runs as written and two models or
+    devices never share a folder."""
+    from pathlib import Path
+
+    if device is None:
+        from metronome.probe.engine import default_device
+
+        device = default_device()
+    name = Path(model.rstrip("/")).name or "model"
+    return f"runs/{'calibrate' if command == PROG else command}-{name}-{device}"
+
 
 def _model_options(p: argparse.ArgumentParser, out_help: str) -> None:
     """The engine options every live command shares: which model, where its output goes, how it runs."""
     from metronome.probe.models import WEIGHTS_KINDS, model_names
 
     p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
-    p.add_argument("--out", required=True, metavar="DIR", help=out_help + "; refused if it already holds results")
+    p.add_argument("--out", metavar="DIR", help=out_help + "; refused if it already holds results (default: "
+                   "runs/COMMAND-MODEL-DEVICE)")
     _replace_option(p)
     p.add_argument("--weights", choices=WEIGHTS_KINDS, default="auto",
                    help="dummy: the model's backbone-equivalent shape with random values (vLLM load_format=dummy)")
