@@ -32,10 +32,24 @@ SCENARIOS = {
     "realistic (Poisson, AIMD)": dict(BOUND, arrival_rate=1.5, session_duration="exp:300", admission="aimd",
                                       deadline=0.04),
     "overloaded (ceiling 96)": dict(kv="sinks", sinks=64, window=2048, sessions=500),
+    # a measured calibration's step jitter: slow spells (shared AR(1) over frames) and a frame-only part
+    "realistic, correlated jitter": dict(BOUND, arrival_rate=1.5, session_duration="exp:300", admission="aimd",
+                                         deadline=0.04, jitter=True),
 }
+# the jitter of "correlated jitter" (tests/test_jitter_correlation.py's form of a measured one)
+JITTER = dict(jitter=((0.0, 0.85), (0.5, 1.0), (0.9, 1.1), (0.99, 1.5), (1.0, 2.0)), frame_first_s=0.001,
+              jitter_shared=0.6, jitter_tau_s=1.0, jitter_frame=0.1)
 
 
 def timed(calibration: str, kw: dict, phases: str, horizon: float, fast: bool):
+    kw = dict(kw)
+    if kw.pop("jitter", False):
+        from dataclasses import replace
+
+        from metronome import calibration as cal_mod
+
+        c = cal_mod.load(calibration)
+        calibration = replace(c, step_latency=replace(c.step_latency, **JITTER))
     sc = make_scenario(calibration, phases=phases, horizon=horizon, **kw)
     t0 = time.perf_counter()
     res = run(sc, fast_forward=fast)

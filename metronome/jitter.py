@@ -72,22 +72,57 @@ class JitterDraws:
             self._a = np.concatenate([self._a, chunk])
         return self._a[frame]
 
+    @property
+    def correlated(self) -> bool:
+        """Whether a step's ratio depends on its frame (the shared or the frame-only part is on)."""
+        return self.on and bool(self.rho or self.rho_f)
+
+    def weights(self) -> tuple[float, float, float]:
+        """The weights of a step's normal score, its frame's shared part and its frame-only part."""
+        return math.sqrt(1 - self.rho - self.rho_f), math.sqrt(self.rho), math.sqrt(self.rho_f)
+
+    def table(self) -> tuple[np.ndarray, np.ndarray]:
+        """The jitter distribution's points: probabilities rising from 0 to 1 and their ratios."""
+        return self._p, self._r
+
+    def step_scores(self, step) -> np.ndarray:
+        """Each step's own normal score (hashed from (seed, step))."""
+        from scipy.special import ndtri
+
+        return ndtri(_open_uniform(np.atleast_1d(np.asarray(step, dtype=np.uint64)), self.seed))
+
+    def frame_parts(self, frame) -> tuple[np.ndarray, np.ndarray]:
+        """Each frame's shared part (the AR(1)) and its frame-only normal score (zeros where a part is off)."""
+        from scipy.special import ndtri
+
+        fr = np.atleast_1d(np.asarray(frame, dtype=np.int64))
+        shared = self._shared(fr) if self.rho else np.zeros(fr.shape)
+        own = (ndtri(_open_uniform(fr.astype(np.uint64), self.seed ^ _FRAME_STREAM)) if self.rho_f
+               else np.zeros(fr.shape))
+        return shared, own
+
     def ratio(self, step, frame) -> np.ndarray:
         """The ratio of step(s) ``step`` taken on frame(s) ``frame`` (ints or arrays of ints, broadcast)."""
         idx = np.atleast_1d(np.asarray(step, dtype=np.uint64))
         if not self.on:
             return np.ones(idx.shape)
-        if not self.rho and not self.rho_f:
+        if not self.correlated:
             return np.interp(_uniform(idx, self.seed), self._p, self._r)
-        from scipy.special import ndtr, ndtri
-
         fr = np.broadcast_to(np.atleast_1d(np.asarray(frame, dtype=np.int64)), idx.shape)
-        y = math.sqrt(1 - self.rho - self.rho_f) * ndtri(_open_uniform(idx, self.seed))
-        if self.rho:
-            y = y + math.sqrt(self.rho) * self._shared(fr)
-        if self.rho_f:
-            y = y + math.sqrt(self.rho_f) * ndtri(_open_uniform(fr.astype(np.uint64), self.seed ^ _FRAME_STREAM))
-        return np.interp(ndtr(y), self._p, self._r)
+        shared, own = self.frame_parts(fr)
+        from metronome.jitter_kernel import correlated_ratios  # compiled: numba is imported only when needed
+
+        return correlated_ratios(self.step_scores(idx), shared, own, *self.weights(), self._p, self._r)
+
+
+def mean_ratio(model: "StepLatencyModel") -> float:
+    """The mean of the ratio :meth:`JitterDraws.ratio` draws (1 without jitter). Every draw, correlated or not, is
+    the piecewise-linear quantile function through ``model.jitter`` at a uniform number, so its mean is that
+    function's integral over [0, 1]: the trapezoid rule on the points is exact."""
+    if not model.jitter:
+        return 1.0
+    p, r = np.array(model.jitter, dtype=float).T
+    return float(np.sum(np.diff(p) * (r[1:] + r[:-1]) / 2))
 
 
 _SHARED_STREAM = 0x2545F4914F6CDD1D  # the shared part's innovations: a second counter stream of the seed

@@ -30,12 +30,12 @@ A frame's life:
    history. In lockstep it is answered when every running session's frame of its tick is done; with
    independent phases the front end answers it at once (:meth:`SimEngine._owe`).
 
-**Fast-forward.** Under aligned phases, when every session streams in lockstep with nothing waiting, queued, prefilling or behind,
-the next frames are computed a whole span at a time with numpy (:meth:`SimEngine._fast_span`): the same
-allocations ``EngineModel`` would make (out-of-window frees at the computed count, the full-sequence gate at
-each frame's resume, decode blocks), the same timings, jitter draws and records, one SimPy event per span.
-The span stops before anything the step-by-step path would do differently (a failed allocation, the length
-limit, the token budget, the next arrival, departure or controller poll); tests compare the two.
+**Fast-forward.** When every session streams with nothing prefilling, queued at the gate or owed from a
+preemption, turns and steps run in a compiled loop (:meth:`SimEngine._compiled_span`, :mod:`metronome.sim.fastpath`),
+under either phase regime: the same rules, timings, jitter draws and records, one SimPy event per span. The span
+stops before anything the loop does not restate (a failed allocation, the token budget, ``max_num_seqs``, the
+length limit, an admission, the next arrival, departure or controller poll) and the step-by-step path takes it
+from there; tests compare the two bit for bit.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import simpy
 
 from metronome import serving
 from metronome.calibration import Calibration
-from metronome.kv_policy import KVPolicy, cdiv
+from metronome.kv_policy import KVPolicy
 from metronome.serving import EndReason, EngineLimits, EngineModel
 
 from metronome.sim.recorder import frame_table, step_table
@@ -62,7 +62,7 @@ _EPS = 1e-12
 class SimEngine:
     def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy,
                  arrival_s: np.ndarray, duration_s: np.ndarray, horizon_s: float, deadline_s: float,
-                 controller=None, fast_forward: bool = True, max_span_steps: int = 256,
+                 controller=None, fast_forward: bool = True,
                  check_invariants: bool = False, seed: int = 0, engine_model=EngineModel,
                  phase_slot: np.ndarray | None = None, phases: str = "aligned", loop: str = "driver"):
         self.env, self.cal, self.policy = env, calibration, policy
@@ -70,7 +70,6 @@ class SimEngine:
         self.deadline = float(deadline_s)
         self.controller = controller
         self.gate = serving.AdmissionGate(controller)
-        self.max_span_steps = max_span_steps
         self.check_invariants = check_invariants
 
         st = calibration.stream
@@ -159,9 +158,10 @@ class SimEngine:
         self.peak_used = 0
         self.steps = step_table()
         self.frames = frame_table()
-        self.fast_steps = 0  # steps computed in numpy spans (the summary does not depend on it)
+        self.fast_steps = 0  # steps taken in the compiled loop (the summary does not depend on it)
         self.slow_steps = 0  # steps taken one SimPy event each
         self._buffers = None  # the compiled loop's record buffers, reused from call to call
+        self._last_span = SimEngine.COMPILED_STEPS  # steps the last call of the compiled loop took
 
     # ------------------------------------------------------------------------------------------ helpers
     def _in_flight(self) -> int:
@@ -211,9 +211,7 @@ class SimEngine:
             if not turned:
                 self._turn(self.now)
                 if self.fast_forward:
-                    span = self._fast_span(self.now)
-                    if span is None:
-                        span = self._compiled_span(self.now)
+                    span = self._compiled_span(self.now)
                     if span is not None:
                         end, turned = span
                         yield env.timeout(max(0.0, end - env.now))
@@ -615,20 +613,94 @@ class SimEngine:
 
     # ----------------------------------------------------------------------------------- the compiled loop
     COMPILED_STEPS = 8192  # steps per call of the compiled loop (its record buffers are sized by it)
+    SPAN_FRAMES = 4096  # frames whose correlated-jitter parts one call of the compiled loop is given, at most
+
+    def _span_steps(self) -> int:
+        """Steps the next call of the compiled loop may take: twice the last call's (its jitter draws are drawn
+        ahead for that many), so a run whose spans end at frequent events draws no more than it uses."""
+        return int(min(self.COMPILED_STEPS, max(64, 2 * self._last_span)))
+
+    def _span_draws(self, n_max: int, live: np.ndarray, t_next: float):
+        """The compiled loop's jitter: its kind, each step's ratio (independent jitter), or each step's own score
+        and the shared and frame-only parts of the frames the span can be serving (from the serving frame to the
+        last tick before ``t_next``; a step past them is handed back), the parts' weights and the table."""
+        from metronome.sim import fastpath as fp
+
+        none = np.zeros(0)
+        d = self.draws
+        if not self.jitter:
+            return fp.NO_JITTER, none, none, none, none, none, none, (0.0, 0.0, 0.0)
+        steps = self.n_steps + np.arange(n_max)
+        if not d.correlated:
+            return fp.INDEPENDENT, d.ratio(steps, 0), none, none, none, none, none, (0.0, 0.0, 0.0)
+        f_lo = self.serving_frame
+        last = int(np.floor((min(t_next, self.horizon) + _EPS - self.phase[live].min()) / self.P)) + 1
+        shared, own = d.frame_parts(np.arange(f_lo, max(f_lo, min(last, f_lo + self.SPAN_FRAMES)) + 1))
+        p, r = d.table()
+        return fp.CORRELATED, none, d.step_scores(steps), shared, own, p, r, d.weights()
 
     def _compiled_span(self, now: float) -> tuple[float, bool] | None:
         """Turns and steps of a steady span in :func:`metronome.sim.fastpath.run_span` (compiled), from just
         after the turn at ``now``; returns (where it stopped, whether the turn there is taken), or None when
         it could not take a single step (the step-by-step path goes on)."""
+        from metronome.sim import fastpath as fp
+
+        start = self._compiled_start(now)
+        if start is None:
+            return None
+        live, t_next = start
         m = self.model
-        if (self.lockstep or self.gate.queue or self.preempted_last or self._answers or self.stalled
+        n_max = self._span_steps()
+        iconf, fconf, coef, istate, draws = self._compiled_config(now, live, t_next, n_max)
+        fstate = np.array([now, 0.0])
+        buf = self._compiled_buffers(m.status_a.size, n_max, int(iconf[fp.I_ANSCAP]))
+        run_arr, kvh_arr = buf["run"], buf["kvh"]
+        run_arr[:len(m.running)] = m.running
+        kvh_arr[:len(m.kv_holding)] = list(m.kv_holding)
+        # lockstep: silent frames owed until their tick's running frames are done (session, frame, tokens got)
+        pend = np.zeros((len(self.silent_pending) + 8 * live.size + 64, 3), dtype=np.int64)
+        if self.silent_pending:
+            pend[:len(self.silent_pending)] = self.silent_pending
+        fp.run_span(iconf, fconf, coef, istate, fstate, live, self.state, self.phase, self.pslot, self.slot,
+                    self.next_frame, self.backlog, self.inflight, self.inflight_tok, self.hist, self.last_tok,
+                    self.pending_in, self.work_step, self.running_since, self.started, ~np.isnan(self.s_admitted),
+                    self.s_tokens, self.s_frames, self.s_silent, self.s_late,
+                    m.status_a, m.computed_a, m.ntok_a, m.slots_a, m.held_a, m.out_a, m.maxtok_a, self.fresh_slot,
+                    self.sess_of_slot, run_arr, kvh_arr, *draws, buf["st_t"], buf["st_lat"], buf["st_i"],
+                    buf["fr_f"], buf["fr_tick"], buf["fr_done"], buf["fr_lat"], buf["fr_i"], pend)
+        used, n_paused, msteps, sframe, peak, run_len, kvh_len, n, rows, turned, idle, n_pend = istate.tolist()
+        self._last_span = n
+        self.idle = bool(idle)
+        end = float(fstate[0])
+        if n == 0 and end == now and turned != fp.PAST_HORIZON:
+            return None
+        m.used, m.n_paused, m.steps = used, n_paused, msteps
+        m.running = run_arr[:run_len].tolist()
+        m.kv_holding = deque(kvh_arr[:kvh_len].tolist())
+        self.silent_pending = [tuple(x) for x in pend[:n_pend].tolist()]
+        self.serving_frame, self.peak_used = sframe, peak
+        self.n_steps += n
+        self.fast_steps += n
+        self._compiled_records(buf, n, rows, live.size)
+        if self.check_invariants:
+            self.assert_invariants()
+        if turned == fp.PAST_HORIZON:  # its last step outlives the run: SimPy stops while it runs
+            self.now = end
+            return float(fstate[1]), False
+        return end, turned == fp.TURN_TAKEN
+
+    def _compiled_start(self, now: float) -> tuple[np.ndarray, float] | None:
+        """Whether the compiled loop may start after the turn at ``now``: (the live sessions, where it must stop
+        at the latest), or None."""
+        m = self.model
+        if (self.gate.queue or self.preempted_last or self._answers or self.stalled
                 or m.waiting or not isinstance(m, EngineModel)):
             return None
-        if self.jitter and (self.draws.rho or self.draws.rho_f):
-            return None  # correlated jitter needs each step's frame as it happens: step by step
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
         run = live[self.state[live] == RUNNING]
         if live.size == 0 or run.size + len(self.waiting) != live.size:  # nobody prefilling
+            return None
+        if len(self.silent_pending) > 4 * live.size:  # frames owed behind a late one: copied in and out each call
             return None
         st = self.started[run]
         if (self.slot[run[st]] < 0).any() or (self.pending_in[run] > 0).any():
@@ -639,279 +711,69 @@ class SimEngine:
             t_next = min(t_next, float(serving.frame_tick(self.next_frame[fresh], self.P, self.phase[fresh]).min()))
         if t_next <= now:
             return None
+        return live, t_next
+
+    def _compiled_config(self, now: float, live: np.ndarray, t_next: float, n_max: int):
+        """The compiled loop's constants (``iconf``, ``fconf``, the step model's coefficients), the engine's
+        counters (``istate``) and the jitter draws, as :mod:`metronome.sim.fastpath` indexes them."""
         from metronome.sim import fastpath as fp
 
-        assert fp.WAITING_STATE == WAITING
-
-        lim, pol, lat = self.limits, self.policy, self.lat
+        assert fp.WAITING_STATE == WAITING and fp.R_STATE == RUNNING
+        m, lim, pol = self.model, self.limits, self.policy
         nslots = m.status_a.size
-        n_max = self.COMPILED_STEPS
-        ans_cap = 2 * max(nslots, live.size) + 64
-        iconf = np.zeros(20, dtype=np.int64)
+        iconf = np.zeros(22, dtype=np.int64)
         iconf[[fp.I_BS, fp.I_BOUNDED, fp.I_SINKB, fp.I_WINDOW, fp.I_NB, fp.I_MAXSEQS, fp.I_BUDGET, fp.I_MAXLEN,
                fp.I_WM, fp.I_THR, fp.I_CAP, fp.I_NIN, fp.I_NOUT, fp.I_MAXSTEPS, fp.I_SLOTS, fp.I_NRUNNING,
-               fp.I_NWAITING, fp.I_HEAD, fp.I_PROMPT, fp.I_ANSCAP]] = [
+               fp.I_NWAITING, fp.I_HEAD, fp.I_PROMPT, fp.I_ANSCAP, fp.I_FLO, fp.I_LOCKSTEP]] = [
             pol.block_size, int(pol.bounded), pol.sink_blocks if pol.bounded else 0,
             pol.window_tokens if pol.bounded else 0, lim.num_blocks, lim.max_num_seqs,
             lim.max_num_batched_tokens, self.maxlen, lim.watermark_blocks, lim.long_prefill_token_threshold,
             -1 if self.cap_blocks is None else self.cap_blocks, self.n_in, self.n_out, n_max, nslots,
             int((self.state == RUNNING).sum()), len(self.waiting), self.waiting[0] if self.waiting else -1,
-            self.prompt, ans_cap]
+            self.prompt, 2 * max(nslots, live.size) + 64, self.serving_frame, int(self.lockstep)]
+        kind, *draws, weights = self._span_draws(n_max, live, t_next)
         fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, self.first_s, _EPS,
-                          1.0 if self.jitter else 0.0, self.horizon])
-        coef = np.array(lat.coefficients, dtype=np.float64)
-        jit = (np.asarray(self.draws.ratio(self.n_steps + np.arange(n_max), 0), dtype=np.float64)
-               if self.jitter else np.zeros(0))
+                          float(kind), self.horizon, *weights])
+        coef = np.array(self.lat.coefficients, dtype=np.float64)
         istate = np.array([m.used, m.n_paused, m.steps, self.serving_frame, self.peak_used, len(m.running),
-                           len(m.kv_holding), 0, 0, 0, int(self.idle)], dtype=np.int64)
-        fstate = np.array([now, 0.0])
+                           len(m.kv_holding), 0, 0, 0, int(self.idle), len(self.silent_pending)], dtype=np.int64)
+        return iconf, fconf, coef, istate, draws
+
+    def _compiled_buffers(self, nslots: int, n_max: int, ans_cap: int) -> dict:
+        """The compiled loop's queues and record buffers, kept from call to call (grown when a call needs more)."""
         n_rows = 4 * n_max + 4 * ans_cap
         buf = self._buffers
-        if buf is None or buf["run"].size < nslots or buf["fr_f"].size < n_rows:  # kept between calls
+        if (buf is None or buf["run"].size < nslots or buf["fr_f"].size < n_rows
+                or buf["st_t"].size < n_max):
             nsl, nr = max(nslots, 2 * (buf["run"].size if buf else 0)), max(n_rows, 2 * (buf["fr_f"].size if buf else 0))
+            ns = max(n_max, buf["st_t"].size if buf else 0)
             buf = self._buffers = {
                 "run": np.zeros(nsl, dtype=np.int64), "kvh": np.zeros(nsl, dtype=np.int64),
-                "st_t": np.zeros(n_max), "st_lat": np.zeros(n_max), "st_i": np.zeros((n_max, 8), dtype=np.int64),
+                "st_t": np.zeros(ns), "st_lat": np.zeros(ns), "st_i": np.zeros((ns, 9), dtype=np.int64),
                 "fr_f": np.zeros(nr, dtype=np.int64), "fr_tick": np.zeros(nr), "fr_done": np.zeros(nr),
                 "fr_lat": np.zeros(nr), "fr_i": np.zeros((nr, 5), dtype=np.int64)}
-        run_arr, kvh_arr = buf["run"], buf["kvh"]
-        run_arr[:len(m.running)] = m.running
-        kvh_arr[:len(m.kv_holding)] = list(m.kv_holding)
-        st_t, st_lat, st_i = buf["st_t"], buf["st_lat"], buf["st_i"]
-        fr_f, fr_tick, fr_done, fr_lat, fr_i = buf["fr_f"], buf["fr_tick"], buf["fr_done"], buf["fr_lat"], buf["fr_i"]
-        fp.run_span(iconf, fconf, coef, istate, fstate, live, self.state, self.phase, self.pslot, self.slot,
-                    self.next_frame, self.backlog, self.inflight, self.inflight_tok, self.hist, self.last_tok,
-                    self.pending_in, self.work_step, self.running_since, self.started, ~np.isnan(self.s_admitted),
-                    self.s_tokens, self.s_frames, self.s_silent, self.s_late,
-                    m.status_a, m.computed_a, m.ntok_a, m.slots_a, m.held_a, m.out_a, m.maxtok_a, self.fresh_slot,
-                    self.sess_of_slot, run_arr, kvh_arr, jit, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i)
-        used, n_paused, msteps, sframe, peak, run_len, kvh_len, n, rows, turned, idle = istate.tolist()
-        self.idle = bool(idle)
-        end = float(fstate[0])
-        if n == 0 and end == now and turned != fp.PAST_HORIZON:
-            return None
-        m.used, m.n_paused, m.steps = used, n_paused, msteps
-        m.running = run_arr[:run_len].tolist()
-        m.kv_holding = deque(kvh_arr[:kvh_len].tolist())
-        self.serving_frame, self.peak_used = sframe, peak
-        self.n_steps += n
-        self.fast_steps += n
+        return buf
+
+    def _compiled_records(self, buf: dict, n: int, rows: int, in_flight: int) -> None:
+        """The compiled loop's ``n`` steps and ``rows`` frame rows into the tables (and the controller)."""
+        from metronome.sim import fastpath as fp
+
         if n:
             self.stalled = False
             self.preempted_last = False
-            si = st_i[:n].copy()
-            self.steps.add(t_s=st_t[:n].copy(), step_s=st_lat[:n].copy(), batch=si[:, 0], new_tokens=si[:, 1],
-                           context_tokens=si[:, 2], resident_blocks=si[:, 3], free_blocks=self.num_blocks - si[:, 3],
-                           tokens_out=si[:, 4], frames_done=si[:, 5], silent_frames=0, preemptions=0,
-                           running=si[:, 6], waiting=si[:, 7])
+            si = buf["st_i"][:n].copy()
+            self.steps.add(t_s=buf["st_t"][:n].copy(), step_s=buf["st_lat"][:n].copy(), batch=si[:, 0],
+                           new_tokens=si[:, 1], context_tokens=si[:, 2], resident_blocks=si[:, 3],
+                           free_blocks=self.num_blocks - si[:, 3], tokens_out=si[:, 4], frames_done=si[:, 5],
+                           silent_frames=si[:, 8], preemptions=0, running=si[:, 6], waiting=si[:, 7])
         if rows:
-            fi = fr_i[:rows].copy()
-            self.frames.add(frame=fr_f[:rows].copy(), tick_s=fr_tick[:rows].copy(), done_s=fr_done[:rows].copy(),
-                            latency_s=fr_lat[:rows].copy(), frames=fi[:, fp.R_FRAMES], silent=fi[:, fp.R_SILENT],
+            fi = buf["fr_i"][:rows].copy()
+            done, lat = buf["fr_done"][:rows], buf["fr_lat"][:rows]
+            self.frames.add(frame=buf["fr_f"][:rows].copy(), tick_s=buf["fr_tick"][:rows].copy(), done_s=done.copy(),
+                            latency_s=lat.copy(), frames=fi[:, fp.R_FRAMES], silent=fi[:, fp.R_SILENT],
                             silent_preempted=fi[:, fp.R_SILENT_PRE], late=fi[:, fp.R_LATE], tokens=fi[:, fp.R_TOKENS])
             if self.controller is not None:
-                self.controller.observe_many(fr_done[:rows], fr_lat[:rows], fi[:, fp.R_FRAMES], fi[:, fp.R_SILENT],
-                                             in_flight=int(live.size))
-        if self.check_invariants:
-            self.assert_invariants()
-        if turned == fp.PAST_HORIZON:  # its last step outlives the run: SimPy stops while it runs
-            self.now = end
-            return float(fstate[1]), False
-        return end, turned == fp.TURN_TAKEN
-
-    # ---------------------------------------------------------------------------------- the fast-forward
-    def _fast_span(self, now: float) -> float | None:
-        """Whole frames of a steady lockstep computed at once; returns (the time the span ends, False), or None.
-
-        Preconditions: every running session is past its first frame; the others wait at the front end for
-        blocks (their frames are silent); nothing is prefilling, in the gate's queue or owed from earlier
-        ticks, and the last step did not preempt; and either every session is before the same next tick
-        (running ones paused between frames), or every session has just had the same frame come due (running
-        ones submitted it, none scheduled yet). The span stops before the first frame whose resume or decode
-        would not fit, that would reach the length limit, in which the waiting head would be admitted, or
-        whose steps would start at or after the next event."""
-        m = self.model
-        if not self.lockstep:
-            return None
-        if self.gate.queue or self.preempted_last or self._answers or self.stalled or m.running or m.waiting:
-            return None
-        live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
-        run = live[self.state[live] == RUNNING]
-        wait = live[self.state[live] == WAITING]
-        if run.size == 0 or run.size + wait.size != live.size or len(self.waiting) != wait.size:
-            return None
-        if not self.started[run].all() or (self.backlog[live] > 0).any() or (self.pending_in[run] > 0).any():
-            return None
-        if len(m.kv_holding) != run.size or (self.slot[run] < 0).any():
-            return None
-        status = m.status_a[self.slot[run]]
-        chunk = 1 + self.n_in
-        submitted = bool(self.inflight[run[0]] >= 0)
-        if submitted:  # frame f0 came due: running sessions submitted it, waiting ones heard silence
-            f0 = int(self.inflight[run[0]])
-            if ((self.inflight[run] != f0).any() or (self.inflight_tok[run] > 0).any()
-                    or (status != serving.EngineModel.WAITING_CODE).any() or not self.fresh_slot[self.slot[run]].all()
-                    or (self.next_frame[wait] != f0 + 1).any() or len(self.silent_pending) != wait.size
-                    or any(f != f0 or tok for _, f, tok in self.silent_pending)):
-                return None
-        else:  # every session before tick f0; running ones paused
-            f0 = int(self.next_frame[run[0]])
-            if ((self.inflight[run] >= 0).any() or (self.next_frame[live] != f0).any() or self.silent_pending
-                    or (status != serving.EngineModel.PAUSED_CODE).any()):
-                return None
-        # engine order: the kv-holding queue (sessions resume in it; the running order follows)
-        rslots = np.fromiter(m.kv_holding, dtype=np.int64, count=len(m.kv_holding))  # request slots, in order
-        order = self.sess_of_slot[rslots]
-        N, n_wait = order.size, int(wait.size)
-        lim = self.limits
-        if N * chunk > lim.max_num_batched_tokens or N > lim.max_num_seqs:
-            return None
-        pol, bs = self.policy, self.policy.block_size
-        comp, held0 = m.computed_a[rslots], m.held_a[rslots]
-        hist0 = self.hist[order] - (chunk if submitted else 0)  # history before frame f0's chunk
-        K_max = max(1, self.max_span_steps // self.n_out)
-        # no frame can start at or after the next event: at most the ticks before it (+1: one already due)
-        t_next = self._next_event_time()
-        K_max = min(K_max, max(1, int((t_next - f0 * self.P) / self.P) + 2))
-        # frames that fit under max_model_len (serving.frame_fits for every session)
-        fits = serving.frame_fits(int(hist0.max()) + np.arange(K_max) * self.tpf + chunk + self.n_out, self.maxlen)
-        K_max = int(np.argmin(fits)) if not fits.all() else K_max
-        if K_max == 0:
-            return None
-        S_max = K_max * self.n_out
-        jj = np.arange(S_max) % self.n_out
-        kk = np.arange(S_max) // self.n_out
-        tok = np.where(jj == 0, chunk, 1)
-        d_before = np.cumsum(tok) - tok  # tokens each session has added before step s
-        # sessions in lockstep grow alike: count them per residue class (KVPolicy.canonical)
-        n_c, b_off, t_off = pol.canonical(comp)
-        reps, inv = np.unique(n_c, return_inverse=True)
-        w = np.bincount(inv, minlength=reps.size)
-        cb = reps[:, None] + d_before[None, :]  # computed before step s, per class
-        res_b = w @ pol.resident_blocks(cb) + int(b_off.sum())  # Σ blocks left after the out-of-window frees
-        need = w @ (cdiv(cb + tok, bs) - cdiv(cb, bs))  # Σ new blocks (EngineModel._allocate)
-        held_b = np.concatenate([[int(held0.sum())], (res_b + need)[:-1]])  # Σ held before each step
-        used_after = m.used + np.cumsum(need - (held_b - res_b))
-        used_before = np.concatenate([[m.used], used_after[:-1]])
-        # every request of the step gets its blocks whatever the order when Σ need (+ the watermark a resume
-        # may ask) fits in what is free before the step's frees; otherwise the slow path decides
-        ok = need + np.where(jj == 0, lim.watermark_blocks, 0) <= self.num_blocks - used_before
-        if n_wait:
-            # the turn before each step tries the front end's head (never right after a preemption, and none
-            # happens in a span): it must not fit. Its input grows by one frame per tick the turn has seen.
-            head = self.waiting[0]
-            seen = np.where(jj == 0, kk - 1, kk) + (0 if submitted else 1)  # ticks past f0 - 1 (A) or f0 (B)
-            tokens = self._request_tokens(head) + self.n_in * seen
-            want = serving.admission_need_blocks(pol, tokens, self.cap_blocks)
-            turn = np.ones(S_max, dtype=bool)
-            if submitted:
-                turn[0] = False  # this turn already tried it
-            ok &= ~turn | (want > self.num_blocks - used_before)
-        bad = np.flatnonzero(~ok)
-        K_max = min(K_max, int(bad[0]) // self.n_out) if bad.size else K_max
-        if K_max == 0:
-            return None
-        S_max = K_max * self.n_out
-        ctx = w @ pol.resident_tokens(cb[:, :S_max] + tok[None, :S_max]) + int(t_off.sum())
-        base_l = self.lat.step_s(N, ctx, N * tok[:S_max]).tolist()
-        ratio_l = (self.draws.ratio(self.n_steps + np.arange(S_max), f0 + kk[:S_max]).tolist() if self.jitter
-                   else None)
-        # timing: a frame's first step starts at its tick (after the engine idled: it pays the first-step
-        # term) or when the engine frees up (a frame already submitted starts now); a step must start before
-        # the next event. The arithmetic is _step's, in its order.
-        starts, lat_l = [], []
-        t = now
-        n_out, first_s = self.n_out, self.first_s
-        K = 0
-        for k in range(K_max):
-            tick = (f0 + k) * self.P
-            if submitted and k == 0:
-                t0, idle = now, self.idle
-            else:
-                t0, idle = (tick, True) if t < tick else (t, False)
-            tt, row, lrow = t0, [], []
-            for j in range(n_out):
-                if tt >= t_next:
-                    break
-                i = k * n_out + j
-                lt = base_l[i]
-                if j == 0 and idle:
-                    lt += first_s
-                if ratio_l is not None:
-                    lt *= ratio_l[i]
-                row.append(tt)
-                lrow.append(lt)
-                tt = tt + lt
-            if len(row) < n_out:
-                break
-            starts.extend(row)
-            lat_l.extend(lrow)
-            t = tt
-            K += 1
-        if K == 0:
-            return None
-        S = K * n_out
-        starts = np.array(starts)
-        lats = np.array(lat_l)
-        used = used_after[:S]
-        ctx = ctx[:S]
-        done_idx = np.arange(n_out - 1, S, n_out)
-        ends_done = starts[done_idx] + lats[done_idx]
-        fr_ = f0 + np.arange(K)
-        # the sessions' state after K frames (per session: the class arithmetic again, exact)
-        comp_k = comp + K * self.tpf
-        tok_last = chunk if n_out == 1 else 1  # the span's last step: the frame's chunk, or one decode token
-        held_k = pol.step_blocks(comp_k - tok_last, tok_last)
-        free_k = self.num_blocks - int(used[-1])
-        n_frames = N + n_wait
-        is_done = np.isin(np.arange(S), done_idx)
-        self.steps.add(t_s=starts, step_s=lats, batch=N, new_tokens=N * tok[:S],
-                       context_tokens=ctx, resident_blocks=used, free_blocks=self.num_blocks - used, tokens_out=N,
-                       frames_done=np.where(is_done, n_frames, 0), silent_frames=np.where(is_done, n_wait, 0),
-                       preemptions=0, running=N, waiting=n_wait)
-        latency = ends_done - fr_ * self.P
-        late = latency > self.deadline + _EPS
-        n_pre = int((~np.isnan(self.s_admitted[wait])).sum())
-        self.frames.add(frame=fr_, tick_s=fr_ * self.P, done_s=ends_done, latency_s=latency, frames=n_frames,
-                        silent=n_wait, silent_preempted=n_pre, late=np.where(late, n_frames, 0), tokens=N * self.n_out)
-        self.s_late[live] += int(late.sum())
-        if self.controller is not None:
-            in_flight = self._in_flight()
-            for done, lt in zip(ends_done.tolist(), latency.tolist()):
-                self.controller.advance(done, in_flight)
-                self.controller.observe(done, lt, frames=n_frames, silent=n_wait)
-        if n_wait:  # their K frames were silent; the input of the ticks seen here joins their history
-            self.pending_in[wait] += self.n_in * (K - (1 if submitted else 0))
-            self.next_frame[wait] = f0 + K
-            self.s_frames[wait] += K
-            self.s_silent[wait] += K
-            self.silent_pending = []
-        self.peak_used = max(self.peak_used, int(used.max()))
-        self.serving_frame = int(f0 + K - 1)
-        self.idle = False
-        # the engine's state after the span: every request paused after K frames
-        m.computed_a[rslots] = comp_k
-        m.ntok_a[rslots] = comp_k + 1
-        m.slots_a[rslots] = cdiv(comp_k, bs)
-        m.held_a[rslots] = held_k
-        m.out_a[rslots] = self.n_out
-        m.status_a[rslots] = serving.EngineModel.PAUSED_CODE
-        if submitted:
-            m.n_paused += N
-        m.used = self.num_blocks - free_k
-        m.steps += S
-        self.n_steps += S
-        self.fast_steps += S
-        self.hist[order] = hist0 + K * self.tpf
-        self.last_tok[order] = True
-        self.inflight[order] = -1
-        self.next_frame[order] = f0 + K
-        self.fresh_slot[rslots] = False
-        self.s_tokens[order] += K * self.n_out
-        self.s_frames[order] += K
-        if self.check_invariants:
-            self.assert_invariants()
-        return float(ends_done[-1]), False
+                self.controller.observe_many(done, lat, fi[:, fp.R_FRAMES], fi[:, fp.R_SILENT], in_flight=in_flight)
 
     # ------------------------------------------------------------------------------------------ results
     def finalize(self):

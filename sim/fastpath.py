@@ -1,20 +1,21 @@
 """The simulator's hot loop, compiled: turns and steps of a steady span, one machine-code loop.
 
-Under independent phases the engine steps back to back, each step batching the frames that arrived during the
-last one, so an hour of Moshi is hundreds of thousands of steps and nothing repeats from one step to the next
-that numpy could take a whole span at a time (the aligned lockstep's :meth:`SimEngine._fast_span`). This module
-runs the same rules one step at a time in numba: the front end's turn (frames that came due are handed to the
-engine, :meth:`SimEngine._ticks`), ``EngineModel.step`` (running requests first, then the kv-holding queue
-head first, out-of-window frees before each allocation, the full-sequence gate and watermark on admission),
-the step's latency and :meth:`SimEngine._after_step`'s bookkeeping and records.
+An hour of Moshi is hundreds of thousands of steps, and under independent phases nothing repeats from one step
+to the next that numpy could take a whole span at a time. This module runs the front end's rules one step at a
+time in numba, under either phase regime: the turn (frames that came due are handed to the engine,
+:meth:`SimEngine._ticks`; a session without a place hears silence, at once or, in lockstep, with its tick's
+running frames, :meth:`SimEngine._answer_silent`), ``EngineModel.step`` (running requests first, then the
+kv-holding queue head first, out-of-window frees before each allocation, the full-sequence gate and watermark
+on admission), the step's latency with its jitter draw and :meth:`SimEngine._after_step`'s bookkeeping and
+records. A turn visits only the phase slots whose tick came due and a step reads only the requests with work,
+so a step's cost follows its batch, not the sessions in flight.
 
-It covers what a steady span holds and nothing else: every live session runs or waits at the front end (its
-frames answered silent at once, as independent phases have it), nothing prefills, the engine's waiting queue is
-empty, and each step gives every request with work its blocks and its tokens within the budget. Before doing
-anything a step or a turn would do differently (a failed allocation that would preempt, the token budget,
-``max_num_seqs``, the length limit, the front end's head fitting, a session's first frame, the next arrival,
-departure or controller poll) it stops and hands back to the step-by-step path, which takes it from exactly
-there. ``tests/test_sim_scenarios.py`` compares the two, bit for bit.
+It covers what a steady span holds and nothing else: every live session runs or waits at the front end, nothing
+prefills, the engine's waiting queue is empty, and each step gives every request with work its blocks and its
+tokens within the budget. Before doing anything a step or a turn would do differently (a failed allocation that
+would preempt, the token budget, ``max_num_seqs``, the length limit, the front end's head fitting, a session's
+first frame, the next arrival, departure or controller poll) it stops and hands back to the step-by-step path,
+which takes it from exactly there. ``tests/test_sim_scenarios.py`` compares the two, bit for bit.
 """
 
 from __future__ import annotations
@@ -26,19 +27,24 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
+from metronome import jitter_kernel
 from metronome.calibration import step_inputs
+from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import PHASE_SLOTS, EngineModel
 
 P_CODE, W_CODE, R_CODE = EngineModel.PAUSED_CODE, EngineModel.WAITING_CODE, EngineModel.RUNNING_CODE
 
 # iconf: the engine and stream constants
 I_BS, I_BOUNDED, I_SINKB, I_WINDOW, I_NB, I_MAXSEQS, I_BUDGET, I_MAXLEN, I_WM, I_THR, I_CAP, I_NIN, I_NOUT, \
-    I_MAXSTEPS, I_SLOTS, I_NRUNNING, I_NWAITING, I_HEAD, I_PROMPT, I_ANSCAP = range(20)
+    I_MAXSTEPS, I_SLOTS, I_NRUNNING, I_NWAITING, I_HEAD, I_PROMPT, I_ANSCAP, I_FLO, I_LOCKSTEP = range(22)
 # frame rows' integer columns (fr_i)
 R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE = range(5)
-WAITING_STATE = 1  # SimEngine's front-end state of a session waiting for blocks
+WAITING_STATE, R_STATE = 1, 3  # SimEngine's front-end states of a session waiting for blocks, and running
 # fconf: times and the step-latency model's real-time terms (its coefficients come as their own array, ``coef``)
-F_P, F_PQ, F_DEADLINE, F_TNEXT, F_FIRST, F_EPS, F_JITTER, F_HORIZON = range(8)
+F_P, F_PQ, F_DEADLINE, F_TNEXT, F_FIRST, F_EPS, F_JITTER, F_HORIZON, F_WZ, F_WSHARED, F_WOWN = range(11)
+# fconf[F_JITTER]: no jitter; independent (each step's ratio given, ``jit``); correlated (a step's ratio from its own
+# score ``jz`` and the parts ``ja``/``jb`` of the frame it is taken on, frames iconf[I_FLO] on)
+NO_JITTER, INDEPENDENT, CORRELATED = 0, 1, 2
 # the step model's form, compiled from its one statement (so a new term needs no change here)
 _step_inputs = nb.njit(cache=True)(step_inputs)
 # istate[S_TURNED]: 0 the caller takes the turn at fstate[0]; 1 the turn there is taken, the step is the caller's;
@@ -46,7 +52,7 @@ _step_inputs = nb.njit(cache=True)(step_inputs)
 # run (the step-by-step path never gets to its records either)
 TURN_CALLER, TURN_TAKEN, PAST_HORIZON = 0, 1, 2
 # istate (in/out): the engine's counters; then what the call did
-S_USED, S_PAUSED, S_MSTEPS, S_SFRAME, S_PEAK, S_RUNLEN, S_KVHLEN, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE = range(11)
+S_USED, S_PAUSED, S_MSTEPS, S_SFRAME, S_PEAK, S_RUNLEN, S_KVHLEN, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND = range(12)
 
 
 @nb.njit(cache=True)
@@ -145,317 +151,582 @@ def _flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f
 
 
 @nb.njit(cache=True)
+def _wheel(live, pslot, next_frame, phase, P):
+    """The live sessions by phase slot (slot k's: ``who[start[k]:start[k + 1]]``) and each slot's next tick.
+
+    A turn takes every frame that came due, so every session of a slot is before the same next frame; the turn
+    then visits only the slots that came due, not every live session. ``ok`` is False when a slot's sessions are
+    not on one frame (the caller then steps one at a time)."""
+    start = np.zeros(PHASE_SLOTS + 1, np.int64)
+    for j in range(live.size):
+        start[pslot[live[j]] + 1] += 1
+    for k in range(PHASE_SLOTS):
+        start[k + 1] += start[k]
+    fill = start[:PHASE_SLOTS].copy()
+    who = np.empty(live.size, np.int64)
+    frame = np.full(PHASE_SLOTS, -1, np.int64)
+    tick = np.full(PHASE_SLOTS, np.inf)
+    ok = True
+    for j in range(live.size):
+        i = live[j]
+        k = pslot[i]
+        who[fill[k]] = i
+        fill[k] += 1
+        if frame[k] < 0:
+            frame[k] = next_frame[i]
+            tick[k] = _tick(next_frame[i], P, phase[i])
+        elif frame[k] != next_frame[i]:
+            ok = False
+    return start, who, tick, ok
+
+
+@nb.njit(cache=True)
+def _due_sessions(now, eps, tick, start, who, ready, n_ready, out):
+    """The sessions a turn at ``now`` visits: those of the slots that came due, then those whose frame was
+    answered in the last step with frames still queued (``ready``). Returns how many (a session may appear twice)."""
+    n = 0
+    for k in range(PHASE_SLOTS):
+        if tick[k] <= now + eps:
+            for q in range(start[k], start[k + 1]):
+                out[n] = who[q]
+                n += 1
+    for q in range(n_ready):
+        out[n] = ready[q]
+        n += 1
+    return n
+
+
+@nb.njit(cache=True)
+def _turn_fits(now, visit, n_visit, iconf, fconf, state, phase, next_frame, backlog, inflight, hist, running_since,
+               started, sslot, status):
+    """The turn's checks: every due frame of the visited sessions is one the compiled turn takes as the
+    step-by-step one would (a running session's, on a paused request, fitting the length limit). Returns
+    (whether all pass, the silent answers the turn will write)."""
+    P, eps, maxlen = fconf[F_P], fconf[F_EPS], iconf[I_MAXLEN]
+    chunk, n_out = 1 + iconf[I_NIN], iconf[I_NOUT]
+    n_ans = 0
+    for j in range(n_visit):
+        i = visit[j]
+        t = _tick(next_frame[i], P, phase[i])
+        due = t <= now + eps
+        if state[i] == WAITING_STATE:  # each due frame will be answered silent
+            k = 0
+            while _tick(next_frame[i] + k, P, phase[i]) <= now + eps:
+                k += 1
+            n_ans += k
+            continue
+        if due and (not started[i] or t < running_since[i] - eps):
+            return False, n_ans
+        if inflight[i] < 0 and (due or backlog[i] > 0):
+            s = sslot[i]
+            if s < 0 or status[s] != P_CODE or hist[i] + chunk + n_out >= maxlen:  # serving.frame_fits
+                return False, n_ans
+    return True, n_ans
+
+
+@nb.njit(cache=True)
+def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, next_frame, backlog, pending_in,
+               s_frames, s_silent, a_key, a_who, a_tok):
+    """The turn, first half: frames that came due are queued (a running session's) or answered silent at once
+    (a session waiting at the front end: SimEngine._tick_one's quiet branch and _owe). Returns the answers."""
+    n_ans = 0
+    for j in range(n_visit):
+        i = visit[j]
+        nf, ph = next_frame[i], phase[i]
+        if state[i] == WAITING_STATE:
+            while _tick(next_frame[i], P, ph) <= now + eps:
+                a_key[n_ans] = next_frame[i] * PHASE_SLOTS + pslot[i]
+                a_who[n_ans] = i
+                a_tok[n_ans] = 0
+                n_ans += 1
+                next_frame[i] += 1
+                pending_in[i] += n_in
+                if not held:  # answered now (in lockstep: when :func:`_answer_silent` answers it)
+                    s_frames[i] += 1
+                    s_silent[i] += 1
+            continue
+        if _tick(nf, P, ph) <= now + eps:
+            if _tick(nf + 1, P, ph) > now + eps:
+                n_due = 1
+            else:  # an engine slower than the frame clock: SimEngine._ticks's count, exactly
+                n_due = np.int64(np.floor((now + eps - ph) / P)) - nf + 1
+                if _tick(nf + n_due - 1, P, ph) > now + eps:
+                    n_due -= 1
+                if _tick(nf + n_due, P, ph) <= now + eps:
+                    n_due += 1
+            backlog[i] += n_due
+            next_frame[i] += n_due
+    return n_ans
+
+
+@nb.njit(cache=True)
+def _submit_due(visit, n_visit, chunk, n_out, m_steps, sslot, next_frame, backlog, inflight, inflight_tok, hist,
+                last_tok, work_step, status, computed, ntok, out, maxtok, fresh, kw, kw_len):
+    """The turn, second half: a paused session's oldest queued frame is handed to its request
+    (EngineModel.append_many), which waits in the kv-holding queue (``kw``). Returns (the queue's waiting
+    entries, how many were handed over, the latest frame handed)."""
+    n_sub = 0
+    latest = -1
+    for j in range(n_visit):
+        i = visit[j]
+        if inflight[i] < 0 and backlog[i] > 0:
+            s = sslot[i]
+            ntok[s] = computed[s] + chunk
+            maxtok[s] = n_out
+            out[s] = 0
+            status[s] = W_CODE
+            fresh[s] = True
+            f = next_frame[i] - backlog[i]
+            hist[i] += chunk
+            last_tok[i] = False
+            backlog[i] -= 1
+            inflight[i] = f
+            inflight_tok[i] = 0
+            latest = max(latest, f)
+            work_step[i] = m_steps
+            kw[kw_len] = s
+            kw_len += 1
+            n_sub += 1
+    return kw_len, n_sub, latest
+
+
+@nb.njit(cache=True)
+def _by_seq(kw, kw_len, kseq):
+    """The kv-holding queue's waiting entries in queue order (insertion sort: a step's few)."""
+    for a in range(1, kw_len):
+        s = kw[a]
+        b = a - 1
+        while b >= 0 and kseq[kw[b]] > kseq[s]:
+            kw[b + 1] = kw[b]
+            b -= 1
+        kw[b + 1] = s
+
+
+@nb.njit(cache=True)
+def _step_fits(iconf, used, n_paused, run_len, kvh_len, run_arr, kw, kw_len, status, computed, ntok, slots, held):
+    """EngineModel.step's checks: would it give every running request and every waiting kv-holding one (in
+    queue order) its blocks and its tokens, within the budget, max_num_seqs, the full-sequence gate and the
+    watermark? Returns (whether it would, the tokens it schedules)."""
+    bs, bounded, sinkb, window = iconf[I_BS], iconf[I_BOUNDED] != 0, iconf[I_SINKB], iconf[I_WINDOW]
+    NB, maxseqs, B, maxlen = iconf[I_NB], iconf[I_MAXSEQS], iconf[I_BUDGET], iconf[I_MAXLEN]
+    wm_blocks, cap = iconf[I_WM], iconf[I_CAP]
+    thr = iconf[I_THR] if run_len + kvh_len > 1 else 0
+    free = NB - used
+    tot = 0
+    for j in range(run_len):
+        s = run_arr[j]
+        k = _tokens(s, ntok, computed, thr, maxlen, True)
+        if k <= 0:
+            continue
+        tot += k
+        if tot > B:
+            return False, tot
+        freed, need = _frees_need(s, k, computed, slots, held, bs, bounded, sinkb, window)
+        free += freed
+        if need > free:
+            return False, tot
+        free -= need
+    if kw_len and tot >= B:
+        return False, tot
+    for j in range(kw_len):
+        s = kw[j]
+        if maxseqs - run_len - n_paused - j <= 0:
+            return False, tot
+        k = _tokens(s, ntok, computed, thr, maxlen, False)
+        tot += k
+        if k <= 0 or tot > B:
+            return False, tot
+        wm = wm_blocks if run_len + j > 0 else 0
+        gate = (min(ntok[s], maxlen) + bs - 1) // bs
+        if cap >= 0 and gate > cap:
+            gate = cap
+        gate = max(gate - slots[s], 0)
+        if gate + wm > free:
+            return False, tot
+        freed, need = _frees_need(s, k, computed, slots, held, bs, bounded, sinkb, window)
+        if need + wm > free + freed:
+            return False, tot
+        free += freed - need
+    return True, tot
+
+
+@nb.njit(cache=True)
+def _schedule(iconf, used, run_len, kvh_len, run_arr, kw, kw_len, status, computed, ntok, slots, held, sched, schk):
+    """The step's allocations, once :func:`_step_fits` said every request gets its own: the running ones in
+    order, then the waiting kv-holding ones join the running list. Returns (blocks used, the running list's
+    length, how many are scheduled)."""
+    bs, bounded, sinkb, window = iconf[I_BS], iconf[I_BOUNDED] != 0, iconf[I_SINKB], iconf[I_WINDOW]
+    thr = iconf[I_THR] if run_len + kvh_len > 1 else 0
+    maxlen = iconf[I_MAXLEN]
+    nS = 0
+    for j in range(run_len + kw_len):
+        s = run_arr[j] if j < run_len else kw[j - run_len]
+        k = _tokens(s, ntok, computed, thr, maxlen, j < run_len)
+        if k <= 0:
+            continue
+        freed, need = _frees_need(s, k, computed, slots, held, bs, bounded, sinkb, window)
+        used += _take(s, freed, need, slots, held)
+        sched[nS] = s
+        schk[nS] = k
+        nS += 1
+    for j in range(kw_len):
+        status[kw[j]] = R_CODE
+        run_arr[run_len + j] = kw[j]
+    return used, run_len + kw_len, nS
+
+
+@nb.njit(cache=True)
+def _run_model(iconf, idle, sched, schk, nS, run_arr, run_len, status, computed, ntok, out, maxtok, fresh, sampled):
+    """The model run: each scheduled request computes its tokens, samples when it has computed them all, and
+    pauses at its frame's last token. Returns (new tokens, context tokens, whether a frame's first step follows
+    the idle gap, how many sampled, how many paused, the running list's length)."""
+    bs, bounded, sinkb, window = iconf[I_BS], iconf[I_BOUNDED] != 0, iconf[I_SINKB], iconf[I_WINDOW]
+    new_tokens = 0
+    ctx = 0
+    first = False
+    n_sam = 0
+    n_pause = 0
+    for j in range(nS):
+        s = sched[j]
+        new_tokens += schk[j]
+        computed[s] += schk[j]
+        if fresh[s]:
+            first = idle
+            fresh[s] = False
+        ctx += _res_tokens(computed[s], bs, bounded, sinkb, window)
+        if computed[s] >= ntok[s]:
+            ntok[s] += 1
+            out[s] += 1
+            sampled[n_sam] = s  # in schedule order
+            n_sam += 1
+            if out[s] >= maxtok[s]:
+                status[s] = P_CODE
+                n_pause += 1
+    if n_pause:
+        m = 0
+        for j in range(run_len):
+            s = run_arr[j]
+            if status[s] == R_CODE:
+                run_arr[m] = s
+                m += 1
+        run_len = m
+    return new_tokens, ctx, first, n_sam, n_pause, run_len
+
+
+@nb.njit(cache=True)
+def _hold(sched, nS, status, kvh_all, n_all, kseq):
+    """Requests paused in the step join the kv-holding queue, in schedule order (``kseq``: a request's place in
+    ``kvh_all``; an earlier place of the same request is stale). Returns (the queue, its entries so far)."""
+    for j in range(nS):
+        s = sched[j]
+        if status[s] == P_CODE:
+            if n_all == kvh_all.size:
+                grown = np.empty(2 * kvh_all.size + 16, np.int64)
+                grown[:n_all] = kvh_all[:n_all]
+                kvh_all = grown
+            kvh_all[n_all] = s
+            kseq[s] = n_all
+            n_all += 1
+    return kvh_all, n_all
+
+
+@nb.njit(cache=True)
+def _step_latency(coef, fconf, nS, ctx, new_tokens, first, jitter, step_no, sframe, f_lo, jit, jz, ja, jb, jp, jr):
+    """StepLatencyModel.step_s (the same sums in the same order, bit for bit), the first-step term, the jitter."""
+    xs = _step_inputs(float(nS), float(ctx), float(new_tokens))
+    lat = 0.0
+    for i in range(coef.size):
+        lat += coef[i] * xs[i]
+    if first:
+        lat += fconf[F_FIRST]
+    if jitter == INDEPENDENT:
+        lat *= jit[step_no]
+    elif jitter == CORRELATED:  # JitterDraws.ratio(step, serving frame): the same compiled function
+        f = sframe - f_lo
+        lat *= correlated_ratio(jz[step_no], ja[f], jb[f], fconf[F_WZ], fconf[F_WSHARED], fconf[F_WOWN], jp, jr)
+    return lat
+
+
+@nb.njit(cache=True)
+def _tokens_to_frames(sampled, n_sam, n_out, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames, hist,
+                      last_tok, backlog, a_key, a_who, a_tok, ready):
+    """SimEngine._after_step: sampled tokens go to their frames; a frame with all its tokens is answered (its
+    tick key, session, tokens). Returns (tokens out, frames done, sessions with frames still queued)."""
+    tokens_out = 0
+    n_done = 0
+    for j in range(n_sam):
+        i = sess_of_slot[sampled[j]]
+        if inflight[i] >= 0:
+            inflight_tok[i] += 1
+            s_tokens[i] += 1
+            tokens_out += 1
+            if inflight_tok[i] >= n_out:
+                a_key[n_done] = inflight[i] * PHASE_SLOTS + pslot[i]  # serving.tick_key
+                a_who[n_done] = i
+                a_tok[n_done] = inflight_tok[i]
+                n_done += 1
+    n_ready = 0
+    for j in range(n_done):
+        i = a_who[j]
+        hist[i] += n_out - 1
+        last_tok[i] = True
+        s_frames[i] += 1
+        inflight[i] = -1
+        if backlog[i] > 0:
+            ready[n_ready] = i
+            n_ready += 1
+    return tokens_out, n_done, n_ready
+
+
+@nb.njit(cache=True)
+def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, kw, kw_len, m_steps, state, phase, pslot,
+          sslot, next_frame, backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since,
+          started, admitted, s_frames, s_silent, s_late, status, computed, ntok, out, maxtok, fresh, a_key, a_who,
+          a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend):
+    """The front end's turn at ``now`` over the sessions whose frames came due (SimEngine._ticks, _answer_silent),
+    if its checks pass. Returns (taken, the kv-holding queue's waiting entries, frames handed over, the latest,
+    rows, frames owed in lockstep)."""
+    P, Pq, deadline, eps = fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS]
+    n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
+    n_visit = _due_sessions(now, eps, tick, start, who, ready, n_ready, visit)
+    fits, n_ans = _turn_fits(now, visit, n_visit, iconf, fconf, state, phase, next_frame, backlog, inflight,
+                             hist, running_since, started, sslot, status)
+    lockstep = iconf[I_LOCKSTEP] != 0
+    if not fits or n_ans > iconf[I_ANSCAP] or (lockstep and n_pend + n_ans > pend.shape[0]):
+        return False, kw_len, 0, -1, nrows, n_pend
+    n_ans = _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot, next_frame, backlog,
+                       pending_in, s_frames, s_silent, a_key, a_who, a_tok)
+    for k in range(PHASE_SLOTS):
+        if tick[k] <= now + eps:  # the slot's sessions moved on together
+            i = who[start[k]]
+            tick[k] = _tick(next_frame[i], P, phase[i])
+    kw_len, n_sub, latest = _submit_due(visit, n_visit, 1 + n_in, n_out, m_steps, sslot, next_frame, backlog,
+                                        inflight, inflight_tok, hist, last_tok, work_step, status, computed,
+                                        ntok, out, maxtok, fresh, kw, kw_len)
+    if lockstep:
+        n_pend = _owe_silent(n_ans, a_key, a_who, pend, n_pend)
+        n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
+                                       s_silent, a_key, a_who, a_tok, 0)
+    if n_ans:
+        nrows = _flush(now, n_ans, a_key, a_who, a_tok, admitted, P, Pq, deadline, eps, s_late,
+                       fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows)
+    return True, kw_len, n_sub, latest, nrows, n_pend
+
+
+@nb.njit(cache=True)
+def _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames, s_silent, a_key, a_who,
+                   a_tok, n_ans):
+    """SimEngine._answer_silent (lockstep): frames owed to sessions without a place (``pend``: session, frame,
+    tokens got) are answered once every running session's frame of their tick is done. Appends them to the
+    answers; returns (the answers, the frames still owed)."""
+    unfinished = np.iinfo(np.int64).max
+    for j in range(run_sess.size):
+        i = run_sess[j]
+        if inflight[i] >= 0:
+            unfinished = min(unfinished, inflight[i])
+        elif backlog[i] > 0:
+            unfinished = min(unfinished, next_frame[i] - backlog[i])
+    m = 0
+    for q in range(n_pend):
+        i, f = pend[q, 0], pend[q, 1]
+        if f < unfinished:
+            a_key[n_ans] = f * PHASE_SLOTS + pslot[i]
+            a_who[n_ans] = i
+            a_tok[n_ans] = pend[q, 2]
+            n_ans += 1
+            s_frames[i] += 1
+            if pend[q, 2] == 0:  # serving.frame_is_silent
+                s_silent[i] += 1
+        else:
+            pend[m, 0], pend[m, 1], pend[m, 2] = i, f, pend[q, 2]
+            m += 1
+    return n_ans, m
+
+
+@nb.njit(cache=True)
+def _owe_silent(n_ans, a_key, a_who, pend, n_pend):
+    """SimEngine._owe in lockstep: the turn's silent frames wait for their tick's running frames."""
+    for q in range(n_ans):
+        pend[n_pend, 0], pend[n_pend, 1], pend[n_pend, 2] = a_who[q], a_key[q] // PHASE_SLOTS, 0
+        n_pend += 1
+    return n_pend
+
+
+@nb.njit(cache=True)
+def _answer_step(now, iconf, fconf, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
+                 s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
+                 pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, row, nS, new_tokens, ctx, used):
+    """After a step that ended at ``now``: tokens to their frames, finished frames (and in lockstep the silent
+    ones they held back) answered, one row per tick, and the step's row. Returns (sessions with frames still
+    queued, frames still owed, frame rows)."""
+    tokens_out, n_done, n_ready = _tokens_to_frames(sampled, n_sam, iconf[I_NOUT], sess_of_slot, pslot, inflight,
+                                                    inflight_tok, s_tokens, s_frames, hist, last_tok, backlog,
+                                                    a_key, a_who, a_tok, ready)
+    n_ans = n_done
+    if n_pend:
+        n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
+                                       s_silent, a_key, a_who, a_tok, n_done)
+    nrows = _flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE],
+                   fconf[F_EPS], s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows)
+    _record_step(row, iconf, nS, new_tokens, ctx, used, tokens_out, n_ans, a_tok[n_done:n_ans])
+    return n_ready, n_pend, nrows
+
+
+@nb.njit(cache=True)
+def _record_step(row, iconf, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok):
+    """A step's row (SimEngine._after_step's): batch, tokens, context, blocks, frames answered, silent ones."""
+    row[0], row[1], row[2], row[3], row[4], row[5] = nS, new_tokens, ctx, used, tokens_out, n_ans
+    row[6], row[7], row[8] = iconf[I_NRUNNING], iconf[I_NWAITING], np.sum(silent_tok == 0)
+
+
+@nb.njit(cache=True)
+def _front_head_fits(iconf, used, hist, pending_in, started):
+    """SimEngine._admit: would the front end's head be admitted now (serving.admission_need_blocks)?"""
+    head = iconf[I_HEAD]
+    if head < 0:
+        return False
+    tok = hist[head] + pending_in[head] if started[head] else iconf[I_PROMPT] + pending_in[head] + iconf[I_NIN]
+    want = (tok + iconf[I_BS] - 1) // iconf[I_BS]
+    if iconf[I_CAP] >= 0 and want > iconf[I_CAP]:
+        want = iconf[I_CAP]
+    return want <= iconf[I_NB] - used
+
+
+@nb.njit(cache=True)
+def _queued_behind(live, state, inflight, backlog):
+    """Running sessions with frames queued and none in the engine (a step-by-step turn leaves none)."""
+    ready = np.empty(live.size, np.int64)
+    n = 0
+    for j in range(live.size):
+        i = live[j]
+        if inflight[i] < 0 and backlog[i] > 0 and state[i] != WAITING_STATE:
+            ready[n] = i
+            n += 1
+    return ready, n
+
+
+@nb.njit(cache=True)
+def _kv_queue(kvh_arr, kvh_len, status, nslots):
+    """The kv-holding queue as the loop keeps it: every entry in order (``kvh_all``), each request's place in it
+    (``kseq``), and its waiting entries (``kw``) apart from the paused ones, so a step reads only those."""
+    kvh_all = np.empty(kvh_len + nslots, np.int64)
+    kseq = np.empty(nslots, np.int64)
+    kw = np.empty(nslots, np.int64)
+    kw_len = 0
+    for j in range(kvh_len):
+        s = kvh_arr[j]
+        kvh_all[j] = s
+        kseq[s] = j
+        if status[s] != P_CODE:
+            kw[kw_len] = s
+            kw_len += 1
+    return kvh_all, kseq, kw, kw_len
+
+
+@nb.njit(cache=True)
+def _kv_holding(kvh_all, n_all, kseq, status, kvh_arr):
+    """The kv-holding queue in order, written back for EngineModel (stale places dropped). Returns its length."""
+    m = 0
+    for j in range(n_all):
+        s = kvh_all[j]
+        if kseq[s] == j and (status[s] == P_CODE or status[s] == W_CODE):
+            kvh_arr[m] = s
+            m += 1
+    return m
+
+
+@nb.njit(cache=True)
 def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
              inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens,
              s_frames, s_silent, s_late, status, computed, ntok, slots, held, out, maxtok, fresh, sess_of_slot,
-             run_arr, kvh_arr, jit, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i):
-    bs, bounded, sinkb, window = iconf[I_BS], iconf[I_BOUNDED] != 0, iconf[I_SINKB], iconf[I_WINDOW]
-    NB, maxseqs, B, maxlen = iconf[I_NB], iconf[I_MAXSEQS], iconf[I_BUDGET], iconf[I_MAXLEN]
-    wm_blocks, long_thr, cap, n_in, n_out = iconf[I_WM], iconf[I_THR], iconf[I_CAP], iconf[I_NIN], iconf[I_NOUT]
-    max_steps, nslots, n_running_state = iconf[I_MAXSTEPS], iconf[I_SLOTS], iconf[I_NRUNNING]
-    n_waiting, head, prompt, ans_cap = iconf[I_NWAITING], iconf[I_HEAD], iconf[I_PROMPT], iconf[I_ANSCAP]
-    P, Pq, deadline, t_next, eps = fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_TNEXT], fconf[F_EPS]
-    first_s = fconf[F_FIRST]
-    jitter = fconf[F_JITTER] != 0.0
-    horizon = fconf[F_HORIZON]
+             run_arr, kvh_arr, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend):
+    """Turns and steps from just after the caller's turn at ``fstate[0]`` until the next event, ``max_steps`` or
+    anything this loop does not restate; the state arrays are updated in place, the steps' and frames' records
+    written to ``st_*`` and ``fr_*``, and ``istate``/``fstate`` say where it stopped (S_TURNED)."""
+    P, t_next, horizon = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON]
+    jitter, f_lo = int(fconf[F_JITTER]), iconf[I_FLO]
+    max_steps, nslots, ans_cap = iconf[I_MAXSTEPS], iconf[I_SLOTS], iconf[I_ANSCAP]
     used, n_paused, m_steps, sframe, peak = istate[S_USED], istate[S_PAUSED], istate[S_MSTEPS], istate[S_SFRAME], istate[S_PEAK]
     run_len, kvh_len = istate[S_RUNLEN], istate[S_KVHLEN]
     idle = istate[S_IDLE] != 0  # the engine waited since its last step: a frame's step then pays first_s
     now = fstate[0]
-    chunk = 1 + n_in
-    n_live = live.size
-    fr_cap = fr_f.size
-    sched = np.empty(nslots, np.int64)
-    schk = np.empty(nslots, np.int64)
-    who = np.empty(nslots, np.int64)
-    tmp = np.empty(nslots, np.int64)
-    a_key = np.empty(ans_cap, np.int64)  # answers of one turn or one step: tick key, session, tokens
-    a_who = np.empty(ans_cap, np.int64)
-    a_tok = np.empty(ans_cap, np.int64)
-    nsteps = 0
-    nrows = 0
-    turned = 1  # the caller's turn at `now` is done
-    while True:
-        if turned == 0:
-            if now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_cap:
+    nsteps = nrows = 0
+    turned = TURN_TAKEN  # the caller's turn at `now` is done
+    start, who, tick, ok = _wheel(live, pslot, next_frame, phase, P)
+    kvh_all, kseq, kw, kw_len = _kv_queue(kvh_arr, kvh_len, status, nslots)
+    n_all, visit = kvh_len, np.empty(2 * live.size, np.int64)
+    ready, n_ready = _queued_behind(live, state, inflight, backlog)
+    lockstep, n_pend = iconf[I_LOCKSTEP] != 0, istate[S_NPEND]
+    run_sess = live[state[live] == R_STATE] if lockstep else live[:0]
+    sched, schk, sampled = np.empty(nslots, np.int64), np.empty(nslots, np.int64), np.empty(nslots, np.int64)
+    n_a = ans_cap + pend.shape[0]  # a step's answers and the silent ones answered with them
+    a_key, a_who, a_tok = np.empty(n_a, np.int64), np.empty(n_a, np.int64), np.empty(n_a, np.int64)
+    while ok:
+        if turned == TURN_CALLER:
+            if now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_f.size:
                 break
-            # -- the turn's checks (nothing changes unless all pass) --------------------------------------
-            if head >= 0:  # SimEngine._admit: the front end's head must still not fit
-                tok = hist[head] + pending_in[head] if started[head] else prompt + pending_in[head] + n_in
-                want = (tok + bs - 1) // bs  # serving.admission_need_blocks
-                if cap >= 0 and want > cap:
-                    want = cap
-                if want <= NB - used:
-                    break
-            ok = True
-            n_ans = 0
-            for j in range(n_live):
-                i = live[j]
-                t = _tick(next_frame[i], P, phase[i])
-                due = t <= now + eps
-                if state[i] == WAITING_STATE:  # each due frame will be answered silent
-                    k = 0
-                    while _tick(next_frame[i] + k, P, phase[i]) <= now + eps:
-                        k += 1
-                    n_ans += k
-                    continue
-                if due and (not started[i] or t < running_since[i] - eps):
-                    ok = False
-                    break
-                if inflight[i] < 0 and (due or backlog[i] > 0):
-                    s = sslot[i]
-                    if s < 0 or status[s] != P_CODE or hist[i] + chunk + n_out >= maxlen:  # serving.frame_fits
-                        ok = False
-                        break
-            if not ok or n_ans > ans_cap:
+            if _front_head_fits(iconf, used, hist, pending_in, started):
                 break
-            # -- the turn: frames that came due are queued, and a paused session's oldest is handed over ---
-            n_ans = 0
-            for j in range(n_live):
-                i = live[j]
-                nf, ph = next_frame[i], phase[i]
-                if state[i] == WAITING_STATE:  # SimEngine._tick_one's quiet branch, answered at once (_owe)
-                    while _tick(next_frame[i], P, ph) <= now + eps:
-                        a_key[n_ans] = next_frame[i] * PHASE_SLOTS + pslot[i]
-                        a_who[n_ans] = i
-                        a_tok[n_ans] = 0
-                        n_ans += 1
-                        next_frame[i] += 1
-                        pending_in[i] += n_in
-                        s_frames[i] += 1
-                        s_silent[i] += 1
-                    continue
-                if _tick(nf, P, ph) <= now + eps:
-                    if _tick(nf + 1, P, ph) > now + eps:
-                        n_due = 1
-                    else:  # an engine slower than the frame clock: SimEngine._ticks's count, exactly
-                        n_due = np.int64(np.floor((now + eps - ph) / P)) - nf + 1
-                        if _tick(nf + n_due - 1, P, ph) > now + eps:
-                            n_due -= 1
-                        if _tick(nf + n_due, P, ph) <= now + eps:
-                            n_due += 1
-                    backlog[i] += n_due
-                    next_frame[i] += n_due
-            for j in range(n_live):
-                i = live[j]
-                if inflight[i] < 0 and backlog[i] > 0:
-                    s = sslot[i]
-                    ntok[s] = computed[s] + chunk  # EngineModel.append_many
-                    maxtok[s] = n_out
-                    out[s] = 0
-                    status[s] = W_CODE
-                    n_paused -= 1
-                    fresh[s] = True
-                    f = next_frame[i] - backlog[i]
-                    hist[i] += chunk
-                    last_tok[i] = False
-                    backlog[i] -= 1
-                    inflight[i] = f
-                    inflight_tok[i] = 0
-                    if f > sframe:
-                        sframe = f
-                    work_step[i] = m_steps
-            if n_ans:
-                nrows = _flush(now, n_ans, a_key, a_who, a_tok, admitted, P, Pq, deadline, eps, s_late,
-                               fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows)
-        turned = 0
-        has_work = run_len > 0 or kvh_len > n_paused
-        if not has_work:
-            nt = np.inf
-            for j in range(n_live):
-                i = live[j]
-                t = _tick(next_frame[i], P, phase[i])
-                if t < nt:
-                    nt = t
-            until = min(nt, t_next)
+            taken, kw_len, n_sub, latest, nrows, n_pend = _turn(
+                now, iconf, fconf, tick, start, who, ready, n_ready, visit, kw, kw_len, m_steps, state, phase, pslot,
+                sslot, next_frame, backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step,
+                running_since, started, admitted, s_frames, s_silent, s_late, status, computed, ntok, out, maxtok,
+                fresh, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend)
+            if not taken:
+                break
+            n_paused -= n_sub
+            sframe = max(sframe, latest)
+            n_ready = 0
+        turned = TURN_CALLER
+        if run_len == 0 and kw_len == 0:  # no work: wait for the next tick (or the next event)
+            until = min(tick.min(), t_next)
             if until <= now:
                 break
+            idle = True
             if until >= horizon:  # SimPy stops the run during this wait
-                fstate[1] = until
-                turned = PAST_HORIZON
-                idle = True
+                fstate[1], turned = until, PAST_HORIZON
                 break
             now = until
-            idle = True
             continue
-        # -- the step's checks: EngineModel.step would give every request its blocks and tokens ------------
-        thr = long_thr if run_len + kvh_len > 1 else 0
-        free = NB - used
-        tot = 0
-        ok = True
-        for j in range(run_len):
-            s = run_arr[j]
-            k = _tokens(s, ntok, computed, thr, maxlen, True)
-            if k <= 0:
-                continue
-            tot += k
-            if tot > B:
-                ok = False
-                break
-            freed, need = _frees_need(s, k, computed, slots, held, bs, bounded, sinkb, window)
-            free += freed
-            if need > free:
-                ok = False
-                break
-            free -= need
-        run_tot = tot
-        n_adm = 0
-        if ok and kvh_len > n_paused:
-            if run_tot >= B:
-                ok = False
-            else:
-                for j in range(kvh_len):
-                    s = kvh_arr[j]
-                    if status[s] == P_CODE:
-                        continue
-                    if maxseqs - run_len - n_paused - n_adm <= 0:
-                        ok = False
-                        break
-                    k = _tokens(s, ntok, computed, thr, maxlen, False)
-                    tot += k
-                    if k <= 0 or tot > B:
-                        ok = False
-                        break
-                    wm = wm_blocks if run_len + n_adm > 0 else 0
-                    gate = (min(ntok[s], maxlen) + bs - 1) // bs
-                    if cap >= 0 and gate > cap:
-                        gate = cap
-                    gate = max(gate - slots[s], 0)
-                    if gate + wm > free:
-                        ok = False
-                        break
-                    freed, need = _frees_need(s, k, computed, slots, held, bs, bounded, sinkb, window)
-                    if need + wm > free + freed:
-                        ok = False
-                        break
-                    free += freed - need
-                    n_adm += 1
-        if not ok or tot == 0:
-            turned = 1  # the turn at `now` is done; the step-by-step path takes the step
+        _by_seq(kw, kw_len, kseq)
+        fits = jitter != CORRELATED or sframe - f_lo < ja.size  # the step's frame has its draws here
+        if fits:
+            fits, tot = _step_fits(iconf, used, n_paused, run_len, kvh_len, run_arr, kw, kw_len, status, computed,
+                                   ntok, slots, held)
+            fits = fits and tot > 0
+        if not fits:
+            turned = TURN_TAKEN  # the turn at `now` is done; the step-by-step path takes the step
             break
-        # -- the step: allocations, admissions, the model run ------------------------------------------
-        start = now
-        nS = 0
-        for j in range(run_len):
-            s = run_arr[j]
-            k = _tokens(s, ntok, computed, thr, maxlen, True)
-            if k <= 0:
-                continue
-            freed, need = _frees_need(s, k, computed, slots, held, bs, bounded, sinkb, window)
-            used += _take(s, freed, need, slots, held)
-            sched[nS] = s
-            schk[nS] = k
-            nS += 1
-        if n_adm:
-            m = 0
-            for j in range(kvh_len):
-                s = kvh_arr[j]
-                if status[s] == P_CODE:
-                    tmp[m] = s
-                    m += 1
-                    continue
-                k = _tokens(s, ntok, computed, thr, maxlen, False)
-                freed, need = _frees_need(s, k, computed, slots, held, bs, bounded, sinkb, window)
-                used += _take(s, freed, need, slots, held)
-                status[s] = R_CODE
-                run_arr[run_len] = s
-                run_len += 1
-                sched[nS] = s
-                schk[nS] = k
-                nS += 1
-            for j in range(m):
-                kvh_arr[j] = tmp[j]
-            kvh_len = m
-        new_tokens = 0
-        ctx = 0
-        first = False
-        n_sam = 0
-        n_pause = 0
-        for j in range(nS):
-            s = sched[j]
-            new_tokens += schk[j]
-            computed[s] += schk[j]
-            if fresh[s]:
-                first = idle
-                fresh[s] = False
-            ctx += _res_tokens(computed[s], bs, bounded, sinkb, window)
-            if computed[s] >= ntok[s]:
-                ntok[s] += 1
-                out[s] += 1
-                who[n_sam] = s  # sampled, in schedule order
-                n_sam += 1
-                if out[s] >= maxtok[s]:
-                    status[s] = P_CODE
-                    n_paused += 1
-                    n_pause += 1
-        if n_pause:
-            m = 0
-            for j in range(run_len):
-                s = run_arr[j]
-                if status[s] == R_CODE:
-                    run_arr[m] = s
-                    m += 1
-            run_len = m
-            for j in range(nS):  # paused in this step: to the kv-holding queue, in schedule order
-                s = sched[j]
-                if status[s] == P_CODE:
-                    kvh_arr[kvh_len] = s
-                    kvh_len += 1
+        step_start = now
+        used, run_len, nS = _schedule(iconf, used, run_len, kvh_len, run_arr, kw, kw_len, status, computed, ntok,
+                                      slots, held, sched, schk)
+        kvh_len -= kw_len
+        kw_len = 0
+        new_tokens, ctx, first, n_sam, n_pause, run_len = _run_model(iconf, idle, sched, schk, nS, run_arr, run_len,
+                                                                    status, computed, ntok, out, maxtok, fresh, sampled)
+        kvh_all, n_all = _hold(sched, nS, status, kvh_all, n_all, kseq)
+        n_paused += n_pause
+        kvh_len += n_pause
         idle = False
         m_steps += 1
-        xs = _step_inputs(float(nS), float(ctx), float(new_tokens))
-        lat = 0.0
-        for i in range(coef.size):  # StepLatencyModel.step_s, in the same order (same sums, bit for bit)
-            lat += coef[i] * xs[i]
-        if first:
-            lat += first_s
-        if jitter:
-            lat *= jit[nsteps]
-        now = start + lat
-        if now >= horizon:
-            fstate[1] = now
-            now = start
-            turned = PAST_HORIZON
+        lat = _step_latency(coef, fconf, nS, ctx, new_tokens, first, jitter, nsteps, sframe, f_lo, jit, jz, ja, jb,
+                            jp, jr)
+        now = step_start + lat
+        if now >= horizon:  # the step outlives the run: SimPy stops while it runs
+            fstate[1], now, turned = now, step_start, PAST_HORIZON
             break
-        # -- after the step: tokens to their frames, finished frames answered (one row per tick) ----------
-        tokens_out = 0
-        n_done = 0
-        for j in range(n_sam):
-            i = sess_of_slot[who[j]]
-            if inflight[i] >= 0:
-                inflight_tok[i] += 1
-                s_tokens[i] += 1
-                tokens_out += 1
-                if inflight_tok[i] >= n_out:
-                    a_key[n_done] = inflight[i] * PHASE_SLOTS + pslot[i]  # serving.tick_key
-                    a_who[n_done] = i
-                    a_tok[n_done] = inflight_tok[i]
-                    n_done += 1
-        for j in range(n_done):
-            i = a_who[j]
-            hist[i] += n_out - 1
-            last_tok[i] = True
-            s_frames[i] += 1
-            inflight[i] = -1
-        if used > peak:
-            peak = used
-        nrows = _flush(now, n_done, a_key, a_who, a_tok, admitted, P, Pq, deadline, eps, s_late,
-                       fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows)
-        st_t[nsteps] = start
-        st_lat[nsteps] = lat
-        st_i[nsteps, 0] = nS
-        st_i[nsteps, 1] = new_tokens
-        st_i[nsteps, 2] = ctx
-        st_i[nsteps, 3] = used
-        st_i[nsteps, 4] = tokens_out
-        st_i[nsteps, 5] = n_done
-        st_i[nsteps, 6] = n_running_state
-        st_i[nsteps, 7] = n_waiting
+        n_ready, n_pend, nrows = _answer_step(
+            now, iconf, fconf, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
+            s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
+            pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i[nsteps], nS, new_tokens, ctx, used)
+        peak = max(peak, used)
+        st_t[nsteps], st_lat[nsteps] = step_start, lat
         nsteps += 1
+    kvh_len = _kv_holding(kvh_all, n_all, kseq, status, kvh_arr)
     istate[S_USED], istate[S_PAUSED], istate[S_MSTEPS], istate[S_SFRAME], istate[S_PEAK] = used, n_paused, m_steps, sframe, peak
-    istate[S_RUNLEN], istate[S_KVHLEN] = run_len, kvh_len
-    istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED] = nsteps, nrows, turned
-    istate[S_IDLE] = 1 if idle else 0
+    istate[S_RUNLEN], istate[S_KVHLEN], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED] = \
+        run_len, kvh_len, nsteps, nrows, turned
+    istate[S_IDLE], istate[S_NPEND] = 1 if idle else 0, n_pend
     fstate[0] = now
 
 
@@ -463,8 +734,8 @@ def forget_other_forms(where: Path, form: str) -> bool:
     """Drop this module's cached machine code in ``where`` unless it was compiled from step model form ``form``.
 
     numba keys its cache of these loops on this file alone, but :func:`run_span` compiles
-    :func:`metronome.calibration.step_inputs` into itself: after that function changes (a new term), the cached
-    loop would go on running the old form. A marker beside the cache names the form it was compiled from.
+    :func:`metronome.calibration.step_inputs` and :mod:`metronome.jitter_kernel` into itself: after either
+    changes (a new term), the cached loop would go on running the old form. A marker beside the cache names the form it was compiled from.
     Returns whether anything was dropped."""
     mark = where / "fastpath.step_inputs.sha256"
     try:
@@ -482,7 +753,8 @@ def forget_other_forms(where: Path, form: str) -> bool:
     return bool(stale)
 
 
-STEP_FORM = hashlib.sha256(inspect.getsource(step_inputs).encode()).hexdigest()
+# what run_span compiles into itself from other modules: the step model's form and the jitter ratio's
+STEP_FORM = hashlib.sha256((inspect.getsource(step_inputs) + inspect.getsource(jitter_kernel)).encode()).hexdigest()
 try:
     _CACHE = Path(run_span._cache._cache_path)  # numba's cache folder for this module (not public API)
 except AttributeError:  # another numba: no guard, as numba itself has none

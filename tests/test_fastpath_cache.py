@@ -1,4 +1,5 @@
-"""The compiled loop's cache follows the step model's form (sim/fastpath.forget_other_forms)."""
+"""The compiled loop's cache follows the form of what it compiles in from elsewhere: the step model and the
+jitter ratio (sim/fastpath.forget_other_forms)."""
 
 from metronome.sim import fastpath as fp
 
@@ -17,10 +18,12 @@ def test_cached_loops_of_another_form_are_dropped_and_todays_kept(tmp_path):
     assert fp.forget_other_forms(tmp_path, fp.STEP_FORM) is False and kept.exists()
 
 
-def test_the_form_is_the_step_models_own_source():
+def test_the_form_is_the_step_models_and_the_jitter_kernels_source():
     import hashlib
     import inspect
 
+    from metronome import jitter_kernel
     from metronome.calibration import step_inputs
 
-    assert fp.STEP_FORM == hashlib.sha256(inspect.getsource(step_inputs).encode()).hexdigest()
+    form = inspect.getsource(step_inputs) + inspect.getsource(jitter_kernel)
+    assert fp.STEP_FORM == hashlib.sha256(form.encode()).hexdigest()

@@ -46,6 +46,33 @@ def test_draws_are_pure_in_seed_step_and_frame():
     assert d.ratio(17, 5)[0] != d.ratio(17, 500)[0]
 
 
+def test_the_compiled_normal_cdf_is_the_normal_cdf():
+    """jitter_kernel.ndtr (compiled, so the simulator's loop can call it) against the CDF to 40 digits, and
+    scipy's own to a few ulps where a step's score lies."""
+    import mpmath
+    from scipy.special import ndtr as scipy_ndtr
+
+    from metronome.jitter_kernel import ndtr
+
+    mpmath.mp.dps = 40
+    ys = np.concatenate([np.linspace(-37.0, 8.0, 4001), np.random.default_rng(0).normal(size=2000) * 3])
+    got = np.array([ndtr(y) for y in ys])
+    exact = np.array([float(mpmath.ncdf(mpmath.mpf(float(y)))) for y in ys])
+    # within a few rounding errors of y·√½ (which far in the lower tail moves the CDF by ~y² ulps)
+    tol = np.finfo(float).eps * (4 + ys * ys) * exact
+    assert np.all(np.abs(got - exact) <= tol), ys[np.argmax(np.abs(got - exact) / tol)]
+    core = np.abs(ys) < 8.3
+    assert np.allclose(got[core], scipy_ndtr(ys[core]), rtol=4e-15, atol=0)
+
+
+def test_the_compiled_interpolation_is_numpys_exactly():
+    from metronome.jitter_kernel import interp
+
+    p, r = np.array(JITTER).T
+    x = np.concatenate([np.random.default_rng(1).random(20_000), p, np.nextafter(p, -1), np.nextafter(p, 2)])
+    assert np.array_equal(np.array([interp(v, p, r) for v in x]), np.interp(x, p, r))
+
+
 def test_independent_draws_are_unchanged_and_need_no_frame():
     m = StepLatencyModel(0.001, 0.0, 0.0, 0.0, jitter=JITTER)
     idx = np.arange(5000)

@@ -124,8 +124,8 @@ def _tables_equal(x, y):
 ], ids=["moshi-all", "moshi-poisson", "moshi-sinks-ramp", "minicpm-8-out", "qwen25-window"])
 @pytest.mark.parametrize("phases", ["aligned", "independent"])
 def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy, arrivals, durations, horizon, phases):
-    """Aligned: the numpy lockstep span; independent: the compiled loop (sim/fastpath.py). Both must give the
-    step-by-step tables bit for bit, through arrivals, departures, preemption and the length limit."""
+    """The compiled loop (sim/fastpath.py) under both phase regimes must give the step-by-step tables bit for
+    bit, through arrivals, departures, preemption and the length limit."""
     c = calibration.load(preset)
     c = replace(c, engine=replace(c.engine, num_blocks=1_500))
     sc = Scenario(c, policy, arrivals, horizon, durations=durations, seed=3, phases=phases)
@@ -138,20 +138,27 @@ def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy,
 JITTER = ((0.0, 0.8), (0.5, 1.0), (0.99, 1.7), (1.0, 2.5))
 
 
+# a measured calibration's jitter: slow spells (a shared AR(1) over frames) and a frame-only part
+SPELLS = dict(jitter_shared=0.6, jitter_tau_s=0.5, jitter_frame=0.15)
+
+
 @pytest.mark.parametrize("admission,kv,jitter,maxlen", [
     ("aimd", "sinks", False, None),
     ("gradient", "sinks", True, None),
     ("static:40", "unbounded", True, None),
     ("none", "sinks", False, 400),  # sessions reach max_model_len (32 s) and are rebased
     ("aimd", "unbounded", False, None),  # the pool runs dry: preemption and readmission
-], ids=["aimd", "gradient-jitter", "static-jitter", "rebase", "aimd-unbounded"])
+    ("aimd", "sinks", "spells", None),
+    ("static:40", "unbounded", "spells", None),
+], ids=["aimd", "gradient-jitter", "static-jitter", "rebase", "aimd-unbounded", "aimd-spells", "static-spells"])
 def test_the_compiled_loop_reproduces_the_step_by_step_engine_under_independent_phases(admission, kv, jitter, maxlen):
     from metronome.sim.scenario import make_scenario
 
     c = calibration.load("moshi-7b-h200")
     c = replace(c, engine=replace(c.engine, num_blocks=900))
     if jitter:
-        c = replace(c, step_latency=replace(c.step_latency, jitter=JITTER, frame_first_s=0.002))
+        c = replace(c, step_latency=replace(c.step_latency, jitter=JITTER, frame_first_s=0.002,
+                                            **(SPELLS if jitter == "spells" else {})))
     if maxlen:
         c = replace(c, model=replace(c.model, max_model_len_tokens=maxlen))
     sc = make_scenario(c, kv=kv, sinks=16 if kv == "sinks" else None, window=240 if kv == "sinks" else None,
