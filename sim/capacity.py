@@ -91,7 +91,7 @@ def capacity(cal: Calibration, policy: KVPolicy, deadline_s: float | None = None
              percentile: float = 99.0, duration_s: float | None = None,
              progress: Callable[[int, float], None] | None = None, phases: str = "independent") -> dict:
     deadline_s = deadline_s or cal.stream.frame_period_s
-    fm = FillModel(cal, policy)
+    fm = FillModel(cal, policy, phases)
     ceiling = fm.memory_ceiling(duration_s if duration_s is not None else (None if policy.bounded else 600.0))
     n_dead, evals = deadline_n_star(cal, policy, deadline_s, target_fraction, percentile, duration_s,
                                     progress=progress, phases=phases)

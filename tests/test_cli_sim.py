@@ -1,6 +1,7 @@
 """metronome-sim as a user runs it: what it prints, what it writes, and how it fails."""
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -17,7 +18,12 @@ def test_run_prints_t_sat_and_writes_its_files(tmp_path):
     out = tmp_path / "run"
     r = run_cli("run", "--sessions", "300", "--horizon", "90", "--num-blocks", "6000", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    assert "t_sat" in r.stdout and "predicted 25.7 s" in r.stdout and "observed" in r.stdout
+    # 300 sessions are past this preset's throughput (N* 122), so their KV grows on the engine's clock, not the
+    # stream's 25.7 s (20 blocks each of 6000, 321 tokens at 12.5 tokens/s): the line prints both t_sat, and they
+    # agree to within a frame period (the simulator's sessions join up to one period late)
+    m = re.search(r"predicted ([0-9.]+) s · observed ([0-9.]+) s", r.stdout)
+    assert m, r.stdout
+    assert float(m.group(1)) > 30.0 and abs(float(m.group(1)) - float(m.group(2))) <= 0.08 + 0.05, r.stdout
     assert "COLLAPSED" in r.stdout
     assert sorted(p.name for p in out.iterdir()) == ["frames.parquet", "sessions.parquet", "steps.parquet",
                                                      "summary.json"]
