@@ -39,11 +39,13 @@ __all__ = [
     "SummaryKey",
     "UNIT_TYPES",
     "check_types",
+    "collapse_decided",
     "collapsed",
     "percentile",
     "shared_keys",
     "shared_summary",
     "weighted_percentile",
+    "wilson_interval",
 ]
 
 COLLAPSE_SILENT_FRACTION = 0.01
@@ -162,6 +164,9 @@ SIM_ONLY_KEYS = {
     "goodput_frames_per_s": "non-silent on-time frames per simulated second",
     "goodput_sessions": "goodput in sessions (goodput_frames_per_s × frame period)",
     "steps_outside_fit": "steps outside the calibration's fitted range",
+    "stopped_early_s": "when a run asked to stop once its outcome was decided stopped (s; None: it ran to the "
+                       "horizon); collapsed and t_sat_observed_s are the full run's, the other figures cover only "
+                       "the time simulated",
     "seed": "the workload's and the jitter's seed", "wall_s": "wall-clock seconds the simulation took",
 }
 
@@ -206,7 +211,29 @@ def collapsed(t_sat_s: float | None, tick_s, frames, silent_preempted) -> bool:
     after = np.asarray(tick_s, dtype=float) >= t_sat_s
     f_after = int(np.asarray(frames, dtype=np.int64)[after].sum())
     s_after = int(np.asarray(silent_preempted, dtype=np.int64)[after].sum())
-    return f_after > 0 and s_after / f_after >= COLLAPSE_SILENT_FRACTION
+    return collapse_decided(s_after, f_after, 0)
+
+
+def collapse_decided(silent_after: int, frames_after: int, frames_left: int) -> bool:
+    """Collapsed whatever happens next: ``silent_after`` silent frames of admitted sessions among ``frames_after``
+    frames answered since t_sat, and even if all of the at most ``frames_left`` frames still to be answered came
+    back non-silent the share would stay at or above :data:`COLLAPSE_SILENT_FRACTION`. With ``frames_left = 0``
+    this is the verdict itself (:func:`collapsed`), so a run stopped on it ends as the full run would."""
+    total = frames_after + frames_left
+    return total > 0 and silent_after / total >= COLLAPSE_SILENT_FRACTION
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval (default 95%) for a binomial proportion: ``successes`` of ``trials``
+    independent runs. Unlike the normal interval it stays inside [0, 1] and is not empty at 0 or all of
+    ``trials`` (5 runs, none collapsed: 0-43%), which is what a Monte Carlo cell of a few runs needs."""
+    if trials <= 0:
+        return 0.0, 1.0
+    p = successes / trials
+    z2 = z * z
+    centre = (p + z2 / (2 * trials)) / (1 + z2 / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials * trials)) / (1 + z2 / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, late, tokens, t_sat_s,

@@ -38,16 +38,25 @@ RUN_COLUMNS = ("seed", "collapsed", "t_sat_observed_s", "silent_frame_fraction",
                "sessions_offered", "sessions_admitted", "frames")
 
 
-def run_one(point: dict[str, Any]) -> dict[str, Any]:
-    s = scn.run(scn.make_scenario(**point)).summary
-    return {k: s[k] for k in RUN_COLUMNS} | {"p_saturate_predicted": s["p_saturate_predicted"]}
+def run_one(point: dict[str, Any], stop_when_decided: bool = False) -> dict[str, Any]:
+    """One Monte Carlo run's figures. ``stop_when_decided``: stop once collapsed or every session has ended
+    (:func:`metronome.sim.scenario.run`): ``collapsed`` and ``t_sat_observed_s`` are the full run's, the other
+    figures cover only the time simulated (``stopped_early_s``)."""
+    s = scn.run(scn.make_scenario(**point), stop_when_decided=stop_when_decided).summary
+    return {k: s[k] for k in RUN_COLUMNS} | {"p_saturate_predicted": s["p_saturate_predicted"],
+                                             "stopped_early_s": s["stopped_early_s"]}
+
+
+def run_decided(point: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run_one` stopped once decided (module-level, so a process pool can pickle it)."""
+    return run_one(point, stop_when_decided=True)
 
 
 def predicted_collapse_probability(sc: scn.Scenario) -> float | None:
     """The fill model's P(collapse) for a scenario of N sessions started together (None otherwise)."""
     if sc.arrivals.kind != "all" or sc.admission is not None:
         return None
-    fm = FillModel(sc.calibration, sc.policy)
+    fm = FillModel(sc.calibration, sc.policy, sc.phases)
     durations = sc.durations or Durations("fixed", sc.horizon_s * 2)
     return fm.p_collapse_fixed(sc.arrivals.sessions, durations, sc.horizon_s,
                                silent_fraction=scn.COLLAPSE_SILENT_FRACTION)

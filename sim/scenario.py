@@ -23,7 +23,8 @@ from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
 from metronome.kv_policy import KVPolicy
 from metronome.outputs import atomic_dir, write_json
-from metronome.results import COLLAPSE_SILENT_FRACTION, REFUSED_REASONS, shared_summary  # noqa: F401 (re-export)
+from metronome.results import (COLLAPSE_SILENT_FRACTION, REFUSED_REASONS, collapse_decided,  # noqa: F401 (re-export)
+                               shared_summary)
 from metronome.workload import Arrivals, Durations, draw, draw_phases
 
 from metronome.sim.engine import SimEngine
@@ -52,7 +53,7 @@ class Scenario:
             raise MetronomeError(f"--deadline must be positive seconds, got {self.deadline_s}")
         if self.policy.block_size != self.calibration.engine.block_size_tokens:
             raise MetronomeError("the KV policy's block size differs from the calibration's")
-        fm = FillModel(self.calibration, self.policy)
+        fm = FillModel(self.calibration, self.policy, self.phases)
         one = self.policy.resident_blocks(self.calibration.stream.prompt_tokens + self.calibration.stream.kv_tokens_per_frame)
         if fm.usable_blocks < int(one):
             raise MetronomeError(
@@ -86,9 +87,16 @@ def workload(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
     return draw(sc.arrivals, sc.durations, sc.horizon_s, sc.seed)
 
 
-def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False, engine_model=None) -> Result:
+def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False, engine_model=None,
+        stop_when_decided: bool = False) -> Result:
     """Simulate one scenario. ``engine_model``: the scheduler class (default :class:`metronome.serving.EngineModel`;
-    the differential test passes an adapter over vLLM's own scheduler)."""
+    the differential test passes an adapter over vLLM's own scheduler).
+
+    ``stop_when_decided``: stop as soon as the run's outcome can no longer change (:class:`_Decided`): it has
+    collapsed whatever the frames still to come, or every session has ended. ``collapsed`` and
+    ``t_sat_observed_s`` are then the full run's; the other figures cover only the time simulated, and
+    ``stopped_early_s`` says when it stopped (None when it ran to the horizon). For Monte Carlo cells, where
+    only those two matter and an overloaded run past its collapse is the simulator's slowest work."""
     wall0 = time.perf_counter()
     arrival, duration = workload(sc)
     env = simpy.Environment()
@@ -98,7 +106,20 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
                     seed=sc.seed, phase_slot=draw_phases(arrival.size, sc.phases, sc.seed), phases=sc.phases,
                     loop=sc.loop, **({"engine_model": engine_model} if engine_model is not None else {}))
     eng.start()
-    env.run(until=sc.horizon_s)
+    stopped = None
+    if stop_when_decided:
+        # SimPy runs in chunks: run(until=t) stops before the events at t and the next call takes them up in
+        # the same order, so a run that is never stopped is the same run as one call to the horizon
+        decided = _Decided(eng)
+        chunk = sc.horizon_s / DECIDE_CHUNKS
+        for k in range(1, DECIDE_CHUNKS + 1):
+            t = sc.horizon_s if k == DECIDE_CHUNKS else k * chunk
+            env.run(until=t)
+            if k < DECIDE_CHUNKS and decided():
+                stopped = round(t, 6)
+                break
+    else:
+        env.run(until=sc.horizon_s)
     eng.finalize()
     steps, frames = eng.steps.frame(), eng.frames.frame()
     sessions = pd.DataFrame({
@@ -115,13 +136,68 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
         "rebases": eng.s_rebase,
     })
     summary = summarize(sc, eng, steps, frames, sessions)
+    summary["stopped_early_s"] = stopped
     summary["wall_s"] = round(time.perf_counter() - wall0, 4)
     trace = controller.trace() if controller is not None and hasattr(controller, "trace") else None
     return Result(sc, summary, steps, frames, sessions, trace, fast_steps=eng.fast_steps)
 
 
+DECIDE_CHUNKS = 200  # a run that stops once decided looks at the engine this many times over its horizon
+
+
+class _Decided:
+    """Whether a running engine's outcome is settled: every session has ended (nothing can change), the pool
+    can no longer run dry (so neither t_sat nor collapse can happen), or it has collapsed whatever the frames
+    still to be answered are (:func:`metronome.results.collapse_decided`).
+
+    **Can no longer run dry**: t_sat is the first step that preempted, and the engine preempts only when a
+    session needs a block the pool does not have. A session never holds more blocks than its history at the
+    end of its life needs (``resident_blocks`` of the prompt and every frame it can still answer, one frame
+    more for a chunk in flight; a bounded policy's peak at most), so when those maxima of the sessions not yet
+    ended (arrived or not) sum to at most the pool less vLLM's watermark, no allocation can fail from then on.
+
+    The frames still to come are bounded from above: a session's frames tick from when it entered (at or after
+    its arrival) until it leaves (``duration`` later) or the horizon, so it answers at most
+    ``floor(min(duration, horizon - arrival) / P) + 2`` frames in all (the 2: a tick at each end), less those it
+    has answered (``s_frames``); frames answered but not yet written to the frames table are added back. The
+    silent frames after t_sat only grow. The frames table is read once, chunk by chunk, as it grows."""
+
+    def __init__(self, eng: SimEngine):
+        from metronome.sim.engine import ENDED, REFUSED
+
+        self.eng = eng
+        self.terminal = (ENDED, REFUSED)
+        span = np.minimum(eng.duration, eng.horizon - eng.arrival)
+        self.most = np.where(span >= 0, np.floor(span / eng.P) + 2, 0).astype(np.int64)
+        self.seen = 0  # frames-table chunks already counted
+        self.frames_after = self.silent_after = 0
+        st, policy = eng.cal.stream, eng.policy
+        tokens = max(st.prompt_tokens, 1) + st.kv_tokens_per_frame * (self.most + 1)
+        self.max_blocks = np.asarray(policy.resident_blocks(tokens), dtype=np.int64)
+        if policy.bounded:
+            self.max_blocks = np.minimum(self.max_blocks, FillModel(eng.cal, policy).peak_resident_blocks)
+        self.room = eng.num_blocks - eng.cal.engine.watermark_blocks
+
+    def __call__(self) -> bool:
+        eng = self.eng
+        done = np.isin(eng.state, self.terminal)
+        if done.all() and eng.next_arrival >= len(eng.arrival):
+            return True
+        if eng.t_sat is None:
+            return int(self.max_blocks[~done].sum()) <= self.room
+        ch = eng.frames.chunks
+        for j in range(self.seen, len(ch["tick_s"])):
+            after = ch["tick_s"][j] >= eng.t_sat
+            self.frames_after += int(ch["frames"][j][after].sum())
+            self.silent_after += int(ch["silent_preempted"][j][after].sum())
+        self.seen = len(ch["tick_s"])
+        buffered = sum(a[0] for a in eng._answers.values())
+        left = int(np.maximum(self.most - eng.s_frames, 0)[~done].sum()) + buffered
+        return collapse_decided(self.silent_after, self.frames_after, left)
+
+
 def _predictions(sc: Scenario) -> dict:
-    fm = FillModel(sc.calibration, sc.policy)
+    fm = FillModel(sc.calibration, sc.policy, sc.phases)
     out = {"t_sat_predicted_s": None, "p_saturate_predicted": None,
            "memory_ceiling": fm.memory_ceiling(sc.durations.mean_s if sc.durations else sc.horizon_s)}
     if sc.arrivals.kind == "all":

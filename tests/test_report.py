@@ -23,7 +23,8 @@ SMALL = {"small-h200": ("moshi-7b-h200", 2000), "small-b200": ("moshi-7b-b200", 
 # an evening of three hours (2, then 6, then 2 sessions/s) for the "How many GPUs" section; small-h200 priced
 OFFERED = "3600:2,3600:6,3600:2"
 H200_PRICE = 3.5
-ARGS = ["--session-duration", "exp:120", "--mc-runs", "2", "--workers", "2", "--offered-load", OFFERED,
+# --mc-edge-runs 4: the band's edge is refined (to 4 runs a cell, not the default 20) and the build stays short
+ARGS = ["--session-duration", "exp:120", "--mc-runs", "2", "--mc-edge-runs", "4", "--workers", "2", "--offered-load", OFFERED,
         "--gpu-price", f"small-h200={H200_PRICE:g}"]
 
 
@@ -232,11 +233,20 @@ def test_the_bound_prevents_collapse_and_latency_becomes_the_signal(report):
 def test_metastability_grid_is_predicted_and_simulated_side_by_side(report):
     for c in report["data"]["calibrations"]:
         m = c["metastability"]
-        assert m["sessions"][-1] == round(1.5 * c["capacity"]["memory_ceiling"])
+        # the grid is in units of the binding N (here the deadline's N*), both sides of it
+        assert m["sessions"][-1] == round(1.5 * c["capacity"]["n_star"]) and m["n_star"] == c["capacity"]["n_star"]
+        assert m["past_n_star"] == [n > c["capacity"]["deadline_n_star"] for n in m["sessions"]]
         for key in ("unbounded", "bounded"):
             p = m["policies"][key]
             assert len(p["predicted"]) == len(p["simulated_collapse"]) == len(m["mean_duration_s"])
             assert all(0 <= x <= 1 for row in p["predicted"] + p["simulated_collapse"] for x in row)
+        for key in ("unbounded", "bounded"):  # each cell's Wilson interval holds its simulated share
+            p = m["policies"][key]
+            for row_c, row_i, row_n in zip(p["simulated_collapse"], p["collapse_interval"], p["runs"]):
+                for share, (lo, hi), runs in zip(row_c, row_i, row_n):
+                    assert lo <= share <= hi and runs >= c["metastability"]["runs_per_cell"]
+                    if 0 < share < 1:  # on the band's edge: topped up (--mc-edge-runs 4)
+                        assert runs == m["edge_runs"] == 4
         u = m["policies"]["unbounded"]
         assert max(map(max, u["predicted"])) > 0.9 and min(map(min, u["predicted"])) < 0.1  # both sides of the race
         b = m["policies"]["bounded"]
@@ -373,6 +383,7 @@ def _live(tmp_path, obj, name="live") -> str:
     (["--window", "8"], "under one block"),
     (["--sinks", "400", "--window", "368"], "fewer than the window"),
     (["--mc-runs", "0"], "--mc-runs must be >= 1"),
+    (["--mc-edge-runs", "0"], "--mc-edge-runs must be >= 1"),
     (["--deadline", "-1"], "--deadline must be positive"),
     (["--arrival-rate", "0"], "--arrival-rate must be a positive"),
     (["--session-duration", "exp:-3"], "session duration must be positive"),
@@ -450,3 +461,47 @@ def test_both_regimes_are_shown_when_their_n_star_differ_by_more_than_ten_percen
     assert "45% fewer than under independent phases" in regime_words(c(512, 283))
     assert "Under aligned" not in regime_words(c(512, 470))  # 8% apart: one answer
     assert "Under aligned phases N* would be 450" in regime_words(c(400, 450))  # 12.5% more
+
+
+def test_past_n_star_is_marked_and_intervals_shown_in_the_metastability_tables(report):
+    from metronome.report.answer import PAST_N_STAR, mc_sessions_labels, pct
+
+    # (the small pools bind by memory, so no cell of the shared report is past the deadline's N*)
+    assert mc_sessions_labels({"sessions": [61, 122, 183], "past_n_star": [False, False, True]}) == [
+        "61", "122", f"183 {PAST_N_STAR}"]
+
+    section = md_section(report["md"], "Metastability")
+    tables = md_tables(section)
+    c = report["data"]["calibrations"][0]
+    m = c["metastability"]
+    header = tables[0][0]
+    assert [h.endswith(PAST_N_STAR) for h in header[1:]] == m["past_n_star"]
+    lo, hi = m["policies"]["unbounded"]["collapse_interval"][0][0]
+    runs = m["policies"]["unbounded"]["runs"][0][0]
+    assert f"[{pct(lo)}–{pct(hi)}, {runs} runs]" in tables[0][1][1]
+
+
+def test_the_memory_ceiling_row_is_memory_and_max_num_seqs_has_its_own():
+    """qwen3-omni-30b-a3b-b200: the pool holds 1,804 bounded sessions, vLLM's max_num_seqs caps them at 1,024."""
+    from metronome import calibration
+    from metronome.report.answer import answer_rows
+    from metronome.report.plan import ReportOptions, make_plan
+
+    plan = make_plan("qwen3-omni-30b-a3b-b200", calibration.load("qwen3-omni-30b-a3b-b200"),
+                     ReportOptions(calibrations=("qwen3-omni-30b-a3b-b200",)))
+    assert (plan.pool_ceiling, plan.memory_ceiling) == (1804, 1024)
+    assert plan.fill_bounded.seqs_bind
+
+
+def test_answer_rows_say_when_max_num_seqs_caps_first(report):
+    import copy
+
+    from metronome.report.answer import answer_rows
+
+    c = copy.deepcopy(report["data"]["calibrations"][0])
+    rows = dict(answer_rows(c))
+    assert "max_num_seqs" not in rows and rows["memory ceiling"].startswith(f"{c['pool_ceiling']:,} sessions")
+    c.update(seqs_bind=True, max_num_seqs=7, pool_ceiling=900)
+    rows = dict(answer_rows(c))
+    assert rows["memory ceiling"].startswith("900 sessions")
+    assert rows["max_num_seqs"].startswith("7 sessions") and "before memory" in rows["max_num_seqs"]

@@ -19,6 +19,7 @@ from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.errors import MetronomeError
 from metronome.kv_policy import BOUNDED_KINDS, POLICY_KINDS
 from metronome.outputs import check_out, write_outputs
+from metronome.report.plan import DEFAULT_MC_RUNS, MC_EDGE_RUNS
 
 DEFAULT_CALIBRATION = "moshi-7b-h200"
 
@@ -557,19 +558,24 @@ def cmd_report(args) -> int:
     import shlex
 
     from metronome.report import ReportOptions, build_report, write_report
+    from metronome.sim.cache import ResultCache
 
     out = out_dir(args)
     options = ReportOptions(
         calibrations=tuple(args.calibration or [DEFAULT_CALIBRATION]), kv=args.kv, sinks=args.sinks,
         window=args.window, session_duration=args.session_duration, deadline_s=args.deadline,
-        arrival_rate=args.arrival_rate, seed=args.seed, mc_runs=args.mc_runs, live=tuple(args.live or ()),
+        arrival_rate=args.arrival_rate, seed=args.seed, mc_runs=args.mc_runs, mc_edge_runs=args.mc_edge_runs, live=tuple(args.live or ()),
         phases=args.phases, offered_load=args.offered_load, max_refusal=args.max_refusal,
         gpu_prices=tuple(_prices(args.gpu_price).items()))
     executor = _executor(args)
     con = _console()
     command = " ".join(shlex.quote(a) for a in ["metronome-sim", *sys.argv[1:]])
-    with _phases(con) as phase:
-        data = build_report(options, executor=executor, progress=phase, command=command)
+    cache = ResultCache(enabled=not args.no_cache)
+    try:
+        with _phases(con) as phase:
+            data = build_report(options, executor=executor, progress=phase, command=command, cache=cache)
+    finally:
+        cache.close()
     write_report(data, out, args.replace)
     from metronome.report.answer import headline
 
@@ -577,7 +583,8 @@ def cmd_report(args) -> int:
         con.print(f"[bold]{c['name']}[/] ({c['provenance']['kind']}): {headline(c)}")
     size_mb = (out / "report.html").stat().st_size / 1e6
     con.print(f"wrote {out}/report.html ({size_mb:.1f} MB), {out}/report.md and {out}/report.json "
-              f"in {data['wall_s']:.0f} s ({data['simulated_runs']} simulated runs)")
+              f"in {data['wall_s']:.0f} s ({data['simulated_runs']} simulated runs; "
+              + (f"{cache.hits} read from the cache in {cache.directory})" if cache.enabled else "cache off)"))
     return 0
 
 
@@ -633,8 +640,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "real clients; default) or all in lockstep (a fixed-batch server); N* is computed under "
                          "both and shown twice when they differ by more than 10%%")
     rp.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    rp.add_argument("--mc-runs", dest="mc_runs", type=int, default=5,
-                    help="Monte Carlo runs per metastability cell (default 5)")
+    rp.add_argument("--mc-runs", dest="mc_runs", type=int, default=DEFAULT_MC_RUNS,
+                    help=f"Monte Carlo runs per metastability cell in the first pass (default {DEFAULT_MC_RUNS}); cells on the edge "
+                         "of the collapse band are then topped up to --mc-edge-runs")
+    rp.add_argument("--mc-edge-runs", dest="mc_edge_runs", type=int, default=MC_EDGE_RUNS,
+                    help="runs of a metastability cell on the collapse band's edge: some runs collapsed and some "
+                         f"not, or a neighbour's outcome differs (default {MC_EDGE_RUNS}; never fewer than --mc-runs)")
+    rp.add_argument("--no-cache", dest="no_cache", action="store_true",
+                    help="simulate every point and store nothing (default: reuse points simulated before, from "
+                         "$METRONOME_CACHE_DIR, else $XDG_CACHE_HOME/metronome or ~/.cache/metronome)")
     rp.add_argument("--live", action="append", default=None,
                     help="live results for the fidelity section: the --out folder of metronome-probe validate, of "
                          "metronome-probe run (re-simulated with this calibration unless it has a sim/ folder) or of "

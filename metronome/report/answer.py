@@ -110,8 +110,9 @@ def headline(c: dict) -> str:
                f"would hold more, so raise --max-num-seqs")
     else:
         why = (f"the deadline binds: past {count(cap['deadline_n_star'])} sessions p99 frame latency exceeds "
-               f"{ms(cap['target_latency_s'])}, {TARGET_FRACTION:g} × the deadline; memory would hold "
-               f"{count(cap['memory_ceiling'])}")
+               f"{ms(cap['target_latency_s'])}, {TARGET_FRACTION:g} × the deadline; "
+               + (f"max_num_seqs would allow {count(cap['memory_ceiling'])} and memory {count(c['pool_ceiling'])}"
+                  if c["seqs_bind"] else f"memory would hold {count(cap['memory_ceiling'])}"))
     first = (f"One {c['hardware']} carries {count(n)} concurrent {c['model']} sessions at a frame deadline "
              f"of {deadline_words(c)} with {bound_words(c)} ({why}).")
     if u["collapsed"]:
@@ -147,8 +148,10 @@ def answer_rows(c: dict) -> list[tuple[str, str]]:
         ("hardware · model", f"{c['hardware']} · {c['model']}"),
         ("calibration", f"{c['name']} ({c['provenance']['kind']})"),
         ("workload", f"{deadline_words(c)} frame deadline · session length {c['session_duration']}"),
-        ("memory ceiling", f"{count(cap['memory_ceiling'])} sessions ({pol['describe']}: ≤ "
+        ("memory ceiling", f"{count(c['pool_ceiling'])} sessions ({pol['describe']}: ≤ "
                            f"{pol['peak_blocks_per_session']} blocks = {mib(pol['bytes_per_session'])} each)"),
+        *([("max_num_seqs", f"{count(c['max_num_seqs'])} sessions: vLLM's request limit caps sessions before "
+                            f"memory does")] if c["seqs_bind"] else []),
         ("deadline-bound N*", f"{count(cap['deadline_n_star'])} sessions (p{cap['percentile']:g} ≤ "
                               f"{ms(cap['target_latency_s'])} = {TARGET_FRACTION:g} × deadline)"),
         ("which binds", f"{cap['binding']} → N* = {count(cap['n_star'])} sessions"),
@@ -472,7 +475,8 @@ def fleet_hours_table(series: dict[str, dict]) -> Table:
 
 def seeds_words(data: dict) -> str:
     o = data["options"]
-    return (f"scenario seed {o['seed']}; Monte Carlo seeds {o['seed']}…{o['seed'] + o['mc_runs'] - 1} per cell; "
+    return (f"scenario seed {o['seed']}; Monte Carlo seeds {o['seed']}…{o['seed'] + o['mc_runs'] - 1} per cell, "
+            f"{o['seed']}…{o['seed'] + o['mc_edge_runs'] - 1} on the collapse band's edge; "
             f"AIMD tuning seed {o['seed']} (one seed per setting)")
 
 
@@ -508,19 +512,33 @@ def fill_note(data: dict) -> str:
             "are the simulator; dotted verticals mark the predicted t_sat, crosses the simulated one.")
 
 
+PAST_N_STAR = "†"  # marks a session count past the deadline-bound N* (compute-overloaded)
+
+
+def mc_sessions_labels(m: dict) -> list[str]:
+    """The metastability grid's N labels, those past the deadline-bound N* marked (tables and heatmaps)."""
+    return [count(n) + (f" {PAST_N_STAR}" if past else "") for n, past in zip(m["sessions"], m["past_n_star"])]
+
+
+def mc_cell_words(p: dict, i: int, j: int) -> str:
+    """One cell: predicted / simulated collapse, the simulated share's 95% Wilson interval and its runs."""
+    lo, hi = p["collapse_interval"][i][j]
+    return (f"{pct(p['predicted'][i][j])} / {pct(p['simulated_collapse'][i][j])} "
+            f"[{pct(lo)}–{pct(hi)}, {p['runs'][i][j]} runs]")
+
+
 def metastability_tables(data: dict) -> list[tuple[str, Table]]:
-    """One grid per calibration and policy: predicted / simulated collapse per (mean duration, N)."""
+    """One grid per calibration and policy: predicted / simulated collapse per (mean duration, N), with the
+    simulated share's Wilson interval."""
     out = []
     for c in data["calibrations"]:
         m = c["metastability"]
         for key in ("unbounded", "bounded"):
             p = m["policies"][key]
-            header = ["mean length ↓  N →"] + [count(n) for n in m["sessions"]]
-            rows = []
-            for i, d in enumerate(m["mean_duration_s"]):
-                rows.append([f"{d:g} s"] + [f"{pct(a)} / {pct(b)}" for a, b in
-                                             zip(p["predicted"][i], p["simulated_collapse"][i])])
-            out.append((f"{c['name']} · {p['label']} (predicted / simulated)", (header, rows)))
+            header = ["mean length ↓  N →"] + mc_sessions_labels(m)
+            rows = [[f"{d:g} s"] + [mc_cell_words(p, i, j) for j in range(len(m["sessions"]))]
+                    for i, d in enumerate(m["mean_duration_s"])]
+            out.append((f"{c['name']} · {p['label']} (predicted / simulated [95% interval, runs])", (header, rows)))
     return out
 
 
@@ -530,9 +548,13 @@ def metastability_note(data: dict) -> str:
     return (f"N sessions start together with exponentially distributed lengths of the given mean and run for "
             f"{m['horizon_factor']:g} mean lengths. Predicted: the fill model's probability of collapse: that the pool "
             f"runs dry (exact; a race between fill and sessions ending) and that the survivors it cannot hold then "
-            f"silence at least 1% of the frames. Simulated: the share of {m['runs_per_cell']} seeded runs per "
-            f"cell that collapsed (the pool ran dry and at least 1% of the frames after that were silent frames of "
-            f"sessions that had lost their place). The mean lengths are multiples of the unbounded t_sat at N*. "
+            f"silence at least 1% of the frames. Simulated: the share of seeded runs per cell that collapsed (the "
+            f"pool ran dry and at least 1% of the frames after that were silent frames of sessions that had lost "
+            f"their place), {m['runs_per_cell']} runs per cell, {m['edge_runs']} where the cell is on the band's "
+            f"edge (some runs collapsed and some not, or a neighbour's outcome differs), with its 95% Wilson "
+            f"interval; a run stops once its outcome is decided. N is in units of N* = {count(m['n_star'])}; "
+            f"{PAST_N_STAR} marks N past the deadline-bound N* (compute-overloaded: frames miss their deadline "
+            f"whatever the pool does). The mean lengths are multiples of the unbounded t_sat at N*. "
             f"Without the bound, collapse is metastable: the same N can survive or collapse depending on how long "
             f"conversations happen to last. With it, collapse needs more sessions than the memory ceiling.")
 

@@ -1,19 +1,22 @@
 """The report's numbers: every figure and table, computed from the sim layer into one plain dict.
 
-Three phases, each fanned out over the executor with its own progress:
+Phases, each fanned out over the executor with its own progress:
 
 1. **capacity** per calibration: memory ceiling, deadline-bound N*, which binds;
 2. **AIMD tuning** per calibration on an overload mix at 1.5× N* (a small grid);
-3. **simulation**: everything else in one batch — the unbounded verdict at N*, pool fill for several
-   N, the latency signal against N, the Monte Carlo metastability grid, the admission traces and, for a
-   ``--live`` run folder without a ``sim/`` folder, the run's workload re-simulated with the calibration
-   (and the simulator's N* for the run's policy, pool and deadline);
+3. **simulation**: :func:`metronome.report.plan.simulation_points` lists everything else once N* and the tuned
+   controller are known — the unbounded verdict at N*, pool fill for several N, the latency signal against N,
+   the first Monte Carlo pass of the metastability grid, the admission traces and, for a ``--live`` run folder
+   without a ``sim/`` folder, the run's workload re-simulated with the calibration (and the simulator's N* for
+   the run's policy, pool and deadline) — and it runs as one batch; then the cells on the collapse band's edge
+   are topped up (:func:`~metronome.report.plan.mc_refinement`), a batch per round;
 4. with an offered load (``--offered-load``), **the fleet**: how many GPUs of each calibration carry it with at
    most ``--max-refusal`` refused (Erlang B on N*, and :mod:`metronome.sim.fleet` with a least-loaded router),
    and the day's GPU-hours static and autoscaled, with the cost when ``--gpu-price`` is given.
 
 Every simulated run is seeded by its own point, so the report is the same whichever executor and how
-many workers run it. The dict is JSON-ready; :mod:`metronome.report.answer` turns it into the words and
+many workers run it. Every simulation of phases 1-3 goes through :class:`metronome.sim.cache.ResultCache`: a
+point simulated before (same calibration contents, point, seed and code) is read back, not run. The dict is JSON-ready; :mod:`metronome.report.answer` turns it into the words and
 numbers both renderers print.
 """
 
@@ -32,18 +35,18 @@ import pandas as pd
 from metronome import __version__
 from metronome import calibration as calmod
 from metronome.errors import MetronomeError
-from metronome.kv_policy import KVPolicy
 from metronome.workload import Durations
 
 from metronome.report.live import attach_simulation, check_resimulation, read_live, sim_side
-from metronome.report.plan import (FILL_FRACTIONS, FLEET_DAY_S, MC_FRACTIONS, MC_HORIZON_FACTOR, MISS_BUDGET, OVERLOAD,
-                                   PERCENTILE, SIGNAL_FRACTIONS, TARGET_FRACTION, TUNING_GRID, WINDOW_CONTEXT_S,
-                                   Plan,
-                                   ReportOptions, make_plan)
+from metronome.report.plan import (FLEET_DAY_S, MC_FRACTIONS, MC_HORIZON_FACTOR, MC_REFINE_ROUNDS,
+                                   MISS_BUDGET, OVERLOAD, PERCENTILE, TARGET_FRACTION, TUNING_GRID, WINDOW_CONTEXT_S,
+                                   Plan, ReportOptions, make_plan, mc_refinement, simulation_points)
+from metronome.results import wilson_interval
 from metronome.sim import scenario as scn
+from metronome.sim.cache import ResultCache
 from metronome.sim.capacity import capacity
 from metronome.sim.executors import LocalExecutor
-from metronome.sim.montecarlo import run_one as mc_run_one
+from metronome.sim.montecarlo import run_decided as mc_run_decided
 from metronome.sim.tuning import tune_aimd
 
 # progress(label, total) -> advance(n): one phase of work with a known number of tasks
@@ -56,15 +59,35 @@ TRACE_POINTS = 300  # buckets per admission trace
 
 # ------------------------------------------------------------------------------------------- tasks
 # Module-level so that a process pool or Ray can pickle them. Each returns plain numbers.
-def _capacity_task(task: tuple[str, KVPolicy, float, float | None, str]) -> dict:
-    spec, policy, deadline_s, duration_s, phases = task
-    return capacity(calmod.load(spec), policy, deadline_s, TARGET_FRACTION, PERCENTILE, duration_s, phases=phases)
+def _capacity_task(task: dict) -> dict:
+    """``task``: :meth:`Plan.capacity_task` (calibration spec, policy, deadline, mean duration, phases)."""
+    return capacity(calmod.load(task["calibration"]), task["policy"], task["deadline_s"], TARGET_FRACTION, PERCENTILE,
+                    task["duration_s"], phases=task["phases"])
+
+
+def _prediction_task(task: dict) -> list[float]:
+    """The fill model's [P(collapse), P(saturate)] for one metastability cell: N sessions of exponential mean
+    length ``mean_s`` over ``horizon_s`` (cached and fanned out like a simulation: for an overloaded cell it
+    costs as much as one)."""
+    from metronome.fill_model import FillModel
+
+    fm = FillModel(calmod.load(task["calibration"]), task["policy"])
+    durations = Durations("exponential", task["mean_s"])
+    return [fm.p_collapse_fixed(task["sessions"], durations, task["horizon_s"]),
+            fm.p_saturate_fixed(task["sessions"], durations, task["horizon_s"])]
+
+
+def _prediction_tasks(plan: Plan, n_star: int) -> list[dict]:
+    """The metastability grid's predictions, policy by policy, duration by duration, N by N."""
+    return [{"calibration": plan.spec, "policy": pol, "sessions": n, "mean_s": d, "horizon_s": MC_HORIZON_FACTOR * d}
+            for pol in (plan.unbounded, plan.policy) for d in plan.mc_durations_s(n_star)
+            for n in plan.sessions_grid(MC_FRACTIONS, n_star)]
 
 
 def _sim_task(task: tuple[str, dict]) -> dict:
     kind, point = task
-    if kind == "mc":
-        return mc_run_one(point)
+    if kind == "mc":  # only collapsed and t_sat are read: the run stops once they are decided
+        return mc_run_decided(point)
     res = scn.run(scn.make_scenario(**point))
     out = {"summary": res.summary}
     if kind == "fill":
@@ -177,19 +200,23 @@ def load_plans(options: ReportOptions) -> tuple[list[Plan], list[dict | None]]:
 
 # ------------------------------------------------------------------------------------------- build
 def build_report(options: ReportOptions, executor=None, progress: Progress | None = None,
-                 command: str | None = None) -> dict:
-    """Compute the report's data (see the module docstring). Raises MetronomeError on bad input."""
+                 command: str | None = None, cache: ResultCache | None = None) -> dict:
+    """Compute the report's data (see the module docstring). Raises MetronomeError on bad input. ``cache``:
+    where simulated points are read and stored (default :class:`ResultCache` at its default folder;
+    ``ResultCache(enabled=False)`` runs everything and writes nothing)."""
     t0 = time.perf_counter()
     progress = progress or _noop_progress
     executor = executor or LocalExecutor()
+    cache = cache if cache is not None else ResultCache()
     plans, live = load_plans(options)
 
     # 1. capacity, under the regime the answer assumes and under the other one (the report shows both when
     # they differ by more than REGIME_GAP)
     other = {"independent": "aligned", "aligned": "independent"}[options.phases]
-    tasks = [(p.spec, p.policy, p.deadline_s, p.mean_duration_s, ph) for ph in (options.phases, other) for p in plans]
-    both = executor.map(_capacity_task, tasks, progress=progress("capacity: N* per calibration and regime", len(tasks)))
-    caps, caps_other = both[:len(plans)], both[len(plans):]
+    tasks = [p.capacity_task(ph) for ph in (options.phases, other) for p in plans]
+    both = cache.map(executor, _capacity_task, tasks,
+                     progress=progress("capacity: N* per calibration and regime", len(tasks)))
+    caps, caps_other = copy.deepcopy(both[:len(plans)]), both[len(plans):]
     for cap, alt in zip(caps, caps_other):
         cap["other_regime"] = {k: alt[k] for k in ("phases", "n_star", "deadline_n_star", "binding")}
     for plan, cap in zip(plans, caps):
@@ -201,6 +228,7 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
     # 2. AIMD tuning on the overload mix
     tunings = []
     n_cand = math.prod(len(v) for v in TUNING_GRID.values())
+    tuning_runs = 0
     for plan, cap in zip(plans, caps):
         point = plan.tuning_point(cap["n_star"])
         adv = progress(f"tuning AIMD: {plan.calibration.name} ({n_cand} settings)", n_cand)
@@ -210,58 +238,45 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
             base = {"max_limit": cap["n_star"], "initial_limit": max(1, cap["n_star"] // 2)}
             best, table = tune_aimd({k: v for k, v in point.items() if v is not None}, TUNING_GRID, seeds=1,
                                     seed=plan.seed, miss_budget=MISS_BUDGET, base_params=base,
-                                    executor=executor, progress=adv)
+                                    executor=cache.wrap(executor), progress=adv)
             tunings.append({"best": best, "table": table.to_dict(orient="records"), "point": point, "error": None})
+            tuning_runs += len(table)
         except MetronomeError as exc:  # no feasible setting: recommend the static limit instead
             tunings.append({"best": None, "table": [], "point": point, "error": str(exc)})
+            tuning_runs += n_cand
 
-    # 3. one batch of simulations
-    batch: list[tuple[str, dict]] = []
-    index: list[tuple[int, str, Any]] = []
-
-    def add(ci: int, section: str, key: Any, kind: str, point: dict):
-        batch.append((kind, {k: v for k, v in point.items() if v is not None}))
-        index.append((ci, section, key))
-
-    for ci, (plan, cap, tun) in enumerate(zip(plans, caps, tunings)):
-        n_star = cap["n_star"]
-        bound = plan.bound_options()
-        policies = {"unbounded": {"kv": "unbounded"}, "bounded": bound}
-        add(ci, "verdict", None, "summary", plan.base(kv="unbounded", sessions=n_star, seed=plan.seed,
-                                                      session_duration=plan.session_duration,
-                                                      horizon=2.0 * plan.mean_duration_s))
-        h_fill = plan.fill_horizon_s()
-        for pol, kw in policies.items():
-            for n in plan.sessions_grid(FILL_FRACTIONS):
-                add(ci, "fill", (pol, n), "fill", plan.base(**kw, sessions=n, horizon=h_fill, seed=plan.seed))
-            for n in plan.sessions_grid(SIGNAL_FRACTIONS):
-                add(ci, "signal", (pol, n), "summary", plan.base(**kw, sessions=n, horizon=plan.mean_duration_s,
-                                                                  seed=plan.seed))
-            for n in plan.sessions_grid(MC_FRACTIONS):
-                for d in plan.mc_durations_s(n_star):
-                    for r in range(plan.mc_runs):
-                        add(ci, "mc", (pol, n, d), "mc",
-                            plan.base(**kw, sessions=n, session_duration=f"exp:{d:g}",
-                                      horizon=MC_HORIZON_FACTOR * d, seed=plan.seed + r))
-            params = tun["best"]["params"] if tun["best"] else None
-            add(ci, "admission", pol, "admission",
-                {**plan.admission_point(n_star, kw), "aimd_params": params, "seed": plan.seed})
-    for ci, (plan, lv) in enumerate(zip(plans, live)):  # live runs without a sim/ folder: simulate them here
-        for name, run in (lv["runs"].items() if lv and lv["kind"] == "runs" else ()):
-            if run["scenario"] is not None:
-                add(ci, "live", name, "live", {"calibration": plan.spec, **run["scenario"]["options"]})
-    results = executor.map(_sim_task, batch, progress=progress(f"simulating: {len(batch)} runs", len(batch)))
-
+    # 3. every other simulation, planned once, run once; then the collapse band's edge topped up
+    points = [(ci, pt) for ci, (plan, cap, tun, lv) in enumerate(zip(plans, caps, tunings, live))
+              for pt in simulation_points(plan, cap, tun["best"]["params"] if tun["best"] else None, lv)]
     per_cal: list[dict[str, dict]] = [{"fill": {}, "signal": {}, "mc": {}, "admission": {}, "live": {}}
                                       for _ in plans]
-    for (ci, section, key), res in zip(index, results):
-        if section == "verdict":
-            per_cal[ci]["verdict"] = res["summary"]
-        elif section == "mc":
-            per_cal[ci]["mc"].setdefault(key, []).append(res)
-        else:
-            per_cal[ci][section][key] = res
+    label = f"simulating: {len(points)} runs"
+    for round_ in range(MC_REFINE_ROUNDS + 1):
+        results = cache.map(executor, _sim_task, [(pt.kind, pt.point) for _, pt in points],
+                            progress=progress(label, len(points)))
+        for (ci, pt), res in zip(points, results):
+            if pt.section == "verdict":
+                per_cal[ci]["verdict"] = res["summary"]
+            elif pt.section == "mc":
+                per_cal[ci]["mc"].setdefault(pt.key, []).append(res)
+            else:
+                per_cal[ci][pt.section][pt.key] = res
+        if round_ == MC_REFINE_ROUNDS:
+            break
+        points = [(ci, pt) for ci, (plan, cap) in enumerate(zip(plans, caps))
+                  for pt in mc_refinement(plan, cap["n_star"], _mc_counts(per_cal[ci]["mc"]))]
+        if not points:
+            break
+        label = f"refining the collapse band's edge: {len(points)} runs"
+    simulated = sum(len(per_cal[ci]["fill"]) + len(per_cal[ci]["signal"]) + len(per_cal[ci]["admission"])
+                    + len(per_cal[ci]["live"]) + 1 + sum(len(v) for v in per_cal[ci]["mc"].values())
+                    for ci in range(len(plans)))
 
+    tasks = [t for plan, cap in zip(plans, caps) for t in _prediction_tasks(plan, cap["n_star"])]
+    preds = iter(cache.map(executor, _prediction_task, tasks,
+                           progress=progress(f"predicting: {len(tasks)} metastability cells", len(tasks))))
+    for plan, cap, raw in zip(plans, caps, per_cal):
+        raw["predicted"] = [next(preds) for _ in _prediction_tasks(plan, cap["n_star"])]
     cals = [_calibration_data(plan, cap, tun, raw, lv)
             for plan, cap, tun, raw, lv in zip(plans, caps, tunings, per_cal, live)]
     fleet = _fleet_data(options, plans, caps, executor, progress) if options.offered_load is not None else None
@@ -270,18 +285,25 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
         "options": {"calibrations": list(options.calibrations), "kv": options.kv, "sinks": options.sinks,
                     "window": options.window, "session_duration": options.session_duration,
                     "deadline_s": options.deadline_s, "arrival_rate": options.arrival_rate, "seed": options.seed,
-                    "mc_runs": options.mc_runs, "live": list(options.live), "phases": options.phases,
+                    "mc_runs": options.mc_runs, "mc_edge_runs": plans[0].edge_runs,
+                    "live": list(options.live), "phases": options.phases,
                     "offered_load": options.offered_load, "max_refusal": options.max_refusal,
                     "gpu_prices": dict(options.gpu_prices)},
         "command": command or reproduce_command(options),
         "reproduce": reproduce_command(options),
         "versions": _versions(),
         "executor": getattr(executor, "name", type(executor).__name__),
-        "simulated_runs": len(batch) + sum(len(t["table"]) for t in tunings),
+        "simulated_runs": simulated + tuning_runs,
+        "cache": cache.stats(),
         "wall_s": round(time.perf_counter() - t0, 2),
         "calibrations": cals,
         "fleet": fleet,
     })
+
+
+def _mc_counts(mc: dict) -> dict[tuple, tuple[int, int]]:
+    """(policy, N, d) -> (collapsed runs, runs) of the Monte Carlo runs so far."""
+    return {key: (sum(bool(r["collapsed"]) for r in runs), len(runs)) for key, runs in mc.items()}
 
 
 def _fleet_data(options: ReportOptions, plans: list[Plan], caps: list[dict], executor, progress: Progress) -> dict:
@@ -316,7 +338,8 @@ def reproduce_command(options: ReportOptions, out: str = "OUT") -> str:
         parts += ["--deadline", f"{options.deadline_s:g}"]
     if options.arrival_rate is not None:
         parts += ["--arrival-rate", f"{options.arrival_rate:g}"]
-    parts += ["--phases", options.phases, "--seed", str(options.seed), "--mc-runs", str(options.mc_runs)]
+    parts += ["--phases", options.phases, "--seed", str(options.seed), "--mc-runs", str(options.mc_runs),
+              "--mc-edge-runs", str(options.mc_edge_runs)]
     for d in options.live:
         parts += ["--live", d]
     if options.offered_load is not None:
@@ -351,7 +374,7 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
     labels = {"unbounded": "unbounded", "bounded": pol.describe()}
 
     # pool fill: predicted line from the fill model, simulated points, t_sat both ways
-    h_fill = plan.fill_horizon_s()
+    h_fill = plan.fill_horizon_s(n_star)
     t_line = np.linspace(0.0, h_fill, FILL_LINE_POINTS)
     usable = fm_b.usable_blocks
     fill = []
@@ -379,29 +402,38 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
             d[k].append(s[k])
 
     # metastability: predicted P(collapse) (and P(saturate)) beside the Monte Carlo fractions per cell
-    ns = plan.sessions_grid(MC_FRACTIONS)
+    ns = plan.sessions_grid(MC_FRACTIONS, n_star)
     ds = plan.mc_durations_s(n_star)
+    # a cell past the deadline-bound N* is compute-overloaded: frames miss their deadline whatever the pool does
     meta = {"sessions": ns, "mean_duration_s": ds, "runs_per_cell": plan.mc_runs,
+            "edge_runs": plan.edge_runs, "n_star": n_star,
+            "past_n_star": [n > cap["deadline_n_star"] for n in ns],
             "horizon_factor": MC_HORIZON_FACTOR, "policies": {}}
+    cells = iter(raw["predicted"])  # _prediction_tasks' order: policy, duration, N
     for policy_key in ("unbounded", "bounded"):
-        fm = fm_u if policy_key == "unbounded" else fm_b
-        pred = [[fm.p_collapse_fixed(n, Durations("exponential", d), MC_HORIZON_FACTOR * d) for n in ns] for d in ds]
-        pred_sat = [[fm.p_saturate_fixed(n, Durations("exponential", d), MC_HORIZON_FACTOR * d) for n in ns]
-                    for d in ds]
-        sim_c, sim_s = [], []
+        grid = [[next(cells) for _ in ns] for _ in ds]
+        pred = [[c[0] for c in row] for row in grid]
+        pred_sat = [[c[1] for c in row] for row in grid]
+        sim_c, sim_s, runs_n, interval = [], [], [], []
         for d in ds:
-            rc, rs = [], []
+            rc, rs, rn, ri = [], [], [], []
             for n in ns:
                 runs = raw["mc"][(policy_key, n, d)]
-                rc.append(sum(bool(r["collapsed"]) for r in runs) / len(runs))
+                k = sum(bool(r["collapsed"]) for r in runs)
+                rc.append(k / len(runs))
+                rn.append(len(runs))
+                ri.append([round(x, 4) for x in wilson_interval(k, len(runs))])
                 rs.append(sum(r["t_sat_observed_s"] is not None and not (isinstance(r["t_sat_observed_s"], float)
                                                                           and math.isnan(r["t_sat_observed_s"]))
                               for r in runs) / len(runs))
             sim_c.append(rc)
             sim_s.append(rs)
+            runs_n.append(rn)
+            interval.append(ri)
         meta["policies"][policy_key] = {"label": labels[policy_key], "predicted": [[round(x, 4) for x in r] for r in pred],
                                         "predicted_saturation": [[round(x, 4) for x in r] for r in pred_sat],
-                                        "simulated_collapse": sim_c, "simulated_saturation": sim_s}
+                                        "simulated_collapse": sim_c, "simulated_saturation": sim_s,
+                                        "runs": runs_n, "collapse_interval": interval}
 
     # admission traces on the rising-then-falling pattern
     admission = {"pattern": [[d, round(r, 6)] for d, r in plan.admission_pattern(n_star)],
@@ -445,6 +477,9 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
                    "window_defaulted": plan.window_defaulted, "window_context_s": WINDOW_CONTEXT_S},
         "capacity": cap,
         "memory_ceiling_unbounded": fm_u.memory_ceiling(plan.mean_duration_s),
+        # the pool's own ceiling, and whether vLLM's request limit caps sessions before it (the answer's rows)
+        "pool_ceiling": plan.pool_ceiling, "seqs_bind": bool(fm_b.seqs_bind),
+        "max_num_seqs": cal.engine.max_num_seqs,
         "tuning": {"params": tuned["params"] if tuned else None, "figures": tuned["figures"] if tuned else None,
                    "grid": TUNING_GRID, "miss_budget": MISS_BUDGET, "seeds": tuned["seeds"] if tuned else [plan.seed],
                    "offered_rate_per_s": tun["point"]["arrival_rate"], "overload": OVERLOAD,

@@ -8,6 +8,8 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from metronome.report.answer import PAST_N_STAR, mc_sessions_labels
+
 UNBOUNDED = "#d62728"
 BOUNDED = "#1f77b4"
 GREY = "#7f7f7f"
@@ -92,17 +94,23 @@ def metastability(data: dict) -> go.Figure:
     first = True
     for j, c in enumerate(cals):
         m = c["metastability"]
-        xs = [f"{n:,}" for n in m["sessions"]]
+        xs = mc_sessions_labels(m)  # N past the deadline-bound N* carry a dagger (compute-overloaded)
         ys = [f"{d:g} s" for d in m["mean_duration_s"]]
         for i, key in enumerate(("unbounded", "bounded"), start=1):
             p = m["policies"][key]
-            for k, (z, what) in enumerate(((p["predicted"], "P(collapse), fill model"),
-                                           (p["simulated_collapse"], f"collapsed, {m['runs_per_cell']} runs"))):
+            # the simulated share with its 95% Wilson interval and its runs, in the cell and on hover
+            ci = [[f"{100 * lo:.0f}–{100 * hi:.0f}%" for lo, hi in row] for row in p["collapse_interval"]]
+            extra = [[[a, r] for a, r in zip(ra, rr)] for ra, rr in zip(ci, p["runs"])]
+            for k, (z, what, text) in enumerate((
+                    (p["predicted"], "P(collapse), fill model", "%{z:.0%}"),
+                    (p["simulated_collapse"], "collapsed", "%{z:.0%}<br><sub>%{customdata[0]}</sub>"))):
                 fig.add_trace(go.Heatmap(
                     x=xs, y=ys, z=z, zmin=0, zmax=1, colorscale=HEATMAP_SCALE, showscale=first,
                     colorbar=dict(title=dict(text="probability", side="right"), tickformat=".0%", len=0.8),
-                    texttemplate="%{z:.0%}", textfont=dict(size=11), xgap=2, ygap=2,
-                    hovertemplate=f"N=%{{x}} sessions<br>mean duration %{{y}}<br>{what}: %{{z:.0%}}<extra></extra>"),
+                    texttemplate=text, textfont=dict(size=11), xgap=2, ygap=2, customdata=extra,
+                    hovertemplate=(f"N=%{{x}} sessions<br>mean duration %{{y}}<br>{what}: %{{z:.0%}}"
+                                   + ("<br>95% interval %{customdata[0]} of %{customdata[1]} runs" if k else "")
+                                   + f"<br>({PAST_N_STAR}: past the deadline-bound N*)<extra></extra>")),
                     i, 2 * j + k + 1)
                 first = False
                 fig.update_xaxes(title_text="concurrent sessions N", type="category", row=i, col=2 * j + k + 1)
@@ -146,7 +154,16 @@ def signal(data: dict) -> go.Figure:
                            showarrow=False, xanchor="left", yanchor="bottom", font=dict(color=GREY))
         cap = c["capacity"]
         for r in (1, 2):
-            fig.add_vline(x=cap["memory_ceiling"], line=dict(color=BOUNDED, dash="dot"), row=r, col=j)
+            # both memory ceilings stay marked when the grid (in units of N*) stops short of them
+            fig.add_vline(x=cap["memory_ceiling"], line=dict(color=BOUNDED, dash="dot"), row=r, col=j,
+                          annotation_text=(f"{'max_num_seqs' if c.get('seqs_bind') else 'memory ceiling'} "
+                                           f"{cap['memory_ceiling']:,}" if r == 2 else None),
+                          annotation_font_color=BOUNDED)
+            if c.get("memory_ceiling_unbounded"):
+                fig.add_vline(x=c["memory_ceiling_unbounded"], line=dict(color=UNBOUNDED, dash="dot"), row=r, col=j,
+                              annotation_text=(f"unbounded ceiling {c['memory_ceiling_unbounded']:,}"
+                                               if r == 2 else None), annotation_font_color=UNBOUNDED,
+                              annotation_position="top left")
             fig.add_vline(x=cap["n_star"], line=dict(color="#2ca02c", width=2), row=r, col=j)
         fig.add_annotation(x=cap["n_star"], y=1.0, yref="y domain" if j == 1 else f"y{j} domain",
                            xref="x" if j == 1 else f"x{j}", text=f"N* = {cap['n_star']:,}", showarrow=False,

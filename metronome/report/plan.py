@@ -7,19 +7,29 @@ Everything here is derived from the calibration and the fill model, never picked
   S=16, W=368 = 29.4 s, S+W = 24 blocks), shortened if the pool would hold fewer than 8 such sessions;
 * **the session mix** — exponential durations with a 5-minute mean (``DEFAULT_SESSION_DURATION``);
   the window is then a tenth of a mean conversation;
-* **concurrency** — fractions of the bounded memory ceiling ``c``, up to ``1.5·c``, so every sweep
-  shows both sides of the ceiling;
+* **concurrency** — fractions of the **binding N**: N* = min(deadline-bound N*, memory ceiling), known once the
+  capacity phase has run, up to ``1.5·N*``, so every sweep shows both sides of whatever binds first (a grid in
+  units of the memory ceiling would spend its time far past a deadline that binds first — Moshi/H200: N* = 122
+  against a ceiling of 512 — where frames take minutes and the simulator is slowest). Both memory ceilings
+  stay marked in the figures and tables;
 * **mean session duration** (metastability) — multiples of the unbounded ``t_sat`` at the
   recommended N*, so the grid straddles the race between fill and session length;
 * **offered load** (AIMD tuning and goodput) — Poisson arrivals at ``OVERLOAD × N* / mean duration``,
   i.e. 1.5× what N* sessions can carry, so admission has something to refuse;
-* **the admission trace** — a rising-then-falling rate pattern, one mean duration per step.
+* **the admission trace** — a rising-then-falling rate pattern, one mean duration per step;
+* **Monte Carlo runs** — ``--mc-runs`` runs per metastability cell in a first pass; then every cell on the band's
+  edge (some but not all of its runs collapsed, or next to a cell of another outcome) is topped up to
+  ``MC_EDGE_RUNS`` runs, so the edge is measured to a useful interval without paying for it everywhere.
+
+:func:`simulation_points` lists every simulation of one calibration's report, by section, once the capacity
+and tuning phases are known; :func:`mc_refinement` the extra runs of the band's edge after a pass.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from metronome.calibration import Calibration
 from metronome import serving
@@ -47,6 +57,8 @@ FILL_FRACTIONS = (0.25, 0.5, 1.0, 1.5)
 MC_FRACTIONS = (0.1, 0.25, 0.5, 1.0, 1.5)
 MC_DURATION_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)
 MC_HORIZON_FACTOR = 3.0  # each cell runs 3 mean durations: ~95% of the sessions have ended by then
+MC_EDGE_RUNS = 20  # runs of every cell on the edge of the collapse band (its Wilson interval is then ~±20 points)
+MC_REFINE_ROUNDS = 3  # top-up passes at most: a cell topped up may turn out mixed and bring its neighbours in
 # Small on purpose: the default report must stay fast. `metronome-sim tune-aimd` searches wider.
 TUNING_GRID = {"additive_increase": [1.0, 4.0], "decrease_factor": [0.75, 0.9], "target_fraction": [0.8, 0.9],
                "interval_s": [1.0]}
@@ -66,6 +78,7 @@ class ReportOptions:
     arrival_rate: float | None = None
     seed: int = 0
     mc_runs: int = DEFAULT_MC_RUNS
+    mc_edge_runs: int = MC_EDGE_RUNS  # runs of a cell on the collapse band's edge (at least mc_runs)
     live: tuple[str, ...] = ()
     phases: str = "independent"  # serving.PHASES: the regime the answer assumes
     offered_load: str | None = None  # a rate, a rate pattern or a load CSV: the "How many GPUs" section
@@ -98,6 +111,8 @@ class ReportOptions:
             raise MetronomeError(f"--arrival-rate must be a positive number of sessions/s, got {self.arrival_rate}")
         if self.mc_runs < 1:
             raise MetronomeError(f"--mc-runs must be >= 1, got {self.mc_runs}")
+        if self.mc_edge_runs < 1:
+            raise MetronomeError(f"--mc-edge-runs must be >= 1, got {self.mc_edge_runs}")
         if self.live and len(self.live) > len(self.calibrations):
             raise MetronomeError(f"--live given {len(self.live)} times for {len(self.calibrations)} calibration(s) "
                                  "(one per --calibration, in the same order)")
@@ -117,6 +132,7 @@ class Plan:
     mc_runs: int
     arrival_rate: float | None
     window_defaulted: bool = False
+    mc_edge_runs: int = MC_EDGE_RUNS
     phases: str = "independent"
 
     @property
@@ -136,6 +152,19 @@ class Plan:
         return int(self.fill_bounded.memory_ceiling())
 
     @property
+    def pool_ceiling(self) -> int:
+        """The sessions the pool alone holds under the bound: the memory ceiling with vLLM's request limit
+        (``max_num_seqs``) lifted, so the two can be told apart when the limit binds first."""
+        cal = self.calibration
+        free = replace(cal, engine=replace(cal.engine, max_num_seqs=2**40))
+        return int(FillModel(free, self.policy).memory_ceiling())
+
+    @property
+    def edge_runs(self) -> int:
+        """Runs of a metastability cell on the collapse band's edge (never fewer than the first pass's)."""
+        return max(self.mc_edge_runs, self.mc_runs)
+
+    @property
     def mean_duration_s(self) -> float:
         return float(self.durations.mean_s)
 
@@ -147,13 +176,13 @@ class Plan:
         return {"calibration": self.spec, "deadline": self.deadline_s, "phases": self.phases, **kw}
 
     # -- the grids ------------------------------------------------------------------------------------
-    def sessions_grid(self, fractions) -> list[int]:
-        c = self.memory_ceiling
-        return sorted({max(1, int(round(f * c))) for f in fractions})
+    def sessions_grid(self, fractions, n_bind: int) -> list[int]:
+        """Session counts at ``fractions`` of the binding N (N* from the capacity phase)."""
+        return sorted({max(1, int(round(f * n_bind))) for f in fractions})
 
-    def fill_horizon_s(self) -> float:
+    def fill_horizon_s(self, n_bind: int) -> float:
         """Long enough for the smallest N's unbounded cliff and for the bounded windows to fill."""
-        n_min = self.sessions_grid(FILL_FRACTIONS)[0]
+        n_min = self.sessions_grid(FILL_FRACTIONS, n_bind)[0]
         t_small = self.fill_unbounded.t_sat(n_min)
         p = self.policy
         window_fill_s = (p.kept_tokens + p.block_size) / self.calibration.stream.kv_tokens_per_s
@@ -183,6 +212,85 @@ class Plan:
         pattern = ",".join(f"{d:g}:{r:.6g}" for d, r in self.admission_pattern(n_star))
         return self.base(**policy_options, rate_pattern=pattern, session_duration=self.session_duration,
                          horizon=len(ADMISSION_PATTERN) * self.mean_duration_s, admission="aimd")
+
+
+    def capacity_task(self, phases: str) -> dict:
+        """The capacity phase's task for one phase regime (``build._capacity_task``)."""
+        return {"calibration": self.spec, "policy": self.policy, "deadline_s": self.deadline_s,
+                "duration_s": self.mean_duration_s, "phases": phases}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One simulation of the report: the section that reads it, its key there, the task kind and the
+    make_scenario options (``None`` values dropped)."""
+
+    section: str
+    key: Any
+    kind: str
+    point: dict
+
+
+def _point(section: str, key: Any, kind: str, point: dict) -> Point:
+    return Point(section, key, kind, {k: v for k, v in point.items() if v is not None})
+
+
+def policies(plan: Plan) -> dict[str, dict]:
+    return {"unbounded": {"kv": "unbounded"}, "bounded": plan.bound_options()}
+
+
+def mc_point(plan: Plan, policy_key: str, n: int, d: float, run: int) -> Point:
+    """Run ``run`` of the metastability cell (policy, N, mean duration ``d``): seed ``seed + run``."""
+    return _point("mc", (policy_key, n, d), "mc",
+                  plan.base(**policies(plan)[policy_key], sessions=n, session_duration=f"exp:{d:g}",
+                            horizon=MC_HORIZON_FACTOR * d, seed=plan.seed + run))
+
+
+def simulation_points(plan: Plan, cap: dict, aimd_params: dict | None, live: dict | None = None) -> list[Point]:
+    """Every simulation of one calibration's report, once capacity (``cap``) and tuning (``aimd_params``,
+    None: the static limit) are known: the unbounded verdict at N*, pool fill, the latency signal, the first
+    Monte Carlo pass, the admission traces, and the --live runs to re-simulate."""
+    n_star = cap["n_star"]
+    out = [_point("verdict", None, "summary",
+                  plan.base(kv="unbounded", sessions=n_star, seed=plan.seed, session_duration=plan.session_duration,
+                            horizon=2.0 * plan.mean_duration_s))]
+    h_fill = plan.fill_horizon_s(n_star)
+    for pol, kw in policies(plan).items():
+        out += [_point("fill", (pol, n), "fill", plan.base(**kw, sessions=n, horizon=h_fill, seed=plan.seed))
+                for n in plan.sessions_grid(FILL_FRACTIONS, n_star)]
+        out += [_point("signal", (pol, n), "summary",
+                       plan.base(**kw, sessions=n, horizon=plan.mean_duration_s, seed=plan.seed))
+                for n in plan.sessions_grid(SIGNAL_FRACTIONS, n_star)]
+        out += [mc_point(plan, pol, n, d, r) for n in plan.sessions_grid(MC_FRACTIONS, n_star)
+                for d in plan.mc_durations_s(n_star) for r in range(plan.mc_runs)]
+        out.append(_point("admission", pol, "admission",
+                          {**plan.admission_point(n_star, kw), "aimd_params": aimd_params, "seed": plan.seed}))
+    for name, run in (live["runs"].items() if live and live["kind"] == "runs" else ()):
+        if run["scenario"] is not None:  # a live run without a sim/ folder: simulated here
+            out.append(_point("live", name, "live", {"calibration": plan.spec, **run["scenario"]["options"]}))
+    return out
+
+
+def _outcome(collapsed: int, runs: int) -> str:
+    return "none" if collapsed == 0 else "all" if collapsed == runs else "mixed"
+
+
+def mc_refinement(plan: Plan, n_star: int, counts: dict[tuple, tuple[int, int]]) -> list[Point]:
+    """The runs that bring every cell on the edge of the collapse band to ``MC_EDGE_RUNS``: a cell whose runs
+    neither all collapsed nor all survived, or that borders (in N or in duration) a cell of another outcome.
+    ``counts``: (policy, N, d) -> (collapsed runs, runs) so far. Empty when the edge is measured."""
+    ns, ds = plan.sessions_grid(MC_FRACTIONS, n_star), plan.mc_durations_s(n_star)
+    want = plan.edge_runs
+    out = []
+    for pol in policies(plan):
+        grid = {(i, j): counts[(pol, n, d)] for i, d in enumerate(ds) for j, n in enumerate(ns)}
+        kind = {ij: _outcome(*c) for ij, c in grid.items()}
+        for (i, j), (_, runs) in grid.items():
+            near = [kind.get(nb) for nb in ((i - 1, j), (i + 1, j), (i, j - 1), (i, j + 1)) if nb in kind]
+            edge = kind[(i, j)] == "mixed" or any(k != kind[(i, j)] for k in near)
+            if edge and runs < want:
+                out += [mc_point(plan, pol, ns[j], ds[i], r) for r in range(runs, want)]
+    return out
 
 
 def _round_s(x: float) -> float:
@@ -227,5 +335,5 @@ def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
     return Plan(spec=spec, calibration=cal, policy=policy, durations=durations,
                 session_duration=options.session_duration,
                 deadline_s=float(options.deadline_s or cal.stream.frame_period_s), seed=options.seed,
-                mc_runs=options.mc_runs, arrival_rate=options.arrival_rate,
+                mc_runs=options.mc_runs, mc_edge_runs=options.mc_edge_runs, arrival_rate=options.arrival_rate,
                 window_defaulted=options.window is None, phases=options.phases)
