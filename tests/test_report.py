@@ -505,3 +505,17 @@ def test_answer_rows_say_when_max_num_seqs_caps_first(report):
     rows = dict(answer_rows(c))
     assert rows["memory ceiling"].startswith("900 sessions")
     assert rows["max_num_seqs"].startswith("7 sessions") and "before memory" in rows["max_num_seqs"]
+
+
+@pytest.mark.parametrize("phases", ["aligned", "independent"])
+def test_the_report_predicts_under_the_phase_regime_it_assumes(phases):
+    """Past N* the fill model's clock depends on the regime: the plan's fill models and the metastability cells'
+    predictions must be the ones for --phases, not the default's."""
+    from metronome import calibration
+    from metronome.report.build import _prediction_tasks
+    from metronome.report.plan import ReportOptions, make_plan
+
+    plan = make_plan("moshi-7b-h200", calibration.load("moshi-7b-h200"),
+                     ReportOptions(calibrations=("moshi-7b-h200",), phases=phases))
+    assert plan.fill_bounded.phases == plan.fill_unbounded.phases == phases
+    assert {t["phases"] for t in _prediction_tasks(plan, 122)} == {phases}

@@ -71,7 +71,7 @@ def _prediction_task(task: dict) -> list[float]:
     costs as much as one)."""
     from metronome.fill_model import FillModel
 
-    fm = FillModel(calmod.load(task["calibration"]), task["policy"])
+    fm = FillModel(calmod.load(task["calibration"]), task["policy"], task["phases"])
     durations = Durations("exponential", task["mean_s"])
     return [fm.p_collapse_fixed(task["sessions"], durations, task["horizon_s"]),
             fm.p_saturate_fixed(task["sessions"], durations, task["horizon_s"])]
@@ -79,7 +79,8 @@ def _prediction_task(task: dict) -> list[float]:
 
 def _prediction_tasks(plan: Plan, n_star: int) -> list[dict]:
     """The metastability grid's predictions, policy by policy, duration by duration, N by N."""
-    return [{"calibration": plan.spec, "policy": pol, "sessions": n, "mean_s": d, "horizon_s": MC_HORIZON_FACTOR * d}
+    return [{"calibration": plan.spec, "policy": pol, "sessions": n, "mean_s": d, "horizon_s": MC_HORIZON_FACTOR * d,
+             "phases": plan.phases}
             for pol in (plan.unbounded, plan.policy) for d in plan.mc_durations_s(n_star)
             for n in plan.sessions_grid(MC_FRACTIONS, n_star)]
 

@@ -141,11 +141,11 @@ class Plan:
 
     @property
     def fill_bounded(self) -> FillModel:
-        return FillModel(self.calibration, self.policy)
+        return FillModel(self.calibration, self.policy, self.phases)
 
     @property
     def fill_unbounded(self) -> FillModel:
-        return FillModel(self.calibration, self.unbounded)
+        return FillModel(self.calibration, self.unbounded, self.phases)
 
     @property
     def memory_ceiling(self) -> int:
@@ -157,7 +157,7 @@ class Plan:
         (``max_num_seqs``) lifted, so the two can be told apart when the limit binds first."""
         cal = self.calibration
         free = replace(cal, engine=replace(cal.engine, max_num_seqs=2**40))
-        return int(FillModel(free, self.policy).memory_ceiling())
+        return int(FillModel(free, self.policy, self.phases).memory_ceiling())
 
     @property
     def edge_runs(self) -> int:
