@@ -98,21 +98,28 @@ class ResultCache:
         self._store = None
 
     def _open(self):
-        if self._store is None:
+        """The store, or None when it cannot be opened (a read-only home, a file where the folder should be): the
+        cache is a convenience, so the work runs without it, said once on stderr, rather than failing."""
+        if self._store is None and self.enabled:
             import diskcache
 
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._store = diskcache.Cache(str(self.directory), size_limit=SIZE_LIMIT_BYTES)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._store = diskcache.Cache(str(self.directory), size_limit=SIZE_LIMIT_BYTES)
+            except (OSError, diskcache.core.Timeout) as exc:
+                print(f"metronome: cache of simulated points off ({self.directory}: {exc.strerror or exc})",
+                      file=sys.stderr)
+                self.enabled = False
         return self._store
 
     def map(self, executor, fn: Callable[[Any], Any], tasks: Sequence[Any],
             progress: Callable[[int], None] | None = None) -> list:
         """``executor.map(fn, tasks)``, reading what is stored and running (then storing) only the rest."""
         tasks = list(tasks)
-        if not self.enabled:
+        store = self._open()
+        if store is None:
             self.misses += len(tasks)
             return executor.map(fn, tasks, progress=progress)
-        store = self._open()
         keys = [task_key(fn, t) for t in tasks]
         out: list[Any] = [None] * len(tasks)
         todo = []

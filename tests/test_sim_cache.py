@@ -82,6 +82,19 @@ def test_disabled_runs_everything_and_touches_no_disk(tmp_path):
     assert CALLS == [5, 5] and not (tmp_path / "never").exists()
 
 
+def test_a_folder_that_cannot_be_made_runs_the_work_without_the_cache(tmp_path, capsys):
+    """The cache is a convenience: a file where its folder should be (or a read-only home) turns it off with one
+    line on stderr, and every point is still computed."""
+    CALLS.clear()
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    c = ResultCache(blocker / "cache")
+    assert c.map(LocalExecutor(workers=1), _square, [{"x": 6}, {"x": 7}]) == [{"y": 36}, {"y": 49}]
+    assert CALLS == [6, 7] and c.stats()["enabled"] is False
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cache of simulated points off" in err
+
+
 # ------------------------------------------------------------------------------------------- the report
 ARGS = ["--session-duration", "exp:60", "--mc-runs", "1", "--mc-edge-runs", "2", "--workers", "1"]
 
