@@ -356,6 +356,11 @@ class EngineModel:
         elif s in self.waiting:
             self.waiting.remove(s)
 
+    def forget(self, rid) -> None:
+        """Forget request ``rid``, whose slot the simulator's compiled loop has already aborted in the arrays
+        (:func:`metronome.sim.fastpath._depart`, the same changes as :meth:`abort`)."""
+        del self._slot_of[rid]
+
     def status(self, rid) -> str | None:
         s = self._slot_of.get(rid)
         return None if s is None else _NAME[int(self.status_a[s])]

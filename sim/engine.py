@@ -153,26 +153,31 @@ class SimEngine:
         self._ctx = 0  # the last step's context tokens (its row is written after it ends)
         self.serving_frame = 0  # the latest frame handed to the engine: the frame a step is taken on (jitter)
         self.silent_pending: list[tuple[int, int, int]] = []  # (session, frame, tokens got) answered with the lockstep
-        self._answers: dict[int, list[int]] = {}  # frame -> [frames, silent, silent_preempted, tokens] at one moment
+        self._answers: list[tuple] = []  # (tick keys, sessions, tokens got) answered at the current moment
         self.t_sat: float | None = None
         self.peak_used = 0
         self.steps = step_table()
         self.frames = frame_table()
         self.fast_steps = 0  # steps taken in the compiled loop (the summary does not depend on it)
+        self.loop_departures = 0  # departures taken in the compiled loop (nor on this)
         self.slow_steps = 0  # steps taken one SimPy event each
         self._buffers = None  # the compiled loop's record buffers, reused from call to call
         self._last_span = SimEngine.COMPILED_STEPS  # steps the last call of the compiled loop took
+        # the compiled loop takes departures itself unless a controller counts the sessions in flight at each
+        # answer (it is handed the rows of a whole span with one count)
+        self._departs_in_loop = controller is None
+        self.pause_every_s: float | None = None  # the compiled loop hands back at each multiple (a caller looks)
 
     # ------------------------------------------------------------------------------------------ helpers
     def _in_flight(self) -> int:
         """Sessions the front end has let in (waiting for blocks, prefilling or running)."""
         return int(((self.state >= WAITING) & (self.state <= RUNNING)).sum())
 
-    def _next_event_time(self) -> float:
+    def _next_event_time(self, departures: bool = True) -> float:
         t = self.horizon
         if self.next_arrival < len(self.arrival):
             t = min(t, self.arrival[self.next_arrival])
-        if self.departures:
+        if self.departures and departures:
             t = min(t, self.departures[0][0])
         if self.gate.queue:
             t = min(t, self.now + self.gate.poll_s)
@@ -207,17 +212,19 @@ class SimEngine:
     def _run(self):
         env = self.env
         turned = False  # the compiled loop already took the turn at self.now
+        paused = False  # ... and paused after it: it goes on from there
         while self.now < self.horizon:
-            if not turned:
-                self._turn(self.now)
+            if not turned or paused:
+                if not turned:
+                    self._turn(self.now)
                 if self.fast_forward:
                     span = self._compiled_span(self.now)
                     if span is not None:
-                        end, turned = span
+                        end, turned, paused = span
                         yield env.timeout(max(0.0, end - env.now))
                         self.now = end
                         continue
-            turned = False
+            turned = paused = False
             if self.model.has_work() and not self.stalled:
                 start = self.now
                 lat, rec = self._step(start)
@@ -423,34 +430,29 @@ class SimEngine:
         self.silent_pending = [x for x in self.silent_pending if x[0] != i]
         if self.inflight[i] >= 0:
             owed.append((int(self.inflight[i]), int(self.inflight_tok[i])))
+        # an overloaded session ends with hundreds of frames queued: answered in one call, not one by one
         first_q = int(self.next_frame[i] - self.backlog[i])
-        owed += [(f, 0) for f in range(first_q, int(self.next_frame[i]))]
-        for f, tok in owed:
-            if serving.frame_tick(f, self.P, self.phase[i]) + self.deadline <= now + _EPS:
-                self._answer(i, f, tok)
+        f = np.concatenate([np.array([x[0] for x in owed], dtype=np.int64),
+                            np.arange(first_q, int(self.next_frame[i]), dtype=np.int64)])
+        tok = np.concatenate([np.array([x[1] for x in owed], dtype=np.int64), np.zeros(f.size - len(owed), np.int64)])
+        due = serving.frame_tick(f, self.P, self.phase[i]) + self.deadline <= now + _EPS
+        if due.any():
+            self._answer_many(np.full(int(due.sum()), i), f[due], tok[due])
         self.inflight[i], self.backlog[i] = -1, 0
         self.state[i] = ENDED
         self.s_ended[i], self.s_end_reason[i] = now, reason
 
     # -------------------------------------------------------------------------------------------- answers
-    def _answer(self, i: int, f: int, tokens: int) -> None:
-        self._answer_many(np.array([i]), np.array([f]), np.array([tokens]))
-
     def _answer_many(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
-        """Count sessions ``idx``'s frames ``f`` as answered now with ``tokens`` tokens each (0: silent)."""
-        silent = serving.frame_is_silent(tokens)
-        self.s_frames[idx] += 1
-        self.s_silent[idx[silent]] += 1
-        pre = silent & ~np.isnan(self.s_admitted[idx])
-        key = serving.tick_key(f, self.pslot[idx])  # one row per tick: a frame index and a phase
-        for k in np.unique(key).tolist():
-            m = key == k
-            a = self._answers.setdefault(k, [0, 0, 0, 0, []])
-            a[0] += int(m.sum())
-            a[1] += int(silent[m].sum())
-            a[2] += int(pre[m].sum())
-            a[3] += int(tokens[m].sum())
-            a[4].append(idx[m])
+        """Count sessions ``idx``'s frames ``f`` as answered now with ``tokens`` tokens each (0: silent); they are
+        recorded, one row per tick, when the moment's answers are flushed."""
+        np.add.at(self.s_frames, idx, 1)  # (a departing session is answered several frames at once)
+        np.add.at(self.s_silent, idx[serving.frame_is_silent(tokens)], 1)
+        self._answers.append((serving.tick_key(np.asarray(f, np.int64), self.pslot[idx]), idx, tokens))
+
+    def buffered_answers(self) -> int:
+        """Frames answered at the current moment and not yet recorded."""
+        return sum(a[0].size for a in self._answers)
 
     def _owe(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
         """Frames of sessions without a place (waiting, re-prefilling, just preempted), answered short or empty.
@@ -477,26 +479,30 @@ class SimEngine:
             self.silent_pending = [tuple(x) for x in pend[~now_].tolist()]
 
     def _flush_answers(self, now: float) -> tuple[int, int]:
-        """Record the frames answered at ``now`` (one row per tick) and feed the controller; returns (frames, silent)."""
+        """Record the frames answered at ``now`` (one row per tick) and feed the controller; returns (frames, silent).
+        The rows are the compiled loop's own (:func:`metronome.sim.fastpath.flush`): one statement of a row."""
+        from metronome.sim import fastpath as fp
+
         if not self._answers:
             return 0, 0
-        keys = sorted(self._answers)
-        rows = np.array([self._answers[k][:4] for k in keys], dtype=np.int64).reshape(-1, 4)
-        f, slot = np.divmod(np.array(keys, dtype=np.int64), serving.PHASE_SLOTS)
-        tick = serving.frame_tick(f, self.P, serving.phase_offset_s(slot, self.P))
-        latency = now - tick
-        late = latency > self.deadline + _EPS
-        for j in np.flatnonzero(late).tolist():
-            self.s_late[np.concatenate(self._answers[keys[j]][4])] += 1
-        n, silent = rows[:, 0], rows[:, 1]
-        self.frames.add(frame=f, tick_s=tick, done_s=now, latency_s=latency, frames=n, silent=silent,
-                        silent_preempted=rows[:, 2], late=np.where(late, n, 0), tokens=rows[:, 3])
+        key, who, tok = (np.concatenate([np.asarray(a[c], np.int64) for a in self._answers]) for c in range(3))
+        self._answers = []
+        n = key.size
+        fr_f, fr_i = np.zeros(n, np.int64), np.zeros((n, 5), np.int64)
+        fr_tick, fr_done, fr_lat = np.zeros(n), np.zeros(n), np.zeros(n)
+        rows = fp.flush(now, n, key, who, tok, ~np.isnan(self.s_admitted), self.P,
+                        float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS, self.s_late,
+                        fr_f, fr_tick, fr_done, fr_lat, fr_i, 0)
+        fi, lat = fr_i[:rows], fr_lat[:rows]
+        nn, silent = fi[:, fp.R_FRAMES], fi[:, fp.R_SILENT]
+        self.frames.add(frame=fr_f[:rows], tick_s=fr_tick[:rows], done_s=now, latency_s=lat, frames=nn,
+                        silent=silent, silent_preempted=fi[:, fp.R_SILENT_PRE], late=fi[:, fp.R_LATE],
+                        tokens=fi[:, fp.R_TOKENS])
         if self.controller is not None:
-            for lt, nn, sl in zip(latency.tolist(), n.tolist(), silent.tolist()):
+            for lt, k, sl in zip(lat.tolist(), nn.tolist(), silent.tolist()):
                 self.controller.advance(now, self._in_flight())
-                self.controller.observe(now, lt, frames=nn, silent=sl)
-        self._answers = {}
-        return int(n.sum()), int(silent.sum())
+                self.controller.observe(now, lt, frames=k, silent=sl)
+        return int(nn.sum()), int(silent.sum())
 
     # ----------------------------------------------------------------------------------------- one step
     def _step(self, now: float):
@@ -608,6 +614,8 @@ class SimEngine:
         if self.cap_blocks is not None:
             held = int(self.model.held_of(self.slot[self.slot >= 0]).max(initial=0))
             assert held <= self.cap_blocks, f"a session holds {held} > {self.cap_blocks} blocks (the admission cap)"
+        assert (self.s_late <= self.s_frames).all() and (self.s_silent <= self.s_frames).all(), \
+            "a session has more late or silent frames than frames answered"
         outside = (self.state != PREFILL) & (self.state != RUNNING)
         assert not (self.rid[outside] >= 0).any(), "a session outside the engine holds a request"
 
@@ -639,10 +647,10 @@ class SimEngine:
         p, r = d.table()
         return fp.CORRELATED, none, d.step_scores(steps), shared, own, p, r, d.weights()
 
-    def _compiled_span(self, now: float) -> tuple[float, bool] | None:
+    def _compiled_span(self, now: float) -> tuple[float, bool, bool] | None:
         """Turns and steps of a steady span in :func:`metronome.sim.fastpath.run_span` (compiled), from just
-        after the turn at ``now``; returns (where it stopped, whether the turn there is taken), or None when
-        it could not take a single step (the step-by-step path goes on)."""
+        after the turn at ``now``; returns (where it stopped, whether the turn there is taken, whether it paused
+        after it), or None when it could not take a single step (the step-by-step path goes on)."""
         from metronome.sim import fastpath as fp
 
         start = self._compiled_start(now)
@@ -652,6 +660,9 @@ class SimEngine:
         m = self.model
         n_max = self._span_steps()
         iconf, fconf, coef, istate, draws = self._compiled_config(now, live, t_next, n_max)
+        deps = sorted(self.departures) if self._departs_in_loop else []  # the heap's order
+        dep_t = np.array([d[0] for d in deps], dtype=np.float64)
+        dep_i = np.array([d[1] for d in deps], dtype=np.int64)
         fstate = np.array([now, 0.0])
         buf = self._compiled_buffers(m.status_a.size, n_max, int(iconf[fp.I_ANSCAP]))
         run_arr, kvh_arr = buf["run"], buf["kvh"]
@@ -667,12 +678,14 @@ class SimEngine:
                     self.s_tokens, self.s_frames, self.s_silent, self.s_late,
                     m.status_a, m.computed_a, m.ntok_a, m.slots_a, m.held_a, m.out_a, m.maxtok_a, self.fresh_slot,
                     self.sess_of_slot, run_arr, kvh_arr, *draws, buf["st_t"], buf["st_lat"], buf["st_i"],
-                    buf["fr_f"], buf["fr_tick"], buf["fr_done"], buf["fr_lat"], buf["fr_i"], pend)
-        used, n_paused, msteps, sframe, peak, run_len, kvh_len, n, rows, turned, idle, n_pend = istate.tolist()
+                    buf["fr_f"], buf["fr_tick"], buf["fr_done"], buf["fr_lat"], buf["fr_i"], pend,
+                    dep_t, dep_i, self.s_ended)
+        used, n_paused, msteps, sframe, peak, run_len, kvh_len, n, rows, turned, idle, n_pend, n_dep = istate.tolist()
+        self._departed_in_loop(n_dep)
         self._last_span = n
         self.idle = bool(idle)
         end = float(fstate[0])
-        if n == 0 and end == now and turned != fp.PAST_HORIZON:
+        if n == 0 and end == now and turned not in (fp.PAST_HORIZON, fp.PAUSED):
             return None
         m.used, m.n_paused, m.steps = used, n_paused, msteps
         m.running = run_arr[:run_len].tolist()
@@ -686,8 +699,22 @@ class SimEngine:
             self.assert_invariants()
         if turned == fp.PAST_HORIZON:  # its last step outlives the run: SimPy stops while it runs
             self.now = end
-            return float(fstate[1]), False
-        return end, turned == fp.TURN_TAKEN
+            return float(fstate[1]), False, False
+        return end, turned in (fp.TURN_TAKEN, fp.PAUSED), turned == fp.PAUSED
+
+    def _departed_in_loop(self, n: int) -> None:
+        """The books of the compiled loop's ``n`` departures (the heap's first): what it does not keep itself."""
+        for _ in range(n):
+            _, i = heapq.heappop(self.departures)
+            if self.state[i] != ENDED or self.s_end_reason[i]:  # it had ended already: passed over
+                continue
+            self.s_end_reason[i] = EndReason.DEPARTED
+            self.loop_departures += 1
+            r = int(self.rid[i])
+            if r >= 0:  # (none before its first frame)
+                self.model.forget(r)
+                self.by_rid.pop(r, None)
+                self.rid[i] = -1
 
     def _compiled_start(self, now: float) -> tuple[np.ndarray, float] | None:
         """Whether the compiled loop may start after the turn at ``now``: (the live sessions, where it must stop
@@ -705,7 +732,7 @@ class SimEngine:
         st = self.started[run]
         if (self.slot[run[st]] < 0).any() or (self.pending_in[run] > 0).any():
             return None
-        t_next = self._next_event_time()
+        t_next = self._next_event_time(departures=not self._departs_in_loop)
         fresh = run[~st]  # admitted, first frame not yet due: its tick is where the span stops
         if fresh.size:
             t_next = min(t_next, float(serving.frame_tick(self.next_frame[fresh], self.P, self.phase[fresh]).min()))
@@ -718,7 +745,7 @@ class SimEngine:
         counters (``istate``) and the jitter draws, as :mod:`metronome.sim.fastpath` indexes them."""
         from metronome.sim import fastpath as fp
 
-        assert fp.WAITING_STATE == WAITING and fp.R_STATE == RUNNING
+        assert fp.WAITING_STATE == WAITING and fp.R_STATE == RUNNING and fp.ENDED_STATE == ENDED
         m, lim, pol = self.model, self.limits, self.policy
         nslots = m.status_a.size
         iconf = np.zeros(22, dtype=np.int64)
@@ -732,11 +759,12 @@ class SimEngine:
             int((self.state == RUNNING).sum()), len(self.waiting), self.waiting[0] if self.waiting else -1,
             self.prompt, 2 * max(nslots, live.size) + 64, self.serving_frame, int(self.lockstep)]
         kind, *draws, weights = self._span_draws(n_max, live, t_next)
+        pause = math.inf if not self.pause_every_s else (math.floor(now / self.pause_every_s) + 1) * self.pause_every_s
         fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, self.first_s, _EPS,
-                          float(kind), self.horizon, *weights])
+                          float(kind), self.horizon, *weights, pause])
         coef = np.array(self.lat.coefficients, dtype=np.float64)
         istate = np.array([m.used, m.n_paused, m.steps, self.serving_frame, self.peak_used, len(m.running),
-                           len(m.kv_holding), 0, 0, 0, int(self.idle), len(self.silent_pending)], dtype=np.int64)
+                           len(m.kv_holding), 0, 0, 0, int(self.idle), len(self.silent_pending), 0], dtype=np.int64)
         return iconf, fconf, coef, istate, draws
 
     def _compiled_buffers(self, nslots: int, n_max: int, ans_cap: int) -> dict:

@@ -14,8 +14,11 @@ It covers what a steady span holds and nothing else: every live session runs or 
 prefills, the engine's waiting queue is empty, and each step gives every request with work its blocks and its
 tokens within the budget. Before doing anything a step or a turn would do differently (a failed allocation that
 would preempt, the token budget, ``max_num_seqs``, the length limit, the front end's head fitting, a session's
-first frame, the next arrival, departure or controller poll) it stops and hands back to the step-by-step path,
-which takes it from exactly there. ``tests/test_sim_scenarios.py`` compares the two, bit for bit.
+first frame, the next arrival or controller poll) it stops and hands back to the step-by-step path, which takes
+it from exactly there. A running session's departure is taken here (SimEngine._end: its request aborted, the
+frames it is owed answered) when no controller counts the sessions in flight; otherwise, and for a session
+waiting at the front end, it is an event the loop stops at. ``tests/test_sim_scenarios.py`` compares the two,
+bit for bit.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ I_BS, I_BOUNDED, I_SINKB, I_WINDOW, I_NB, I_MAXSEQS, I_BUDGET, I_MAXLEN, I_WM, I
     I_MAXSTEPS, I_SLOTS, I_NRUNNING, I_NWAITING, I_HEAD, I_PROMPT, I_ANSCAP, I_FLO, I_LOCKSTEP = range(22)
 # frame rows' integer columns (fr_i)
 R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE = range(5)
-WAITING_STATE, R_STATE = 1, 3  # SimEngine's front-end states of a session waiting for blocks, and running
+WAITING_STATE, R_STATE, ENDED_STATE = 1, 3, 4  # SimEngine's states: waiting for blocks, running, ended
 # fconf: times and the step-latency model's real-time terms (its coefficients come as their own array, ``coef``)
-F_P, F_PQ, F_DEADLINE, F_TNEXT, F_FIRST, F_EPS, F_JITTER, F_HORIZON, F_WZ, F_WSHARED, F_WOWN = range(11)
+# (F_TPAUSE: the loop hands back after the first turn from then on, so a caller can look at the run, e.g. whether
+# its outcome is decided; unlike F_TNEXT it is no event, and nothing waits for it)
+F_P, F_PQ, F_DEADLINE, F_TNEXT, F_FIRST, F_EPS, F_JITTER, F_HORIZON, F_WZ, F_WSHARED, F_WOWN, F_TPAUSE = range(12)
 # fconf[F_JITTER]: no jitter; independent (each step's ratio given, ``jit``); correlated (a step's ratio from its own
 # score ``jz`` and the parts ``ja``/``jb`` of the frame it is taken on, frames iconf[I_FLO] on)
 NO_JITTER, INDEPENDENT, CORRELATED = 0, 1, 2
@@ -49,10 +54,16 @@ NO_JITTER, INDEPENDENT, CORRELATED = 0, 1, 2
 _step_inputs = nb.njit(cache=True)(step_inputs)
 # istate[S_TURNED]: 0 the caller takes the turn at fstate[0]; 1 the turn there is taken, the step is the caller's;
 # 2 a step (or a wait) starts at fstate[0] and ends at fstate[1], at or past the horizon, where SimPy stops the
-# run (the step-by-step path never gets to its records either)
-TURN_CALLER, TURN_TAKEN, PAST_HORIZON = 0, 1, 2
+# run (the step-by-step path never gets to its records either); 3 the turn at fstate[0] is taken and the loop
+# paused there (F_TPAUSE): called again, it goes on from that very point
+TURN_CALLER, TURN_TAKEN, PAST_HORIZON, PAUSED = 0, 1, 2, 3
 # istate (in/out): the engine's counters; then what the call did
-S_USED, S_PAUSED, S_MSTEPS, S_SFRAME, S_PEAK, S_RUNLEN, S_KVHLEN, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND = range(12)
+# the engine's counters a turn's departures change (``cnt``): blocks used, paused requests, the running list's and
+# the kv-holding queue's lengths, sessions running at the front end, departures taken
+C_USED, C_PAUSED, C_RUNLEN, C_KVHLEN, C_NRUN, C_DEP = range(6)
+# (S_NDEP: the departures taken, the first of ``dep_t``)
+S_USED, S_PAUSED, S_MSTEPS, S_SFRAME, S_PEAK, S_RUNLEN, S_KVHLEN, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND, \
+    S_NDEP = range(13)
 
 
 @nb.njit(cache=True)
@@ -109,11 +120,15 @@ def _take(s, freed, need, slots, held):
 
 
 @nb.njit(cache=True)
-def _flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i,
+def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i,
            nrows):
-    """SimEngine._flush_answers: ``n`` answers (tick key, session, tokens got) become one row per tick, in tick
-    order, all answered at ``now``. Returns the rows written so far."""
-    order = np.argsort(keys[:n], kind="mergesort")
+    """``n`` answers (tick key, session, tokens got) become one row per tick, in tick order, all answered at
+    ``now``; a late frame counts against its session (``s_late``). Both paths record their rows with it
+    (SimEngine._flush_answers). Returns the rows written so far."""
+    if n == 0:
+        return nrows
+    # rows are sums over a tick: the order within one does not matter (and one answer needs no sort)
+    order = np.zeros(1, np.int64) if n == 1 else np.argsort(keys[:n])
     j = 0
     while j < n:
         key = keys[order[j]]
@@ -181,19 +196,37 @@ def _wheel(live, pslot, next_frame, phase, P):
 
 
 @nb.njit(cache=True)
-def _due_sessions(now, eps, tick, start, who, ready, n_ready, out):
+def _due_sessions(now, eps, tick, start, who, ready, n_ready, state, out):
     """The sessions a turn at ``now`` visits: those of the slots that came due, then those whose frame was
-    answered in the last step with frames still queued (``ready``). Returns how many (a session may appear twice)."""
+    answered in the last step with frames still queued (``ready``); not those that departed. Returns how many
+    (a session may appear twice)."""
     n = 0
     for k in range(PHASE_SLOTS):
         if tick[k] <= now + eps:
             for q in range(start[k], start[k + 1]):
-                out[n] = who[q]
-                n += 1
+                if _live(state[who[q]]):
+                    out[n] = who[q]
+                    n += 1
     for q in range(n_ready):
-        out[n] = ready[q]
-        n += 1
+        if _live(state[ready[q]]):
+            out[n] = ready[q]
+            n += 1
     return n
+
+
+@nb.njit(cache=True)
+def _live(st):
+    return st == R_STATE or st == WAITING_STATE
+
+
+@nb.njit(cache=True)
+def _slot_tick(k, start, who, state, next_frame, phase, P):
+    """Slot ``k``'s next tick: its live sessions' (all on one frame), or never when all of them departed."""
+    for q in range(start[k], start[k + 1]):
+        i = who[q]
+        if _live(state[i]):
+            return _tick(next_frame[i], P, phase[i])
+    return np.inf
 
 
 @nb.njit(cache=True)
@@ -226,13 +259,16 @@ def _turn_fits(now, visit, n_visit, iconf, fconf, state, phase, next_frame, back
 
 @nb.njit(cache=True)
 def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, next_frame, backlog, pending_in,
-               s_frames, s_silent, a_key, a_who, a_tok):
+               s_frames, s_silent, a_key, a_who, a_tok, n0):
     """The turn, first half: frames that came due are queued (a running session's) or answered silent at once
-    (a session waiting at the front end: SimEngine._tick_one's quiet branch and _owe). Returns the answers."""
-    n_ans = 0
+    (a session waiting at the front end: SimEngine._tick_one's quiet branch and _owe), after the ``n0`` answers
+    already written. Returns the answers."""
+    n_ans = n0
     for j in range(n_visit):
         i = visit[j]
         nf, ph = next_frame[i], phase[i]
+        if state[i] == ENDED_STATE:  # departed in this turn
+            continue
         if state[i] == WAITING_STATE:
             while _tick(next_frame[i], P, ph) <= now + eps:
                 a_key[n_ans] = next_frame[i] * PHASE_SLOTS + pslot[i]
@@ -292,7 +328,22 @@ def _submit_due(visit, n_visit, chunk, n_out, m_steps, sslot, next_frame, backlo
 
 @nb.njit(cache=True)
 def _by_seq(kw, kw_len, kseq):
-    """The kv-holding queue's waiting entries in queue order (insertion sort: a step's few)."""
+    """The kv-holding queue's waiting entries in queue order: insertion sort when they are few or in order, a
+    sort of their places when many come out of order (past N* every session's frame waits in every turn)."""
+    if kw_len > 32:
+        inv = 0
+        for a in range(1, kw_len):
+            if kseq[kw[a - 1]] > kseq[kw[a]]:
+                inv += 1
+        if inv > 8:
+            places = np.empty(kw_len, np.int64)
+            for a in range(kw_len):
+                places[a] = kseq[kw[a]]
+            order = np.argsort(places)  # places are distinct: any sort gives the one order
+            keep = kw[:kw_len].copy()
+            for a in range(kw_len):
+                kw[a] = keep[order[a]]
+            return
     for a in range(1, kw_len):
         s = kw[a]
         b = a - 1
@@ -479,37 +530,146 @@ def _tokens_to_frames(sampled, n_sam, n_out, sess_of_slot, pslot, inflight, infl
 
 
 @nb.njit(cache=True)
+def _departures_due(now, dep_t, dep_i, k, state, sslot, held, backlog, pend, n_pend):
+    """The departures due at a turn at ``now``, in SimEngine._turn's order (its heap's): whether this loop can
+    take them all (none is of a session waiting at the front end, whose queue it does not keep), where they end
+    in ``dep_t``, the blocks they free and (at most) the frames they leave owed."""
+    freed = 0
+    owed = 0
+    while k < dep_t.size and dep_t[k] <= now:
+        i = dep_i[k]
+        if state[i] == WAITING_STATE:
+            return False, k, 0, 0
+        if state[i] == R_STATE:  # (a session that already ended is passed over, as SimEngine._turn does)
+            if sslot[i] >= 0:  # (admitted, its first frame not yet due: no request yet)
+                freed += held[sslot[i]]
+            owed += backlog[i] + 1
+            for q in range(n_pend):
+                if pend[q, 0] == i:
+                    owed += 1
+        k += 1
+    return True, k, freed, owed
+
+
+@nb.njit(cache=True)
+def _remove(arr, n, x):
+    """Drop ``x`` from ``arr[:n]``, keeping the order; returns the new length."""
+    m = 0
+    for j in range(n):
+        if arr[j] != x:
+            arr[m] = arr[j]
+            m += 1
+    return m
+
+
+@nb.njit(cache=True)
+def _owed(i, f, tok, now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who, a_tok, n_ans):
+    """A departed session's frame ``f``, with the ``tok`` tokens it got: answered if its deadline has passed (else
+    censored), as SimEngine._end does. Returns the answers."""
+    if _tick(f, fconf[F_P], phase[i]) + fconf[F_DEADLINE] <= now + fconf[F_EPS]:
+        a_key[n_ans] = f * PHASE_SLOTS + pslot[i]
+        a_who[n_ans] = i
+        a_tok[n_ans] = tok
+        s_frames[i] += 1
+        if tok == 0:  # serving.frame_is_silent
+            s_silent[i] += 1
+        n_ans += 1
+    return n_ans
+
+
+@nb.njit(cache=True)
+def _depart(i, now, fconf, cnt, state, sslot, pslot, phase, next_frame, backlog, inflight, inflight_tok, s_frames,
+            s_silent, s_ended, status, held, slots, fresh, run_arr, kw, kw_len, pend, n_pend, a_key, a_who, a_tok,
+            n_ans):
+    """SimEngine._end of a running session that departs: its request aborted (EngineModel.abort: blocks freed,
+    out of the running list or the kv-holding queue), then the frames it is owed (the lockstep's held ones, the
+    one in the engine, the queued ones) answered once their deadline has passed. Returns (answers, frames still
+    owed to others, the kv-holding queue's waiting entries)."""
+    s = sslot[i]
+    if s >= 0:  # (admitted, its first frame not yet due: no request yet)
+        st = status[s]
+        cnt[C_USED] -= held[s]
+        held[s] = 0
+        slots[s] = 0
+        status[s] = 0
+        fresh[s] = False
+        if st == R_CODE:
+            cnt[C_RUNLEN] = _remove(run_arr, cnt[C_RUNLEN], s)
+        else:  # paused or waiting: in the kv-holding queue (its entry is dropped when the queue is written back)
+            cnt[C_KVHLEN] -= 1
+            if st == P_CODE:
+                cnt[C_PAUSED] -= 1
+            else:
+                kw_len = _remove(kw, kw_len, s)
+        sslot[i] = -1
+    cnt[C_NRUN] -= 1
+    m = 0
+    for q in range(n_pend):
+        if pend[q, 0] == i:
+            n_ans = _owed(i, pend[q, 1], pend[q, 2], now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who,
+                          a_tok, n_ans)
+        else:
+            pend[m, 0], pend[m, 1], pend[m, 2] = pend[q, 0], pend[q, 1], pend[q, 2]
+            m += 1
+    if inflight[i] >= 0:
+        n_ans = _owed(i, inflight[i], inflight_tok[i], now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who,
+                      a_tok, n_ans)
+    for f in range(next_frame[i] - backlog[i], next_frame[i]):
+        n_ans = _owed(i, f, 0, now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
+    inflight[i] = -1
+    backlog[i] = 0
+    state[i] = ENDED_STATE
+    s_ended[i] = now
+    return n_ans, m, kw_len
+
+
+@nb.njit(cache=True)
 def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, kw, kw_len, m_steps, state, phase, pslot,
           sslot, next_frame, backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since,
           started, admitted, s_frames, s_silent, s_late, status, computed, ntok, out, maxtok, fresh, a_key, a_who,
-          a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend):
-    """The front end's turn at ``now`` over the sessions whose frames came due (SimEngine._ticks, _answer_silent),
-    if its checks pass. Returns (taken, the kv-holding queue's waiting entries, frames handed over, the latest,
-    rows, frames owed in lockstep)."""
+          a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend, cnt, dep_t, dep_i, s_ended,
+          run_arr, held, slots):
+    """The front end's turn at ``now`` (SimEngine._turn): the departures due, then the sessions whose frames came
+    due (_ticks, _answer_silent), if its checks pass; ``cnt`` holds the engine's counters the departures change.
+    Returns (taken, the kv-holding queue's waiting entries, frames handed over, the latest, rows, frames owed in
+    lockstep)."""
     P, Pq, deadline, eps = fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS]
     n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
-    n_visit = _due_sessions(now, eps, tick, start, who, ready, n_ready, visit)
+    n_visit = _due_sessions(now, eps, tick, start, who, ready, n_ready, state, visit)
     fits, n_ans = _turn_fits(now, visit, n_visit, iconf, fconf, state, phase, next_frame, backlog, inflight,
                              hist, running_since, started, sslot, status)
+    k0 = cnt[C_DEP]
+    deps, k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, state, sslot, held, backlog, pend, n_pend)
     lockstep = iconf[I_LOCKSTEP] != 0
-    if not fits or n_ans > iconf[I_ANSCAP] or (lockstep and n_pend + n_ans > pend.shape[0]):
+    if (not fits or not deps or owed + n_ans > iconf[I_ANSCAP] or (lockstep and n_pend + n_ans > pend.shape[0])
+            or _front_head_fits(iconf, cnt[C_USED] - freed, hist, pending_in, started)):  # SimEngine._admit's turn
         return False, kw_len, 0, -1, nrows, n_pend
+    n0 = 0
+    for k in range(k0, k1):
+        i = dep_i[k]
+        if state[i] == R_STATE:
+            n0, n_pend, kw_len = _depart(i, now, fconf, cnt, state, sslot, pslot, phase, next_frame, backlog,
+                                         inflight, inflight_tok, s_frames, s_silent, s_ended, status, held, slots,
+                                         fresh, run_arr, kw, kw_len, pend, n_pend, a_key, a_who, a_tok, n0)
+            sl = pslot[i]
+            if tick[sl] > now + eps:  # its slot may have no one left to tick
+                tick[sl] = _slot_tick(sl, start, who, state, next_frame, phase, P)
+    cnt[C_DEP] = k1
     n_ans = _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot, next_frame, backlog,
-                       pending_in, s_frames, s_silent, a_key, a_who, a_tok)
+                       pending_in, s_frames, s_silent, a_key, a_who, a_tok, n0)
     for k in range(PHASE_SLOTS):
         if tick[k] <= now + eps:  # the slot's sessions moved on together
-            i = who[start[k]]
-            tick[k] = _tick(next_frame[i], P, phase[i])
+            tick[k] = _slot_tick(k, start, who, state, next_frame, phase, P)
     kw_len, n_sub, latest = _submit_due(visit, n_visit, 1 + n_in, n_out, m_steps, sslot, next_frame, backlog,
                                         inflight, inflight_tok, hist, last_tok, work_step, status, computed,
                                         ntok, out, maxtok, fresh, kw, kw_len)
     if lockstep:
-        n_pend = _owe_silent(n_ans, a_key, a_who, pend, n_pend)
+        n_pend = _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend)
         n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
-                                       s_silent, a_key, a_who, a_tok, 0)
+                                       s_silent, a_key, a_who, a_tok, n0)
     if n_ans:
-        nrows = _flush(now, n_ans, a_key, a_who, a_tok, admitted, P, Pq, deadline, eps, s_late,
-                       fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows)
+        nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, P, Pq, deadline, eps, s_late,
+                      fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows)
     return True, kw_len, n_sub, latest, nrows, n_pend
 
 
@@ -544,9 +704,9 @@ def _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend,
 
 
 @nb.njit(cache=True)
-def _owe_silent(n_ans, a_key, a_who, pend, n_pend):
-    """SimEngine._owe in lockstep: the turn's silent frames wait for their tick's running frames."""
-    for q in range(n_ans):
+def _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend):
+    """SimEngine._owe in lockstep: the turn's silent frames (answers ``n0`` on) wait for their tick's running frames."""
+    for q in range(n0, n_ans):
         pend[n_pend, 0], pend[n_pend, 1], pend[n_pend, 2] = a_who[q], a_key[q] // PHASE_SLOTS, 0
         n_pend += 1
     return n_pend
@@ -555,7 +715,7 @@ def _owe_silent(n_ans, a_key, a_who, pend, n_pend):
 @nb.njit(cache=True)
 def _answer_step(now, iconf, fconf, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
                  s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
-                 pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, row, nS, new_tokens, ctx, used):
+                 pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, row, nS, new_tokens, ctx, used, n_running):
     """After a step that ended at ``now``: tokens to their frames, finished frames (and in lockstep the silent
     ones they held back) answered, one row per tick, and the step's row. Returns (sessions with frames still
     queued, frames still owed, frame rows)."""
@@ -566,17 +726,21 @@ def _answer_step(now, iconf, fconf, sampled, n_sam, sess_of_slot, pslot, infligh
     if n_pend:
         n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n_done)
-    nrows = _flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE],
+    nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE],
                    fconf[F_EPS], s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows)
-    _record_step(row, iconf, nS, new_tokens, ctx, used, tokens_out, n_ans, a_tok[n_done:n_ans])
+    _record_step(row, iconf, nS, new_tokens, ctx, used, tokens_out, n_ans, a_tok[n_done:n_ans], n_running)
     return n_ready, n_pend, nrows
 
 
 @nb.njit(cache=True)
-def _record_step(row, iconf, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok):
+def _record_step(row, iconf, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok, n_running):
     """A step's row (SimEngine._after_step's): batch, tokens, context, blocks, frames answered, silent ones."""
     row[0], row[1], row[2], row[3], row[4], row[5] = nS, new_tokens, ctx, used, tokens_out, n_ans
-    row[6], row[7], row[8] = iconf[I_NRUNNING], iconf[I_NWAITING], np.sum(silent_tok == 0)
+    silent = 0
+    for t in silent_tok:
+        if t == 0:  # serving.frame_is_silent
+            silent += 1
+    row[6], row[7], row[8] = n_running, iconf[I_NWAITING], silent
 
 
 @nb.njit(cache=True)
@@ -639,11 +803,13 @@ def _kv_holding(kvh_all, n_all, kseq, status, kvh_arr):
 def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
              inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens,
              s_frames, s_silent, s_late, status, computed, ntok, slots, held, out, maxtok, fresh, sess_of_slot,
-             run_arr, kvh_arr, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend):
+             run_arr, kvh_arr, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend,
+             dep_t, dep_i, s_ended):
     """Turns and steps from just after the caller's turn at ``fstate[0]`` until the next event, ``max_steps`` or
     anything this loop does not restate; the state arrays are updated in place, the steps' and frames' records
-    written to ``st_*`` and ``fr_*``, and ``istate``/``fstate`` say where it stopped (S_TURNED)."""
-    P, t_next, horizon = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON]
+    written to ``st_*`` and ``fr_*``, and ``istate``/``fstate`` say where it stopped (S_TURNED). ``dep_t``/``dep_i``:
+    the departures to come, in time order (empty unless iconf[I_DEPART]); ``s_ended`` gets the times of those taken."""
+    P, t_next, horizon, t_pause = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON], fconf[F_TPAUSE]
     jitter, f_lo = int(fconf[F_JITTER]), iconf[I_FLO]
     max_steps, nslots, ans_cap = iconf[I_MAXSTEPS], iconf[I_SLOTS], iconf[I_ANSCAP]
     used, n_paused, m_steps, sframe, peak = istate[S_USED], istate[S_PAUSED], istate[S_MSTEPS], istate[S_SFRAME], istate[S_PEAK]
@@ -661,25 +827,35 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     sched, schk, sampled = np.empty(nslots, np.int64), np.empty(nslots, np.int64), np.empty(nslots, np.int64)
     n_a = ans_cap + pend.shape[0]  # a step's answers and the silent ones answered with them
     a_key, a_who, a_tok = np.empty(n_a, np.int64), np.empty(n_a, np.int64), np.empty(n_a, np.int64)
+    cnt = np.zeros(6, np.int64)
+    n_running, n_dep = iconf[I_NRUNNING], 0
     while ok:
         if turned == TURN_CALLER:
             if now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_f.size:
                 break
-            if _front_head_fits(iconf, used, hist, pending_in, started):
-                break
+            cnt[C_USED], cnt[C_PAUSED], cnt[C_RUNLEN], cnt[C_KVHLEN], cnt[C_NRUN], cnt[C_DEP] = \
+                used, n_paused, run_len, kvh_len, n_running, n_dep
             taken, kw_len, n_sub, latest, nrows, n_pend = _turn(
                 now, iconf, fconf, tick, start, who, ready, n_ready, visit, kw, kw_len, m_steps, state, phase, pslot,
                 sslot, next_frame, backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step,
                 running_since, started, admitted, s_frames, s_silent, s_late, status, computed, ntok, out, maxtok,
-                fresh, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend)
+                fresh, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend, cnt,
+                dep_t, dep_i, s_ended, run_arr, held, slots)
             if not taken:
                 break
+            used, n_paused, run_len, kvh_len, n_running, n_dep = \
+                cnt[C_USED], cnt[C_PAUSED], cnt[C_RUNLEN], cnt[C_KVHLEN], cnt[C_NRUN], cnt[C_DEP]
             n_paused -= n_sub
             sframe = max(sframe, latest)
             n_ready = 0
+            if now >= t_pause:  # the turn is taken: the caller looks, then calls again from here
+                turned = PAUSED
+                break
         turned = TURN_CALLER
-        if run_len == 0 and kw_len == 0:  # no work: wait for the next tick (or the next event)
+        if run_len == 0 and kw_len == 0:  # no work: wait for the next tick (or the next event, or departure)
             until = min(tick.min(), t_next)
+            if n_dep < dep_t.size:
+                until = min(until, dep_t[n_dep])
             if until <= now:
                 break
             idle = True
@@ -718,7 +894,8 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
         n_ready, n_pend, nrows = _answer_step(
             now, iconf, fconf, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
             s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
-            pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i[nsteps], nS, new_tokens, ctx, used)
+            pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i[nsteps], nS, new_tokens, ctx, used,
+            n_running)
         peak = max(peak, used)
         st_t[nsteps], st_lat[nsteps] = step_start, lat
         nsteps += 1
@@ -726,7 +903,7 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     istate[S_USED], istate[S_PAUSED], istate[S_MSTEPS], istate[S_SFRAME], istate[S_PEAK] = used, n_paused, m_steps, sframe, peak
     istate[S_RUNLEN], istate[S_KVHLEN], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED] = \
         run_len, kvh_len, nsteps, nrows, turned
-    istate[S_IDLE], istate[S_NPEND] = 1 if idle else 0, n_pend
+    istate[S_IDLE], istate[S_NPEND], istate[S_NDEP] = 1 if idle else 0, n_pend, n_dep
     fstate[0] = now
 
 

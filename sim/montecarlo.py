@@ -67,13 +67,17 @@ def _gap(observed: float, predicted: float | None) -> float | None:
 
 
 def metastability(point: dict[str, Any], runs: int = 20, seed: int = 0, executor=None,
-                  progress: Callable[[int], None] | None = None) -> tuple[dict, pd.DataFrame]:
+                  progress: Callable[[int], None] | None = None, full_runs: bool = False) -> tuple[dict, pd.DataFrame]:
+    """``runs`` runs of ``point``, seeds ``seed``.. on; the summary's figures (saturated, collapsed, when) and the
+    table, a row per run. Each run stops once its outcome is decided (:func:`run_decided`) unless ``full_runs``:
+    the table's other figures (silent frames, latency, frames) then cover the whole horizon, not only the
+    ``stopped_early_s`` seconds simulated."""
     if runs < 1:
         raise MetronomeError(f"--runs must be >= 1, got {runs}")
     base = scn.make_scenario(**{**point, "seed": seed})  # validates before any work
     t0 = time.perf_counter()
     points = [{**point, "seed": seed + k} for k in range(runs)]
-    rows = (executor or LocalExecutor()).map(run_one, points, progress=progress)
+    rows = (executor or LocalExecutor()).map(run_one if full_runs else run_decided, points, progress=progress)
     table = pd.DataFrame(rows)
     collapsed = table["collapsed"].to_numpy(dtype=bool)
     t_sat = [None if (v is None or (isinstance(v, float) and np.isnan(v))) else float(v)
@@ -104,6 +108,7 @@ def metastability(point: dict[str, Any], runs: int = 20, seed: int = 0, executor
             "min": float(collapse_times.min()), "p10": float(np.quantile(collapse_times, 0.1)),
             "p50": float(np.median(collapse_times)), "p90": float(np.quantile(collapse_times, 0.9)),
             "max": float(collapse_times.max())},
+        "stopped_early_runs": int(table["stopped_early_s"].notna().sum()),
         "wall_s": round(time.perf_counter() - t0, 3),
     }
     return summary, table

@@ -80,6 +80,7 @@ class Result:
     sessions: pd.DataFrame
     controller_trace: list | None = None
     fast_steps: int = 0  # engine steps computed in fast-forwarded spans (the tables do not depend on it)
+    loop_departures: int = 0  # departures the compiled loop took itself (nor do they)
 
 
 def workload(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
@@ -112,6 +113,7 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
         # the same order, so a run that is never stopped is the same run as one call to the horizon
         decided = _Decided(eng)
         chunk = sc.horizon_s / DECIDE_CHUNKS
+        eng.pause_every_s = chunk  # the compiled loop hands back at each look (it changes nothing simulated)
         for k in range(1, DECIDE_CHUNKS + 1):
             t = sc.horizon_s if k == DECIDE_CHUNKS else k * chunk
             env.run(until=t)
@@ -139,7 +141,8 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
     summary["stopped_early_s"] = stopped
     summary["wall_s"] = round(time.perf_counter() - wall0, 4)
     trace = controller.trace() if controller is not None and hasattr(controller, "trace") else None
-    return Result(sc, summary, steps, frames, sessions, trace, fast_steps=eng.fast_steps)
+    return Result(sc, summary, steps, frames, sessions, trace, fast_steps=eng.fast_steps,
+                  loop_departures=eng.loop_departures)
 
 
 DECIDE_CHUNKS = 200  # a run that stops once decided looks at the engine this many times over its horizon
@@ -191,7 +194,7 @@ class _Decided:
             self.frames_after += int(ch["frames"][j][after].sum())
             self.silent_after += int(ch["silent_preempted"][j][after].sum())
         self.seen = len(ch["tick_s"])
-        buffered = sum(a[0] for a in eng._answers.values())
+        buffered = eng.buffered_answers()
         left = int(np.maximum(self.most - eng.s_frames, 0)[~done].sum()) + buffered
         return collapse_decided(self.silent_after, self.frames_after, left)
 

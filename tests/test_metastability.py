@@ -167,6 +167,21 @@ def test_results_do_not_depend_on_the_executor(unbounded):
     assert [bool(x) for x in t.collapsed] == [r["collapsed"] for r in serial]
 
 
+def test_runs_stop_once_decided_with_the_full_runs_outcome(unbounded):
+    # `unbounded` ran with the default (each run stops once decided); the same seeds to the horizon must
+    # saturate and collapse in the very same runs, at the same times
+    s, early = unbounded
+    full_s, full = metastability(RACE, runs=RACE_RUNS, seed=0, executor=LocalExecutor(2), full_runs=True)
+    assert s["stopped_early_runs"] > 0 and full_s["stopped_early_runs"] == 0
+    assert early.stopped_early_s.notna().sum() == s["stopped_early_runs"] and full.stopped_early_s.isna().all()
+    assert list(early.collapsed) == list(full.collapsed)
+    assert s["t_sat_observed_s"] == full_s["t_sat_observed_s"]
+    for k in ("saturated_runs", "collapsed_runs", "collapse_time_s"):
+        assert s[k] == full_s[k]
+    stopped = early.stopped_early_s.notna().to_numpy()
+    assert (early.frames[stopped] < full.frames[stopped]).all()  # they did stop: the rest was not simulated
+
+
 def test_ray_gives_the_same_results_as_the_process_pool():
     pytest.importorskip("ray")
     pts = [{**RACE, "seed": k} for k in range(3)]
@@ -200,7 +215,14 @@ def test_cli_writes_summary_and_runs(tmp_path):
         assert k in s
     assert s["predicted_collapse_probability"] <= s["predicted_saturation_probability"]
     assert s["runs"] == 6 and len(s["t_sat_observed_s"]) == 6
-    assert len(pd.read_parquet(out / "runs.parquet")) == 6
+    runs = pd.read_parquet(out / "runs.parquet")
+    assert len(runs) == 6 and s["stopped_early_runs"] == runs.stopped_early_s.notna().sum() > 0
+    assert "stopped once decided" in r.stdout
+    full = run_cli("metastability", "--calibration", "moshi-7b-h200", "--sessions", "60", "--session-duration",
+                   "exp:80", "--horizon", "300", "--num-blocks", "1500", "--runs", "6", "--full-runs")
+    assert full.returncode == 0, full.stderr
+    assert "stopped once decided" not in full.stdout
+    assert f"collapsed {s['collapsed_runs']} of 6" in full.stdout
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -121,7 +121,9 @@ def _tables_equal(x, y):
     ("moshi-7b-h200", KVPolicy.sinks(16, 16, 256), Arrivals("ramp", sessions=90, ramp_s=10.0), Durations("lognormal", 30, 0.5), 60.0),
     ("minicpm-o-4.5-h200", KVPolicy.unbounded(16), Arrivals("all", sessions=40), Durations("list", values_s=(20.0, 90.0)), 120.0),
     ("qwen2.5-omni-7b-h200", KVPolicy.window(16, 512), Arrivals("poisson", rate_per_s=1.0), Durations("exponential", 60.0), 120.0),
-], ids=["moshi-all", "moshi-poisson", "moshi-sinks-ramp", "minicpm-8-out", "qwen25-window"])
+    # past N* (122): frames queue behind a slow engine, and sessions depart owing frames whose deadline passed
+    ("moshi-7b-h200", KVPolicy.sinks(16, 16, 64), Arrivals("all", sessions=200), Durations("exponential", 15.0), 40.0),
+], ids=["moshi-all", "moshi-poisson", "moshi-sinks-ramp", "minicpm-8-out", "qwen25-window", "moshi-past-n-star"])
 @pytest.mark.parametrize("phases", ["aligned", "independent"])
 def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy, arrivals, durations, horizon, phases):
     """The compiled loop (sim/fastpath.py) under both phase regimes must give the step-by-step tables bit for
@@ -133,6 +135,8 @@ def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy,
     fast = run(sc, fast_forward=True, check_invariants=True)
     _tables_equal(slow, fast)
     assert slow.fast_steps == 0 and fast.fast_steps > 0, "the fast path must have run"
+    if durations is not None:  # the compiled loop took departures itself (SimEngine._end), no controller counting
+        assert fast.loop_departures > 0 and slow.loop_departures == 0
 
 
 JITTER = ((0.0, 0.8), (0.5, 1.0), (0.99, 1.7), (1.0, 2.5))
@@ -169,6 +173,9 @@ def test_the_compiled_loop_reproduces_the_step_by_step_engine_under_independent_
     _tables_equal(slow, fast)
     if admission != "none":
         assert slow.controller_trace == fast.controller_trace
+        assert fast.loop_departures == 0  # a controller counts the sessions at each answer: departures are events
+    else:
+        assert fast.loop_departures > 0
     assert fast.fast_steps > 0.5 * fast.summary["steps"], "the compiled loop must have taken most steps"
     s = fast.summary
     if maxlen:

@@ -268,7 +268,8 @@ def cmd_metastability(args) -> int:
     con = _console()
     with Progress(console=con) as bar:
         task = bar.add_task(f"metastability: {args.runs} runs", total=args.runs)
-        summary, table = metastability(point, args.runs, seed, executor, progress=lambda n: bar.advance(task, n))
+        summary, table = metastability(point, args.runs, seed, executor, progress=lambda n: bar.advance(task, n),
+                                       full_runs=args.full_runs)
     if out:
         write_outputs(out, {"summary.json": summary, "runs": table}, args.replace)
     sc = summary["scenario"]
@@ -286,7 +287,9 @@ def cmd_metastability(args) -> int:
     ct = summary["collapse_time_s"]
     if ct:
         con.print(f"  collapse time: min {ct['min']:.1f} s · p50 {ct['p50']:.1f} s · max {ct['max']:.1f} s")
-    con.print(f"  {summary['wall_s']:.1f} s wall on the {executor.name} executor")
+    early = summary["stopped_early_runs"]
+    con.print(f"  {summary['wall_s']:.1f} s wall on the {executor.name} executor"
+              + (f"; {early} runs stopped once decided (--full-runs simulates each to the horizon)" if early else ""))
     if out:
         con.print(f"  wrote {out}/summary.json and {out}/runs.parquet")
     return 0
@@ -604,6 +607,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("metastability", help="run one scenario R times: collapse statistics vs the fill model")
     add_scenario_options(m, lists=False)
     m.add_argument("--runs", type=int, default=20, help="runs, seeds SEED..SEED+R-1 (default 20)")
+    m.add_argument("--full-runs", action="store_true",
+                   help="simulate every run to the horizon; by default a run stops once it has collapsed, can no "
+                        "longer run the pool dry, or every session has ended (saturation and collapse are the "
+                        "same either way; the per-run silence and latency figures then cover the time simulated)")
     add_executor_options(m)
     m.set_defaults(fn=cmd_metastability)
     cp = sub.add_parser("capacity", help="memory ceiling, deadline-bound N* and which binds")
