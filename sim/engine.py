@@ -60,6 +60,35 @@ _EPS = 1e-12
 
 
 class SimEngine:
+    # one entry per session, in arrival order (set by _init_sessions): the front end's state of each
+    state: np.ndarray  # NOT_ARRIVED .. QUEUED
+    rid: np.ndarray  # the session's engine request (-1: none)
+    slot: np.ndarray  # its request's slot in the engine model
+    hist: np.ndarray  # tokens of its history (what a readmission re-prefills)
+    last_tok: np.ndarray  # a sampled token not yet in the engine (re-fed next frame)
+    pending_in: np.ndarray  # input of silent frames, not yet in the engine
+    started: np.ndarray  # its first frame (with the prompt) went to the engine
+    next_frame: np.ndarray  # the next tick it has not yet seen
+    backlog: np.ndarray  # due frames not yet submitted (one frame in flight at a time)
+    inflight: np.ndarray  # the frame in the engine (-1: none)
+    inflight_tok: np.ndarray  # tokens that frame has got
+    admit_seq: np.ndarray
+    work_step: np.ndarray  # step count when its work was handed to the engine
+    running_since: np.ndarray
+    # ... and its results
+    s_frames: np.ndarray
+    s_silent: np.ndarray
+    s_late: np.ndarray
+    s_tokens: np.ndarray
+    s_preempt: np.ndarray
+    s_rebase: np.ndarray
+    s_admitted: np.ndarray
+    s_ended: np.ndarray
+    s_end_reason: np.ndarray
+    # one entry per engine slot
+    sess_of_slot: np.ndarray
+    fresh_slot: np.ndarray  # a frame submitted and not yet scheduled (first-step term)
+
     def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy,
                  arrival_s: np.ndarray, duration_s: np.ndarray, horizon_s: float, deadline_s: float,
                  controller=None, fast_forward: bool = True,
@@ -114,32 +143,7 @@ class SimEngine:
         self.lockstep = phases == "aligned"
         if self.lockstep and self.pslot.any():
             raise ValueError("aligned phases: every session's phase is 0")
-        self.state = np.zeros(M, dtype=np.int8)
-        self.rid = np.full(M, -1, dtype=np.int64)  # the session's engine request (-1: none)
-        self.slot = np.full(M, -1, dtype=np.int64)  # its request's slot in the engine model
-        self.sess_of_slot = np.full(64, -1, dtype=np.int64)
-        self.fresh_slot = np.zeros(64, dtype=bool)  # a frame submitted and not yet scheduled (first-step term)
-        self.hist = np.zeros(M, dtype=np.int64)  # tokens of its history (what a readmission re-prefills)
-        self.last_tok = np.zeros(M, dtype=bool)  # a sampled token not yet in the engine (re-fed next frame)
-        self.pending_in = np.zeros(M, dtype=np.int64)  # input of silent frames, not yet in the engine
-        self.started = np.zeros(M, dtype=bool)  # its first frame (with the prompt) went to the engine
-        self.next_frame = np.zeros(M, dtype=np.int64)  # the next tick it has not yet seen
-        self.backlog = np.zeros(M, dtype=np.int64)  # due frames not yet submitted (one frame in flight at a time)
-        self.inflight = np.full(M, -1, dtype=np.int64)  # the frame in the engine (-1: none)
-        self.inflight_tok = np.zeros(M, dtype=np.int64)
-        self.admit_seq = np.full(M, -1, dtype=np.int64)
-        self.work_step = np.zeros(M, dtype=np.int64)  # step count when its work was handed to the engine
-        self.running_since = np.zeros(M)
-        # per-session results
-        self.s_frames = np.zeros(M, dtype=np.int64)
-        self.s_silent = np.zeros(M, dtype=np.int64)
-        self.s_late = np.zeros(M, dtype=np.int64)
-        self.s_tokens = np.zeros(M, dtype=np.int64)
-        self.s_preempt = np.zeros(M, dtype=np.int64)
-        self.s_rebase = np.zeros(M, dtype=np.int64)
-        self.s_admitted = np.full(M, np.nan)
-        self.s_ended = np.full(M, np.nan)
-        self.s_end_reason = np.full(M, "", dtype=object)
+        self._init_sessions(M)
 
         self.waiting: deque[int] = deque()  # the front end's FCFS queue (admitted by the gate, not in the engine)
         self.by_rid: dict[int, int] = {}
@@ -167,6 +171,21 @@ class SimEngine:
         # answer (it is handed the rows of a whole span with one count)
         self._departs_in_loop = controller is None
         self.pause_every_s: float | None = None  # the compiled loop hands back at each multiple (a caller looks)
+
+    def _init_sessions(self, M: int) -> None:
+        """The per-session arrays (declared on the class) for ``M`` sessions, and the per-slot ones."""
+        self.state = np.zeros(M, dtype=np.int8)
+        self.rid, self.slot, self.inflight, self.admit_seq = (np.full(M, -1, dtype=np.int64) for _ in range(4))
+        self.hist, self.pending_in, self.next_frame, self.backlog, self.inflight_tok, self.work_step = (
+            np.zeros(M, dtype=np.int64) for _ in range(6))
+        self.last_tok, self.started = np.zeros(M, dtype=bool), np.zeros(M, dtype=bool)
+        self.running_since = np.zeros(M)
+        self.s_frames, self.s_silent, self.s_late, self.s_tokens, self.s_preempt, self.s_rebase = (
+            np.zeros(M, dtype=np.int64) for _ in range(6))
+        self.s_admitted, self.s_ended = np.full(M, np.nan), np.full(M, np.nan)
+        self.s_end_reason = np.full(M, "", dtype=object)
+        self.sess_of_slot = np.full(64, -1, dtype=np.int64)
+        self.fresh_slot = np.zeros(64, dtype=bool)
 
     # ------------------------------------------------------------------------------------------ helpers
     def _in_flight(self) -> int:

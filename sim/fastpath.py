@@ -800,6 +800,42 @@ def _kv_holding(kvh_all, n_all, kseq, status, kvh_arr):
 
 
 @nb.njit(cache=True)
+def _next_wake(tick, t_next, dep_t, k):
+    """When an idle engine looks again (SimEngine._run's wait): the next tick, event or departure."""
+    until = min(tick.min(), t_next)
+    return min(until, dep_t[k]) if k < dep_t.size else until
+
+
+@nb.njit(cache=True)
+def _engine_step(iconf, fconf, coef, cnt, idle, step_no, sframe, kw, kw_len, kseq, kvh_all, n_all, run_arr, status,
+                 computed, ntok, slots, held, out, maxtok, fresh, sched, schk, sampled, jit, jz, ja, jb, jp, jr):
+    """EngineModel.step and its latency, if this loop restates what the step would do: every request with work
+    gets its blocks and its tokens (and, under correlated jitter, the step's frame has its draws here). ``cnt``'s
+    blocks used, paused requests and queue lengths are updated. Returns (the latency, or -1 when the step-by-step
+    path must take the step; batch, new tokens, context tokens, how many sampled, the kv-holding queue)."""
+    _by_seq(kw, kw_len, kseq)
+    jitter, f_lo = int(fconf[F_JITTER]), iconf[I_FLO]
+    fits = jitter != CORRELATED or sframe - f_lo < ja.size
+    if fits:
+        fits, tot = _step_fits(iconf, cnt[C_USED], cnt[C_PAUSED], cnt[C_RUNLEN], cnt[C_KVHLEN], run_arr, kw, kw_len,
+                               status, computed, ntok, slots, held)
+        fits = fits and tot > 0
+    if not fits:
+        return -1.0, 0, 0, 0, 0, kvh_all, n_all
+    used, run_len, nS = _schedule(iconf, cnt[C_USED], cnt[C_RUNLEN], cnt[C_KVHLEN], run_arr, kw, kw_len, status,
+                                  computed, ntok, slots, held, sched, schk)
+    new_tokens, ctx, first, n_sam, n_pause, run_len = _run_model(iconf, idle, sched, schk, nS, run_arr, run_len,
+                                                                status, computed, ntok, out, maxtok, fresh, sampled)
+    kvh_all, n_all = _hold(sched, nS, status, kvh_all, n_all, kseq)
+    cnt[C_USED], cnt[C_RUNLEN] = used, run_len
+    cnt[C_KVHLEN] += n_pause - kw_len  # the waiting ones joined the running list, the paused ones the queue
+    cnt[C_PAUSED] += n_pause
+    lat = _step_latency(coef, fconf, nS, ctx, new_tokens, first, jitter, step_no, sframe, f_lo, jit, jz, ja, jb,
+                        jp, jr)
+    return lat, nS, new_tokens, ctx, n_sam, kvh_all, n_all
+
+
+@nb.njit(cache=True)
 def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
              inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens,
              s_frames, s_silent, s_late, status, computed, ntok, slots, held, out, maxtok, fresh, sess_of_slot,
@@ -808,33 +844,30 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     """Turns and steps from just after the caller's turn at ``fstate[0]`` until the next event, ``max_steps`` or
     anything this loop does not restate; the state arrays are updated in place, the steps' and frames' records
     written to ``st_*`` and ``fr_*``, and ``istate``/``fstate`` say where it stopped (S_TURNED). ``dep_t``/``dep_i``:
-    the departures to come, in time order (empty unless iconf[I_DEPART]); ``s_ended`` gets the times of those taken."""
+    the departures to come, in time order (empty when the caller takes them); ``s_ended`` gets the times of those
+    taken here."""
     P, t_next, horizon, t_pause = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON], fconf[F_TPAUSE]
-    jitter, f_lo = int(fconf[F_JITTER]), iconf[I_FLO]
-    max_steps, nslots, ans_cap = iconf[I_MAXSTEPS], iconf[I_SLOTS], iconf[I_ANSCAP]
-    used, n_paused, m_steps, sframe, peak = istate[S_USED], istate[S_PAUSED], istate[S_MSTEPS], istate[S_SFRAME], istate[S_PEAK]
-    run_len, kvh_len = istate[S_RUNLEN], istate[S_KVHLEN]
+    max_steps, nslots, ans_cap, lockstep = iconf[I_MAXSTEPS], iconf[I_SLOTS], iconf[I_ANSCAP], iconf[I_LOCKSTEP] != 0
+    m_steps, sframe, peak, n_pend = istate[S_MSTEPS], istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND]
+    cnt = np.zeros(6, np.int64)  # the engine's counters, which turns (departures) and steps change
+    cnt[C_USED], cnt[C_PAUSED], cnt[C_RUNLEN], cnt[C_KVHLEN], cnt[C_NRUN] = \
+        istate[S_USED], istate[S_PAUSED], istate[S_RUNLEN], istate[S_KVHLEN], iconf[I_NRUNNING]
     idle = istate[S_IDLE] != 0  # the engine waited since its last step: a frame's step then pays first_s
     now = fstate[0]
     nsteps = nrows = 0
     turned = TURN_TAKEN  # the caller's turn at `now` is done
     start, who, tick, ok = _wheel(live, pslot, next_frame, phase, P)
-    kvh_all, kseq, kw, kw_len = _kv_queue(kvh_arr, kvh_len, status, nslots)
-    n_all, visit = kvh_len, np.empty(2 * live.size, np.int64)
+    kvh_all, kseq, kw, kw_len = _kv_queue(kvh_arr, cnt[C_KVHLEN], status, nslots)
+    n_all, visit = cnt[C_KVHLEN], np.empty(2 * live.size, np.int64)
     ready, n_ready = _queued_behind(live, state, inflight, backlog)
-    lockstep, n_pend = iconf[I_LOCKSTEP] != 0, istate[S_NPEND]
     run_sess = live[state[live] == R_STATE] if lockstep else live[:0]
     sched, schk, sampled = np.empty(nslots, np.int64), np.empty(nslots, np.int64), np.empty(nslots, np.int64)
     n_a = ans_cap + pend.shape[0]  # a step's answers and the silent ones answered with them
     a_key, a_who, a_tok = np.empty(n_a, np.int64), np.empty(n_a, np.int64), np.empty(n_a, np.int64)
-    cnt = np.zeros(6, np.int64)
-    n_running, n_dep = iconf[I_NRUNNING], 0
     while ok:
         if turned == TURN_CALLER:
             if now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_f.size:
                 break
-            cnt[C_USED], cnt[C_PAUSED], cnt[C_RUNLEN], cnt[C_KVHLEN], cnt[C_NRUN], cnt[C_DEP] = \
-                used, n_paused, run_len, kvh_len, n_running, n_dep
             taken, kw_len, n_sub, latest, nrows, n_pend = _turn(
                 now, iconf, fconf, tick, start, who, ready, n_ready, visit, kw, kw_len, m_steps, state, phase, pslot,
                 sslot, next_frame, backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step,
@@ -843,19 +876,15 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                 dep_t, dep_i, s_ended, run_arr, held, slots)
             if not taken:
                 break
-            used, n_paused, run_len, kvh_len, n_running, n_dep = \
-                cnt[C_USED], cnt[C_PAUSED], cnt[C_RUNLEN], cnt[C_KVHLEN], cnt[C_NRUN], cnt[C_DEP]
-            n_paused -= n_sub
+            cnt[C_PAUSED] -= n_sub
             sframe = max(sframe, latest)
             n_ready = 0
             if now >= t_pause:  # the turn is taken: the caller looks, then calls again from here
                 turned = PAUSED
                 break
         turned = TURN_CALLER
-        if run_len == 0 and kw_len == 0:  # no work: wait for the next tick (or the next event, or departure)
-            until = min(tick.min(), t_next)
-            if n_dep < dep_t.size:
-                until = min(until, dep_t[n_dep])
+        if cnt[C_RUNLEN] == 0 and kw_len == 0:  # no work: wait for the next tick (or the next event, or departure)
+            until = _next_wake(tick, t_next, dep_t, cnt[C_DEP])
             if until <= now:
                 break
             idle = True
@@ -864,46 +893,32 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                 break
             now = until
             continue
-        _by_seq(kw, kw_len, kseq)
-        fits = jitter != CORRELATED or sframe - f_lo < ja.size  # the step's frame has its draws here
-        if fits:
-            fits, tot = _step_fits(iconf, used, n_paused, run_len, kvh_len, run_arr, kw, kw_len, status, computed,
-                                   ntok, slots, held)
-            fits = fits and tot > 0
-        if not fits:
+        lat, nS, new_tokens, ctx, n_sam, kvh_all, n_all = _engine_step(
+            iconf, fconf, coef, cnt, idle, nsteps, sframe, kw, kw_len, kseq, kvh_all, n_all, run_arr, status,
+            computed, ntok, slots, held, out, maxtok, fresh, sched, schk, sampled, jit, jz, ja, jb, jp, jr)
+        if lat < 0:
             turned = TURN_TAKEN  # the turn at `now` is done; the step-by-step path takes the step
             break
-        step_start = now
-        used, run_len, nS = _schedule(iconf, used, run_len, kvh_len, run_arr, kw, kw_len, status, computed, ntok,
-                                      slots, held, sched, schk)
-        kvh_len -= kw_len
         kw_len = 0
-        new_tokens, ctx, first, n_sam, n_pause, run_len = _run_model(iconf, idle, sched, schk, nS, run_arr, run_len,
-                                                                    status, computed, ntok, out, maxtok, fresh, sampled)
-        kvh_all, n_all = _hold(sched, nS, status, kvh_all, n_all, kseq)
-        n_paused += n_pause
-        kvh_len += n_pause
         idle = False
         m_steps += 1
-        lat = _step_latency(coef, fconf, nS, ctx, new_tokens, first, jitter, nsteps, sframe, f_lo, jit, jz, ja, jb,
-                            jp, jr)
-        now = step_start + lat
+        step_start, now = now, now + lat
         if now >= horizon:  # the step outlives the run: SimPy stops while it runs
             fstate[1], now, turned = now, step_start, PAST_HORIZON
             break
         n_ready, n_pend, nrows = _answer_step(
             now, iconf, fconf, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
             s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
-            pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i[nsteps], nS, new_tokens, ctx, used,
-            n_running)
-        peak = max(peak, used)
+            pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i[nsteps], nS, new_tokens, ctx,
+            cnt[C_USED], cnt[C_NRUN])
+        peak = max(peak, cnt[C_USED])
         st_t[nsteps], st_lat[nsteps] = step_start, lat
         nsteps += 1
-    kvh_len = _kv_holding(kvh_all, n_all, kseq, status, kvh_arr)
-    istate[S_USED], istate[S_PAUSED], istate[S_MSTEPS], istate[S_SFRAME], istate[S_PEAK] = used, n_paused, m_steps, sframe, peak
+    istate[S_USED], istate[S_PAUSED], istate[S_MSTEPS], istate[S_SFRAME], istate[S_PEAK] = \
+        cnt[C_USED], cnt[C_PAUSED], m_steps, sframe, peak
     istate[S_RUNLEN], istate[S_KVHLEN], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED] = \
-        run_len, kvh_len, nsteps, nrows, turned
-    istate[S_IDLE], istate[S_NPEND], istate[S_NDEP] = 1 if idle else 0, n_pend, n_dep
+        cnt[C_RUNLEN], _kv_holding(kvh_all, n_all, kseq, status, kvh_arr), nsteps, nrows, turned
+    istate[S_IDLE], istate[S_NPEND], istate[S_NDEP] = 1 if idle else 0, n_pend, cnt[C_DEP]
     fstate[0] = now
 
 
