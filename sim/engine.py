@@ -83,6 +83,7 @@ class SimEngine:
     s_preempt: np.ndarray
     s_rebase: np.ndarray
     s_admitted: np.ndarray
+    admitted: np.ndarray  # s_admitted is set (what the compiled loop reads, kept rather than derived per call)
     s_ended: np.ndarray
     s_end_reason: np.ndarray
     # one entry per engine slot
@@ -183,6 +184,7 @@ class SimEngine:
         self.s_frames, self.s_silent, self.s_late, self.s_tokens, self.s_preempt, self.s_rebase = (
             np.zeros(M, dtype=np.int64) for _ in range(6))
         self.s_admitted, self.s_ended = np.full(M, np.nan), np.full(M, np.nan)
+        self.admitted = np.zeros(M, dtype=bool)
         self.s_end_reason = np.full(M, "", dtype=object)
         self.sess_of_slot = np.full(64, -1, dtype=np.int64)
         self.fresh_slot = np.zeros(64, dtype=bool)
@@ -325,6 +327,7 @@ class SimEngine:
             self.seq += 1
             if np.isnan(self.s_admitted[i]):
                 self.s_admitted[i] = now
+                self.admitted[i] = True
             if not self.started[i]:
                 # a new session: its first frame (prompt + input) is its prefill, submitted at its tick
                 self.state[i] = RUNNING
@@ -509,7 +512,7 @@ class SimEngine:
         n = key.size
         fr_f, fr_i = np.zeros(n, np.int64), np.zeros((n, 5), np.int64)
         fr_tick, fr_done, fr_lat = np.zeros(n), np.zeros(n), np.zeros(n)
-        rows = fp.flush(now, n, key, who, tok, ~np.isnan(self.s_admitted), self.P,
+        rows = fp.flush(now, n, key, who, tok, self.admitted, self.P,
                         float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS, self.s_late,
                         fr_f, fr_tick, fr_done, fr_lat, fr_i, 0)
         fi, lat = fr_i[:rows], fr_lat[:rows]
@@ -693,7 +696,7 @@ class SimEngine:
             pend[:len(self.silent_pending)] = self.silent_pending
         fp.run_span(iconf, fconf, coef, istate, fstate, live, self.state, self.phase, self.pslot, self.slot,
                     self.next_frame, self.backlog, self.inflight, self.inflight_tok, self.hist, self.last_tok,
-                    self.pending_in, self.work_step, self.running_since, self.started, ~np.isnan(self.s_admitted),
+                    self.pending_in, self.work_step, self.running_since, self.started, self.admitted,
                     self.s_tokens, self.s_frames, self.s_silent, self.s_late,
                     m.status_a, m.computed_a, m.ntok_a, m.slots_a, m.held_a, m.out_a, m.maxtok_a, self.fresh_slot,
                     self.sess_of_slot, run_arr, kvh_arr, *draws, buf["st_t"], buf["st_lat"], buf["st_i"],
