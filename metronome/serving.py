@@ -277,6 +277,12 @@ class EngineModel:
     time (:meth:`_run_one`, :meth:`_admit_one`). Both give vLLM's result (the differential test)."""
 
     WAITING_CODE, RUNNING_CODE, PAUSED_CODE, PREEMPTED_CODE = _W, _R, _P, _X  # status_a values
+    # the rules that can decide a step besides "everyone gets their own" (``reached`` counts each time one did, so
+    # a test can say which a scenario covers): a dry pool preempting running[-1], out-of-window blocks freed,
+    # the token budget cutting a request short, max_num_seqs or the full-sequence gate or the watermark
+    # stopping an admission, max_model_len capping a request's tokens
+    RULES = ("preemption", "window_free", "token_budget", "max_num_seqs", "full_sequence_gate", "watermark",
+             "length_limit")
 
     def __init__(self, policy: KVPolicy, limits: EngineLimits):
         self.policy, self.limits = policy, limits
@@ -300,6 +306,7 @@ class EngineModel:
         self.n_paused = 0
         self.used = 0
         self.steps = 0
+        self.reached = dict.fromkeys(self.RULES, 0)
 
     # -- slots -----------------------------------------------------------------------------------------
     def _grow(self) -> None:
@@ -410,7 +417,12 @@ class EngineModel:
         slots, comp = int(self.slots_a[s]), int(self.computed_a[s])
         if admitting:
             full = min(int(self.ntok_a[s]), self.limits.max_model_len)
-            if admission_need_blocks(self.policy, full, self.cap, slots) + watermark > self.free_blocks():
+            gate = admission_need_blocks(self.policy, full, self.cap, slots)
+            if gate + watermark > self.free_blocks():
+                if gate <= self.free_blocks():
+                    self.reached["watermark"] += 1
+                elif max(cdiv(comp + k, self.bs) - slots, 0) + watermark <= self.free_blocks():
+                    self.reached["full_sequence_gate"] += 1  # the chunk would fit, the whole sequence not
                 return False
         if slots:  # remove_skipped_blocks on the computed count: out-of-window blocks go back to the pool
             keep = self._res(comp)
@@ -418,8 +430,11 @@ class EngineModel:
             if keep < held:
                 self.used -= held - keep
                 self.held_a[s] = keep
+                self.reached["window_free"] += 1
         need = max(cdiv(comp + k, self.bs) - slots, 0)
         if need + watermark > self.free_blocks():
+            if need <= self.free_blocks():
+                self.reached["watermark"] += 1
             return False
         self.slots_a[s] += need
         self.held_a[s] += need
@@ -430,6 +445,8 @@ class EngineModel:
         k = int(self.ntok_a[s] - self.computed_a[s])
         if 0 < threshold < k:
             k = threshold
+        if budget < k:
+            self.reached["token_budget"] += 1
         return min(k, budget)
 
     def _preempt(self, v: int, rec: StepRecord) -> None:
@@ -437,12 +454,17 @@ class EngineModel:
         self.held_a[v] = self.slots_a[v] = 0
         self.status_a[v], self.computed_a[v] = _X, 0  # its sampled tokens stay
         self.waiting.appendleft(v)
+        self.reached["preemption"] += 1
         rec.preempted.append(self.rid_of[v])
 
     def _run_one(self, i: int, budget: int, threshold: int, rec: StepRecord, out: list) -> tuple[int, int, bool]:
         """Schedule ``running[i]``: returns (next index, budget left, go on)."""
         s = self.running[i]
-        k = min(self._tokens_for(s, budget, threshold), self.limits.max_model_len - int(self.computed_a[s]) - 1)
+        k = self._tokens_for(s, budget, threshold)
+        room = self.limits.max_model_len - int(self.computed_a[s]) - 1
+        if room < k:
+            self.reached["length_limit"] += 1
+            k = room
         if k <= 0:
             return i + 1, budget, True
         ok = self._allocate(s, k, admitting=False)
@@ -471,12 +493,20 @@ class EngineModel:
             wm = np.where(n_running + np.arange(S.size) > 0, self.limits.watermark_blocks, 0)
             full = np.minimum(self.ntok_a[S], self.limits.max_model_len)
             gate = admission_need_blocks(self.policy, full, self.cap, slots)
-            ok &= (gate + wm <= before) & (need + wm <= before + freed)
+            fits = ok
+            ok = fits & (gate + wm <= before) & (need + wm <= before + freed)
         bad = np.flatnonzero(~ok)
         n = int(bad[0]) if bad.size else S.size
+        if admitting and bad.size and fits[n]:  # what stopped the admissions (as _allocate counts them)
+            if gate[n] <= before[n]:
+                self.reached["watermark"] += 1
+            elif need[n] + wm[n] <= before[n] + freed[n]:
+                self.reached["full_sequence_gate"] += 1
         return n, freed, need
 
     def _commit(self, S: np.ndarray, freed: np.ndarray, need: np.ndarray) -> None:
+        if freed.any():
+            self.reached["window_free"] += 1
         self.held_a[S] += need - freed
         self.slots_a[S] += need
         self.used += int(need.sum()) - int(freed.sum())
@@ -488,9 +518,14 @@ class EngineModel:
         if threshold > 0:
             k = np.where(k > threshold, threshold, k)
         if cap_len:
-            k = np.minimum(k, self.limits.max_model_len - self.computed_a[S] - 1)
+            room = self.limits.max_model_len - self.computed_a[S] - 1
+            if (room < k).any():
+                self.reached["length_limit"] += 1
+                k = np.minimum(k, room)
         kp = np.maximum(k, 0)
         before = budget - (np.cumsum(kp) - kp)
+        if (kp > before).any():
+            self.reached["token_budget"] += 1
         return np.maximum(np.minimum(kp, before), 0), before > 0
 
     # -- one step --------------------------------------------------------------------------------------
@@ -567,6 +602,8 @@ class EngineModel:
             room = lim.max_num_seqs - len(self.running) - paused - np.arange(L.size) > 0
             ok = reached & room & (eff > 0)
             stop = int(np.flatnonzero(~ok)[0]) if not ok.all() else L.size
+            if stop < L.size and not room[stop] and reached[stop] and eff[stop] > 0:
+                self.reached["max_num_seqs"] += 1
             n, freed, need = self._fit_prefix(L[:stop], eff[:stop], self.free_blocks(), True, len(self.running))
             if n:
                 take = L[:n]
@@ -582,7 +619,10 @@ class EngineModel:
         skipped: list[int] = []
         while budget > 0:
             queue = self.kv_holding if self.kv_holding else self.waiting
-            if not queue or len(self.running) + paused >= lim.max_num_seqs:
+            if not queue:
+                break
+            if len(self.running) + paused >= lim.max_num_seqs:
+                self.reached["max_num_seqs"] += 1
                 break
             s = queue[0]
             if self.status_a[s] == _P:  # waiting for its next frame's input: skipped, keeps its place

@@ -81,6 +81,8 @@ class Result:
     controller_trace: list | None = None
     fast_steps: int = 0  # engine steps computed in fast-forwarded spans (the tables do not depend on it)
     loop_departures: int = 0  # departures the compiled loop took itself (nor do they)
+    # how often each of EngineModel.RULES decided a step taken step by step (the compiled loop hands those back)
+    rules_reached: dict | None = None
 
 
 def workload(sc: Scenario) -> tuple[np.ndarray, np.ndarray]:
@@ -144,7 +146,8 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
     summary["wall_s"] = round(time.perf_counter() - wall0, 4)
     trace = controller.trace() if controller is not None and hasattr(controller, "trace") else None
     return Result(sc, summary, steps, frames, sessions, trace, fast_steps=eng.fast_steps,
-                  loop_departures=eng.loop_departures)
+                  loop_departures=eng.loop_departures,
+                  rules_reached=dict(getattr(eng.model, "reached", {})) or None)
 
 
 DECIDE_PAUSE_CHUNKS = 4  # ... and the compiled loop pauses for a look at every 4th

@@ -139,6 +139,54 @@ def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy,
         assert fast.loop_departures > 0 and slow.loop_departures == 0
 
 
+# Scenarios that between them make every rule of EngineModel.RULES decide steps, each compared fast against step
+# by step; each names the rules it must reach (counted by the step-by-step engine, which takes every step the
+# compiled loop hands back). "length_limit" is left to the vLLM differential: the front end rebases a session
+# before its frame would pass max_model_len (serving.frame_fits), so no simulated request meets the cap.
+RULE_SCENARIOS = {
+    # a 64-token budget: 80 sessions' frames in lockstep do not fit one step
+    "token-budget": ("moshi-7b-h200", dict(num_blocks=1500, max_num_batched_tokens=64), KVPolicy.sinks(16, 16, 256),
+                     Arrivals("all", sessions=80), {"token_budget", "window_free"}, ("aligned",)),
+    "max-num-seqs": ("moshi-7b-h200", dict(num_blocks=1500, max_num_seqs=40), KVPolicy.sinks(16, 16, 256),
+                     Arrivals("poisson", rate_per_s=5.0), {"max_num_seqs", "window_free"}, ("aligned", "independent")),
+    "watermark": ("moshi-7b-h200", dict(num_blocks=600, watermark_blocks=30), KVPolicy.unbounded(16),
+                  Arrivals("poisson", rate_per_s=5.0), {"watermark"}, ("aligned", "independent")),
+    # readmitted sessions re-prefill their history in 64-token chunks: the chunk fits, the whole sequence not
+    "full-sequence-gate": ("moshi-7b-h200", dict(num_blocks=600, max_num_batched_tokens=64), KVPolicy.unbounded(16),
+                           Arrivals("poisson", rate_per_s=5.0), {"full_sequence_gate", "token_budget"},
+                           ("aligned", "independent")),
+    # 8 tokens a frame: a dry pool meets requests in the running pass, which preempts running[-1]
+    "preemption": ("minicpm-o-4.5-h200", dict(num_blocks=200), KVPolicy.unbounded(16), Arrivals("all", sessions=40),
+                   {"preemption"}, ("aligned", "independent")),
+    # sinks over one block (40 tokens) and a window that is not whole blocks (250)
+    "sink-shape": ("moshi-7b-h200", dict(num_blocks=800), KVPolicy.sinks(16, 40, 250),
+                   Arrivals("poisson", rate_per_s=5.0), {"window_free"}, ("aligned", "independent")),
+}
+
+
+def test_the_rule_scenarios_reach_every_rule():
+    from metronome.serving import EngineModel
+
+    covered = set().union(*(want for *_, want, _ in RULE_SCENARIOS.values()))
+    assert covered | {"length_limit"} == set(EngineModel.RULES)
+    shape = RULE_SCENARIOS["sink-shape"][2]
+    assert shape.sink_tokens > shape.block_size and shape.window_tokens % shape.block_size
+
+
+@pytest.mark.parametrize("name,phases", [(n, ph) for n, v in RULE_SCENARIOS.items() for ph in v[5]])
+def test_fast_and_step_by_step_agree_where_each_rule_decides(name, phases):
+    preset, engine, policy, arrivals, want, _ = RULE_SCENARIOS[name]
+    c = calibration.load(preset)
+    c = replace(c, engine=replace(c.engine, **engine))
+    sc = Scenario(c, policy, arrivals, 40.0, durations=Durations("exponential", 20.0), seed=3, phases=phases)
+    slow = run(sc, fast_forward=False, check_invariants=True)
+    fast = run(sc, fast_forward=True, check_invariants=True)
+    _tables_equal(slow, fast)
+    reached = {rule for rule, n in slow.rules_reached.items() if n}
+    assert want <= reached, f"{name} under {phases} phases reached {sorted(reached)}"
+    assert fast.fast_steps > 0, "the compiled loop must have run"
+
+
 JITTER = ((0.0, 0.8), (0.5, 1.0), (0.99, 1.7), (1.0, 2.5))
 
 
