@@ -517,14 +517,20 @@ class SimEngine:
                         fr_f, fr_tick, fr_done, fr_lat, fr_i, 0)
         fi, lat = fr_i[:rows], fr_lat[:rows]
         nn, silent = fi[:, fp.R_FRAMES], fi[:, fp.R_SILENT]
-        self.frames.add(frame=fr_f[:rows], tick_s=fr_tick[:rows], done_s=now, latency_s=lat, frames=nn,
-                        silent=silent, silent_preempted=fi[:, fp.R_SILENT_PRE], late=fi[:, fp.R_LATE],
-                        tokens=fi[:, fp.R_TOKENS])
+        self._frame_rows(fr_f[:rows], fr_tick[:rows], fr_done[:rows], lat, fi)
         if self.controller is not None:
             for lt, k, sl in zip(lat.tolist(), nn.tolist(), silent.tolist()):
                 self.controller.advance(now, self._in_flight())
                 self.controller.observe(now, lt, frames=k, silent=sl)
         return int(nn.sum()), int(silent.sum())
+
+    def _frame_rows(self, frame, tick, done, latency, fi) -> None:
+        """Rows of the frames table as :func:`metronome.sim.fastpath.flush` writes them (``fi``: its columns)."""
+        from metronome.sim import fastpath as fp
+
+        self.frames.add(frame=frame, tick_s=tick, done_s=done, latency_s=latency, frames=fi[:, fp.R_FRAMES],
+                        silent=fi[:, fp.R_SILENT], silent_preempted=fi[:, fp.R_SILENT_PRE], late=fi[:, fp.R_LATE],
+                        tokens=fi[:, fp.R_TOKENS])
 
     # ----------------------------------------------------------------------------------------- one step
     def _step(self, now: float):
@@ -816,12 +822,10 @@ class SimEngine:
                            new_tokens=si[:, 1], context_tokens=si[:, 2], resident_blocks=si[:, 3],
                            free_blocks=self.num_blocks - si[:, 3], tokens_out=si[:, 4], frames_done=si[:, 5],
                            silent_frames=si[:, 8], preemptions=0, running=si[:, 6], waiting=si[:, 7])
-        if rows:
+        if rows:  # (copies: the buffers are reused by the next call)
             fi = buf["fr_i"][:rows].copy()
-            done, lat = buf["fr_done"][:rows], buf["fr_lat"][:rows]
-            self.frames.add(frame=buf["fr_f"][:rows].copy(), tick_s=buf["fr_tick"][:rows].copy(), done_s=done.copy(),
-                            latency_s=lat.copy(), frames=fi[:, fp.R_FRAMES], silent=fi[:, fp.R_SILENT],
-                            silent_preempted=fi[:, fp.R_SILENT_PRE], late=fi[:, fp.R_LATE], tokens=fi[:, fp.R_TOKENS])
+            done, lat = buf["fr_done"][:rows].copy(), buf["fr_lat"][:rows].copy()
+            self._frame_rows(buf["fr_f"][:rows].copy(), buf["fr_tick"][:rows].copy(), done, lat, fi)
             if self.controller is not None:
                 self.controller.observe_many(done, lat, fi[:, fp.R_FRAMES], fi[:, fp.R_SILENT], in_flight=in_flight)
 

@@ -563,17 +563,24 @@ def _remove(arr, n, x):
 
 
 @nb.njit(cache=True)
+def _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans):
+    """SimEngine._answer_many of one frame: session ``i``'s frame ``f`` answered now with ``tok`` tokens (its tick
+    key, session and tokens appended to the answers, its counts kept). Returns the answers."""
+    a_key[n_ans] = f * PHASE_SLOTS + pslot[i]  # serving.tick_key
+    a_who[n_ans] = i
+    a_tok[n_ans] = tok
+    s_frames[i] += 1
+    if tok == 0:  # serving.frame_is_silent
+        s_silent[i] += 1
+    return n_ans + 1
+
+
+@nb.njit(cache=True)
 def _owed(i, f, tok, now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who, a_tok, n_ans):
     """A departed session's frame ``f``, with the ``tok`` tokens it got: answered if its deadline has passed (else
     censored), as SimEngine._end does. Returns the answers."""
     if _tick(f, fconf[F_P], phase[i]) + fconf[F_DEADLINE] <= now + fconf[F_EPS]:
-        a_key[n_ans] = f * PHASE_SLOTS + pslot[i]
-        a_who[n_ans] = i
-        a_tok[n_ans] = tok
-        s_frames[i] += 1
-        if tok == 0:  # serving.frame_is_silent
-            s_silent[i] += 1
-        n_ans += 1
+        n_ans = _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
     return n_ans
 
 
@@ -690,13 +697,7 @@ def _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend,
     for q in range(n_pend):
         i, f = pend[q, 0], pend[q, 1]
         if f < unfinished:
-            a_key[n_ans] = f * PHASE_SLOTS + pslot[i]
-            a_who[n_ans] = i
-            a_tok[n_ans] = pend[q, 2]
-            n_ans += 1
-            s_frames[i] += 1
-            if pend[q, 2] == 0:  # serving.frame_is_silent
-                s_silent[i] += 1
+            n_ans = _answer(i, f, pend[q, 2], pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
         else:
             pend[m, 0], pend[m, 1], pend[m, 2] = i, f, pend[q, 2]
             m += 1
