@@ -40,6 +40,26 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+NO_WINDOW = 1 << 62
+"""The window of a policy that keeps everything: residency's formula with this window and no sinks is plain
+``cdiv(n, bs)`` (no block ever leaves), so one formula serves every policy."""
+
+
+def resident_blocks_of(n, bs, sink_blocks, window):
+    """Blocks resident after ``n`` computed tokens under residency ``(bs, sink_blocks, window)``
+    (:meth:`KVPolicy.residency`): the sink blocks below the first window block, and the window's.
+
+    The one statement of residency: :meth:`KVPolicy.resident_blocks` calls it on ints and numpy arrays, and the
+    engine step (:func:`metronome.serving.engine_step`) compiles it, so it is written in what numba compiles."""
+    lo = np.maximum(n - window + 1, 0) // bs  # the first window block (vLLM: computed − sliding_window + 1)
+    return np.minimum(lo, sink_blocks) + (n + bs - 1) // bs - lo
+
+
+def resident_tokens_of(n, bs, sink_blocks, window):
+    """Tokens stored in the blocks :func:`resident_blocks_of` keeps (a partly filled last block counts its filled
+    slots)."""
+    lo = np.maximum(n - window + 1, 0) // bs
+    return np.minimum(lo, sink_blocks) * bs + (n - lo * bs)
 
 
 @dataclass(frozen=True)
@@ -113,20 +133,15 @@ class KVPolicy:
             return None
         return self.sink_blocks + self.window_blocks + 1
 
-    def _first_window_block(self, n):
-        return np.maximum(n - self.window_tokens + 1, 0) // self.block_size
+    def residency(self) -> tuple[int, int, int]:
+        """``(block_size, sink_blocks, window)``: what :func:`resident_blocks_of` and :func:`resident_tokens_of`
+        (and the compiled engine step) need to know of the policy. A policy that keeps everything has no
+        sinks and a window no session reaches (:data:`NO_WINDOW`)."""
+        return self.block_size, self.sink_blocks, self.window_tokens if self.bounded else NO_WINDOW
 
     def resident_blocks(self, n):
         """Blocks held after ``n`` computed tokens."""
-        n = np.asarray(n, dtype=np.int64)
-        total = cdiv(n, self.block_size)
-        if not self.bounded:
-            return total
-        lo = self._first_window_block(n)
-        window = total - lo
-        # blocks below the window that are sinks stay; the window may overlap the sink blocks
-        kept_sinks = np.minimum(lo, self.sink_blocks)
-        return kept_sinks + window
+        return resident_blocks_of(np.asarray(n, dtype=np.int64), *self.residency())
 
     def step_blocks(self, n, k):
         """Blocks held while a step computes ``k`` tokens after ``n``: vLLM frees out-of-window blocks at the
@@ -137,12 +152,7 @@ class KVPolicy:
 
     def resident_tokens(self, n):
         """Tokens stored in the resident blocks after ``n`` computed tokens."""
-        n = np.asarray(n, dtype=np.int64)
-        if not self.bounded:
-            return n
-        lo = self._first_window_block(n)
-        kept_sinks = np.minimum(lo, self.sink_blocks)
-        return kept_sinks * self.block_size + (n - lo * self.block_size)
+        return resident_tokens_of(np.asarray(n, dtype=np.int64), *self.residency())
 
     def attended_tokens(self, n):
         """Keys the query at position ``n`` attends to, itself included: every resident token plus itself

@@ -24,6 +24,11 @@ drives vLLM's own ``Scheduler`` beside :class:`EngineModel` and asserts they agr
   frame's ``max_tokens`` pauses (its last sampled token is dropped from its history when the next
   input is appended: the driver re-feeds it).
 
+The step is written once, in the form numba compiles, over the engine's arrays (:func:`engine_step`; residency
+is the policy's own formula, :meth:`KVPolicy.residency`): :class:`EngineModel` takes a step with it, the
+simulator's compiled loop calls it from inside its own loop on the same arrays, and the differential test runs it
+beside vLLM.
+
 **What vLLM 0.32 gets wrong, and what we do about it (the one place this is said).** A paused session is
 not a preemption candidate, so when the pool runs dry at a frame boundary every resumed session waits for
 blocks that only a paused one could free, and the engine stalls (0 running, N waiting, 0 free). The live
@@ -45,10 +50,12 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import numba as nb
 import numpy as np
 
+from metronome import compiled
 from metronome.errors import MetronomeError
-from metronome.kv_policy import KVPolicy, cdiv
+from metronome.kv_policy import KVPolicy, cdiv, resident_blocks_of, resident_tokens_of
 
 # ------------------------------------------------------------------------------------------ frame clock
 _TICK_EPS = 1e-9
@@ -162,15 +169,22 @@ def rebase_keep_tokens(policy: KVPolicy, max_model_len: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------- admission
-def admission_need_blocks(policy: KVPolicy, tokens: int, cap_blocks: int | None, slots: int = 0) -> int:
+NO_CAP = 1 << 62
+"""The admission cap of full attention (none): :func:`gate_blocks` with it is plain ``cdiv(tokens, bs)``."""
+
+
+def gate_blocks(tokens, bs, cap, slots):
     """Blocks vLLM's full-sequence gate wants free to admit a request of ``tokens`` tokens that already has
-    ``slots`` block slots: ``max(min(cdiv(tokens, bs), cap) − slots, 0)``. ``cap`` is the KV spec's admission
-    cap (None for full attention): a bounded session reserves its peak in-flight residency, not its
-    history. Works on ints and on numpy arrays alike."""
-    need = cdiv(tokens, policy.block_size)
-    if cap_blocks is not None:
-        need = np.minimum(need, cap_blocks)
-    return np.maximum(need - slots, 0)
+    ``slots`` block slots: ``max(min(cdiv(tokens, bs), cap) − slots, 0)``. The one statement of the gate: the
+    front end asks it through :func:`admission_need_blocks`, and the engine step compiles it (ints, numpy arrays
+    and numba alike)."""
+    return np.maximum(np.minimum((tokens + bs - 1) // bs, cap) - slots, 0)
+
+
+def admission_need_blocks(policy: KVPolicy, tokens: int, cap_blocks: int | None, slots: int = 0) -> int:
+    """:func:`gate_blocks` for ``policy``. ``cap_blocks`` is the KV spec's admission cap (None for full attention):
+    a bounded session reserves its peak in-flight residency, not its history."""
+    return gate_blocks(tokens, policy.block_size, NO_CAP if cap_blocks is None else cap_blocks, slots)
 
 
 def blocks_to_resume(policy: KVPolicy, tokens: int, computed: int, held: int, cap_blocks: int | None) -> int:
@@ -229,6 +243,309 @@ _CODE = {WAITING: 1, RUNNING: 2, PAUSED: 3, PREEMPTED: 4}
 _NAME = {v: k for k, v in _CODE.items()}
 _W, _R, _P, _X = 1, 2, 3, 4  # waiting, running, paused, preempted (0: no request in the slot)
 
+# The engine's state is arrays, so that one compiled step (:func:`engine_step`) serves the step-by-step
+# simulator, the compiled loop (metronome.sim.fastpath, which calls it from inside its own loop) and the
+# differential test against vLLM alike. Per request slot: status, computed tokens, tokens (prompt + outputs
+# kept), block-table length (freed null slots included), real blocks held, tokens sampled this turn, the
+# frame's max_tokens and the request's place in the kv-holding queue. The queues: ``run`` (vLLM's running
+# list, in order), ``kw`` (the kv-holding queue's *waiting* entries: the paused ones keep their place, ``kseq``,
+# and are only counted, since the waiting pass skips them) and ``wq`` (vLLM's waiting queue: new and
+# preempted requests). The counters (``cnt``):
+E_USED, E_PAUSED, E_RUN, E_KW, E_WQ, E_KSEQ, E_STEPS = range(7)
+# the limits and the policy's residency, as the compiled step reads them (``lim``)
+L_NB, L_SEQS, L_BUDGET, L_MAXLEN, L_WM, L_THR, L_CAP, L_BS, L_SINKB, L_WINDOW = range(10)
+# what a step did (``o_n``): scheduled (running pass, then admitted), admitted, preempted, sampled, paused, new
+# tokens, context tokens (resident after the step, summed over the scheduled), blocks used after scheduling
+O_SCHED, O_ADMIT, O_PRE, O_SAM, O_PAUSE, O_NEW, O_CTX, O_USED = range(8)
+# the rules that can decide a step besides "everyone gets their own" (``reached`` counts each time one did, so a
+# test can say which a scenario covers): a dry pool preempting running[-1], out-of-window blocks freed, the token
+# budget cutting a request short, max_num_seqs or the full-sequence gate or the watermark stopping an admission,
+# max_model_len capping a request's tokens
+RULES = ("preemption", "window_free", "token_budget", "max_num_seqs", "full_sequence_gate", "watermark",
+         "length_limit")
+R_PREEMPT, R_WFREE, R_BUDGET, R_SEQS, R_GATE, R_WM, R_LEN = range(len(RULES))
+
+_res_blocks = nb.njit(cache=True)(resident_blocks_of)
+_res_tokens = nb.njit(cache=True)(resident_tokens_of)
+gate_blocks_jit = nb.njit(cache=True)(gate_blocks)  # (the compiled loop's front end asks it too)
+
+
+@nb.njit(cache=True)
+def _chunk(s, budget, thr, ntok, computed, reached):
+    """Tokens request ``s`` is scheduled from ``budget``: what it has left, at most the long-prefill threshold."""
+    k = ntok[s] - computed[s]
+    if 0 < thr < k:
+        k = thr
+    if budget < k:
+        reached[R_BUDGET] += 1
+        return budget
+    return k
+
+
+@nb.njit(cache=True)
+def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
+    """``KVCacheManager.allocate_slots(s, k)``: True and the blocks taken, or False and nothing taken (the frees
+    stay). Admitting a waiting request, the full-sequence gate and the watermark (once anything runs) come first;
+    then blocks that left the window at the *computed* count go back to the pool; then the chunk's new blocks."""
+    bs = lim[L_BS]
+    wm = lim[L_WM] if admitting and cnt[E_RUN] > 0 else 0
+    free = lim[L_NB] - cnt[E_USED]
+    need = max((computed[s] + k + bs - 1) // bs - slots[s], 0)
+    if admitting:
+        gate = gate_blocks_jit(min(ntok[s], lim[L_MAXLEN]), bs, lim[L_CAP], slots[s])
+        if gate + wm > free:
+            if gate <= free:
+                reached[R_WM] += 1
+            elif need + wm <= free:
+                reached[R_GATE] += 1  # the chunk would fit, the whole sequence not
+            return False
+    if slots[s] > 0:  # remove_skipped_blocks
+        keep = _res_blocks(computed[s], bs, lim[L_SINKB], lim[L_WINDOW])
+        if keep < held[s]:
+            cnt[E_USED] -= held[s] - keep
+            free += held[s] - keep
+            held[s] = keep
+            reached[R_WFREE] += 1
+    if need + wm > free:
+        if need <= free:
+            reached[R_WM] += 1
+        return False
+    slots[s] += need
+    held[s] += need
+    cnt[E_USED] += need
+    return True
+
+
+@nb.njit(cache=True)
+def _preempt(v, cnt, status, computed, slots, held, wq, reached):
+    """Recompute preemption of ``v``: all its blocks freed, nothing computed, at the head of ``waiting`` (its
+    sampled tokens stay)."""
+    cnt[E_USED] -= held[v]
+    held[v] = 0
+    slots[v] = 0
+    status[v] = _X
+    computed[v] = 0
+    for j in range(cnt[E_WQ], 0, -1):
+        wq[j] = wq[j - 1]
+    wq[0] = v
+    cnt[E_WQ] += 1
+    reached[R_PREEMPT] += 1
+
+
+@nb.njit(cache=True)
+def _kv_order(kw, n, kseq):
+    """The kv-holding queue's waiting entries in queue order (their places ``kseq``): insertion sort when they are
+    few or nearly in order, a sort of their places when many come out of order (past N* every session's frame
+    waits in every step)."""
+    if n > 32:
+        inv = 0
+        for a in range(1, n):
+            if kseq[kw[a - 1]] > kseq[kw[a]]:
+                inv += 1
+        if inv > 8:
+            places = np.empty(n, np.int64)
+            for a in range(n):
+                places[a] = kseq[kw[a]]
+            order = np.argsort(places)  # places are distinct: any sort gives the one order
+            keep = kw[:n].copy()
+            for a in range(n):
+                kw[a] = keep[order[a]]
+            return
+    for a in range(1, n):
+        s = kw[a]
+        b = a - 1
+        while b >= 0 and kseq[kw[b]] > kseq[s]:
+            kw[b + 1] = kw[b]
+            b -= 1
+        kw[b + 1] = s
+
+
+@nb.njit(cache=True)
+def _running_pass(lim, cnt, status, computed, ntok, slots, held, run, wq, thr, o_s, o_k, o_pre, o_n, reached):
+    """The running requests in order, each its chunk (within the budget and below max_model_len); when the pool
+    is dry the last running request is preempted and the allocation retried, and a request that would preempt
+    itself ends the pass. Returns the budget left."""
+    budget = lim[L_BUDGET]
+    i = 0
+    while i < cnt[E_RUN] and budget > 0:
+        s = run[i]
+        k = _chunk(s, budget, thr, ntok, computed, reached)
+        room = lim[L_MAXLEN] - computed[s] - 1
+        if room < k:
+            reached[R_LEN] += 1
+            k = room
+        if k <= 0:
+            i += 1
+            continue
+        ok = _alloc(s, k, False, lim, cnt, computed, ntok, slots, held, reached)
+        while not ok:
+            cnt[E_RUN] -= 1
+            v = run[cnt[E_RUN]]
+            _preempt(v, cnt, status, computed, slots, held, wq, reached)
+            o_pre[o_n[O_PRE]] = v
+            o_n[O_PRE] += 1
+            if v == s:
+                break
+            ok = _alloc(s, k, False, lim, cnt, computed, ntok, slots, held, reached)
+        if not ok:
+            break
+        o_s[o_n[O_SCHED]], o_k[o_n[O_SCHED]] = s, k
+        o_n[O_SCHED] += 1
+        budget -= k
+        i += 1
+    if budget <= 0 and i < cnt[E_RUN]:
+        reached[R_BUDGET] += 1  # the budget ran out before the last running requests
+    return budget
+
+
+@nb.njit(cache=True)
+def _waiting_pass(budget, lim, cnt, status, computed, ntok, slots, held, kseq, run, kw, wq, thr, o_s, o_k, o_n,
+                  reached):
+    """vLLM's waiting pass: the kv-holding queue in order (its paused entries skipped in place), then ``waiting``,
+    head first, each admitted to the running list while max_num_seqs (paused requests hold a place), the budget,
+    the full-sequence gate, the watermark and the pool allow; the first that does not fit ends the pass (no later,
+    smaller request jumps it)."""
+    _kv_order(kw, cnt[E_KW], kseq)
+    a = q = 0  # admitted from kw, from wq
+    while budget > 0:
+        if a < cnt[E_KW]:
+            s = kw[a]
+        elif q < cnt[E_WQ]:
+            s = wq[q]
+        else:
+            break
+        if cnt[E_RUN] + cnt[E_PAUSED] >= lim[L_SEQS]:
+            reached[R_SEQS] += 1
+            break
+        k = _chunk(s, budget, thr, ntok, computed, reached)
+        if k <= 0 or not _alloc(s, k, True, lim, cnt, computed, ntok, slots, held, reached):
+            break
+        status[s] = _R
+        run[cnt[E_RUN]] = s
+        cnt[E_RUN] += 1
+        o_s[o_n[O_SCHED]], o_k[o_n[O_SCHED]] = s, k
+        o_n[O_SCHED] += 1
+        o_n[O_ADMIT] += 1
+        budget -= k
+        if a < cnt[E_KW]:
+            a += 1
+        else:
+            q += 1
+    if budget <= 0 and (a < cnt[E_KW] or q < cnt[E_WQ]):
+        reached[R_BUDGET] += 1  # the budget ran out before the waiting requests
+    if a:
+        cnt[E_KW] -= a
+        kw[:cnt[E_KW]] = kw[a:a + cnt[E_KW]].copy()
+    if q:
+        cnt[E_WQ] -= q
+        wq[:cnt[E_WQ]] = wq[q:q + cnt[E_WQ]].copy()
+
+
+@nb.njit(cache=True)
+def _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_k, o_sam, o_pau, o_n):
+    """The model runs: each scheduled request computes its tokens; one whose tokens are all computed samples one;
+    one that reached its frame's max_tokens pauses and joins the kv-holding queue's tail, in schedule order."""
+    new = ctx = n_sam = n_pau = 0
+    for j in range(o_n[O_SCHED]):
+        s = o_s[j]
+        computed[s] += o_k[j]
+        new += o_k[j]
+        ctx += _res_tokens(computed[s], lim[L_BS], lim[L_SINKB], lim[L_WINDOW])
+        if computed[s] >= ntok[s]:
+            ntok[s] += 1
+            out[s] += 1
+            o_sam[n_sam] = s
+            n_sam += 1
+            if out[s] >= maxtok[s]:
+                status[s] = _P
+                kseq[s] = cnt[E_KSEQ]
+                cnt[E_KSEQ] += 1
+                o_pau[n_pau] = s
+                n_pau += 1
+    if n_pau:
+        m = 0
+        for j in range(cnt[E_RUN]):
+            if status[run[j]] == _R:
+                run[m] = run[j]
+                m += 1
+        cnt[E_RUN] = m
+        cnt[E_PAUSED] += n_pau
+    o_n[O_SAM], o_n[O_PAUSE], o_n[O_NEW], o_n[O_CTX] = n_sam, n_pau, new, ctx
+
+
+@nb.njit(cache=True)
+def engine_step(lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam,
+                o_pau, o_n, reached):
+    """One ``Scheduler.schedule()`` and the model run after it, on the engine's arrays (the layout above): the
+    running pass, then, only in a step that preempted nothing, the waiting pass; then sampling and pausing. What
+    it did is written to ``o_*`` (``o_n`` counts them) and each rule that decided something is counted in
+    ``reached``. The one statement of vLLM's step: every path of the simulator and the differential test run it."""
+    o_n[:] = 0
+    thr = lim[L_THR] if cnt[E_RUN] + cnt[E_WQ] + cnt[E_KW] + cnt[E_PAUSED] > 1 else 0  # paused sessions count
+    budget = _running_pass(lim, cnt, status, computed, ntok, slots, held, run, wq, thr, o_s, o_k, o_pre, o_n, reached)
+    if o_n[O_PRE] == 0:
+        _waiting_pass(budget, lim, cnt, status, computed, ntok, slots, held, kseq, run, kw, wq, thr, o_s, o_k, o_n,
+                      reached)
+    o_n[O_USED] = cnt[E_USED]
+    _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_k, o_sam, o_pau, o_n)
+    cnt[E_STEPS] += 1
+
+
+@nb.njit(cache=True)
+def _drop(arr, n, x):
+    """``arr[:n]`` without ``x``, in order; returns the new length."""
+    m = 0
+    for j in range(n):
+        if arr[j] != x:
+            arr[m] = arr[j]
+            m += 1
+    return m
+
+
+@nb.njit(cache=True)
+def abort_slot(s, cnt, status, slots, held, run, kw, wq):
+    """Abort request ``s`` (``EngineModel.abort``; the compiled loop's departures call it too): its blocks go back,
+    and it leaves whichever list or queue holds it."""
+    st = status[s]
+    cnt[E_USED] -= held[s]
+    held[s] = 0
+    slots[s] = 0
+    status[s] = 0
+    if st == _R:
+        cnt[E_RUN] = _drop(run, cnt[E_RUN], s)
+    elif st == _P:
+        cnt[E_PAUSED] -= 1
+    elif st != 0:  # waiting: in the kv-holding queue (resumed) or in vLLM's waiting queue
+        n = _drop(kw, cnt[E_KW], s)
+        if n < cnt[E_KW]:
+            cnt[E_KW] = n
+        else:
+            cnt[E_WQ] = _drop(wq, cnt[E_WQ], s)
+
+
+@nb.njit(cache=True)
+def resume_slot(s, chunk, max_tokens, cnt, status, computed, ntok, out, maxtok, kw):
+    """The next frame's input for paused request ``s`` (``EngineModel.append``): vLLM drops the token it sampled
+    last (not computed; the caller re-feeds it inside ``chunk``) and the request waits again, in its place in the
+    kv-holding queue."""
+    ntok[s] = computed[s] + chunk
+    maxtok[s] = max_tokens
+    out[s] = 0
+    status[s] = _W
+    cnt[E_PAUSED] -= 1
+    kw[cnt[E_KW]] = s
+    cnt[E_KW] += 1
+
+
+@nb.njit(cache=True)
+def _resume_many(slots_, chunks, max_tokens, cnt, status, computed, ntok, out, maxtok, kw):
+    for j in range(slots_.size):
+        resume_slot(slots_[j], chunks[j], max_tokens, cnt, status, computed, ntok, out, maxtok, kw)
+
+
+# what the compiled step takes in from another module: the policy's residency
+STEP_FORM = compiled.guard(engine_step, (resident_blocks_of, resident_tokens_of))
+
 
 @dataclass
 class StepRecord:
@@ -245,6 +562,7 @@ class StepRecord:
     sampled_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     paused_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     rid_of: list = field(default_factory=list, repr=False)
+    context_tokens: int = 0  # resident after the step, summed over the scheduled requests
 
     @property
     def scheduled(self) -> dict:
@@ -268,59 +586,73 @@ class EngineModel:
 
     The interface is the live engine's: :meth:`add` a request, :meth:`append` the next frame's input to a
     paused one, :meth:`abort`, :meth:`step`. No prefix caching, no speculative decoding, one batch in
-    flight (what the probe runs). Residency comes from the :class:`KVPolicy` (sink+window blocks freed on
-    the computed-token basis before each allocation, as ``remove_skipped_blocks`` does).
-
-    Requests live in slots of numpy arrays (:meth:`add` returns the slot), so a step's common case — every
-    running request gets its blocks, a prefix of the waiting queue is admitted — is a few array operations;
-    the request that does not fit, and everything after it, goes through the same rules one request at a
-    time (:meth:`_run_one`, :meth:`_admit_one`). Both give vLLM's result (the differential test)."""
+    flight (what the probe runs). Residency comes from the :class:`KVPolicy` (:meth:`KVPolicy.residency`: blocks
+    that left the window freed on the computed-token basis before each allocation, as ``remove_skipped_blocks``
+    does). A step is :func:`engine_step` on this model's arrays (the layout at ``E_USED``); the simulator's compiled
+    loop calls the same function on the same arrays."""
 
     WAITING_CODE, RUNNING_CODE, PAUSED_CODE, PREEMPTED_CODE = _W, _R, _P, _X  # status_a values
-    # the rules that can decide a step besides "everyone gets their own" (``reached`` counts each time one did, so
-    # a test can say which a scenario covers): a dry pool preempting running[-1], out-of-window blocks freed,
-    # the token budget cutting a request short, max_num_seqs or the full-sequence gate or the watermark
-    # stopping an admission, max_model_len capping a request's tokens
-    RULES = ("preemption", "window_free", "token_budget", "max_num_seqs", "full_sequence_gate", "watermark",
-             "length_limit")
+    RULES = RULES
+    _ARRAYS = ("status_a", "computed_a", "ntok_a", "slots_a", "held_a", "out_a", "maxtok_a", "kseq_a", "run_a",
+               "kw_a", "wq_a", "o_s", "o_k", "o_pre", "o_sam", "o_pau")
+    _kernel = staticmethod(engine_step)  # (the differential test's mutations run its Python form)
 
     def __init__(self, policy: KVPolicy, limits: EngineLimits):
         self.policy, self.limits = policy, limits
         self.bs = policy.block_size
         self.cap = policy.admission_cap_blocks(limits.in_flight_tokens, limits.max_model_len)
-        self._bounded = policy.bounded
-        self._sink_blocks, self._window = policy.sink_blocks, policy.window_tokens
+        self.lim = np.array([limits.num_blocks, limits.max_num_seqs, limits.max_num_batched_tokens,
+                             limits.max_model_len, limits.watermark_blocks, limits.long_prefill_token_threshold,
+                             NO_CAP if self.cap is None else self.cap, *policy.residency()], dtype=np.int64)
         self._slot_of: dict = {}
         self.rid_of: list = []
+        self.cnt = np.zeros(7, dtype=np.int64)
+        self.o_n = np.zeros(8, dtype=np.int64)
+        self.reached_a = np.zeros(len(RULES), dtype=np.int64)
         n = 64
         self.status_a = np.zeros(n, dtype=np.int8)
-        self.computed_a = np.zeros(n, dtype=np.int64)
-        self.ntok_a = np.zeros(n, dtype=np.int64)  # prompt + outputs kept
-        self.slots_a = np.zeros(n, dtype=np.int64)  # block-table length, freed (null) slots included
-        self.held_a = np.zeros(n, dtype=np.int64)  # real blocks held
-        self.out_a = np.zeros(n, dtype=np.int64)  # tokens sampled this turn
-        self.maxtok_a = np.zeros(n, dtype=np.int64)
-        self.running: list[int] = []  # slots, in vLLM's running order
-        self.waiting: deque[int] = deque()
-        self.kv_holding: deque[int] = deque()
-        self.n_paused = 0
-        self.used = 0
-        self.steps = 0
-        self.reached = dict.fromkeys(self.RULES, 0)
+        for name in self._ARRAYS[1:]:
+            setattr(self, name, np.zeros(n, dtype=np.int64))
 
     # -- slots -----------------------------------------------------------------------------------------
     def _grow(self) -> None:
-        for name in ("status_a", "computed_a", "ntok_a", "slots_a", "held_a", "out_a", "maxtok_a"):
+        for name in self._ARRAYS:
             a = getattr(self, name)
             setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
 
-    def _res(self, n: int) -> int:
-        """Blocks resident after ``n`` computed tokens (KVPolicy.resident_blocks, on Python ints)."""
-        total = cdiv(n, self.bs)
-        if not self._bounded:
-            return total
-        lo = max(n - self._window + 1, 0) // self.bs
-        return min(lo, self._sink_blocks) + total - lo
+    # -- the counters, by name ---------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return int(self.cnt[E_USED])
+
+    @property
+    def steps(self) -> int:
+        return int(self.cnt[E_STEPS])
+
+    @property
+    def n_paused(self) -> int:
+        return int(self.cnt[E_PAUSED])
+
+    @property
+    def running(self) -> list:
+        """Slots in vLLM's running order."""
+        return self.run_a[:self.cnt[E_RUN]].tolist()
+
+    @property
+    def waiting(self) -> list:
+        """Slots in vLLM's waiting queue (new and preempted requests), head first."""
+        return self.wq_a[:self.cnt[E_WQ]].tolist()
+
+    @property
+    def kv_holding(self) -> list:
+        """Slots in the kv-holding queue (paused between frames, or resumed and waiting), in queue order."""
+        inq = np.concatenate([np.flatnonzero(self.status_a == _P), self.kw_a[:self.cnt[E_KW]]])
+        return inq[np.argsort(self.kseq_a[inq], kind="stable")].tolist()
+
+    @property
+    def reached(self) -> dict:
+        """How often each of :data:`RULES` decided something in a step."""
+        return dict(zip(RULES, self.reached_a.tolist()))
 
     # -- the engine interface ------------------------------------------------------------------------
     def add(self, rid, prompt_tokens: int, max_tokens: int) -> int:
@@ -333,39 +665,26 @@ class EngineModel:
             self._grow()
         self.rid_of.append(rid)
         self._slot_of[rid] = s
-        self.status_a[s], self.ntok_a[s], self.maxtok_a[s] = _W, prompt_tokens, max_tokens
-        self.waiting.append(s)
+        self.status_a[s], self.ntok_a[s], self.maxtok_a[s], self.kseq_a[s] = _W, prompt_tokens, max_tokens, -1
+        self.wq_a[self.cnt[E_WQ]] = s
+        self.cnt[E_WQ] += 1
         return s
 
     def append(self, rid, chunk_tokens: int, max_tokens: int) -> None:
-        """The next frame's input for a paused session: vLLM drops the token it sampled last (not computed;
-        the caller re-feeds it inside ``chunk_tokens``) and the session waits again, in place."""
+        """The next frame's input for a paused session (:func:`resume_slot`)."""
         s = self._slot_of[rid]
         if self.status_a[s] != _P:
             raise MetronomeError(f"request {rid!r} is {_NAME[int(self.status_a[s])]}, not paused between frames")
-        self.ntok_a[s] = self.computed_a[s] + chunk_tokens
-        self.maxtok_a[s], self.out_a[s] = max_tokens, 0
-        self.status_a[s] = _W
-        self.n_paused -= 1
+        resume_slot(s, chunk_tokens, max_tokens, self.cnt, self.status_a, self.computed_a, self.ntok_a, self.out_a,
+                    self.maxtok_a, self.kw_a)
 
     def abort(self, rid) -> None:
-        s = self._slot_of.pop(rid)
-        st = int(self.status_a[s])
-        self.used -= int(self.held_a[s])
-        self.held_a[s] = self.slots_a[s] = 0
-        self.status_a[s] = 0
-        if st == _P:
-            self.n_paused -= 1
-        if st == _R:
-            self.running.remove(s)
-        elif s in self.kv_holding:
-            self.kv_holding.remove(s)
-        elif s in self.waiting:
-            self.waiting.remove(s)
+        abort_slot(self._slot_of.pop(rid), self.cnt, self.status_a, self.slots_a, self.held_a, self.run_a,
+                   self.kw_a, self.wq_a)
 
     def forget(self, rid) -> None:
         """Forget request ``rid``, whose slot the simulator's compiled loop has already aborted in the arrays
-        (:func:`metronome.sim.fastpath._depart`, the same changes as :meth:`abort`)."""
+        (:func:`abort_slot`)."""
         del self._slot_of[rid]
 
     def status(self, rid) -> str | None:
@@ -382,10 +701,11 @@ class EngineModel:
         return int(self.held_a[self._slot_of[rid]])
 
     def free_blocks(self) -> int:
-        return self.limits.num_blocks - self.used
+        return self.limits.num_blocks - int(self.cnt[E_USED])
 
     def has_work(self) -> bool:
-        return bool(self.running) or bool(self.waiting) or len(self.kv_holding) > self.n_paused
+        c = self.cnt
+        return bool(c[E_RUN] or c[E_WQ] or c[E_KW])
 
     # -- by slot, for callers that keep arrays (the simulator) -------------------------------------------
     def append_many(self, slots: np.ndarray, chunk_tokens: np.ndarray, max_tokens: int) -> None:
@@ -394,10 +714,9 @@ class EngineModel:
             return
         if (self.status_a[slots] != _P).any():
             raise MetronomeError("append_many: a request is not paused between frames")
-        self.ntok_a[slots] = self.computed_a[slots] + chunk_tokens
-        self.maxtok_a[slots], self.out_a[slots] = max_tokens, 0
-        self.status_a[slots] = _W
-        self.n_paused -= int(slots.size)
+        _resume_many(np.asarray(slots, np.int64), np.broadcast_to(np.asarray(chunk_tokens, np.int64), slots.shape),
+                     max_tokens, self.cnt, self.status_a, self.computed_a, self.ntok_a, self.out_a, self.maxtok_a,
+                     self.kw_a)
 
     def computed_of(self, slots: np.ndarray) -> np.ndarray:
         return self.computed_a[slots]
@@ -410,241 +729,38 @@ class EngineModel:
         st = self.status_a[slots]
         return (st == _W) | (st == _X)
 
-    # -- one request at a time (the rules as vLLM writes them) ---------------------------------------
-    def _allocate(self, s: int, k: int, admitting: bool) -> bool:
-        """``allocate_slots(s, k)``: True and the blocks taken, or False and nothing taken (frees stay)."""
-        watermark = self.limits.watermark_blocks if admitting and self.running else 0
-        slots, comp = int(self.slots_a[s]), int(self.computed_a[s])
-        if admitting:
-            full = min(int(self.ntok_a[s]), self.limits.max_model_len)
-            gate = admission_need_blocks(self.policy, full, self.cap, slots)
-            if gate + watermark > self.free_blocks():
-                if gate <= self.free_blocks():
-                    self.reached["watermark"] += 1
-                elif max(cdiv(comp + k, self.bs) - slots, 0) + watermark <= self.free_blocks():
-                    self.reached["full_sequence_gate"] += 1  # the chunk would fit, the whole sequence not
-                return False
-        if slots:  # remove_skipped_blocks on the computed count: out-of-window blocks go back to the pool
-            keep = self._res(comp)
-            held = int(self.held_a[s])
-            if keep < held:
-                self.used -= held - keep
-                self.held_a[s] = keep
-                self.reached["window_free"] += 1
-        need = max(cdiv(comp + k, self.bs) - slots, 0)
-        if need + watermark > self.free_blocks():
-            if need <= self.free_blocks():
-                self.reached["watermark"] += 1
-            return False
-        self.slots_a[s] += need
-        self.held_a[s] += need
-        self.used += need
-        return True
-
-    def _tokens_for(self, s: int, budget: int, threshold: int) -> int:
-        k = int(self.ntok_a[s] - self.computed_a[s])
-        if 0 < threshold < k:
-            k = threshold
-        if budget < k:
-            self.reached["token_budget"] += 1
-        return min(k, budget)
-
-    def _preempt(self, v: int, rec: StepRecord) -> None:
-        self.used -= int(self.held_a[v])
-        self.held_a[v] = self.slots_a[v] = 0
-        self.status_a[v], self.computed_a[v] = _X, 0  # its sampled tokens stay
-        self.waiting.appendleft(v)
-        self.reached["preemption"] += 1
-        rec.preempted.append(self.rid_of[v])
-
-    def _run_one(self, i: int, budget: int, threshold: int, rec: StepRecord, out: list) -> tuple[int, int, bool]:
-        """Schedule ``running[i]``: returns (next index, budget left, go on)."""
-        s = self.running[i]
-        k = self._tokens_for(s, budget, threshold)
-        room = self.limits.max_model_len - int(self.computed_a[s]) - 1
-        if room < k:
-            self.reached["length_limit"] += 1
-            k = room
-        if k <= 0:
-            return i + 1, budget, True
-        ok = self._allocate(s, k, admitting=False)
-        while not ok:
-            victim = self.running.pop()
-            self._preempt(victim, rec)
-            if victim == s:
-                break
-            ok = self._allocate(s, k, admitting=False)
-        if not ok:
-            return i, budget, False
-        out.append((s, k))
-        return i + 1, budget - k, True
-
-    # -- many requests at once (the same rules while nothing fails) ------------------------------------
-    def _fit_prefix(self, S: np.ndarray, k: np.ndarray, free: int, admitting: bool, n_running: int):
-        """For requests ``S`` taking ``k`` tokens in order: how many in a row get their blocks, and their frees
-        and needs. Mirrors :meth:`_allocate` request by request, as arrays."""
-        comp, slots, held = self.computed_a[S], self.slots_a[S], self.held_a[S]
-        keep = self.policy.resident_blocks(comp) if self._bounded else held
-        freed = np.where(slots > 0, np.maximum(held - keep, 0), 0)
-        need = np.maximum(cdiv(comp + k, self.bs) - slots, 0)
-        before = free + np.concatenate([[0], np.cumsum(freed - need)[:-1]])
-        ok = need <= before + freed
-        if admitting:
-            wm = np.where(n_running + np.arange(S.size) > 0, self.limits.watermark_blocks, 0)
-            full = np.minimum(self.ntok_a[S], self.limits.max_model_len)
-            gate = admission_need_blocks(self.policy, full, self.cap, slots)
-            fits = ok
-            ok = fits & (gate + wm <= before) & (need + wm <= before + freed)
-        bad = np.flatnonzero(~ok)
-        n = int(bad[0]) if bad.size else S.size
-        if admitting and bad.size and fits[n]:  # what stopped the admissions (as _allocate counts them)
-            if gate[n] <= before[n]:
-                self.reached["watermark"] += 1
-            elif need[n] + wm[n] <= before[n] + freed[n]:
-                self.reached["full_sequence_gate"] += 1
-        return n, freed, need
-
-    def _commit(self, S: np.ndarray, freed: np.ndarray, need: np.ndarray) -> None:
-        if freed.any():
-            self.reached["window_free"] += 1
-        self.held_a[S] += need - freed
-        self.slots_a[S] += need
-        self.used += int(need.sum()) - int(freed.sum())
-
-    def _budgeted(self, S: np.ndarray, budget: int, threshold: int, cap_len: bool):
-        """Tokens each of ``S`` would get in order from ``budget`` (vLLM's loop stops when it reaches 0),
-        and which the loop reaches."""
-        k = self.ntok_a[S] - self.computed_a[S]
-        if threshold > 0:
-            k = np.where(k > threshold, threshold, k)
-        if cap_len:
-            room = self.limits.max_model_len - self.computed_a[S] - 1
-            if (room < k).any():
-                self.reached["length_limit"] += 1
-                k = np.minimum(k, room)
-        kp = np.maximum(k, 0)
-        before = budget - (np.cumsum(kp) - kp)
-        if (kp > before).any():
-            self.reached["token_budget"] += 1
-        return np.maximum(np.minimum(kp, before), 0), before > 0
-
     # -- one step --------------------------------------------------------------------------------------
+    def arrays(self) -> tuple:
+        """The engine's state as :func:`engine_step` takes it, in its order (the compiled loop unpacks it)."""
+        return (self.lim, self.cnt, self.status_a, self.computed_a, self.ntok_a, self.slots_a, self.held_a,
+                self.out_a, self.maxtok_a, self.kseq_a, self.run_a, self.kw_a, self.wq_a, self.o_s, self.o_k,
+                self.o_pre, self.o_sam, self.o_pau, self.o_n, self.reached_a)
+
     def step(self) -> StepRecord:
-        lim = self.limits
-        rec = StepRecord(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), rid_of=self.rid_of)
-        budget = lim.max_num_batched_tokens
-        n_eligible = len(self.running) + len(self.waiting) + len(self.kv_holding)  # paused sessions count
-        threshold = lim.long_prefill_token_threshold if n_eligible > 1 else 0
-        sched: list[tuple[int, int]] = []  # scalar-path (slot, tokens), after the vector prefix
-        parts_s, parts_k = [], []
+        self._kernel(*self.arrays())
+        return self.last_step()
 
-        # 1. the running requests, in order; a dry pool preempts running[-1]
-        i = 0
-        if self.running:
-            R = np.asarray(self.running, dtype=np.int64)
-            eff, reached = self._budgeted(R, budget, threshold, cap_len=True)
-            act = np.flatnonzero(reached & (eff > 0))
-            n, freed, need = self._fit_prefix(R[act], eff[act], self.free_blocks(), False, 0)
-            if n:
-                take = act[:n]
-                self._commit(R[take], freed[:n], need[:n])
-                parts_s.append(R[take])
-                parts_k.append(eff[take])
-                budget -= int(eff[take].sum())
-            i = int(act[n]) if n < act.size else len(self.running)
-        go = True
-        while go and i < len(self.running) and budget > 0:
-            i, budget, go = self._run_one(i, budget, threshold, rec, sched)
-
-        # 2. the waiting queues (kv-holding first), only in a step that preempted nothing
-        admitted: list[tuple[int, int]] = []
-        if not rec.preempted:
-            budget = self._admit(budget, threshold, admitted, rec)
-
-        if sched:
-            parts_s.append(np.array([s for s, _ in sched], dtype=np.int64))
-            parts_k.append(np.array([k for _, k in sched], dtype=np.int64))
-        if admitted:
-            parts_s.append(np.array([s for s, _ in admitted], dtype=np.int64))
-            parts_k.append(np.array([k for _, k in admitted], dtype=np.int64))
-        if parts_s:
-            rec.slots, rec.tokens = np.concatenate(parts_s), np.concatenate(parts_k)
-
-        # 3. the model runs: computed advances; a request whose tokens are all computed samples one
-        S, K = rec.slots, rec.tokens
-        if S.size:
-            self.computed_a[S] += K
-            done = S[self.computed_a[S] >= self.ntok_a[S]]
-            self.ntok_a[done] += 1
-            self.out_a[done] += 1
-            rec.sampled_slots = done
-            paused = done[self.out_a[done] >= self.maxtok_a[done]]
-            if paused.size:
-                self.status_a[paused] = _P
-                self.n_paused += int(paused.size)
-                self.running = [s for s in self.running if self.status_a[s] == _R]
-                self.kv_holding.extend(paused.tolist())
-                rec.paused_slots = paused
-        rec.used_blocks = self.used
-        self.steps += 1
-        return rec
-
-    def _admit(self, budget: int, threshold: int, admitted: list, rec: StepRecord) -> int:
-        """vLLM's waiting pass: the kv-holding queue (paused sessions skipped in place), then ``waiting``; the
-        first request that does not fit ends it. The resumed sessions that fit in a row are admitted as
-        arrays first; the pass then goes on one request at a time. Returns the budget left."""
-        lim = self.limits
-        paused = self.n_paused  # paused sessions hold a request slot though they are in no running list
-        if len(self.kv_holding) > paused and budget > 0:
-            Q = np.fromiter(self.kv_holding, dtype=np.int64, count=len(self.kv_holding))
-            L = Q[self.status_a[Q] != _P]
-            eff, reached = self._budgeted(L, budget, threshold, cap_len=False)
-            room = lim.max_num_seqs - len(self.running) - paused - np.arange(L.size) > 0
-            ok = reached & room & (eff > 0)
-            stop = int(np.flatnonzero(~ok)[0]) if not ok.all() else L.size
-            if stop < L.size and not room[stop] and reached[stop] and eff[stop] > 0:
-                self.reached["max_num_seqs"] += 1
-            n, freed, need = self._fit_prefix(L[:stop], eff[:stop], self.free_blocks(), True, len(self.running))
-            if n:
-                take = L[:n]
-                self._commit(take, freed[:n], need[:n])
-                self.status_a[take] = _R
-                self.running.extend(take.tolist())
-                admitted.extend(zip(take.tolist(), eff[:n].tolist()))
-                rec.admitted.extend(self.rid_of[x] for x in take.tolist())
-                budget -= int(eff[:n].sum())
-                gone = np.zeros(self.status_a.size, dtype=bool)
-                gone[take] = True
-                self.kv_holding = deque(Q[~gone[Q]].tolist())
-        skipped: list[int] = []
-        while budget > 0:
-            queue = self.kv_holding if self.kv_holding else self.waiting
-            if not queue:
-                break
-            if len(self.running) + paused >= lim.max_num_seqs:
-                self.reached["max_num_seqs"] += 1
-                break
-            s = queue[0]
-            if self.status_a[s] == _P:  # waiting for its next frame's input: skipped, keeps its place
-                skipped.append(queue.popleft())
-                continue
-            k = self._tokens_for(s, budget, threshold)
-            if k <= 0 or not self._allocate(s, k, admitting=True):
-                break
-            queue.popleft()
-            self.status_a[s] = _R
-            self.running.append(s)
-            admitted.append((s, k))
-            rec.admitted.append(self.rid_of[s])
-            budget -= k
-        self.kv_holding.extendleft(reversed(skipped))
-        return budget
+    def last_step(self) -> StepRecord:
+        """The record of the step just taken (by :meth:`step`, or by the compiled loop on these arrays)."""
+        n = self.o_n
+        ns, na = int(n[O_SCHED]), int(n[O_ADMIT])
+        slots = self.o_s[:ns].copy()
+        return StepRecord(slots, self.o_k[:ns].copy(), preempted=[self.rid_of[v] for v in self.o_pre[:n[O_PRE]]],
+                          admitted=[self.rid_of[v] for v in slots[ns - na:].tolist()], used_blocks=int(n[O_USED]),
+                          sampled_slots=self.o_sam[:n[O_SAM]].copy(), paused_slots=self.o_pau[:n[O_PAUSE]].copy(),
+                          rid_of=self.rid_of, context_tokens=int(n[O_CTX]))
 
     def check(self) -> None:
-        """Pool accounting: used = Σ held, 0 <= used <= pool."""
+        """Pool accounting: used = Σ held, 0 <= used <= pool; every request with work is in exactly one queue."""
         held = int(self.held_a.sum())
         assert held == self.used, f"pool accounting drifted: {held} held vs {self.used} used"
         assert 0 <= self.used <= self.limits.num_blocks, f"used {self.used} outside [0, {self.limits.num_blocks}]"
+        c = self.cnt
+        queued = np.concatenate([self.run_a[:c[E_RUN]], self.kw_a[:c[E_KW]], self.wq_a[:c[E_WQ]]])
+        st = self.status_a
+        assert np.unique(queued).size == queued.size, "a request is in two queues"
+        assert ((st == _R) | (st == _W) | (st == _X)).sum() == queued.size, "a request with work is in no queue"
+        assert int((st == _P).sum()) == int(c[E_PAUSED]), "paused requests miscounted"
 
 
 # ------------------------------------------------------------------------- the front end's deadlock rule

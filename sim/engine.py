@@ -155,7 +155,6 @@ class SimEngine:
         self.now = 0.0
         self.preempted_last = False  # the last step preempted: admit nobody in the next turn
         self.stalled = False  # the last step scheduled nothing and freed nothing: wait for an event
-        self._ctx = 0  # the last step's context tokens (its row is written after it ends)
         self.serving_frame = 0  # the latest frame handed to the engine: the frame a step is taken on (jitter)
         self.silent_pending: list[tuple[int, int, int]] = []  # (session, frame, tokens got) answered with the lockstep
         self._answers: list[tuple] = []  # (tick keys, sessions, tokens got) answered at the current moment
@@ -241,9 +240,12 @@ class SimEngine:
                 if self.fast_forward:
                     span = self._compiled_span(self.now)
                     if span is not None:
-                        end, turned, paused = span
+                        end, turned, paused, taken = span
                         yield env.timeout(max(0.0, end - env.now))
                         self.now = end
+                        if taken is not None:  # the loop took a step whose aftermath is this path's
+                            self._after_step(*taken)
+                            turned = paused = False
                         continue
             turned = paused = False
             if self.model.has_work() and not self.stalled:
@@ -539,7 +541,7 @@ class SimEngine:
         first = self.idle and bool(self.fresh_slot[S].any())
         self.idle = False
         self.fresh_slot[S] = False
-        ctx = int(self.policy.resident_tokens(self.model.computed_of(S)).sum())
+        ctx = rec.context_tokens
         lat = float(self.lat.step_s(int(S.size), ctx, rec.new_tokens))
         if first:
             lat += self.first_s
@@ -547,7 +549,6 @@ class SimEngine:
             lat *= float(self.draws.ratio(self.n_steps, self.serving_frame)[0])
         self.n_steps += 1
         self.slow_steps += 1
-        self._ctx = ctx
         return lat, rec
 
     def _after_step(self, start: float, lat: float, rec) -> None:
@@ -580,7 +581,7 @@ class SimEngine:
         self._answer_silent(now)
         done_n, silent = self._flush_answers(now)
         self.steps.add(t_s=start, step_s=lat, batch=int(rec.slots.size), new_tokens=rec.new_tokens,
-                       context_tokens=self._ctx, resident_blocks=used, free_blocks=self.num_blocks - used,
+                       context_tokens=rec.context_tokens, resident_blocks=used, free_blocks=self.num_blocks - used,
                        tokens_out=tokens_out, frames_done=done_n, silent_frames=silent, preemptions=len(victims),
                        running=int((self.state == RUNNING).sum()), waiting=len(self.waiting))
         if self.check_invariants:
@@ -675,10 +676,11 @@ class SimEngine:
         p, r = d.table()
         return fp.CORRELATED, none, d.step_scores(steps), shared, own, p, r, d.weights()
 
-    def _compiled_span(self, now: float) -> tuple[float, bool, bool] | None:
+    def _compiled_span(self, now: float):
         """Turns and steps of a steady span in :func:`metronome.sim.fastpath.run_span` (compiled), from just
         after the turn at ``now``; returns (where it stopped, whether the turn there is taken, whether it paused
-        after it), or None when it could not take a single step (the step-by-step path goes on)."""
+        after it, and the (start, latency, record) of a step the loop took whose aftermath is this path's, or None),
+        or None when it could not take a single step (the step-by-step path goes on)."""
         from metronome.sim import fastpath as fp
 
         start = self._compiled_start(now)
@@ -692,10 +694,7 @@ class SimEngine:
         dep_t = np.array([d[0] for d in deps], dtype=np.float64)
         dep_i = np.array([d[1] for d in deps], dtype=np.int64)
         fstate = np.array([now, 0.0])
-        buf = self._compiled_buffers(m.status_a.size, n_max, int(iconf[fp.I_ANSCAP]))
-        run_arr, kvh_arr = buf["run"], buf["kvh"]
-        run_arr[:len(m.running)] = m.running
-        kvh_arr[:len(m.kv_holding)] = list(m.kv_holding)
+        buf = self._compiled_buffers(n_max, int(iconf[fp.I_ANSCAP]))
         # lockstep: silent frames owed until their tick's running frames are done (session, frame, tokens got)
         pend = np.zeros((len(self.silent_pending) + 8 * live.size + 64, 3), dtype=np.int64)
         if self.silent_pending:
@@ -703,32 +702,34 @@ class SimEngine:
         fp.run_span(iconf, fconf, coef, istate, fstate, live, self.state, self.phase, self.pslot, self.slot,
                     self.next_frame, self.backlog, self.inflight, self.inflight_tok, self.hist, self.last_tok,
                     self.pending_in, self.work_step, self.running_since, self.started, self.admitted,
-                    self.s_tokens, self.s_frames, self.s_silent, self.s_late,
-                    m.status_a, m.computed_a, m.ntok_a, m.slots_a, m.held_a, m.out_a, m.maxtok_a, self.fresh_slot,
-                    self.sess_of_slot, run_arr, kvh_arr, *draws, buf["st_t"], buf["st_lat"], buf["st_i"],
-                    buf["fr_f"], buf["fr_tick"], buf["fr_done"], buf["fr_lat"], buf["fr_i"], pend,
-                    dep_t, dep_i, self.s_ended)
-        used, n_paused, msteps, sframe, peak, run_len, kvh_len, n, rows, turned, idle, n_pend, n_dep = istate.tolist()
+                    self.s_tokens, self.s_frames, self.s_silent, self.s_late, self.fresh_slot, self.sess_of_slot,
+                    m.arrays(), *draws, buf["st_t"], buf["st_lat"], buf["st_i"], buf["fr_f"], buf["fr_tick"],
+                    buf["fr_done"], buf["fr_lat"], buf["fr_i"], pend, dep_t, dep_i, self.s_ended)
+        sframe, peak, n, rows, turned, idle, n_pend, n_dep = istate.tolist()
         self._departed_in_loop(n_dep)
         self._last_span = n
         self.idle = bool(idle)
         end = float(fstate[0])
-        if n == 0 and end == now and turned not in (fp.PAST_HORIZON, fp.PAUSED):
+        if n == 0 and end == now and turned not in (fp.PAST_HORIZON, fp.PAUSED, fp.STEP_TAKEN):
             return None
-        m.used, m.n_paused, m.steps = used, n_paused, msteps
-        m.running = run_arr[:run_len].tolist()
-        m.kv_holding = deque(kvh_arr[:kvh_len].tolist())
         self.silent_pending = [tuple(x) for x in pend[:n_pend].tolist()]
         self.serving_frame, self.peak_used = sframe, peak
         self.n_steps += n
         self.fast_steps += n
         self._compiled_records(buf, n, rows, live.size)
-        if self.check_invariants:
-            self.assert_invariants()
         if turned == fp.PAST_HORIZON:  # its last step outlives the run: SimPy stops while it runs
             self.now = end
-            return float(fstate[1]), False, False
-        return end, turned in (fp.TURN_TAKEN, fp.PAUSED), turned == fp.PAUSED
+            return float(fstate[1]), False, False, None
+        taken = None
+        if turned == fp.STEP_TAKEN:
+            self.n_steps += 1
+            self.fast_steps += 1
+            lat = float(fstate[1])
+            taken = (end, lat, m.last_step())
+            end += lat
+        elif self.check_invariants:
+            self.assert_invariants()
+        return end, turned in (fp.TURN_TAKEN, fp.PAUSED), turned == fp.PAUSED, taken
 
     def _departed_in_loop(self, n: int) -> None:
         """The books of the compiled loop's ``n`` departures (the heap's first): what it does not keep itself."""
@@ -748,8 +749,8 @@ class SimEngine:
         """Whether the compiled loop may start after the turn at ``now``: (the live sessions, where it must stop
         at the latest), or None."""
         m = self.model
-        if (self.gate.queue or self.preempted_last or self._answers or self.stalled
-                or m.waiting or not isinstance(m, EngineModel)):
+        if (self.gate.queue or self.preempted_last or self._answers or self.stalled or not isinstance(m, EngineModel)
+                or (self.sees_starvation and m.cnt[serving.E_WQ])):  # (vLLM's own loop re-prefills what it preempts)
             return None
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
         run = live[self.state[live] == RUNNING]
@@ -769,42 +770,35 @@ class SimEngine:
         return live, t_next
 
     def _compiled_config(self, now: float, live: np.ndarray, t_next: float, n_max: int):
-        """The compiled loop's constants (``iconf``, ``fconf``, the step model's coefficients), the engine's
-        counters (``istate``) and the jitter draws, as :mod:`metronome.sim.fastpath` indexes them."""
+        """The compiled loop's constants (``iconf``, ``fconf``, the step model's coefficients), the front end's
+        counters (``istate``) and the jitter draws, as :mod:`metronome.sim.fastpath` indexes them (the engine's
+        state is the engine model's own arrays)."""
         from metronome.sim import fastpath as fp
 
         assert fp.WAITING_STATE == WAITING and fp.R_STATE == RUNNING and fp.ENDED_STATE == ENDED
-        m, lim, pol = self.model, self.limits, self.policy
-        nslots = m.status_a.size
-        iconf = np.zeros(22, dtype=np.int64)
-        iconf[[fp.I_BS, fp.I_BOUNDED, fp.I_SINKB, fp.I_WINDOW, fp.I_NB, fp.I_MAXSEQS, fp.I_BUDGET, fp.I_MAXLEN,
-               fp.I_WM, fp.I_THR, fp.I_CAP, fp.I_NIN, fp.I_NOUT, fp.I_MAXSTEPS, fp.I_SLOTS, fp.I_NRUNNING,
-               fp.I_NWAITING, fp.I_HEAD, fp.I_PROMPT, fp.I_ANSCAP, fp.I_FLO, fp.I_LOCKSTEP]] = [
-            pol.block_size, int(pol.bounded), pol.sink_blocks if pol.bounded else 0,
-            pol.window_tokens if pol.bounded else 0, lim.num_blocks, lim.max_num_seqs,
-            lim.max_num_batched_tokens, self.maxlen, lim.watermark_blocks, lim.long_prefill_token_threshold,
-            -1 if self.cap_blocks is None else self.cap_blocks, self.n_in, self.n_out, n_max, nslots,
-            int((self.state == RUNNING).sum()), len(self.waiting), self.waiting[0] if self.waiting else -1,
-            self.prompt, 2 * max(nslots, live.size) + 64, self.serving_frame, int(self.lockstep)]
+        iconf = np.zeros(11, dtype=np.int64)
+        iconf[[fp.I_NIN, fp.I_NOUT, fp.I_MAXSTEPS, fp.I_NRUNNING, fp.I_NWAITING, fp.I_HEAD, fp.I_PROMPT, fp.I_ANSCAP,
+               fp.I_FLO, fp.I_LOCKSTEP, fp.I_SEES]] = [
+            self.n_in, self.n_out, n_max, int((self.state == RUNNING).sum()), len(self.waiting),
+            self.waiting[0] if self.waiting else -1, self.prompt, 2 * max(self.model.status_a.size, live.size) + 64,
+            self.serving_frame, int(self.lockstep), int(self.sees_starvation)]
         kind, *draws, weights = self._span_draws(n_max, live, t_next)
         pause = math.inf if not self.pause_every_s else (math.floor(now / self.pause_every_s) + 1) * self.pause_every_s
         fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, self.first_s, _EPS,
                           float(kind), self.horizon, *weights, pause])
         coef = np.array(self.lat.coefficients, dtype=np.float64)
-        istate = np.array([m.used, m.n_paused, m.steps, self.serving_frame, self.peak_used, len(m.running),
-                           len(m.kv_holding), 0, 0, 0, int(self.idle), len(self.silent_pending), 0], dtype=np.int64)
+        istate = np.array([self.serving_frame, self.peak_used, 0, 0, 0, int(self.idle), len(self.silent_pending), 0],
+                          dtype=np.int64)
         return iconf, fconf, coef, istate, draws
 
-    def _compiled_buffers(self, nslots: int, n_max: int, ans_cap: int) -> dict:
-        """The compiled loop's queues and record buffers, kept from call to call (grown when a call needs more)."""
+    def _compiled_buffers(self, n_max: int, ans_cap: int) -> dict:
+        """The compiled loop's record buffers, kept from call to call (grown when a call needs more)."""
         n_rows = 4 * n_max + 4 * ans_cap
         buf = self._buffers
-        if (buf is None or buf["run"].size < nslots or buf["fr_f"].size < n_rows
-                or buf["st_t"].size < n_max):
-            nsl, nr = max(nslots, 2 * (buf["run"].size if buf else 0)), max(n_rows, 2 * (buf["fr_f"].size if buf else 0))
+        if buf is None or buf["fr_f"].size < n_rows or buf["st_t"].size < n_max:
+            nr = max(n_rows, 2 * (buf["fr_f"].size if buf else 0))
             ns = max(n_max, buf["st_t"].size if buf else 0)
             buf = self._buffers = {
-                "run": np.zeros(nsl, dtype=np.int64), "kvh": np.zeros(nsl, dtype=np.int64),
                 "st_t": np.zeros(ns), "st_lat": np.zeros(ns), "st_i": np.zeros((ns, 9), dtype=np.int64),
                 "fr_f": np.zeros(nr, dtype=np.int64), "fr_tick": np.zeros(nr), "fr_done": np.zeros(nr),
                 "fr_lat": np.zeros(nr), "fr_i": np.zeros((nr, 5), dtype=np.int64)}

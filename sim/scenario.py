@@ -81,7 +81,7 @@ class Result:
     controller_trace: list | None = None
     fast_steps: int = 0  # engine steps computed in fast-forwarded spans (the tables do not depend on it)
     loop_departures: int = 0  # departures the compiled loop took itself (nor do they)
-    # how often each of EngineModel.RULES decided a step taken step by step (the compiled loop hands those back)
+    # how often each of EngineModel.RULES decided a step (on every path: the compiled loop runs the same step)
     rules_reached: dict | None = None
 
 

@@ -1,29 +1,47 @@
-"""The compiled loop's cache follows the form of what it compiles in from elsewhere: the step model and the
-jitter ratio (sim/fastpath.forget_other_forms)."""
+"""numba's cache of compiled code follows the form of what that code compiles in from other modules
+(metronome/compiled.py): the engine step takes in the policy's residency, the simulator's loop the engine step,
+the step model and the jitter ratio."""
 
+import types
+
+import numba as nb
+
+from metronome import compiled, serving
 from metronome.sim import fastpath as fp
 
 
-def test_cached_loops_of_another_form_are_dropped_and_todays_kept(tmp_path):
+def test_cached_code_of_another_form_is_dropped_and_todays_kept(tmp_path):
     old = [tmp_path / "fastpath.run_span-150.py311.nbi", tmp_path / "fastpath.run_span-150.py311.1.nbc"]
     other = tmp_path / "engine._x-1.py311.nbi"  # another module's cache is not this module's to drop
     for f in old + [other]:
         f.write_bytes(b"x")
-    (tmp_path / "fastpath.step_inputs.sha256").write_text("an older form")
-    assert fp.forget_other_forms(tmp_path, fp.STEP_FORM) is True
+    (tmp_path / "fastpath.form.sha256").write_text("an older form")
+    assert compiled.forget_other_forms(tmp_path, "fastpath", "today") is True
     assert not any(f.exists() for f in old) and other.exists()
-    assert (tmp_path / "fastpath.step_inputs.sha256").read_text() == fp.STEP_FORM
+    assert (tmp_path / "fastpath.form.sha256").read_text() == "today"
     kept = tmp_path / "fastpath.run_span-150.py311.nbi"
     kept.write_bytes(b"compiled from today's form")
-    assert fp.forget_other_forms(tmp_path, fp.STEP_FORM) is False and kept.exists()
+    assert compiled.forget_other_forms(tmp_path, "fastpath", "today") is False and kept.exists()
+    assert compiled.forget_other_forms(tmp_path, "fastpath", "tomorrow") is True and not kept.exists()
 
 
-def test_the_form_is_the_step_models_and_the_jitter_kernels_source():
-    import hashlib
-    import inspect
+def _foreign_compiled_modules(module) -> set:
+    """The modules whose compiled functions ``module``'s own compiled functions can call: every numba dispatcher
+    among its globals whose source lives elsewhere."""
+    out = set()
+    for v in vars(module).values():
+        if isinstance(v, nb.core.registry.CPUDispatcher) and v.py_func.__module__ != module.__name__:
+            out.add(v.py_func.__module__)
+    return out
 
-    from metronome import jitter_kernel
-    from metronome.calibration import step_inputs
 
-    form = inspect.getsource(step_inputs) + inspect.getsource(jitter_kernel)
-    assert fp.STEP_FORM == hashlib.sha256(form.encode()).hexdigest()
+def _covered(parts) -> set:
+    return {p.__name__ if isinstance(p, types.ModuleType) else p.__module__ for p in parts}
+
+
+def test_each_guard_covers_every_module_whose_compiled_code_it_takes_in():
+    # serving compiles the policy's residency; fastpath calls serving's step and compiles the step model's form
+    assert _foreign_compiled_modules(serving) == {"metronome.kv_policy"}
+    assert _foreign_compiled_modules(serving) <= _covered((serving.resident_blocks_of, serving.resident_tokens_of))
+    assert {"metronome.serving", "metronome.calibration"} <= _foreign_compiled_modules(fp)
+    assert _foreign_compiled_modules(fp) <= _covered(fp.FORM_PARTS)

@@ -185,6 +185,24 @@ def test_fast_and_step_by_step_agree_where_each_rule_decides(name, phases):
     reached = {rule for rule, n in slow.rules_reached.items() if n}
     assert want <= reached, f"{name} under {phases} phases reached {sorted(reached)}"
     assert fast.fast_steps > 0, "the compiled loop must have run"
+    # one statement of the step: the compiled loop's steps decide by the same rules, as often
+    assert fast.rules_reached == slow.rules_reached
+
+
+@pytest.mark.parametrize("phases", ["aligned", "independent"])
+def test_under_vllms_own_loop_the_compiled_loop_steps_through_preemptions(phases):
+    """A client of vLLM's own loop leaves what vLLM preempts to vLLM (serving.LOOPS): the front end has nothing to
+    do after such a step, so the compiled loop takes it and goes on (the engine step re-prefills the victim in
+    its own queue), bit for bit as step by step."""
+    c = calibration.load("minicpm-o-4.5-h200")
+    c = replace(c, engine=replace(c.engine, num_blocks=200))
+    sc = Scenario(c, KVPolicy.unbounded(16), Arrivals("poisson", rate_per_s=5.0), 40.0,
+                  durations=Durations("exponential", 20.0), seed=3, phases=phases, loop="vllm")
+    slow = run(sc, fast_forward=False, check_invariants=True)
+    fast = run(sc, fast_forward=True, check_invariants=True)
+    _tables_equal(slow, fast)
+    assert fast.rules_reached == slow.rules_reached and slow.rules_reached["preemption"] > 0
+    assert fast.fast_steps > 0.5 * fast.summary["steps"], (fast.fast_steps, fast.summary["steps"])
 
 
 JITTER = ((0.0, 0.8), (0.5, 1.0), (0.99, 1.7), (1.0, 2.5))

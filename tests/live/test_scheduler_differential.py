@@ -68,6 +68,7 @@ class VllmBackend(Recorded):
                                   max_num_batched_tokens=limits.max_num_batched_tokens,
                                   max_model_len=limits.max_model_len, sinks=sinks)
         assert self.h.admission_cap == policy.admission_cap_blocks(limits.in_flight_tokens, limits.max_model_len)
+        self.policy = policy
         self.log = []
         self.steps = 0
         self.rid_of: list = []
@@ -137,6 +138,8 @@ class VllmBackend(Recorded):
                                  preempted=[int(r) for r in rec.preempted], admitted=[int(r) for r in rec.admitted],
                                  used_blocks=rec.used_blocks, sampled_slots=self._slots(int(r) for r in rec.sampled),
                                  paused_slots=self._slots(int(r) for r in rec.paused), rid_of=self.rid_of)
+        # the context the step model prices: what the policy keeps of each scheduled request after the step
+        out.context_tokens = int(self.policy.resident_tokens(self.computed_of(out.slots)).sum())
         assert not rec.finished, f"vLLM finished {rec.finished} on its own: the front end must prevent it"
         return self._record(out)
 
@@ -296,31 +299,34 @@ def test_random_streaming_workloads_agree_step_by_step(kind, block, blocks, budg
     event("rebased" if res.summary["rebases"] else ("length-capped" if res.summary["length_capped"] else "no length limit"))
 
 
+def _interpreted(monkeypatch, **mutants):
+    """Run the engine step as Python (each compiled part's own source, :attr:`py_func`), with ``mutants`` in place
+    of parts of it, so a broken rule reaches every request."""
+    for name in ("engine_step", "_running_pass", "_waiting_pass", "_alloc", "_chunk", "_preempt", "_kv_order",
+                 "_model_run"):
+        monkeypatch.setattr(serving, name, getattr(serving, name).py_func)
+    for name, f in mutants.items():
+        monkeypatch.setattr(serving, name, f)
+    monkeypatch.setattr(EngineModel, "_kernel", staticmethod(serving.engine_step))
+
+
 def test_the_comparison_fails_when_the_model_frees_window_blocks_ahead_of_the_chunk(monkeypatch):
     """The old simulator's assumption (blocks leaving the window freed before the chunk's new blocks are
     taken, at the count *after* the step) is not vLLM's: the sink+window run must then disagree."""
-    allocate = EngineModel._allocate
+    alloc = serving._alloc.py_func
 
-    def frees_ahead(self, s, k, admitting):
-        if self.slots_a[s]:  # free at the count after the step, before the allocation
-            keep = self._res(int(self.computed_a[s]) + k)
-            if keep < self.held_a[s]:
-                self.used -= int(self.held_a[s]) - keep
-                self.held_a[s] = keep
-        return allocate(self, s, k, admitting)
+    def frees_ahead(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
+        if slots[s]:  # free at the count after the step, before the allocation
+            keep = serving._res_blocks(computed[s] + k, lim[serving.L_BS], lim[serving.L_SINKB], lim[serving.L_WINDOW])
+            if keep < held[s]:
+                cnt[serving.E_USED] -= held[s] - keep
+                held[s] = keep
+        return alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached)
 
-    monkeypatch.setattr(EngineModel, "_allocate", frees_ahead)
-    monkeypatch.setattr(EngineModel, "_fit_prefix", _one_at_a_time)
+    _interpreted(monkeypatch, _alloc=frees_ahead)
     with pytest.raises(AssertionError, match="step"):
         _both(Scenario(_cal(blocks=200), KVPolicy.sinks(16, 16, 64), Arrivals("ramp", sessions=20, ramp_s=0.5), 5.0,
                        seed=6))
-
-
-def _one_at_a_time(self, S, k, free, admitting, n_running):
-    """EngineModel's array prefix switched off: every request goes through ``_allocate`` (what a broken rule
-    patches), so the break reaches every request."""
-    z = np.zeros(S.size, dtype=np.int64)
-    return 0, z, z
 
 
 def _long_prompts():
@@ -337,8 +343,7 @@ def test_a_long_prompt_is_admitted_only_when_the_whole_of_it_fits():
 
 def test_the_comparison_fails_without_vllms_full_sequence_gate(monkeypatch):
     """Charging a new request only its first chunk (no full-sequence gate) admits it earlier than vLLM."""
-    allocate = EngineModel._allocate
-    monkeypatch.setattr(EngineModel, "_allocate", lambda self, r, k, admitting: allocate(self, r, k, False))
-    monkeypatch.setattr(EngineModel, "_fit_prefix", _one_at_a_time)
+    alloc = serving._alloc.py_func
+    _interpreted(monkeypatch, _alloc=lambda s, k, admitting, *state: alloc(s, k, False, *state))
     with pytest.raises(AssertionError, match="step"):
         _both(_long_prompts())

@@ -1,0 +1,51 @@
+"""numba's on-disk cache, kept honest when compiled code calls compiled code from other modules.
+
+numba keys a function's cached machine code on its own source file alone. The engine step
+(:func:`metronome.serving.engine_step`) compiles the KV policy's residency (``metronome/kv_policy.py``) into
+itself, and the simulator's loop (``sim/fastpath.py``) compiles the engine step, the step model and the jitter
+ratio into itself: after any of those changes, the cached caller would go on running the old code. A marker beside
+each module's cache names the form (a hash of the sources it compiles in) its cache was built from; a module whose
+marker names another form has its cache dropped before anything of it is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from pathlib import Path
+
+
+def form_of(parts) -> str:
+    """A hash of the sources of ``parts`` (functions or modules)."""
+    return hashlib.sha256("".join(inspect.getsource(p) for p in parts).encode()).hexdigest()
+
+
+def forget_other_forms(where: Path, module: str, form: str) -> bool:
+    """Drop module ``module``'s cached machine code in ``where`` unless it was compiled from ``form``; mark the
+    folder with ``form``. Returns whether anything was dropped."""
+    mark = where / f"{module}.form.sha256"
+    try:
+        if mark.read_text() == form:
+            return False
+    except OSError:
+        pass
+    stale = list(where.glob(f"{module}.*.nb[ic]"))
+    for f in stale:
+        f.unlink(missing_ok=True)
+    try:
+        mark.write_text(form)
+    except OSError:  # a read-only install: numba then caches elsewhere or not at all
+        pass
+    return bool(stale)
+
+
+def guard(dispatcher, parts) -> str:
+    """Guard the cache of ``dispatcher``'s module against changes in ``parts``, what it compiles in from other
+    modules (call it at import, before any of the module's compiled functions runs). Returns the form."""
+    form = form_of(parts)
+    try:
+        where = Path(dispatcher._cache._cache_path)  # numba's cache folder for the module (not public API)
+    except AttributeError:  # another numba: no guard, as numba itself has none
+        return form
+    forget_other_forms(where, Path(dispatcher.py_func.__code__.co_filename).stem, form)
+    return form
