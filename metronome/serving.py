@@ -433,12 +433,17 @@ def _waiting_pass(budget, lim, cnt, status, computed, ntok, slots, held, kseq, r
             q += 1
     if budget <= 0 and (a < cnt[E_KW] or q < cnt[E_WQ]):
         reached[R_BUDGET] += 1  # the budget ran out before the waiting requests
-    if a:
-        cnt[E_KW] -= a
-        kw[:cnt[E_KW]] = kw[a:a + cnt[E_KW]].copy()
-    if q:
-        cnt[E_WQ] -= q
-        wq[:cnt[E_WQ]] = wq[q:q + cnt[E_WQ]].copy()
+    cnt[E_KW] = _pop_front(kw, cnt[E_KW], a)
+    cnt[E_WQ] = _pop_front(wq, cnt[E_WQ], q)
+
+
+@nb.njit(cache=True)
+def _pop_front(queue, n, k):
+    """``queue[:n]`` without its first ``k`` (in place, no allocation: this runs every step); the new length."""
+    if k:
+        for j in range(n - k):
+            queue[j] = queue[j + k]
+    return n - k
 
 
 @nb.njit(cache=True)

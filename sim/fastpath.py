@@ -247,11 +247,10 @@ def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, nex
 
 @nb.njit(cache=True)
 def _submit_due(visit, n_visit, chunk, n_out, sslot, next_frame, backlog, inflight, inflight_tok, hist, last_tok,
-                work_step, fresh, eng):
+                work_step, fresh, cnt, status, computed, ntok, out, maxtok, kw):
     """The turn, second half: a paused session's oldest queued frame is handed to its request
     (EngineModel.append_many: serving.resume_slot), which waits in its place in the kv-holding queue. Returns
     (how many were handed over, the latest frame handed)."""
-    _, cnt, status, computed, ntok, _, _, out, maxtok, _, _, kw, _, _, _, _, _, _, _, _ = eng
     n_sub = 0
     latest = -1
     for j in range(n_visit):
@@ -366,11 +365,10 @@ def _owed(i, f, tok, now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who,
 
 @nb.njit(cache=True)
 def _depart(i, now, fconf, fc, state, sslot, pslot, phase, next_frame, backlog, inflight, inflight_tok, s_frames,
-            s_silent, s_ended, fresh, eng, pend, n_pend, a_key, a_who, a_tok, n_ans):
+            s_silent, s_ended, fresh, cnt, status, slots, held, run, kw, wq, pend, n_pend, a_key, a_who, a_tok, n_ans):
     """SimEngine._end of a running session that departs: its request aborted (EngineModel.abort:
     serving.abort_slot), then the frames it is owed (the lockstep's held ones, the one in the engine, the queued
     ones) answered once their deadline has passed. Returns (answers, frames still owed to others)."""
-    _, cnt, status, _, _, slots, held, _, _, _, run, kw, wq, _, _, _, _, _, _, _ = eng
     s = sslot[i]
     if s >= 0:  # (admitted, its first frame not yet due: no request yet)
         abort_slot(s, cnt, status, slots, held, run, kw, wq)
@@ -400,14 +398,14 @@ def _depart(i, now, fconf, fc, state, sslot, pslot, phase, next_frame, backlog, 
 @nb.njit(cache=True)
 def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
           backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted,
-          s_frames, s_silent, s_late, fresh, eng, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows,
-          run_sess, pend, n_pend, fc, dep_t, dep_i, s_ended):
+          s_frames, s_silent, s_late, fresh, lim, cnt, status, computed, ntok, slots, held, out, maxtok, run, kw, wq,
+          a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend, fc, dep_t, dep_i,
+          s_ended):
     """The front end's turn at ``now`` (SimEngine._turn): the departures due, then the sessions whose frames came
     due (_ticks, _answer_silent), if its checks pass; ``fc`` holds the front end's counters the departures change.
     Returns (taken, frames handed over, the latest, rows, frames owed in lockstep)."""
     P, Pq, deadline, eps = fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS]
     n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
-    lim, cnt, status, held = eng[0], eng[1], eng[2], eng[6]
     n_visit = _due_sessions(now, eps, tick, start, who, ready, n_ready, state, visit)
     fits, n_ans = _turn_fits(now, visit, n_visit, iconf, fconf, lim[L_MAXLEN], state, phase, next_frame, backlog,
                              inflight, hist, running_since, started, sslot, status)
@@ -422,8 +420,8 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
         i = dep_i[k]
         if state[i] == R_STATE:
             n0, n_pend = _depart(i, now, fconf, fc, state, sslot, pslot, phase, next_frame, backlog, inflight,
-                                 inflight_tok, s_frames, s_silent, s_ended, fresh, eng, pend, n_pend, a_key, a_who,
-                                 a_tok, n0)
+                                 inflight_tok, s_frames, s_silent, s_ended, fresh, cnt, status, slots, held, run, kw,
+                                 wq, pend, n_pend, a_key, a_who, a_tok, n0)
             sl = pslot[i]
             if tick[sl] > now + eps:  # its slot may have no one left to tick
                 tick[sl] = _slot_tick(sl, start, who, state, next_frame, phase, P)
@@ -434,7 +432,7 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
         if tick[k] <= now + eps:  # the slot's sessions moved on together
             tick[k] = _slot_tick(k, start, who, state, next_frame, phase, P)
     n_sub, latest = _submit_due(visit, n_visit, 1 + n_in, n_out, sslot, next_frame, backlog, inflight, inflight_tok,
-                                hist, last_tok, work_step, fresh, eng)
+                                hist, last_tok, work_step, fresh, cnt, status, computed, ntok, out, maxtok, kw)
     if lockstep:
         n_pend = _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend)
         n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
@@ -540,13 +538,12 @@ def _next_wake(tick, t_next, dep_t, k):
 
 
 @nb.njit(cache=True)
-def _engine_step(iconf, fconf, coef, eng, idle, fresh, step_no, sframe, jit, jz, ja, jb, jp, jr):
-    """EngineModel.step (serving.engine_step on the engine model's own arrays, ``eng``), the first-step term and
+def _engine_step(iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s,
+                 o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, step_no, sframe, jit, jz, ja, jb, jp, jr):
+    """EngineModel.step (serving.engine_step on the engine model's own arrays), the first-step term and
     the step's latency. Returns (the latency, or -1 when the step is the caller's to take: under correlated jitter
     its frame's draws are not in this call; whether this loop may go on after it: the front end reacts to nothing
     in it that the loop does not restate)."""
-    lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
-        o_n, reached = eng
     jitter, f_lo = int(fconf[F_JITTER]), iconf[I_FLO]
     if jitter == CORRELATED and sframe - f_lo >= ja.size:
         return -1.0, False
@@ -577,7 +574,9 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     them); ``s_ended`` gets the times of those taken here."""
     P, t_next, horizon, t_pause = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON], fconf[F_TPAUSE]
     max_steps, ans_cap, lockstep = iconf[I_MAXSTEPS], iconf[I_ANSCAP], iconf[I_LOCKSTEP] != 0
-    cnt, o_n, o_sam = eng[1], eng[18], eng[16]
+    # (unpacked once: a tuple of arrays handed to a callee costs every call)
+    lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
+        o_n, reached = eng
     sframe, peak, n_pend = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND]
     fc = np.zeros(2, np.int64)  # the front end's counters, which turns (departures) change
     fc[C_NRUN] = iconf[I_NRUNNING]
@@ -598,8 +597,9 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
             taken, n_sub, latest, nrows, n_pend = _turn(
                 now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
                 backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started,
-                admitted, s_frames, s_silent, s_late, fresh, eng, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat,
-                fr_i, nrows, run_sess, pend, n_pend, fc, dep_t, dep_i, s_ended)
+                admitted, s_frames, s_silent, s_late, fresh, lim, cnt, status, computed, ntok, slots, held, out, maxtok,
+                run, kw, wq, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend,
+                fc, dep_t, dep_i, s_ended)
             if not taken:
                 break
             sframe = max(sframe, latest)
@@ -618,7 +618,9 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                 break
             now = until
             continue
-        lat, plain = _engine_step(iconf, fconf, coef, eng, idle, fresh, nsteps, sframe, jit, jz, ja, jb, jp, jr)
+        lat, plain = _engine_step(iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq,
+                                  run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, nsteps, sframe,
+                                  jit, jz, ja, jb, jp, jr)
         if lat < 0:
             turned = TURN_TAKEN  # the turn at `now` is done; the step-by-step path takes the step
             break

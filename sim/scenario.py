@@ -165,6 +165,13 @@ class _Decided:
     more for a chunk in flight; a bounded policy's peak at most), so when those maxima of the sessions not yet
     ended (arrived or not) sum to at most the pool less vLLM's watermark, no allocation can fail from then on.
 
+    When nothing delays a session's entry (no admission controller: it enters at its arrival and leaves
+    ``duration`` later), the bound follows time: session ``i`` holds at most the blocks of its prompt and the
+    frames ticked by ``t`` (one more in flight) while it is alive, and nothing after it leaves. That sum only grows
+    between departures, so its largest value from now on is at a departure (just before it) or at the horizon:
+    computed once for each, the run can no longer run dry once the largest still ahead fits. Sessions that do not
+    all live to their peak at once then stop a long run long before the last of them has ended.
+
     The frames still to come are bounded from above: a session's frames tick from when it entered (at or after
     its arrival) until it leaves (``duration`` later) or the horizon, so it answers at most
     ``floor(min(duration, horizon - arrival) / P) + 2`` frames in all (the 2: a tick at each end), less those it
@@ -186,6 +193,32 @@ class _Decided:
         if policy.bounded:
             self.max_blocks = np.minimum(self.max_blocks, FillModel(eng.cal, policy).peak_resident_blocks)
         self.room = eng.num_blocks - eng.cal.engine.watermark_blocks
+        self.ahead_t = self.ahead_peak = None  # the time-following bound: its times and the largest sum from each on
+        if eng.controller is None:
+            self.ahead_t, self.ahead_peak = self._peaks_ahead(tokens_at=lambda frames: max(st.prompt_tokens, 1)
+                                                              + st.kv_tokens_per_frame * (frames + 1))
+
+    def _peaks_ahead(self, tokens_at):
+        """The times the blocks sessions can hold peak (each departure, and the horizon) and, for each, the largest
+        sum of those maxima from then on."""
+        eng = self.eng
+        arr, end = eng.arrival, eng.arrival + eng.duration
+        t = np.unique(np.append(end[end < eng.horizon], eng.horizon))
+        peaks = np.zeros(t.size, dtype=np.int64)
+        for k0 in range(0, t.size, 256):  # (in chunks: times × sessions)
+            tk = t[k0:k0 + 256, None]
+            alive = (arr[None, :] <= tk) & (end[None, :] >= tk) & (arr[None, :] < eng.horizon)
+            frames = np.minimum(np.floor((tk - arr[None, :]) / eng.P).astype(np.int64) + 2, self.most[None, :])
+            blocks = np.minimum(np.asarray(eng.policy.resident_blocks(tokens_at(np.maximum(frames, 0)))),
+                                self.max_blocks[None, :])
+            peaks[k0:k0 + 256] = np.where(alive, blocks, 0).sum(axis=1)
+        return t, np.maximum.accumulate(peaks[::-1])[::-1]
+
+    def _cannot_run_dry(self, done) -> bool:
+        if self.ahead_t is not None:
+            k = int(np.searchsorted(self.ahead_t, self.eng.env.now))
+            return k >= self.ahead_t.size or int(self.ahead_peak[k]) <= self.room
+        return int(self.max_blocks[~done].sum()) <= self.room
 
     def __call__(self) -> bool:
         eng = self.eng
@@ -193,7 +226,7 @@ class _Decided:
         if done.all() and eng.next_arrival >= len(eng.arrival):
             return True
         if eng.t_sat is None:
-            return int(self.max_blocks[~done].sum()) <= self.room
+            return self._cannot_run_dry(done)
         ch = eng.frames.chunks
         for j in range(self.seen, len(ch["tick_s"])):
             after = ch["tick_s"][j] >= eng.t_sat

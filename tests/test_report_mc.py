@@ -51,6 +51,16 @@ def test_an_undecided_run_is_the_same_run(cal):
     assert {k for k in full if full[k] != early[k]} <= {"wall_s"}
 
 
+def test_sessions_that_never_hold_their_peaks_together_stop_the_run_at_once(cal):
+    # unbounded, 30 sessions of 120 s on average (the longest 1,011 s): their histories at the end of their lives
+    # would not fit the pool together (3,251 blocks against 1,500), but they never all live at once: the largest
+    # sum still ahead, taken as time goes, is 1,190 blocks from the start
+    full, early = _both(cal, kv="unbounded", sessions=30, session_duration="exp:120", horizon=600.0, seed=1)
+    assert full["t_sat_observed_s"] is None and not full["collapsed"]
+    assert early["stopped_early_s"] is not None and early["stopped_early_s"] <= 600.0 / 100
+    assert early["t_sat_observed_s"] is None and not early["collapsed"]
+
+
 # cells where some seeds collapse and some do not; the last three saturate, go briefly silent past 1% of the
 # frames since t_sat and end well below it (0.24%, 0.19%, 0.08%): a stop that forgot the frames still to come
 # would call them collapsed
