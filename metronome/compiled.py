@@ -14,6 +14,9 @@ import hashlib
 import inspect
 from pathlib import Path
 
+from numba.core import cgutils
+from numba.extending import intrinsic
+
 
 def form_of(parts) -> str:
     """A hash of the sources of ``parts`` (functions or modules)."""
@@ -49,3 +52,26 @@ def guard(dispatcher, parts) -> str:
         return form
     forget_other_forms(where, Path(dispatcher.py_func.__code__.co_filename).stem, form)
     return form
+
+
+@intrinsic
+def borrowed(typingctx, arrays):
+    """The arrays of the tuple ``arrays`` without their reference counts (compiled code only): the same data, shape
+    and strides, no owner.
+
+    Every array a compiled function holds is reference counted with an atomic add and subtract, at each call that
+    hands it on, each view and each binding; the simulator's loop hands some fifty arrays on at every step, and
+    those atomics were about half its time. Arrays its caller passed in live as long as the call does, so inside
+    it they need no count. Only for the arguments of the function that borrows them: an array it allocated itself,
+    or one that outlives the call, must keep its owner."""
+
+    def codegen(context, builder, sig, args):
+        out = []
+        for ty, value in zip(sig.args[0], cgutils.unpack_tuple(builder, args[0])):
+            ary = context.make_array(ty)(context, builder, value=value)
+            ary.meminfo = cgutils.get_null_value(ary.meminfo.type)
+            ary.parent = cgutils.get_null_value(ary.parent.type)
+            out.append(ary._getvalue())
+        return context.make_tuple(builder, sig.return_type, out)
+
+    return arrays(arrays), codegen

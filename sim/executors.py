@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any, Callable, Sequence
 
@@ -17,12 +18,30 @@ EXECUTORS = ("local", "ray")
 
 
 class LocalExecutor:
+    """A local process pool: a fresh one for each map (each sees the process as it is then), or one kept for every
+    map inside :meth:`kept` (a report maps six phases in a row, and a fresh pool for each would pay every worker's
+    start, its imports and numba's cached code, six times)."""
+
     name = "local"
 
     def __init__(self, workers: int | None = None):
         if workers is not None and workers < 1:
             raise MetronomeError(f"--workers must be >= 1, got {workers}")
         self.workers = workers or os.cpu_count() or 1
+        self._pool: ProcessPoolExecutor | None = None
+
+    @contextmanager
+    def kept(self):
+        """Run every map inside on one pool of workers, shut down on the way out."""
+        if self._pool is not None or self.workers <= 1:
+            yield self
+            return
+        self._pool = ProcessPoolExecutor(max_workers=self.workers)
+        try:
+            yield self
+        finally:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
 
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any], progress: Callable[[int], None] | None = None) -> list:
         if self.workers <= 1 or len(items) <= 1:
@@ -32,13 +51,24 @@ class LocalExecutor:
                 if progress:
                     progress(1)
             return out
-        results: list[Any] = [None] * len(items)
+        if self._pool is not None:
+            return self._gather(self._pool, fn, items, progress)
         with ProcessPoolExecutor(max_workers=min(self.workers, len(items))) as pool:
-            futures = {pool.submit(fn, x): k for k, x in enumerate(items)}
+            return self._gather(pool, fn, items, progress)
+
+    @staticmethod
+    def _gather(pool, fn, items, progress) -> list:
+        results: list[Any] = [None] * len(items)
+        futures = {pool.submit(fn, x): k for k, x in enumerate(items)}
+        try:
             for fut in as_completed(futures):
                 results[futures[fut]] = fut.result()
                 if progress:
                     progress(1)
+        except BaseException:  # a task failed or the user stopped: nothing more of this map runs
+            for fut in futures:
+                fut.cancel()
+            raise
         return results
 
 

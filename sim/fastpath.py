@@ -28,6 +28,7 @@ import numba as nb
 import numpy as np
 
 from metronome import compiled, jitter_kernel, kv_policy, serving
+from metronome.compiled import borrowed
 from metronome.calibration import step_inputs
 from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import (E_KW, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX, O_NEW, O_PRE,
@@ -574,9 +575,19 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     them); ``s_ended`` gets the times of those taken here."""
     P, t_next, horizon, t_pause = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON], fconf[F_TPAUSE]
     max_steps, ans_cap, lockstep = iconf[I_MAXSTEPS], iconf[I_ANSCAP], iconf[I_LOCKSTEP] != 0
-    # (unpacked once: a tuple of arrays handed to a callee costs every call)
+    # the arguments live as long as this call: inside it they need no reference counts (compiled.borrowed), and
+    # the engine's arrays are unpacked once (a tuple of arrays handed to a callee costs every call)
+    (iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight, inflight_tok,
+     hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames, s_silent, s_late,
+     fresh, sess_of_slot) = borrowed((iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame,
+                                      backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step,
+                                      running_since, started, admitted, s_tokens, s_frames, s_silent, s_late, fresh,
+                                      sess_of_slot))
+    (jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i,
+     s_ended) = borrowed((jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend,
+                          dep_t, dep_i, s_ended))
     lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
-        o_n, reached = eng
+        o_n, reached = borrowed(eng)
     sframe, peak, n_pend = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND]
     fc = np.zeros(2, np.int64)  # the front end's counters, which turns (departures) change
     fc[C_NRUN] = iconf[I_NRUNNING]

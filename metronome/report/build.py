@@ -22,6 +22,7 @@ numbers both renderers print.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import platform
@@ -205,10 +206,14 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
     """Compute the report's data (see the module docstring). Raises MetronomeError on bad input. ``cache``:
     where simulated points are read and stored (default :class:`ResultCache` at its default folder;
     ``ResultCache(enabled=False)`` runs everything and writes nothing)."""
-    t0 = time.perf_counter()
-    progress = progress or _noop_progress
     executor = executor or LocalExecutor()
-    cache = cache if cache is not None else ResultCache()
+    with executor.kept() if hasattr(executor, "kept") else contextlib.nullcontext():  # one pool for every phase
+        return _build(options, executor, progress or _noop_progress, command,
+                      cache if cache is not None else ResultCache())
+
+
+def _build(options: ReportOptions, executor, progress: Progress, command: str | None, cache: ResultCache) -> dict:
+    t0 = time.perf_counter()
     plans, live = load_plans(options)
 
     # 1. capacity, under the regime the answer assumes and under the other one (the report shows both when
