@@ -392,11 +392,13 @@ class AdmissionController(ABC):
             self._w.append(frames - silent)
         self._on_frames()
 
-    def observe_many(self, now_s, latency_s, frames, silent, in_flight: int) -> None:
-        """``advance(now_s[i], in_flight)`` then ``observe(now_s[i], latency_s[i], frames[i], silent[i])`` for
+    def observe_many(self, now_s, latency_s, frames, silent, in_flight) -> None:
+        """``advance(now_s[i], in_flight[i])`` then ``observe(now_s[i], latency_s[i], frames[i], silent[i])`` for
         each row in order, with the same result, a control interval at a time (the simulator's compiled loop
-        hands over thousands of rows at once). Rows must be in time order."""
+        hands over thousands of rows at once). Rows must be in time order; ``in_flight`` is one count for every
+        row or one per row."""
         now = np.asarray(now_s, dtype=float).ravel()
+        inf = np.broadcast_to(np.asarray(in_flight, dtype=np.int64), now.shape)
         lat = np.asarray(latency_s, dtype=float).ravel()
         fr = np.asarray(frames, dtype=np.int64).ravel()
         si = np.asarray(silent, dtype=np.int64).ravel()
@@ -407,13 +409,16 @@ class AdmissionController(ABC):
             return
         if not (np.isfinite(now).all() and np.isfinite(lat).all() and (lat >= 0).all()):
             raise ValueError("observe_many: times and latencies must be finite, latencies >= 0")
-        if (np.diff(now) < 0).any() or (fr < 0).any() or (si < 0).any() or (si > fr).any():
-            raise ValueError("observe_many: rows out of time order, or frames/silent out of range")
+        if (np.diff(now) < 0).any() or (fr < 0).any() or (si < 0).any() or (si > fr).any() or (inf < 0).any():
+            raise ValueError("observe_many: rows out of time order, or frames/silent/in_flight out of range")
         i = 0
         while i < n:
-            self.advance(float(now[i]), in_flight)  # closes every interval that ended by row i
+            self.advance(float(now[i]), int(inf[i]))  # closes every interval that ended by row i
             # rows in the open interval: those advance() would not close (the test of _close_through)
             e = i + 1 + int(np.searchsorted((now[i + 1:] - self._t0) / self.interval_s, self._k + 1 - _REL_EPS))
+            if e > i + 1:  # the rest of them advance() nothing but the peak and the last count
+                self._peak = max(self._peak, int(inf[i + 1:e].max()))
+                self._last_in_flight = int(inf[e - 1])
             f, s = fr[i:e], si[i:e]
             self._frames += int(f.sum())
             self._silent += int(s.sum())

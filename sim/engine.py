@@ -167,9 +167,6 @@ class SimEngine:
         self.slow_steps = 0  # steps taken one SimPy event each
         self._buffers = None  # the compiled loop's record buffers, reused from call to call
         self._last_span = SimEngine.COMPILED_STEPS  # steps the last call of the compiled loop took
-        # the compiled loop takes departures itself unless a controller counts the sessions in flight at each
-        # answer (it is handed the rows of a whole span with one count)
-        self._departs_in_loop = controller is None
         self.pause_every_s: float | None = None  # the compiled loop hands back at each multiple (a caller looks)
 
     def _init_sessions(self, M: int) -> None:
@@ -512,11 +509,11 @@ class SimEngine:
         key, who, tok = (np.concatenate([np.asarray(a[c], np.int64) for a in self._answers]) for c in range(3))
         self._answers = []
         n = key.size
-        fr_f, fr_i = np.zeros(n, np.int64), np.zeros((n, 5), np.int64)
+        fr_f, fr_i = np.zeros(n, np.int64), np.zeros((n, fp.R_INFLIGHT + 1), np.int64)
         fr_tick, fr_done, fr_lat = np.zeros(n), np.zeros(n), np.zeros(n)
         rows = fp.flush(now, n, key, who, tok, self.admitted, self.P,
                         float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS, self.s_late,
-                        fr_f, fr_tick, fr_done, fr_lat, fr_i, 0)
+                        fr_f, fr_tick, fr_done, fr_lat, fr_i, 0, self._in_flight())
         fi, lat = fr_i[:rows], fr_lat[:rows]
         nn, silent = fi[:, fp.R_FRAMES], fi[:, fp.R_SILENT]
         self._frame_rows(fr_f[:rows], fr_tick[:rows], fr_done[:rows], lat, fi)
@@ -690,7 +687,7 @@ class SimEngine:
         m = self.model
         n_max = self._span_steps()
         iconf, fconf, coef, istate, draws = self._compiled_config(now, live, t_next, n_max)
-        deps = sorted(self.departures) if self._departs_in_loop else []  # the heap's order
+        deps = sorted(self.departures)  # the heap's order: the loop takes them
         dep_t = np.array([d[0] for d in deps], dtype=np.float64)
         dep_i = np.array([d[1] for d in deps], dtype=np.int64)
         fstate = np.array([now, 0.0])
@@ -716,7 +713,7 @@ class SimEngine:
         self.serving_frame, self.peak_used = sframe, peak
         self.n_steps += n
         self.fast_steps += n
-        self._compiled_records(buf, n, rows, live.size)
+        self._compiled_records(buf, n, rows)
         if turned == fp.PAST_HORIZON:  # its last step outlives the run: SimPy stops while it runs
             self.now = end
             return float(fstate[1]), False, False, None
@@ -761,7 +758,7 @@ class SimEngine:
         st = self.started[run]
         if (self.slot[run[st]] < 0).any() or (self.pending_in[run] > 0).any():
             return None
-        t_next = self._next_event_time(departures=not self._departs_in_loop)
+        t_next = self._next_event_time(departures=False)
         fresh = run[~st]  # admitted, first frame not yet due: its tick is where the span stops
         if fresh.size:
             t_next = min(t_next, float(serving.frame_tick(self.next_frame[fresh], self.P, self.phase[fresh]).min()))
@@ -793,6 +790,8 @@ class SimEngine:
 
     def _compiled_buffers(self, n_max: int, ans_cap: int) -> dict:
         """The compiled loop's record buffers, kept from call to call (grown when a call needs more)."""
+        from metronome.sim import fastpath as fp
+
         n_rows = 4 * n_max + 4 * ans_cap
         buf = self._buffers
         if buf is None or buf["fr_f"].size < n_rows or buf["st_t"].size < n_max:
@@ -801,10 +800,11 @@ class SimEngine:
             buf = self._buffers = {
                 "st_t": np.zeros(ns), "st_lat": np.zeros(ns), "st_i": np.zeros((ns, 9), dtype=np.int64),
                 "fr_f": np.zeros(nr, dtype=np.int64), "fr_tick": np.zeros(nr), "fr_done": np.zeros(nr),
-                "fr_lat": np.zeros(nr), "fr_i": np.zeros((nr, 5), dtype=np.int64)}
+                "fr_lat": np.zeros(nr),
+                "fr_i": np.zeros((nr, fp.R_INFLIGHT + 1), dtype=np.int64)}
         return buf
 
-    def _compiled_records(self, buf: dict, n: int, rows: int, in_flight: int) -> None:
+    def _compiled_records(self, buf: dict, n: int, rows: int) -> None:
         """The compiled loop's ``n`` steps and ``rows`` frame rows into the tables (and the controller)."""
         from metronome.sim import fastpath as fp
 
@@ -821,7 +821,8 @@ class SimEngine:
             done, lat = buf["fr_done"][:rows].copy(), buf["fr_lat"][:rows].copy()
             self._frame_rows(buf["fr_f"][:rows].copy(), buf["fr_tick"][:rows].copy(), done, lat, fi)
             if self.controller is not None:
-                self.controller.observe_many(done, lat, fi[:, fp.R_FRAMES], fi[:, fp.R_SILENT], in_flight=in_flight)
+                self.controller.observe_many(done, lat, fi[:, fp.R_FRAMES], fi[:, fp.R_SILENT],
+                                             in_flight=fi[:, fp.R_INFLIGHT])
 
     # ------------------------------------------------------------------------------------------ results
     def finalize(self):

@@ -40,8 +40,9 @@ P_CODE = EngineModel.PAUSED_CODE
 # iconf: the front end's and the stream's constants (the engine's limits are the engine model's own, ``lim``);
 # I_SEES: the front end sees starved and preempted requests after each step (serving.sees_starvation)
 I_NIN, I_NOUT, I_MAXSTEPS, I_NRUNNING, I_NWAITING, I_HEAD, I_PROMPT, I_ANSCAP, I_FLO, I_LOCKSTEP, I_SEES = range(11)
-# frame rows' integer columns (fr_i)
-R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE = range(5)
+# frame rows' integer columns (fr_i); R_INFLIGHT: sessions in flight at the front end when the row was answered (what
+# an admission controller is told with it)
+R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_INFLIGHT = range(6)
 WAITING_STATE, R_STATE, ENDED_STATE = 1, 3, 4  # SimEngine's states: waiting for blocks, running, ended
 # fconf: times and the step-latency model's real-time terms (its coefficients come as their own array, ``coef``)
 # (F_TPAUSE: the loop hands back after the first turn from then on, so a caller can look at the run, e.g. whether
@@ -72,10 +73,10 @@ def _tick(f, P, ph):
 
 @nb.njit(cache=True)
 def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i,
-           nrows):
+          nrows, in_flight):
     """``n`` answers (tick key, session, tokens got) become one row per tick, in tick order, all answered at
-    ``now``; a late frame counts against its session (``s_late``). Both paths record their rows with it
-    (SimEngine._flush_answers). Returns the rows written so far."""
+    ``now`` with ``in_flight`` sessions in flight; a late frame counts against its session (``s_late``). Both paths
+    record their rows with it (SimEngine._flush_answers). Returns the rows written so far."""
     if n == 0:
         return nrows
     # rows are sums over a tick: the order within one does not matter (and one answer needs no sort)
@@ -111,6 +112,7 @@ def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f,
         fr_i[nrows, R_TOKENS] = tk
         fr_i[nrows, R_SILENT] = sil
         fr_i[nrows, R_SILENT_PRE] = pre
+        fr_i[nrows, R_INFLIGHT] = in_flight
         nrows += 1
         j = e
     return nrows
@@ -440,7 +442,7 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
                                        s_silent, a_key, a_who, a_tok, n0)
     if n_ans:
         nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, P, Pq, deadline, eps, s_late,
-                      fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows)
+                      fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, fc[C_NRUN] + iconf[I_NWAITING])
     return True, n_sub, latest, nrows, n_pend
 
 
@@ -492,7 +494,7 @@ def _answer_step(now, iconf, fconf, sampled, n_sam, sess_of_slot, pslot, infligh
         n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n_done)
     nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE],
-                   fconf[F_EPS], s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows)
+                   fconf[F_EPS], s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, n_running + iconf[I_NWAITING])
     _record_step(row, iconf, nS, new_tokens, ctx, used, tokens_out, n_ans, a_tok[n_done:n_ans], n_running)
     return n_ready, n_pend, nrows
 

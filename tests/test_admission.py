@@ -953,3 +953,35 @@ def test_a_controller_built_directly_checks_the_common_settings(make, message):
     with pytest.raises(MetronomeError) as e:
         make()
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Many rows at once (the simulator's compiled loop hands a span's rows over together)
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [lambda: aimd(initial_limit=20), lambda: gradient(initial_limit=20),
+                                  lambda: StaticCap(30)], ids=["aimd", "gradient", "static"])
+@pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "one-count"])
+def test_observe_many_is_advance_then_observe_row_by_row(make, per_row):
+    # rows over 12 intervals, several to an interval and some intervals empty, latencies around the target; the
+    # sessions in flight change from row to row (sessions leave and arrive between answers) or stay one count
+    rng = np.random.default_rng(4)
+    t = np.sort(rng.uniform(0.0, 12.0, 300))
+    t = t[(t < 3.0) | (t > 5.0)]  # two intervals with no rows
+    lat = rng.uniform(0.3, 1.2, t.size)
+    fr = rng.integers(1, 6, t.size)
+    si = np.minimum(rng.integers(0, 3, t.size), fr)
+    inf = rng.integers(0, 40, t.size) if per_row else np.full(t.size, 17)
+    one, many = make(), make()
+    for k in range(t.size):
+        one.advance(float(t[k]), int(inf[k]))
+        one.observe(float(t[k]), float(lat[k]), frames=int(fr[k]), silent=int(si[k]))
+    many.observe_many(t, lat, fr, si, in_flight=inf if per_row else 17)
+    one.advance(13.0, 5)
+    many.advance(13.0, 5)
+    assert one.trace() == many.trace() and len(one.trace()) == 12  # (the clock starts at the first row)
+    assert len({row["in_flight"] for row in one.trace()}) > (3 if per_row else 0)
+
+
+def test_observe_many_refuses_a_negative_count():
+    with pytest.raises(ValueError, match="in_flight"):
+        aimd().observe_many([0.1, 0.2], [0.1, 0.1], [1, 1], [0, 0], in_flight=[3, -1])
