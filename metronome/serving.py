@@ -333,6 +333,30 @@ def _preempt(v, cnt, status, computed, slots, held, wq, reached):
 
 
 @nb.njit(cache=True)
+def key_order(v, n):
+    """Positions ``0 .. n-1`` in ascending order of ``v[:n]`` (ties in position order). A step's keys (queue places,
+    tick keys) span little more than their count: a counting sort, linear; a comparison sort otherwise."""
+    lo = hi = v[0]
+    for j in range(1, n):
+        lo = min(lo, v[j])
+        hi = max(hi, v[j])
+    span = hi - lo + 1
+    if span > 4 * n + 64:
+        return np.argsort(v[:n], kind="mergesort")
+    start = np.zeros(span + 1, np.int64)
+    for j in range(n):
+        start[v[j] - lo + 1] += 1
+    for k in range(span):
+        start[k + 1] += start[k]
+    order = np.empty(n, np.int64)
+    for j in range(n):
+        c = v[j] - lo
+        order[start[c]] = j
+        start[c] += 1
+    return order
+
+
+@nb.njit(cache=True)
 def _kv_order(kw, n, kseq):
     """The kv-holding queue's waiting entries in queue order (their places ``kseq``): insertion sort when they are
     few or nearly in order, a sort of their places when many come out of order (past N* every session's frame
@@ -346,7 +370,7 @@ def _kv_order(kw, n, kseq):
             places = np.empty(n, np.int64)
             for a in range(n):
                 places[a] = kseq[kw[a]]
-            order = np.argsort(places)  # places are distinct: any sort gives the one order
+            order = key_order(places, n)  # places are distinct: any sort gives the one order
             keep = kw[:n].copy()
             for a in range(n):
                 kw[a] = keep[order[a]]

@@ -33,7 +33,7 @@ from metronome.calibration import step_inputs
 from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import (E_KW, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX, O_NEW, O_PRE,
                                O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel, abort_slot, engine_step, gate_blocks_jit,
-                               resume_slot)
+                               key_order, resume_slot)
 
 P_CODE = EngineModel.PAUSED_CODE
 
@@ -80,7 +80,7 @@ def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f,
     if n == 0:
         return nrows
     # rows are sums over a tick: the order within one does not matter (and one answer needs no sort)
-    order = np.zeros(1, np.int64) if n == 1 else np.argsort(keys[:n])
+    order = np.zeros(1, np.int64) if n == 1 else key_order(keys, n)
     j = 0
     while j < n:
         key = keys[order[j]]
