@@ -32,10 +32,12 @@ A frame's life:
 
 **Fast-forward.** When every session streams with nothing prefilling, queued at the gate or owed from a
 preemption, turns and steps run in a compiled loop (:meth:`SimEngine._compiled_span`, :mod:`metronome.sim.fastpath`),
-under either phase regime: the same rules, timings, jitter draws and records, one SimPy event per span. The span
-stops before anything the loop does not restate (a failed allocation, the token budget, ``max_num_seqs``, the
-length limit, an admission, the next arrival, departure or controller poll) and the step-by-step path takes it
-from there; tests compare the two bit for bit.
+under either phase regime: the same rules, timings, jitter draws and records, one SimPy event per span. The engine
+step there is the engine model's own (``serving.engine_step`` on its arrays). A step after which the front end must
+act (a stall; with the driver's loop, a preemption or a request left waiting) is handed back once taken
+(:meth:`_after_step` does the rest); the span stops before a turn the loop does not restate (the length limit, an
+admission, a first frame, the next arrival) and the step-by-step path takes it from there; tests compare the two bit
+for bit.
 """
 
 from __future__ import annotations

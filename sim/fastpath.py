@@ -16,10 +16,11 @@ watermark: the engine step decides it. When the front end has to react to what a
 nothing; with a front end that steps vLLM itself, a preemption or a request left waiting, which the deadlock rule
 looks at) the loop hands the step back *after* taking it (``STEP_TAKEN``) and the step-by-step path does the rest.
 Before a turn it would take differently (the length limit, the front end's head fitting, a session's first frame,
-the next arrival or controller poll) it stops and hands back, and the step-by-step path takes it from exactly
+the next arrival) it stops and hands back, and the step-by-step path takes it from exactly
 there. A running session's departure is taken here (SimEngine._end: its request aborted, the frames it is owed
-answered) when no controller counts the sessions in flight; otherwise, and for a session waiting at the front
-end, it is an event the loop stops at. ``tests/test_sim_scenarios.py`` compares the two, bit for bit.
+answered; each frame row carries the sessions in flight, which an admission controller is told); a session
+waiting at the front end departing is an event the loop stops at. ``tests/test_sim_scenarios.py`` compares the
+two, bit for bit.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from metronome.compiled import borrowed
 from metronome.calibration import step_inputs
 from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import (E_KW, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX, O_NEW, O_PRE,
-                               O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel, abort_slot, engine_step, gate_blocks_jit,
-                               key_order, resume_slot)
+                               O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel, abort_slot, engine_step,
+                               gate_blocks_jit, key_order, resume_slot)
 
 P_CODE = EngineModel.PAUSED_CODE
 
@@ -566,6 +567,21 @@ def _engine_step(iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, he
 
 
 @nb.njit(cache=True)
+def _span_state(iconf, live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, n_answers):
+    """What a span keeps besides the caller's arrays: the front end's counters (``fc``), the wheel over the phase
+    slots, the sessions a turn visits, those with frames queued, the running ones (lockstep) and room for a step's
+    ``n_answers`` answers."""
+    fc = np.zeros(2, np.int64)
+    fc[C_NRUN] = iconf[I_NRUNNING]
+    start, who, tick, ok = _wheel(live, pslot, next_frame, phase, P)
+    visit = np.empty(2 * live.size, np.int64)
+    ready, n_ready = _queued_behind(live, state, inflight, backlog)
+    run_sess = live[state[live] == R_STATE] if lockstep else live[:0]
+    a_key, a_who, a_tok = np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), np.empty(n_answers, np.int64)
+    return fc, start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok
+
+
+@nb.njit(cache=True)
 def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
              inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens,
              s_frames, s_silent, s_late, fresh, sess_of_slot, eng, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f,
@@ -591,18 +607,12 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
         o_n, reached = borrowed(eng)
     sframe, peak, n_pend = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND]
-    fc = np.zeros(2, np.int64)  # the front end's counters, which turns (departures) change
-    fc[C_NRUN] = iconf[I_NRUNNING]
     idle = istate[S_IDLE] != 0  # the engine waited since its last step: a frame's step then pays first_s
     now = fstate[0]
     nsteps = nrows = 0
     turned = TURN_TAKEN  # the caller's turn at `now` is done
-    start, who, tick, ok = _wheel(live, pslot, next_frame, phase, P)
-    visit = np.empty(2 * live.size, np.int64)
-    ready, n_ready = _queued_behind(live, state, inflight, backlog)
-    run_sess = live[state[live] == R_STATE] if lockstep else live[:0]
-    n_a = ans_cap + pend.shape[0]  # a step's answers and the silent ones answered with them
-    a_key, a_who, a_tok = np.empty(n_a, np.int64), np.empty(n_a, np.int64), np.empty(n_a, np.int64)
+    fc, start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok = _span_state(
+        iconf, live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, ans_cap + pend.shape[0])
     while ok:
         if turned == TURN_CALLER:
             if now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_f.size:
