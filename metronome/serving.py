@@ -250,8 +250,8 @@ _W, _R, _P, _X = 1, 2, 3, 4  # waiting, running, paused, preempted (0: no reques
 # frame's max_tokens and the request's place in the kv-holding queue. The queues: ``run`` (vLLM's running
 # list, in order), ``kw`` (the kv-holding queue's *waiting* entries: the paused ones keep their place, ``kseq``,
 # and are only counted, since the waiting pass skips them) and ``wq`` (vLLM's waiting queue: new and
-# preempted requests). The counters (``cnt``):
-E_USED, E_PAUSED, E_RUN, E_KW, E_WQ, E_KSEQ, E_STEPS = range(7)
+# preempted requests). The counters (``cnt``; E_NEXT: the next request slot to hand out):
+E_USED, E_PAUSED, E_RUN, E_KW, E_WQ, E_KSEQ, E_STEPS, E_NEXT = range(8)
 # the limits and the policy's residency, as the compiled step reads them (``lim``)
 L_NB, L_SEQS, L_BUDGET, L_MAXLEN, L_WM, L_THR, L_CAP, L_BS, L_SINKB, L_WINDOW = range(10)
 # what a step did (``o_n``): scheduled (running pass, then admitted), admitted, preempted, sampled, paused, new
@@ -553,6 +553,18 @@ def abort_slot(s, cnt, status, slots, held, run, kw, wq):
 
 
 @nb.njit(cache=True)
+def add_slot(prompt_tokens, max_tokens, cnt, status, ntok, maxtok, kseq, wq):
+    """A new request (``EngineModel.add``; the compiled loop adds a session's first frame with it too): the next
+    slot, waiting at the tail of ``waiting``. Returns the slot."""
+    s = cnt[E_NEXT]
+    cnt[E_NEXT] += 1
+    status[s], ntok[s], maxtok[s], kseq[s] = _W, prompt_tokens, max_tokens, -1
+    wq[cnt[E_WQ]] = s
+    cnt[E_WQ] += 1
+    return s
+
+
+@nb.njit(cache=True)
 def resume_slot(s, chunk, max_tokens, cnt, status, computed, ntok, out, maxtok, kw):
     """The next frame's input for paused request ``s`` (``EngineModel.append``): vLLM drops the token it sampled
     last (not computed; the caller re-feeds it inside ``chunk``) and the request waits again, in its place in the
@@ -635,7 +647,7 @@ class EngineModel:
                              NO_CAP if self.cap is None else self.cap, *policy.residency()], dtype=np.int64)
         self._slot_of: dict = {}
         self.rid_of: list = []
-        self.cnt = np.zeros(7, dtype=np.int64)
+        self.cnt = np.zeros(8, dtype=np.int64)
         self.o_n = np.zeros(8, dtype=np.int64)
         self.reached_a = np.zeros(len(RULES), dtype=np.int64)
         n = 64
@@ -689,15 +701,22 @@ class EngineModel:
             raise MetronomeError(f"request {rid!r} already exists")
         if prompt_tokens < 1 or max_tokens < 1:
             raise MetronomeError("a request needs at least one prompt token and one output token")
-        s = len(self.rid_of)
-        if s >= self.status_a.size:
+        self.reserve(1)
+        s = add_slot(prompt_tokens, max_tokens, self.cnt, self.status_a, self.ntok_a, self.maxtok_a, self.kseq_a,
+                     self.wq_a)
+        self.adopt(rid, s)
+        return s
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more requests in the arrays (the compiled loop adds requests without growing them)."""
+        while self.cnt[E_NEXT] + n > self.status_a.size:
             self._grow()
+
+    def adopt(self, rid, s: int) -> None:
+        """Name slot ``s``, which :func:`add_slot` handed out (here, or in the compiled loop), request ``rid``."""
+        assert s == len(self.rid_of), f"slot {s} handed out out of order"
         self.rid_of.append(rid)
         self._slot_of[rid] = s
-        self.status_a[s], self.ntok_a[s], self.maxtok_a[s], self.kseq_a[s] = _W, prompt_tokens, max_tokens, -1
-        self.wq_a[self.cnt[E_WQ]] = s
-        self.cnt[E_WQ] += 1
-        return s
 
     def append(self, rid, chunk_tokens: int, max_tokens: int) -> None:
         """The next frame's input for a paused session (:func:`resume_slot`)."""

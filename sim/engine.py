@@ -36,8 +36,7 @@ under either phase regime: the same rules, timings, jitter draws and records, on
 step there is the engine model's own (``serving.engine_step`` on its arrays). A step after which the front end must
 act (a stall; with the driver's loop, a preemption or a request left waiting) is handed back once taken
 (:meth:`_after_step` does the rest); the span stops before a turn the loop does not restate (the length limit, an
-admission, a first frame, the next arrival) and the step-by-step path takes it from there; tests compare the two bit
-for bit.
+admission, the next arrival) and the step-by-step path takes it from there; tests compare the two bit for bit.
 """
 
 from __future__ import annotations
@@ -166,6 +165,7 @@ class SimEngine:
         self.frames = frame_table()
         self.fast_steps = 0  # steps taken in the compiled loop (the summary does not depend on it)
         self.loop_departures = 0  # departures taken in the compiled loop (nor on this)
+        self.loop_first_frames = 0  # sessions' first frames (new requests) handed over in the compiled loop (nor this)
         self.slow_steps = 0  # steps taken one SimPy event each
         self._buffers = None  # the compiled loop's record buffers, reused from call to call
         self._last_span = SimEngine.COMPILED_STEPS  # steps the last call of the compiled loop took
@@ -207,13 +207,27 @@ class SimEngine:
         r = self.next_rid
         self.next_rid += 1
         slot = self.model.add(r, prompt_tokens, max_tokens)
-        while slot >= self.sess_of_slot.size:
-            self.sess_of_slot = np.concatenate([self.sess_of_slot, np.full(self.sess_of_slot.size, -1)])
-            self.fresh_slot = np.concatenate([self.fresh_slot, np.zeros(self.fresh_slot.size, dtype=bool)])
+        self._fit_slots(slot + 1)
         self.rid[i], self.slot[i] = r, slot
         self.by_rid[r] = i
         self.sess_of_slot[slot] = i
         return slot
+
+    def _fit_slots(self, n: int) -> None:
+        """The per-slot arrays at least ``n`` long (the engine model's grow as requests are added)."""
+        if self.sess_of_slot.size < n:
+            grow = max(n, 2 * self.sess_of_slot.size) - self.sess_of_slot.size  # (doubling: adds one at a time)
+            self.sess_of_slot = np.concatenate([self.sess_of_slot, np.full(grow, -1)])
+            self.fresh_slot = np.concatenate([self.fresh_slot, np.zeros(grow, dtype=bool)])
+
+    def _name_request(self, i: int, slot: int) -> None:
+        """Session ``i``'s first frame became request ``slot`` in the compiled loop: its id, as :meth:`_add`."""
+        r = self.next_rid
+        self.next_rid += 1
+        self.loop_first_frames += 1
+        self.model.adopt(r, slot)
+        self.rid[i] = r
+        self.by_rid[r] = i
 
     def _drop_rid(self, i: int) -> None:
         r = int(self.rid[i])
@@ -687,6 +701,8 @@ class SimEngine:
             return None
         live, t_next = start
         m = self.model
+        m.reserve(live.size)  # room for each session's first frame, should it come in this span
+        self._fit_slots(m.status_a.size)
         n_max = self._span_steps()
         iconf, fconf, coef, istate, draws = self._compiled_config(now, live, t_next, n_max)
         deps = sorted(self.departures)  # the heap's order: the loop takes them
@@ -694,6 +710,7 @@ class SimEngine:
         dep_i = np.array([d[1] for d in deps], dtype=np.int64)
         fstate = np.array([now, 0.0])
         buf = self._compiled_buffers(n_max, int(iconf[fp.I_ANSCAP]))
+        new_i, new_s = (np.zeros(live.size, dtype=np.int64) for _ in range(2))  # first frames: new requests
         # lockstep: silent frames owed until their tick's running frames are done (session, frame, tokens got)
         pend = np.zeros((len(self.silent_pending) + 8 * live.size + 64, 3), dtype=np.int64)
         if self.silent_pending:
@@ -703,8 +720,10 @@ class SimEngine:
                     self.pending_in, self.work_step, self.running_since, self.started, self.admitted,
                     self.s_tokens, self.s_frames, self.s_silent, self.s_late, self.fresh_slot, self.sess_of_slot,
                     m.arrays(), *draws, buf["st_t"], buf["st_lat"], buf["st_i"], buf["fr_f"], buf["fr_tick"],
-                    buf["fr_done"], buf["fr_lat"], buf["fr_i"], pend, dep_t, dep_i, self.s_ended)
-        sframe, peak, n, rows, turned, idle, n_pend, n_dep = istate.tolist()
+                    buf["fr_done"], buf["fr_lat"], buf["fr_i"], pend, dep_t, dep_i, self.s_ended, new_i, new_s)
+        sframe, peak, n, rows, turned, idle, n_pend, n_dep, n_new = istate.tolist()
+        for i, s in zip(new_i[:n_new].tolist(), new_s[:n_new].tolist()):  # (before departures: one may have left)
+            self._name_request(i, s)
         self._departed_in_loop(n_dep)
         self._last_span = n
         self.idle = bool(idle)
@@ -761,9 +780,6 @@ class SimEngine:
         if (self.slot[run[st]] < 0).any() or (self.pending_in[run] > 0).any():
             return None
         t_next = self._next_event_time(departures=False)
-        fresh = run[~st]  # admitted, first frame not yet due: its tick is where the span stops
-        if fresh.size:
-            t_next = min(t_next, float(serving.frame_tick(self.next_frame[fresh], self.P, self.phase[fresh]).min()))
         if t_next <= now:
             return None
         return live, t_next
@@ -786,7 +802,7 @@ class SimEngine:
         fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, self.first_s, _EPS,
                           float(kind), self.horizon, *weights, pause])
         coef = np.array(self.lat.coefficients, dtype=np.float64)
-        istate = np.array([self.serving_frame, self.peak_used, 0, 0, 0, int(self.idle), len(self.silent_pending), 0],
+        istate = np.array([self.serving_frame, self.peak_used, 0, 0, 0, int(self.idle), len(self.silent_pending), 0, 0],
                           dtype=np.int64)
         return iconf, fconf, coef, istate, draws
 

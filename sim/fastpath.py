@@ -15,8 +15,9 @@ nothing re-prefills. A step may preempt, stop an admission at the token budget, 
 watermark: the engine step decides it. When the front end has to react to what a step did (a step that scheduled
 nothing; with a front end that steps vLLM itself, a preemption or a request left waiting, which the deadlock rule
 looks at) the loop hands the step back *after* taking it (``STEP_TAKEN``) and the step-by-step path does the rest.
-Before a turn it would take differently (the length limit, the front end's head fitting, a session's first frame,
-the next arrival) it stops and hands back, and the step-by-step path takes it from exactly
+A session's first frame becomes a new request here (SimEngine._submit: serving.add_slot; the caller names it).
+Before a turn it would take differently (the length limit, the front end's head fitting, the next arrival) it stops
+and hands back, and the step-by-step path takes it from exactly
 there. A running session's departure is taken here (SimEngine._end: its request aborted, the frames it is owed
 answered; each frame row carries the sessions in flight, which an admission controller is told); a session
 waiting at the front end departing is an event the loop stops at. ``tests/test_sim_scenarios.py`` compares the
@@ -32,9 +33,9 @@ from metronome import compiled, jitter_kernel, kv_policy, serving
 from metronome.compiled import borrowed
 from metronome.calibration import step_inputs
 from metronome.jitter_kernel import correlated_ratio
-from metronome.serving import (E_KW, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX, O_NEW, O_PRE,
-                               O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel, abort_slot, engine_step,
-                               gate_blocks_jit, key_order, resume_slot)
+from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX, O_NEW,
+                               O_PRE, O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel, abort_slot, add_slot,
+                               engine_step, gate_blocks_jit, key_order, resume_slot)
 
 P_CODE = EngineModel.PAUSED_CODE
 
@@ -63,8 +64,8 @@ _step_inputs = nb.njit(cache=True)(step_inputs)
 TURN_CALLER, TURN_TAKEN, PAST_HORIZON, PAUSED, STEP_TAKEN = range(5)
 # the front end's counters a turn's departures change (``fc``): sessions running at the front end, departures taken
 C_NRUN, C_DEP = range(2)
-# istate (in/out): what the call did (S_NDEP: the departures taken, the first of ``dep_t``)
-S_SFRAME, S_PEAK, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND, S_NDEP = range(8)
+# istate (in/out): what the call did (S_NDEP: the departures taken, the first of ``dep_t``; S_NNEW: the requests added)
+S_SFRAME, S_PEAK, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND, S_NDEP, S_NNEW = range(9)
 
 
 @nb.njit(cache=True)
@@ -185,10 +186,11 @@ def _slot_tick(k, start, who, state, next_frame, phase, P):
 
 @nb.njit(cache=True)
 def _turn_fits(now, visit, n_visit, iconf, fconf, maxlen, state, phase, next_frame, backlog, inflight, hist,
-               running_since, started, sslot, status):
+               pending_in, running_since, started, sslot, status, room):
     """The turn's checks: every due frame of the visited sessions is one the compiled turn takes as the
-    step-by-step one would (a running session's, on a paused request, fitting the length limit). Returns
-    (whether all pass, the silent answers the turn will write)."""
+    step-by-step one would (a running session's, on a paused request or, its first, on a new one for which the
+    engine's arrays have ``room``, fitting the length limit). Returns (whether all pass, the silent answers the
+    turn will write)."""
     P, eps = fconf[F_P], fconf[F_EPS]
     chunk, n_out = 1 + iconf[I_NIN], iconf[I_NOUT]
     n_ans = 0
@@ -202,11 +204,16 @@ def _turn_fits(now, visit, n_visit, iconf, fconf, maxlen, state, phase, next_fra
                 k += 1
             n_ans += k
             continue
-        if due and (not started[i] or t < running_since[i] - eps):
+        if due and t < running_since[i] - eps:
             return False, n_ans
         if inflight[i] < 0 and (due or backlog[i] > 0):
             s = sslot[i]
-            if s < 0 or status[s] != P_CODE or hist[i] + chunk + n_out >= maxlen:  # serving.frame_fits
+            if s < 0:  # its first frame (a session that started and has no request was rebased: not here)
+                room -= 1
+                first = iconf[I_PROMPT] + pending_in[i] + chunk - 1
+                if started[i] or room < 0 or hist[i] + first + n_out >= maxlen:  # serving.frame_fits
+                    return False, n_ans
+            elif status[s] != P_CODE or hist[i] + chunk + n_out >= maxlen:
                 return False, n_ans
     return True, n_ans
 
@@ -250,29 +257,60 @@ def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, nex
 
 
 @nb.njit(cache=True)
-def _submit_due(visit, n_visit, chunk, n_out, sslot, next_frame, backlog, inflight, inflight_tok, hist, last_tok,
-                work_step, fresh, cnt, status, computed, ntok, out, maxtok, kw):
+def _hand_over(i, s, chunk, next_frame, backlog, inflight, inflight_tok, hist, last_tok, work_step, fresh, steps):
+    """Session ``i``'s oldest queued frame is in its request ``s`` now (SimEngine._submit's books). Returns it."""
+    fresh[s] = True
+    f = next_frame[i] - backlog[i]
+    hist[i] += chunk
+    last_tok[i] = False
+    backlog[i] -= 1
+    inflight[i] = f
+    inflight_tok[i] = 0
+    work_step[i] = steps
+    return f
+
+
+@nb.njit(cache=True)
+def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog, inflight, inflight_tok, hist,
+                last_tok, pending_in, work_step, started, fresh, sess_of_slot, cnt, status, computed, ntok, out,
+                maxtok, kseq, kw, wq, new_i, new_s, n_new):
     """The turn, second half: a paused session's oldest queued frame is handed to its request
-    (EngineModel.append_many: serving.resume_slot), which waits in its place in the kv-holding queue. Returns
-    (how many were handed over, the latest frame handed)."""
+    (EngineModel.append_many: serving.resume_slot), which waits in its place in the kv-holding queue; then a
+    session's first frame, with its prompt, becomes a new request at the tail of ``waiting`` (SimEngine._submit:
+    serving.add_slot), in session order as the step-by-step turn hands them over, and ``new_i``/``new_s`` get its
+    session and slot. Returns (how many were handed over, the latest frame handed, the new requests so far)."""
     n_sub = 0
     latest = -1
+    n_first = 0
     for j in range(n_visit):
         i = visit[j]
         if inflight[i] < 0 and backlog[i] > 0:
             s = sslot[i]
+            if s < 0:  # its first frame: after the others (a session may be visited twice: kept once, below)
+                new_i[n_new + n_first] = i
+                n_first += 1
+                continue
             resume_slot(s, chunk, n_out, cnt, status, computed, ntok, out, maxtok, kw)
-            fresh[s] = True
-            f = next_frame[i] - backlog[i]
-            hist[i] += chunk
-            last_tok[i] = False
-            backlog[i] -= 1
-            inflight[i] = f
-            inflight_tok[i] = 0
-            latest = max(latest, f)
-            work_step[i] = cnt[E_STEPS]
+            latest = max(latest, _hand_over(i, s, chunk, next_frame, backlog, inflight, inflight_tok, hist, last_tok,
+                                            work_step, fresh, cnt[E_STEPS]))
             n_sub += 1
-    return n_sub, latest
+    firsts = new_i[n_new:n_new + n_first]
+    firsts.sort()
+    last = -1  # (the kept ones are written back over those already read)
+    for a in range(n_first):
+        i = firsts[a]
+        if i == last:
+            continue
+        last = i
+        first = prompt + pending_in[i] + chunk - 1  # (SimEngine._submit: the prompt, silent frames' input, its own)
+        s = add_slot(hist[i] + first, n_out, cnt, status, ntok, maxtok, kseq, wq)
+        sslot[i], sess_of_slot[s], started[i], pending_in[i] = s, i, True, 0
+        new_i[n_new], new_s[n_new] = i, s
+        n_new += 1
+        latest = max(latest, _hand_over(i, s, first, next_frame, backlog, inflight, inflight_tok, hist, last_tok,
+                                        work_step, fresh, cnt[E_STEPS]))
+        n_sub += 1
+    return n_sub, latest, n_new
 
 
 @nb.njit(cache=True)
@@ -402,23 +440,24 @@ def _depart(i, now, fconf, fc, state, sslot, pslot, phase, next_frame, backlog, 
 @nb.njit(cache=True)
 def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
           backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted,
-          s_frames, s_silent, s_late, fresh, lim, cnt, status, computed, ntok, slots, held, out, maxtok, run, kw, wq,
-          a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend, fc, dep_t, dep_i,
-          s_ended):
+          s_frames, s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots, held, out, maxtok,
+          kseq, run, kw, wq, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend,
+          fc, dep_t, dep_i, s_ended, new_i, new_s, n_new):
     """The front end's turn at ``now`` (SimEngine._turn): the departures due, then the sessions whose frames came
     due (_ticks, _answer_silent), if its checks pass; ``fc`` holds the front end's counters the departures change.
-    Returns (taken, frames handed over, the latest, rows, frames owed in lockstep)."""
+    Returns (taken, frames handed over, the latest, rows, frames owed in lockstep, new requests so far)."""
     P, Pq, deadline, eps = fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS]
     n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
     n_visit = _due_sessions(now, eps, tick, start, who, ready, n_ready, state, visit)
+    room = min(status.size - cnt[E_NEXT], new_i.size - n_new)
     fits, n_ans = _turn_fits(now, visit, n_visit, iconf, fconf, lim[L_MAXLEN], state, phase, next_frame, backlog,
-                             inflight, hist, running_since, started, sslot, status)
+                             inflight, hist, pending_in, running_since, started, sslot, status, room)
     k0 = fc[C_DEP]
     deps, k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, state, sslot, held, backlog, pend, n_pend)
     lockstep = iconf[I_LOCKSTEP] != 0
     if (not fits or not deps or owed + n_ans > iconf[I_ANSCAP] or (lockstep and n_pend + n_ans > pend.shape[0])
             or _front_head_fits(iconf, lim, cnt[E_USED] - freed, hist, pending_in, started)):  # SimEngine._admit
-        return False, 0, -1, nrows, n_pend
+        return False, 0, -1, nrows, n_pend, n_new
     n0 = 0
     for k in range(k0, k1):
         i = dep_i[k]
@@ -435,8 +474,10 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
     for k in range(PHASE_SLOTS):
         if tick[k] <= now + eps:  # the slot's sessions moved on together
             tick[k] = _slot_tick(k, start, who, state, next_frame, phase, P)
-    n_sub, latest = _submit_due(visit, n_visit, 1 + n_in, n_out, sslot, next_frame, backlog, inflight, inflight_tok,
-                                hist, last_tok, work_step, fresh, cnt, status, computed, ntok, out, maxtok, kw)
+    n_sub, latest, n_new = _submit_due(visit, n_visit, 1 + n_in, n_out, iconf[I_PROMPT], sslot, next_frame, backlog,
+                                       inflight, inflight_tok, hist, last_tok, pending_in, work_step, started, fresh,
+                                       sess_of_slot, cnt, status, computed, ntok, out, maxtok, kseq, kw, wq, new_i,
+                                       new_s, n_new)
     if lockstep:
         n_pend = _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend)
         n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
@@ -444,7 +485,7 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
     if n_ans:
         nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, P, Pq, deadline, eps, s_late,
                       fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, fc[C_NRUN] + iconf[I_NWAITING])
-    return True, n_sub, latest, nrows, n_pend
+    return True, n_sub, latest, nrows, n_pend, n_new
 
 
 @nb.njit(cache=True)
@@ -585,12 +626,12 @@ def _span_state(iconf, live, state, pslot, next_frame, phase, inflight, backlog,
 def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
              inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens,
              s_frames, s_silent, s_late, fresh, sess_of_slot, eng, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f,
-             fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i, s_ended):
+             fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s):
     """Turns and steps from just after the caller's turn at ``fstate[0]`` until the next event, ``max_steps`` or
     anything this loop does not restate; the state arrays (the engine model's, ``eng``, among them) are updated in
     place, the steps' and frames' records written to ``st_*`` and ``fr_*``, and ``istate``/``fstate`` say where it
-    stopped (S_TURNED). ``dep_t``/``dep_i``: the departures to come, in time order (empty when the caller takes
-    them); ``s_ended`` gets the times of those taken here."""
+    stopped (S_TURNED). ``dep_t``/``dep_i``: the departures to come, in time order; ``s_ended`` gets the times of
+    those taken here. ``new_i``/``new_s``: the session and slot of each request added here (a first frame)."""
     P, t_next, horizon, t_pause = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON], fconf[F_TPAUSE]
     max_steps, ans_cap, lockstep = iconf[I_MAXSTEPS], iconf[I_ANSCAP], iconf[I_LOCKSTEP] != 0
     # the arguments live as long as this call: inside it they need no reference counts (compiled.borrowed), and
@@ -602,14 +643,14 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                                       running_since, started, admitted, s_tokens, s_frames, s_silent, s_late, fresh,
                                       sess_of_slot))
     (jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i,
-     s_ended) = borrowed((jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend,
-                          dep_t, dep_i, s_ended))
+     s_ended, new_i, new_s) = borrowed((jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat,
+                                        fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s))
     lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
         o_n, reached = borrowed(eng)
     sframe, peak, n_pend = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND]
     idle = istate[S_IDLE] != 0  # the engine waited since its last step: a frame's step then pays first_s
     now = fstate[0]
-    nsteps = nrows = 0
+    nsteps = nrows = n_new = 0
     turned = TURN_TAKEN  # the caller's turn at `now` is done
     fc, start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok = _span_state(
         iconf, live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, ans_cap + pend.shape[0])
@@ -617,12 +658,12 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
         if turned == TURN_CALLER:
             if now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_f.size:
                 break
-            taken, n_sub, latest, nrows, n_pend = _turn(
+            taken, n_sub, latest, nrows, n_pend, n_new = _turn(
                 now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
                 backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started,
-                admitted, s_frames, s_silent, s_late, fresh, lim, cnt, status, computed, ntok, slots, held, out, maxtok,
-                run, kw, wq, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend,
-                fc, dep_t, dep_i, s_ended)
+                admitted, s_frames, s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots,
+                held, out, maxtok, kseq, run, kw, wq, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows,
+                run_sess, pend, n_pend, fc, dep_t, dep_i, s_ended, new_i, new_s, n_new)
             if not taken:
                 break
             sframe = max(sframe, latest)
@@ -665,7 +706,7 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
         nsteps += 1
     istate[S_SFRAME], istate[S_PEAK], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED] = \
         sframe, peak, nsteps, nrows, turned
-    istate[S_IDLE], istate[S_NPEND], istate[S_NDEP] = 1 if idle else 0, n_pend, fc[C_DEP]
+    istate[S_IDLE], istate[S_NPEND], istate[S_NDEP], istate[S_NNEW] = 1 if idle else 0, n_pend, fc[C_DEP], n_new
     fstate[0] = now
 
 

@@ -81,6 +81,7 @@ class Result:
     controller_trace: list | None = None
     fast_steps: int = 0  # engine steps computed in fast-forwarded spans (the tables do not depend on it)
     loop_departures: int = 0  # departures the compiled loop took itself (nor do they)
+    loop_first_frames: int = 0  # sessions' first frames the compiled loop handed to the engine (nor do they)
     # how often each of EngineModel.RULES decided a step (on every path: the compiled loop runs the same step)
     rules_reached: dict | None = None
 
@@ -146,7 +147,7 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
     summary["wall_s"] = round(time.perf_counter() - wall0, 4)
     trace = controller.trace() if controller is not None and hasattr(controller, "trace") else None
     return Result(sc, summary, steps, frames, sessions, trace, fast_steps=eng.fast_steps,
-                  loop_departures=eng.loop_departures,
+                  loop_departures=eng.loop_departures, loop_first_frames=eng.loop_first_frames,
                   rules_reached=dict(getattr(eng.model, "reached", {})) or None)
 
 

@@ -137,6 +137,8 @@ def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy,
     assert slow.fast_steps == 0 and fast.fast_steps > 0, "the fast path must have run"
     if durations is not None:  # the compiled loop took departures itself (SimEngine._end), no controller counting
         assert fast.loop_departures > 0 and slow.loop_departures == 0
+    if arrivals.kind != "all":  # sessions arriving during a span: their first frames became requests in the loop
+        assert fast.loop_first_frames > 0 and slow.loop_first_frames == 0
 
 
 # Scenarios that between them make every rule of EngineModel.RULES decide steps, each compared fast against step
@@ -239,7 +241,7 @@ def test_the_compiled_loop_reproduces_the_step_by_step_engine_under_independent_
     _tables_equal(slow, fast)
     if admission != "none":  # the controller is told the sessions in flight at each row, departures and all
         assert slow.controller_trace == fast.controller_trace
-    assert fast.loop_departures > 0
+    assert fast.loop_departures > 0 and fast.loop_first_frames > 0
     assert fast.fast_steps > 0.5 * fast.summary["steps"], "the compiled loop must have taken most steps"
     s = fast.summary
     if maxlen:
