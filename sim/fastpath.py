@@ -17,11 +17,10 @@ nothing; with a front end that steps vLLM itself, a preemption or a request left
 looks at) the loop hands the step back *after* taking it (``STEP_TAKEN``) and the step-by-step path does the rest.
 A session's first frame becomes a new request here (SimEngine._submit: serving.add_slot; the caller names it).
 Before a turn it would take differently (the length limit, the front end's head fitting, the next arrival) it stops
-and hands back, and the step-by-step path takes it from exactly
-there. A running session's departure is taken here (SimEngine._end: its request aborted, the frames it is owed
-answered; each frame row carries the sessions in flight, which an admission controller is told); a session
-waiting at the front end departing is an event the loop stops at. ``tests/test_sim_scenarios.py`` compares the
-two, bit for bit.
+and hands back, and the step-by-step path takes it from exactly there. A running session's departure is taken
+here (SimEngine._end: its request aborted, the frames it is owed answered; each frame row carries the sessions in
+flight, which an admission controller is told); a session waiting at the front end departing is an event the loop
+stops at. ``tests/test_sim_scenarios.py`` compares the two, bit for bit.
 """
 
 from __future__ import annotations
