@@ -680,17 +680,6 @@ class EngineModel:
         return self.run_a[:self.cnt[E_RUN]].tolist()
 
     @property
-    def waiting(self) -> list:
-        """Slots in vLLM's waiting queue (new and preempted requests), head first."""
-        return self.wq_a[:self.cnt[E_WQ]].tolist()
-
-    @property
-    def kv_holding(self) -> list:
-        """Slots in the kv-holding queue (paused between frames, or resumed and waiting), in queue order."""
-        inq = np.concatenate([np.flatnonzero(self.status_a == _P), self.kw_a[:self.cnt[E_KW]]])
-        return inq[np.argsort(self.kseq_a[inq], kind="stable")].tolist()
-
-    @property
     def reached(self) -> dict:
         """How often each of :data:`RULES` decided something in a step."""
         return dict(zip(RULES, self.reached_a.tolist()))

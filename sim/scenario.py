@@ -189,17 +189,17 @@ class _Decided:
         self.seen = 0  # frames-table chunks already counted
         self.frames_after = self.silent_after = 0
         st, policy = eng.cal.stream, eng.policy
-        tokens = max(st.prompt_tokens, 1) + st.kv_tokens_per_frame * (self.most + 1)
-        self.max_blocks = np.asarray(policy.resident_blocks(tokens), dtype=np.int64)
+        # the tokens a session holds once ``frames`` of its frames have ticked (and one more is in flight)
+        self.tokens_at = lambda frames: max(st.prompt_tokens, 1) + st.kv_tokens_per_frame * (frames + 1)
+        self.max_blocks = np.asarray(policy.resident_blocks(self.tokens_at(self.most)), dtype=np.int64)
         if policy.bounded:
             self.max_blocks = np.minimum(self.max_blocks, FillModel(eng.cal, policy).peak_resident_blocks)
         self.room = eng.num_blocks - eng.cal.engine.watermark_blocks
         self.ahead_t = self.ahead_peak = None  # the time-following bound: its times and the largest sum from each on
         if eng.controller is None:
-            self.ahead_t, self.ahead_peak = self._peaks_ahead(tokens_at=lambda frames: max(st.prompt_tokens, 1)
-                                                              + st.kv_tokens_per_frame * (frames + 1))
+            self.ahead_t, self.ahead_peak = self._peaks_ahead()
 
-    def _peaks_ahead(self, tokens_at):
+    def _peaks_ahead(self):
         """The times the blocks sessions can hold peak (each departure, and the horizon) and, for each, the largest
         sum of those maxima from then on."""
         eng = self.eng
@@ -210,7 +210,7 @@ class _Decided:
             tk = t[k0:k0 + 256, None]
             alive = (arr[None, :] <= tk) & (end[None, :] >= tk) & (arr[None, :] < eng.horizon)
             frames = np.minimum(np.floor((tk - arr[None, :]) / eng.P).astype(np.int64) + 2, self.most[None, :])
-            blocks = np.minimum(np.asarray(eng.policy.resident_blocks(tokens_at(np.maximum(frames, 0)))),
+            blocks = np.minimum(np.asarray(eng.policy.resident_blocks(self.tokens_at(np.maximum(frames, 0)))),
                                 self.max_blocks[None, :])
             peaks[k0:k0 + 256] = np.where(alive, blocks, 0).sum(axis=1)
         return t, np.maximum.accumulate(peaks[::-1])[::-1]
