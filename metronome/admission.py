@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from metronome import control_kernel as ck
 from metronome.errors import MetronomeError
 from metronome.results import weighted_percentile  # the one percentile (re-exported: existing imports work)
 
@@ -75,8 +76,6 @@ __all__ = [
 DECISIONS = ("increase", "decrease", "draining", "hold", "dead")
 ON_REFUSE = ("reject", "queue")
 
-# Interval ends are t0 + (k+1)·I in floating point; a call at "exactly" the end must close it.
-_REL_EPS = 1e-9
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -317,6 +316,11 @@ class AdmissionController(ABC):
     aggregates, which may change the limit and returns one of :data:`DECISIONS`. A controller the CLIs can
     name is registered (:func:`register`) with its ``name``, its ``spec`` (how the CLI writes it, e.g.
     ``static:N``), its ``Params`` (the settings it reads from a parameter file) and :meth:`from_spec`.
+
+    The interval machinery, and the decisions of the controllers shipped here, are stated once in
+    :mod:`metronome.control_kernel`, over the arrays this object holds (``cp``, ``cs``, ``lat``/``w``, ``tr``),
+    so the simulator's compiled loop runs the same code. A class whose ``kind`` is ``K_PYTHON`` (any
+    controller a user registers) decides in Python, in its own :meth:`_decide`.
     """
 
     name: str = "controller"
@@ -324,6 +328,8 @@ class AdmissionController(ABC):
     Params: type[ControllerParams] = ControllerParams
     #: whether a parameter file can change anything it does (``none`` admits everything whatever the file says)
     reads_params: bool = True
+    #: which compiled decision this class's is (control_kernel.K_*); K_PYTHON: its own :meth:`_decide`
+    kind: int = ck.K_PYTHON
 
     def __init__(self, interval_s: float = 1.0, percentile: float = 99.0,
                  on_refuse: str = "reject", queue_timeout_s: float = 30.0):
@@ -333,15 +339,17 @@ class AdmissionController(ABC):
         self.percentile = float(percentile)
         self.on_refuse = on_refuse
         self.queue_timeout_s = float(queue_timeout_s)
-        self._t0: float | None = None
-        self._k = 0                      # index of the open interval
-        self._lat: list[float] = []      # non-silent latencies of the open interval
-        self._w: list[int] = []          # their weights (frames - silent)
-        self._frames = 0
-        self._silent = 0
-        self._peak = 0                   # peak in_flight reported in the open interval
-        self._last_in_flight = 0
-        self._trace: list[tuple] = []
+        self.cp = np.zeros(ck.N_CP)
+        self.cp[[ck.CP_KIND, ck.CP_INTERVAL, ck.CP_PCT]] = self.kind, self.interval_s, self.percentile
+        self.cs = np.zeros(ck.N_CS)
+        self.cs[[ck.CS_T0, ck.CS_LONG]] = np.nan  # no grid until the first call; no baseline yet
+        self.lat, self.w = np.zeros(64), np.zeros(64)  # the open interval's latency samples and their weights
+        self.tr = np.zeros((16, ck.N_TR))  # closed intervals, one row each
+
+    @property
+    def compiled(self) -> bool:
+        """Its decision is compiled: a compiled loop can run it (control_kernel)."""
+        return self.kind != ck.K_PYTHON
 
     @classmethod
     def from_spec(cls, arg: str | None, deadline_s: float, params: ControllerParams | dict | None):
@@ -364,7 +372,7 @@ class AdmissionController(ABC):
     @property
     def dead(self) -> bool:
         """True while the controller refuses everything because the signal is dead (adaptive ones)."""
-        return False
+        return bool(self.cs[ck.CS_DEAD])
 
     def observe(self, now_s: float, latency_s: float, frames: int = 1, silent: int = 0) -> None:
         """``frames`` frames were answered at ``now_s`` with latency ``latency_s``; ``silent`` were empty.
@@ -381,22 +389,18 @@ class AdmissionController(ABC):
             raise ValueError(f"silent must be an integer in [0, frames={frames}], got {silent!r}")
         if not _is_real(latency_s) or latency_s < 0:
             raise ValueError(f"latency must be finite and >= 0 s, got {latency_s!r}")
-        self._close_through(now_s, self._last_in_flight)
-        frames, silent = int(frames), int(silent)
-        if frames == 0:
+        self._room(now_s, 1)
+        if self.compiled:
+            ck.observe(self.cs, self.cp, self.lat, self.w, self.tr, now_s, float(latency_s), float(frames),
+                       float(silent))
             return
-        self._frames += frames
-        self._silent += silent
-        if frames > silent:
-            self._lat.append(float(latency_s))
-            self._w.append(frames - silent)
-        self._on_frames()
+        self._close_through(now_s, self.cs[ck.CS_LAST])
+        ck.take_frames(self.cs, self.cp, self.lat, self.w, float(latency_s), float(frames), float(silent))
 
     def observe_many(self, now_s, latency_s, frames, silent, in_flight) -> None:
         """``advance(now_s[i], in_flight[i])`` then ``observe(now_s[i], latency_s[i], frames[i], silent[i])`` for
-        each row in order, with the same result, a control interval at a time (the simulator's compiled loop
-        hands over thousands of rows at once). Rows must be in time order; ``in_flight`` is one count for every
-        row or one per row."""
+        each row in order, with the same result (the simulator hands over thousands of rows at once). Rows must
+        be in time order; ``in_flight`` is one count for every row or one per row."""
         now = np.asarray(now_s, dtype=float).ravel()
         inf = np.broadcast_to(np.asarray(in_flight, dtype=np.int64), now.shape)
         lat = np.asarray(latency_s, dtype=float).ravel()
@@ -411,35 +415,34 @@ class AdmissionController(ABC):
             raise ValueError("observe_many: times and latencies must be finite, latencies >= 0")
         if (np.diff(now) < 0).any() or (fr < 0).any() or (si < 0).any() or (si > fr).any() or (inf < 0).any():
             raise ValueError("observe_many: rows out of time order, or frames/silent/in_flight out of range")
-        i = 0
-        while i < n:
-            self.advance(float(now[i]), int(inf[i]))  # closes every interval that ended by row i
-            # rows in the open interval: those advance() would not close (the test of _close_through)
-            e = i + 1 + int(np.searchsorted((now[i + 1:] - self._t0) / self.interval_s, self._k + 1 - _REL_EPS))
-            if e > i + 1:  # the rest of them advance() nothing but the peak and the last count
-                self._peak = max(self._peak, int(inf[i + 1:e].max()))
-                self._last_in_flight = int(inf[e - 1])
-            f, s = fr[i:e], si[i:e]
-            self._frames += int(f.sum())
-            self._silent += int(s.sum())
-            heard = f > s
-            if heard.any():
-                self._lat.extend(lat[i:e][heard].tolist())
-                self._w.extend((f - s)[heard].tolist())
-            if f.sum() > 0:
-                self._on_frames()
-            i = e
+        if self.compiled:
+            self._room(float(now[0]), n, float(now[-1]))
+            ck.observe_rows(self.cs, self.cp, self.lat, self.w, self.tr, now, lat, fr.astype(float),
+                            si.astype(float), inf.astype(float))
+            return
+        for t, lt, f, s, k in zip(now.tolist(), lat.tolist(), fr.tolist(), si.tolist(), inf.tolist()):
+            self.advance(t, k)
+            self.observe(t, lt, f, s)
 
     def advance(self, now_s: float, in_flight: int) -> None:
         """Close every control interval that ended at or before ``now_s`` (one decision each)."""
         now_s = self._check_time(now_s)
         in_flight = self._check_in_flight(in_flight)
-        self._last_in_flight = in_flight
+        self._room(now_s, 0)
+        if self.compiled:
+            ck.advance(self.cs, self.cp, self.lat, self.w, self.tr, now_s, float(in_flight))
+            return
+        self.cs[ck.CS_LAST] = in_flight
         self._close_through(now_s, in_flight)
-        self._peak = max(self._peak, in_flight)
+        self.cs[ck.CS_PEAK] = max(self.cs[ck.CS_PEAK], in_flight)
 
     def may_admit(self, now_s: float, in_flight: int) -> bool:
         """Advance to ``now_s``, then: may one more session start with ``in_flight`` running?"""
+        if self.compiled:
+            now_s = self._check_time(now_s)
+            in_flight = self._check_in_flight(in_flight)
+            self._room(now_s, 0)
+            return bool(ck.may_admit(self.cs, self.cp, self.lat, self.w, self.tr, now_s, float(in_flight)))
         self.advance(now_s, in_flight)
         return (not self.dead) and int(in_flight) < self.limit
 
@@ -450,18 +453,42 @@ class AdmissionController(ABC):
         reported in the interval), ``p_latency_s`` (the weighted percentile of non-silent latencies,
         ``None`` without any), ``frames``, ``silent`` and ``decision`` (one of :data:`DECISIONS`).
         """
-        keys = ("t_s", "limit", "in_flight", "p_latency_s", "frames", "silent", "decision")
-        return [dict(zip(keys, row)) for row in self._trace]
+        rows = self.tr[:int(self.cs[ck.CS_NTRACE])].tolist()
+        return [{"t_s": t, "limit": sys.maxsize if math.isinf(lim) else int(lim), "in_flight": int(peak),
+                 "p_latency_s": None if math.isnan(p) else p, "frames": int(f), "silent": int(s),
+                 "decision": DECISIONS[int(d)]} for t, lim, peak, p, f, s, d in rows]
 
     def take_trace(self) -> list[dict]:
         """The rows of :meth:`trace` closed so far, then forget them: a driver that runs for days (a fleet of
         engines over a simulated day, one row per engine per second) keeps its memory flat by taking the
         trace as it goes. A later :meth:`trace` or ``take_trace`` starts after the rows taken."""
         rows = self.trace()
-        self._trace.clear()
+        self.cs[ck.CS_NTRACE] = 0
         return rows
 
+    def room(self, now_s: float, until_s: float, samples: int) -> None:
+        """Make room for the intervals that close by ``until_s`` and ``samples`` more latency samples: what a
+        compiled loop that runs this controller from ``now_s`` until then may write."""
+        self._room(now_s, samples, until_s)
+
     # -- machinery -------------------------------------------------------------------------------------
+    def _room(self, now_s: float, samples: int, until_s: float | None = None) -> None:
+        """Room in ``tr`` for the intervals closed by calls from ``now_s`` to ``until_s`` (a grid not yet
+        anchored is anchored at ``now_s`` or later), and in ``lat``/``w`` for ``samples`` more."""
+        cs, cp = self.cs, self.cp
+        until_s = now_s if until_s is None else max(until_s, now_s)
+        if math.isnan(cs[ck.CS_T0]):
+            due = 0 if until_s == now_s else math.ceil((until_s - now_s) / self.interval_s) + 1
+        else:
+            due = int(ck.intervals_due(cs, cp, until_s))
+        need = int(cs[ck.CS_NTRACE]) + due
+        if need > self.tr.shape[0]:
+            self.tr = np.concatenate([self.tr, np.zeros((max(need, 2 * self.tr.shape[0]) - self.tr.shape[0], ck.N_TR))])
+        n = int(cs[ck.CS_NLAT]) + samples
+        if n > self.lat.size:
+            grow = max(n, 2 * self.lat.size) - self.lat.size
+            self.lat, self.w = (np.concatenate([a, np.zeros(grow)]) for a in (self.lat, self.w))
+
     @staticmethod
     def _check_time(now_s) -> float:
         if not _is_real(now_s):
@@ -474,30 +501,25 @@ class AdmissionController(ABC):
             raise ValueError(f"in_flight must be an integer >= 0, got {in_flight!r}")
         return int(in_flight)
 
-    def _close_through(self, now_s: float, in_flight: int) -> None:
-        if self._t0 is None:
-            self._t0 = now_s
+    def _close_through(self, now_s: float, in_flight: float) -> None:
+        """A controller deciding in Python: control_kernel.close_through's steps, with its own decision."""
+        cs, cp = self.cs, self.cp
+        if math.isnan(cs[ck.CS_T0]):
+            cs[ck.CS_T0] = now_s
             return
-        elapsed = (now_s - self._t0) / self.interval_s     # in intervals
-        while elapsed >= self._k + 1 - _REL_EPS:
-            end = self._t0 + (self._k + 1) * self.interval_s
-            peak = max(self._peak, in_flight)
-            p = weighted_percentile(self._lat, self._w, self.percentile) if self._w else None
-            decision = self._decide(peak, p, self._frames, self._silent)
+        for _ in range(int(ck.intervals_due(cs, cp, now_s))):
+            end, peak, p, frames, silent = ck.close_one(cs, cp, self.lat, self.w, float(in_flight))
+            decision = self._decide(int(peak), None if math.isnan(p) else float(p), int(frames), int(silent))
             if decision not in DECISIONS:  # every decision a trace records is one of the named ones
                 raise RuntimeError(f"{type(self).__name__} decided {decision!r}, not one of {DECISIONS}")
-            self._trace.append((end, self.limit, peak, p, self._frames, self._silent, decision))
-            self._k += 1
-            self._lat, self._w = [], []
-            self._frames = self._silent = 0
-            self._peak = in_flight   # what is in flight now was in flight when the next one began
+            ck.record(cs, self.tr, end, float(self.limit), peak, p, frames, silent, DECISIONS.index(decision))
+            ck.next_interval(cs, float(in_flight))
 
-    def _on_frames(self) -> None:
-        """Hook: frames were observed (the adaptive controllers clear a dead signal here)."""
-
-    @abstractmethod
     def _decide(self, in_flight: int, p_latency_s: float | None, frames: int, silent: int) -> str:
-        """Judge one closed interval; may change the limit; returns one of :data:`DECISIONS`."""
+        """Judge one closed interval; may change the limit; returns one of :data:`DECISIONS` (a compiled kind's
+        decision is control_kernel.decide; a controller deciding in Python states its own)."""
+        p = np.nan if p_latency_s is None else float(p_latency_s)
+        return DECISIONS[int(ck.decide(self.cs, self.cp, float(in_flight), p, float(frames), float(silent)))]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -512,23 +534,18 @@ class NoAdmission(AdmissionController):
 
     name = spec = "none"
     reads_params = False
+    kind = ck.K_NONE
 
     @property
     def limit(self) -> int:
         return sys.maxsize
-
-    def may_admit(self, now_s: float, in_flight: int) -> bool:
-        self.advance(now_s, in_flight)
-        return True
-
-    def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
-        return "hold"
 
 
 class StaticCap(AdmissionController):
     """Admit while ``in_flight < n``: a fixed cap, e.g. from the fill model's memory ceiling."""
 
     spec = "static:N"
+    kind = ck.K_STATIC
 
     def __init__(self, n: int, interval_s: float = 1.0, percentile: float = 99.0,
                  on_refuse: str = "reject", queue_timeout_s: float = 30.0):
@@ -538,6 +555,7 @@ class StaticCap(AdmissionController):
             raise MetronomeError(f"static admission limit must be >= 1, got {n}")
         super().__init__(interval_s, percentile, on_refuse, queue_timeout_s)
         self._n = int(n)
+        self.cp[ck.CP_LIMIT0] = self._n
         self.name = f"static:{self._n}"
 
     @classmethod
@@ -553,9 +571,6 @@ class StaticCap(AdmissionController):
     @property
     def limit(self) -> int:
         return self._n
-
-    def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
-        return "hold"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -584,9 +599,12 @@ class _Adaptive(AdmissionController):
         self.params = params
         self.deadline_s = float(deadline_s)
         self.target_s = params.target_fraction * self.deadline_s
-        self._limit = float(params.start_limit)
-        self._dead = False
-        self._dead_run = 0
+        cp = self.cp
+        cp[ck.CP_TARGET], cp[ck.CP_ADD] = self.target_s, params.additive_increase
+        cp[ck.CP_DECREASE] = params.decrease_factor
+        cp[ck.CP_MIN], cp[ck.CP_MAX] = float(params.min_limit), float(params.max_limit)
+        cp[ck.CP_SILENT_TOL], cp[ck.CP_DEAD_N] = params.silent_tolerance, params.dead_intervals
+        self.cs[ck.CS_LIMIT] = float(params.start_limit)
 
     @classmethod
     def from_spec(cls, arg, deadline_s, params):
@@ -595,35 +613,7 @@ class _Adaptive(AdmissionController):
 
     @property
     def limit(self) -> int:
-        return int(math.floor(self._limit + 1e-9))
-
-    @property
-    def dead(self) -> bool:
-        return self._dead
-
-    def _on_frames(self) -> None:
-        self._dead = False
-        self._dead_run = 0
-
-    def _no_frames(self, in_flight: int) -> str:
-        """Bookkeeping of an interval without a single frame; returns its decision."""
-        if in_flight > 0:
-            self._dead_run += 1
-            if self._dead_run >= self.params.dead_intervals:
-                self._dead = True
-        else:
-            self._dead_run = 0
-            self._dead = False
-        return "dead" if self._dead else "hold"
-
-    def _congested(self, p_latency_s: float | None, frames: int, silent: int) -> bool:
-        """Absolute congestion: too many silent frames, or the latency percentile over the target."""
-        if silent / frames > self.params.silent_tolerance:
-            return True
-        return p_latency_s is not None and p_latency_s > self.target_s
-
-    def _clamp(self, x: float) -> float:
-        return min(float(self.params.max_limit), max(float(self.params.min_limit), x))
+        return int(ck.limit_of(self.cs, self.cp))
 
 
 class AIMDController(_Adaptive):
@@ -648,26 +638,10 @@ class AIMDController(_Adaptive):
     """
 
     name = spec = "aimd"
+    kind = ck.K_AIMD
 
     def __init__(self, params: AIMDParams | dict | None = None, deadline_s: float = 1.0):
         super().__init__(params, deadline_s)
-
-    def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
-        if frames == 0:
-            return self._no_frames(in_flight)
-        L = self._limit
-        if self._congested(p_latency_s, frames, silent):
-            if in_flight > math.floor(L + 1e-9):
-                # the last cut has not taken effect yet: sessions are admitted, not evicted, so the
-                # load only falls as sessions leave; cutting again would punish the same congestion twice
-                return "draining"
-            cut = min(math.floor(L * self.params.decrease_factor + 1e-9), math.floor(L + 1e-9) - 1)
-            self._limit = self._clamp(float(cut))
-            return "decrease"
-        if p_latency_s is not None and 2 * in_flight >= L:
-            self._limit = self._clamp(L + self.params.additive_increase)
-            return "increase"
-        return "hold"
 
 
 class GradientController(_Adaptive):
@@ -705,6 +679,7 @@ class GradientController(_Adaptive):
 
     name = spec = "gradient"
     Params = GradientParams
+    kind = ck.K_GRADIENT
 
     def __init__(self, params: GradientParams | AIMDParams | dict | None = None, deadline_s: float = 1.0,
                  **overrides):
@@ -719,53 +694,16 @@ class GradientController(_Adaptive):
         self.long_window = int(p.long_window)
         self.warmup = int(p.warmup)
         self.drift_fraction = float(p.drift_fraction)
-        self._ema = 2.0 / (self.long_window + 1)
-        self._long: float | None = None
-        self._n_long = 0
+        cp = self.cp
+        cp[ck.CP_SMOOTH], cp[ck.CP_RTT], cp[ck.CP_QUEUE] = self.smoothing, self.rtt_tolerance, self.queue_size
+        cp[ck.CP_EMA] = 2.0 / (self.long_window + 1)
+        cp[ck.CP_WARMUP], cp[ck.CP_DRIFT] = self.warmup, self.drift_fraction
 
     @property
     def long_latency_s(self) -> float | None:
         """The baseline (long) latency, ``None`` before the first healthy interval."""
-        return self._long
-
-    def _update_long(self, short: float) -> None:
-        if self._long is None or self._n_long < self.warmup:
-            n = self._n_long
-            self._long = short if self._long is None else (self._long * n + short) / (n + 1)
-        else:
-            rate = self._ema if short <= self._long else self._ema * self.drift_fraction
-            self._long += rate * (short - self._long)
-        self._n_long += 1
-        if short > 0 and self._long / short > 2.0:
-            self._long *= 0.95
-        self._long = min(self._long, self.target_s / self.rtt_tolerance)
-
-    def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
-        if frames == 0:
-            return self._no_frames(in_flight)
-        L = self._limit
-        if self._congested(p_latency_s, frames, silent):
-            self._limit = self._clamp(L * (1.0 - self.smoothing * 0.5))
-            return "decrease"
-        if p_latency_s is None:          # only silent frames, within the tolerance: nothing to learn
-            return "hold"
-        short = p_latency_s
-        if self._long is None or short <= self.rtt_tolerance * self._long:
-            self._update_long(short)
-        if short <= 0:
-            gradient = 1.0
-        else:
-            gradient = min(1.0, max(0.5, self.rtt_tolerance * self._long / short))
-        new = (1.0 - self.smoothing) * L + self.smoothing * (gradient * L + self.queue_size)
-        if new > L and 2 * in_flight < L:
-            new = L                       # app-limited: do not grow
-        new = self._clamp(new)
-        self._limit = new
-        if new > L + 1e-12:
-            return "increase"
-        if new < L - 1e-12:
-            return "decrease"
-        return "hold"
+        long = float(self.cs[ck.CS_LONG])
+        return None if math.isnan(long) else long
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from metronome.control_kernel import percentile_sorted
 from metronome.serving import EndReason
 
 __all__ = [
@@ -42,9 +43,11 @@ __all__ = [
     "collapse_decided",
     "collapsed",
     "percentile",
+    "percentiles",
     "shared_keys",
     "shared_summary",
     "weighted_percentile",
+    "weighted_percentiles",
     "wilson_interval",
 ]
 
@@ -53,8 +56,6 @@ COLLAPSE_SILENT_FRACTION = 0.01
 REFUSED_REASONS = EndReason.NOT_ADMITTED
 DIGITS = 6  # figures in seconds and fractions are rounded to 1e-6 (a microsecond) in both summaries
 
-# Interval ends and cumulative weights are sums of floats; an exact hit must not be missed by rounding.
-_REL_EPS = 1e-9
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -70,34 +71,41 @@ def weighted_percentile(values, weights, q: float) -> float | None:
     broken by a stable sort, so the result is deterministic. ``q`` is in (0, 100]; ``q = 100`` is the
     maximum. Zero-weight samples are ignored; negative weights are an error.
     """
+    return weighted_percentiles(values, weights, (q,))[0]
+
+
+def weighted_percentiles(values, weights, qs) -> list[float | None]:
+    """:func:`weighted_percentile` at each of ``qs``, the samples sorted once (a run's frames are millions)."""
     v = np.asarray(values, dtype=float).ravel()
     w = np.asarray(weights, dtype=float).ravel()
     if v.shape != w.shape:
         raise ValueError(f"values and weights differ in length: {v.size} vs {w.size}")
-    if not 0.0 < q <= 100.0:
-        raise ValueError(f"percentile must be in (0, 100], got {q}")
+    for q in qs:
+        if not 0.0 < q <= 100.0:
+            raise ValueError(f"percentile must be in (0, 100], got {q}")
     if np.any(w < 0) or not np.all(np.isfinite(w)):
         raise ValueError("weights must be finite and >= 0")
     keep = w > 0
     if not np.any(keep):
-        return None
+        return [None] * len(qs)
     v, w = v[keep], w[keep]
     order = np.argsort(v, kind="stable")
     v, cum = v[order], np.cumsum(w[order])
-    total = cum[-1]
-    # The small relative slack keeps q·W/100 == an exact cumulative weight from being missed by
-    # rounding (e.g. 99.9 · 1000 / 100 = 999.0000000000001).
-    threshold = q * total / 100.0 - _REL_EPS * total
-    i = int(np.searchsorted(cum, threshold, side="left"))
-    return float(v[min(i, v.size - 1)])
+    # the rule is the admission controllers' too (they run it in the simulator's compiled loop): stated there
+    return [float(percentile_sorted(v, cum, float(q))) for q in qs]
 
 
 def percentile(values, q: float) -> float | None:
     """:func:`weighted_percentile` of unweighted samples (each counts once); ``None`` without any.
     ``NaN`` samples (e.g. a frame never answered) are left out."""
+    return percentiles(values, (q,))[0]
+
+
+def percentiles(values, qs) -> list[float | None]:
+    """:func:`percentile` at each of ``qs``, the samples sorted once."""
     v = np.asarray(values, dtype=float).ravel()
     v = v[~np.isnan(v)]
-    return weighted_percentile(v, np.ones(v.size), q) if v.size else None
+    return weighted_percentiles(v, np.ones(v.size), qs) if v.size else [None] * len(qs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -259,21 +267,24 @@ def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, late,
     def frac(k):
         return _r(k / n_frames if n_frames else 0.0)
 
+    p50, p99 = weighted_percentiles(lat[has_lat], w[has_lat], (50, 99))
+    s50, s99 = percentiles(st, (50, 99))
+
     out = {
         "frames": n_frames,
         "silent_frames": n_silent,
         "silent_frame_fraction": frac(n_silent),
         "silent_preempted_fraction": frac(int(sp.sum())),
         "deadline_miss_fraction": frac(int(arr(late, np.int64).sum())),
-        "p50_frame_latency_s": _r(weighted_percentile(lat[has_lat], w[has_lat], 50)),
-        "p99_frame_latency_s": _r(weighted_percentile(lat[has_lat], w[has_lat], 99)),
+        "p50_frame_latency_s": _r(p50),
+        "p99_frame_latency_s": _r(p99),
         "t_sat_observed_s": _r(t_sat_s),
         "collapsed": bool(collapsed(t_sat_s, tick, w, sp)),
         "preemptions": int(preemptions),
         "rebases": int(rebases),
         "steps": int(st.size),
-        "p50_step_latency_s": _r(percentile(st, 50)),
-        "p99_step_latency_s": _r(percentile(st, 99)),
+        "p50_step_latency_s": _r(s50),
+        "p99_step_latency_s": _r(s99),
         "peak_used_blocks": int(peak_used_blocks),
         "usable_blocks": int(usable_blocks),
         "peak_pool_occupancy": _r(peak_used_blocks / usable_blocks if usable_blocks else 0.0),

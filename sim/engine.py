@@ -48,6 +48,7 @@ from collections import deque
 import numpy as np
 import simpy
 
+from metronome import control_kernel as ck
 from metronome import serving
 from metronome.calibration import Calibration
 from metronome.kv_policy import KVPolicy
@@ -90,6 +91,18 @@ class SimEngine:
     # one entry per engine slot
     sess_of_slot: np.ndarray
     fresh_slot: np.ndarray  # a frame submitted and not yet scheduled (first-step term)
+    # the compiled loop's own (set by _init_loop)
+    fast_steps: int
+    loop_departures: int
+    loop_first_frames: int
+    loop_arrivals: int
+    loop_refused: int
+    loop_admissions: int
+    _buffers: dict | None
+    _last_span: int
+    pause_every_s: float | None
+    arrivals_in_loop: bool
+    _no_controller: tuple | None
 
     def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy,
                  arrival_s: np.ndarray, duration_s: np.ndarray, horizon_s: float, deadline_s: float,
@@ -163,13 +176,25 @@ class SimEngine:
         self.peak_used = 0
         self.steps = step_table()
         self.frames = frame_table()
-        self.fast_steps = 0  # steps taken in the compiled loop (the summary does not depend on it)
-        self.loop_departures = 0  # departures taken in the compiled loop (nor on this)
-        self.loop_first_frames = 0  # sessions' first frames (new requests) handed over in the compiled loop (nor this)
         self.slow_steps = 0  # steps taken one SimPy event each
+        self._init_loop()
+
+    def _init_loop(self) -> None:
+        """What the compiled loop keeps between calls, and what it counts (the summary depends on none of it)."""
+        self.fast_steps = 0  # steps taken in the compiled loop
+        self.loop_departures = 0  # departures taken in the compiled loop
+        self.loop_first_frames = 0  # sessions' first frames (new requests) handed over in the compiled loop
+        # arrivals the compiled loop took (those of them the gate refused) and sessions it admitted
+        self.loop_arrivals = self.loop_refused = self.loop_admissions = 0
         self._buffers = None  # the compiled loop's record buffers, reused from call to call
         self._last_span = SimEngine.COMPILED_STEPS  # steps the last call of the compiled loop took
-        self.pause_every_s: float | None = None  # the compiled loop hands back at each multiple (a caller looks)
+        self.pause_every_s = None  # the compiled loop hands back at each multiple of it (a caller looks)
+        # the compiled loop takes arrivals too when it can run the gate: no controller or a compiled one, nobody
+        # parked in the gate's queue (it does not keep it), and phases of their own (lockstep's silent frames wait
+        # for their tick's running frames, which it does not follow as sessions join)
+        c = self.controller
+        self.arrivals_in_loop = (c is None or c.compiled) and self.gate.on_refuse != "queue" and not self.lockstep
+        self._no_controller = None  # the arrays the loop gets without a compiled controller (kept from call to call)
 
     def _init_sessions(self, M: int) -> None:
         """The per-session arrays (declared on the class) for ``M`` sessions, and the per-slot ones."""
@@ -192,9 +217,9 @@ class SimEngine:
         """Sessions the front end has let in (waiting for blocks, prefilling or running)."""
         return int(((self.state >= WAITING) & (self.state <= RUNNING)).sum())
 
-    def _next_event_time(self, departures: bool = True) -> float:
+    def _next_event_time(self, departures: bool = True, arrivals: bool = True) -> float:
         t = self.horizon
-        if self.next_arrival < len(self.arrival):
+        if self.next_arrival < len(self.arrival) and arrivals:
             t = min(t, self.arrival[self.next_arrival])
         if self.departures and departures:
             t = min(t, self.departures[0][0])
@@ -663,6 +688,7 @@ class SimEngine:
 
     # ----------------------------------------------------------------------------------- the compiled loop
     COMPILED_STEPS = 8192  # steps per call of the compiled loop (its record buffers are sized by it)
+    SPAN_ARRIVALS = 512  # arrivals one call of the compiled loop may take (room for their sessions is made per call)
     SPAN_FRAMES = 4096  # frames whose correlated-jitter parts one call of the compiled loop is given, at most
 
     def _span_steps(self) -> int:
@@ -699,32 +725,32 @@ class SimEngine:
         start = self._compiled_start(now)
         if start is None:
             return None
-        live, t_next = start
+        live, t_next, na_end = start
+        sess = np.concatenate([live, np.arange(self.next_arrival, na_end)])  # (and those that may arrive)
         m = self.model
-        m.reserve(live.size)  # room for each session's first frame, should it come in this span
+        m.reserve(sess.size)  # room for each session's first frame, should it come in this span
         self._fit_slots(m.status_a.size)
         n_max = self._span_steps()
-        iconf, fconf, coef, istate, draws = self._compiled_config(now, live, t_next, n_max)
-        deps = sorted(self.departures)  # the heap's order: the loop takes them
-        dep_t = np.array([d[0] for d in deps], dtype=np.float64)
-        dep_i = np.array([d[1] for d in deps], dtype=np.int64)
+        iconf, fconf, coef, istate, draws = self._compiled_config(now, sess, t_next, n_max, na_end)
+        fc, fq, dep_t, dep_i = self._front_arrays(sess.size - live.size)
+        ctl = self._controller_arrays(int(iconf[fp.I_ANSCAP]))
         fstate = np.array([now, 0.0])
         buf = self._compiled_buffers(n_max, int(iconf[fp.I_ANSCAP]))
-        new_i, new_s = (np.zeros(live.size, dtype=np.int64) for _ in range(2))  # first frames: new requests
+        new_i, new_s = (np.zeros(sess.size, dtype=np.int64) for _ in range(2))  # first frames: new requests
         # lockstep: silent frames owed until their tick's running frames are done (session, frame, tokens got)
         pend = np.zeros((len(self.silent_pending) + 8 * live.size + 64, 3), dtype=np.int64)
         if self.silent_pending:
             pend[:len(self.silent_pending)] = self.silent_pending
-        fp.run_span(iconf, fconf, coef, istate, fstate, live, self.state, self.phase, self.pslot, self.slot,
+        na0 = self.next_arrival
+        fp.run_span(iconf, fconf, coef, istate, fstate, sess, self.state, self.phase, self.pslot, self.slot,
                     self.next_frame, self.backlog, self.inflight, self.inflight_tok, self.hist, self.last_tok,
                     self.pending_in, self.work_step, self.running_since, self.started, self.admitted,
                     self.s_tokens, self.s_frames, self.s_silent, self.s_late, self.fresh_slot, self.sess_of_slot,
                     m.arrays(), *draws, buf["st_t"], buf["st_lat"], buf["st_i"], buf["fr_f"], buf["fr_tick"],
-                    buf["fr_done"], buf["fr_lat"], buf["fr_i"], pend, dep_t, dep_i, self.s_ended, new_i, new_s)
-        sframe, peak, n, rows, turned, idle, n_pend, n_dep, n_new = istate.tolist()
-        for i, s in zip(new_i[:n_new].tolist(), new_s[:n_new].tolist()):  # (before departures: one may have left)
-            self._name_request(i, s)
-        self._departed_in_loop(n_dep)
+                    buf["fr_done"], buf["fr_lat"], buf["fr_i"], pend, dep_t, dep_i, self.s_ended, new_i, new_s, fc,
+                    fq, self.arrival, self.duration, self.s_admitted, self.admit_seq, ctl)
+        sframe, peak, n, rows, turned, idle, n_pend, n_new = istate.tolist()
+        self._front_books(fc, fq, dep_t, dep_i, na0, new_i[:n_new], new_s[:n_new])
         self._last_span = n
         self.idle = bool(idle)
         end = float(fstate[0])
@@ -749,10 +775,58 @@ class SimEngine:
             self.assert_invariants()
         return end, turned in (fp.TURN_TAKEN, fp.PAUSED), turned == fp.PAUSED, taken
 
-    def _departed_in_loop(self, n: int) -> None:
-        """The books of the compiled loop's ``n`` departures (the heap's first): what it does not keep itself."""
-        for _ in range(n):
-            _, i = heapq.heappop(self.departures)
+    def _front_arrays(self, n_coming: int):
+        """The front end's counters, its queue and the departures booked, as the compiled loop keeps them (room for
+        ``n_coming`` arrivals)."""
+        from metronome.sim import fastpath as fp
+
+        deps = sorted(self.departures)  # the heap's order
+        nd = len(deps)
+        dep_t, dep_i = np.zeros(nd + n_coming), np.zeros(nd + n_coming, dtype=np.int64)
+        if nd:
+            dep_t[:nd], dep_i[:nd] = zip(*deps)
+        fq = np.zeros(len(self.waiting) + n_coming, dtype=np.int64)
+        fq[:len(self.waiting)] = list(self.waiting)
+        fc = np.zeros(fp.N_FC, dtype=np.int64)
+        fc[[fp.C_NRUN, fp.C_NDEPS, fp.C_NWAIT, fp.C_NARR, fp.C_SEQ]] = (
+            int((self.state == RUNNING).sum()), nd, len(self.waiting), self.next_arrival, self.seq)
+        return fc, fq, dep_t, dep_i
+
+    def _front_books(self, fc, fq, dep_t, dep_i, na0: int, new_i, new_s) -> None:
+        """The front end's books after the compiled loop: its requests named (before departures: one may have
+        left), the arrivals it refused, its queue, the departures it took and those still booked."""
+        from metronome.sim import fastpath as fp
+
+        for i, s in zip(new_i.tolist(), new_s.tolist()):
+            self._name_request(i, s)
+        came = np.arange(na0, int(fc[fp.C_NARR]))
+        refused = came[self.state[came] == REFUSED]
+        self.s_end_reason[refused] = EndReason.REFUSED
+        self.loop_arrivals += came.size
+        self.loop_refused += refused.size
+        self.loop_admissions += int(fc[fp.C_SEQ]) - self.seq
+        self.next_arrival, self.seq = int(fc[fp.C_NARR]), int(fc[fp.C_SEQ])
+        h = int(fc[fp.C_QHEAD])
+        self.waiting = deque(fq[h:h + int(fc[fp.C_NWAIT])].tolist())
+        k, nd = int(fc[fp.C_DEP]), int(fc[fp.C_NDEPS])
+        self._departed_in_loop(dep_i[:k].tolist())
+        self.departures = list(zip(dep_t[k:nd].tolist(), dep_i[k:nd].tolist()))  # (in order: a heap)
+
+    def _controller_arrays(self, ans_cap: int) -> tuple:
+        """The controller's arrays the compiled loop runs it on (a compiled controller's own, with room until the
+        horizon; else arrays it does not read)."""
+        c = self.controller
+        if c is not None and c.compiled:
+            c.room(self.now, self.horizon + 2 * c.interval_s, 4 * ans_cap)
+            return c.cs, c.cp, c.lat, c.w, c.tr
+        if self._no_controller is None or self._no_controller[2].size < 2 * ans_cap + 1:
+            self._no_controller = (np.zeros(ck.N_CS), np.zeros(ck.N_CP), np.zeros(2 * ans_cap + 1),
+                                   np.zeros(2 * ans_cap + 1), np.zeros((0, ck.N_TR)))
+        return self._no_controller
+
+    def _departed_in_loop(self, who: list[int]) -> None:
+        """The books of the departures the compiled loop took (sessions ``who``): what it does not keep itself."""
+        for i in who:
             if self.state[i] != ENDED or self.s_end_reason[i]:  # it had ended already: passed over
                 continue
             self.s_end_reason[i] = EndReason.DEPARTED
@@ -763,9 +837,9 @@ class SimEngine:
                 self.by_rid.pop(r, None)
                 self.rid[i] = -1
 
-    def _compiled_start(self, now: float) -> tuple[np.ndarray, float] | None:
+    def _compiled_start(self, now: float) -> tuple[np.ndarray, float, int] | None:
         """Whether the compiled loop may start after the turn at ``now``: (the live sessions, where it must stop
-        at the latest), or None."""
+        at the latest, the arrivals it may take are those before this one), or None."""
         m = self.model
         if (self.gate.queue or self.preempted_last or self._answers or self.stalled or not isinstance(m, EngineModel)
                 or (self.sees_starvation and m.cnt[serving.E_WQ])):  # (vLLM's own loop re-prefills what it preempts)
@@ -779,30 +853,35 @@ class SimEngine:
         st = self.started[run]
         if (self.slot[run[st]] < 0).any() or (self.pending_in[run] > 0).any():
             return None
-        t_next = self._next_event_time(departures=False)
+        t_next = self._next_event_time(departures=False, arrivals=not self.arrivals_in_loop)
+        na_end = self.next_arrival
+        if self.arrivals_in_loop:  # it takes the next arrivals, up to a bound: room for them is made per call
+            na_end = min(len(self.arrival), na_end + self.SPAN_ARRIVALS)
+            if na_end < len(self.arrival):
+                t_next = min(t_next, float(self.arrival[na_end]))
         if t_next <= now:
             return None
-        return live, t_next
+        return live, t_next, na_end
 
-    def _compiled_config(self, now: float, live: np.ndarray, t_next: float, n_max: int):
-        """The compiled loop's constants (``iconf``, ``fconf``, the step model's coefficients), the front end's
-        counters (``istate``) and the jitter draws, as :mod:`metronome.sim.fastpath` indexes them (the engine's
-        state is the engine model's own arrays)."""
+    def _compiled_config(self, now: float, sess: np.ndarray, t_next: float, n_max: int, na_end: int):
+        """The compiled loop's constants (``iconf``, ``fconf``, the step model's coefficients), its counters
+        (``istate``) and the jitter draws, as :mod:`metronome.sim.fastpath` indexes them (the engine's state is the
+        engine model's own arrays; ``sess``: the sessions the loop may see)."""
         from metronome.sim import fastpath as fp
 
-        assert fp.WAITING_STATE == WAITING and fp.R_STATE == RUNNING and fp.ENDED_STATE == ENDED
-        iconf = np.zeros(11, dtype=np.int64)
-        iconf[[fp.I_NIN, fp.I_NOUT, fp.I_MAXSTEPS, fp.I_NRUNNING, fp.I_NWAITING, fp.I_HEAD, fp.I_PROMPT, fp.I_ANSCAP,
-               fp.I_FLO, fp.I_LOCKSTEP, fp.I_SEES]] = [
-            self.n_in, self.n_out, n_max, int((self.state == RUNNING).sum()), len(self.waiting),
-            self.waiting[0] if self.waiting else -1, self.prompt, 2 * max(self.model.status_a.size, live.size) + 64,
-            self.serving_frame, int(self.lockstep), int(self.sees_starvation)]
-        kind, *draws, weights = self._span_draws(n_max, live, t_next)
+        assert (fp.WAITING_STATE, fp.R_STATE, fp.ENDED_STATE, fp.REFUSED_STATE) == (WAITING, RUNNING, ENDED, REFUSED)
+        iconf = np.zeros(fp.N_ICONF, dtype=np.int64)
+        iconf[[fp.I_NIN, fp.I_NOUT, fp.I_MAXSTEPS, fp.I_PROMPT, fp.I_ANSCAP, fp.I_FLO, fp.I_LOCKSTEP, fp.I_SEES,
+               fp.I_NA_END, fp.I_CTL]] = [
+            self.n_in, self.n_out, n_max, self.prompt, 2 * max(self.model.status_a.size, sess.size) + 64,
+            self.serving_frame, int(self.lockstep), int(self.sees_starvation), na_end,
+            fp.CTL_COMPILED if self.controller is not None and self.controller.compiled else fp.CTL_AFTER]
+        kind, *draws, weights = self._span_draws(n_max, sess, t_next)
         pause = math.inf if not self.pause_every_s else (math.floor(now / self.pause_every_s) + 1) * self.pause_every_s
         fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, self.first_s, _EPS,
                           float(kind), self.horizon, *weights, pause])
         coef = np.array(self.lat.coefficients, dtype=np.float64)
-        istate = np.array([self.serving_frame, self.peak_used, 0, 0, 0, int(self.idle), len(self.silent_pending), 0, 0],
+        istate = np.array([self.serving_frame, self.peak_used, 0, 0, 0, int(self.idle), len(self.silent_pending), 0],
                           dtype=np.int64)
         return iconf, fconf, coef, istate, draws
 
@@ -838,7 +917,7 @@ class SimEngine:
             fi = buf["fr_i"][:rows].copy()
             done, lat = buf["fr_done"][:rows].copy(), buf["fr_lat"][:rows].copy()
             self._frame_rows(buf["fr_f"][:rows].copy(), buf["fr_tick"][:rows].copy(), done, lat, fi)
-            if self.controller is not None:
+            if self.controller is not None and not self.controller.compiled:  # (else the loop told it)
                 self.controller.observe_many(done, lat, fi[:, fp.R_FRAMES], fi[:, fp.R_SILENT],
                                              in_flight=fi[:, fp.R_INFLIGHT])
 

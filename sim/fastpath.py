@@ -28,7 +28,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from metronome import compiled, jitter_kernel, kv_policy, serving
+from metronome import compiled, control_kernel, jitter_kernel, kv_policy, serving
+from metronome import control_kernel as ck
 from metronome.compiled import borrowed
 from metronome.calibration import step_inputs
 from metronome.jitter_kernel import correlated_ratio
@@ -39,12 +40,18 @@ from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS,
 P_CODE = EngineModel.PAUSED_CODE
 
 # iconf: the front end's and the stream's constants (the engine's limits are the engine model's own, ``lim``);
-# I_SEES: the front end sees starved and preempted requests after each step (serving.sees_starvation)
-I_NIN, I_NOUT, I_MAXSTEPS, I_NRUNNING, I_NWAITING, I_HEAD, I_PROMPT, I_ANSCAP, I_FLO, I_LOCKSTEP, I_SEES = range(11)
+# I_SEES: the front end sees starved and preempted requests after each step (serving.sees_starvation); I_NA_END:
+# the arrivals the loop takes are those before this one (0: it takes none); I_CTL: how the admission controller
+# hears the answered frames (CTL_*)
+I_NIN, I_NOUT, I_MAXSTEPS, I_PROMPT, I_ANSCAP, I_FLO, I_LOCKSTEP, I_SEES, I_NA_END, I_CTL = range(10)
+N_ICONF = 10
+# I_CTL: no controller, or one deciding in Python (the caller hands it the frame rows after the call); a compiled
+# one (control_kernel), which this loop runs at each arrival and each frame row, as SimEngine does
+CTL_AFTER, CTL_COMPILED = 0, 1
 # frame rows' integer columns (fr_i); R_INFLIGHT: sessions in flight at the front end when the row was answered (what
 # an admission controller is told with it)
 R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_INFLIGHT = range(6)
-WAITING_STATE, R_STATE, ENDED_STATE = 1, 3, 4  # SimEngine's states: waiting for blocks, running, ended
+WAITING_STATE, R_STATE, ENDED_STATE, REFUSED_STATE = 1, 3, 4, 5  # SimEngine's states: waiting, running, ended, refused
 # fconf: times and the step-latency model's real-time terms (its coefficients come as their own array, ``coef``)
 # (F_TPAUSE: the loop hands back after the first turn from then on, so a caller can look at the run, e.g. whether
 # its outcome is decided; unlike F_TNEXT it is no event, and nothing waits for it)
@@ -52,8 +59,9 @@ F_P, F_PQ, F_DEADLINE, F_TNEXT, F_FIRST, F_EPS, F_JITTER, F_HORIZON, F_WZ, F_WSH
 # fconf[F_JITTER]: no jitter; independent (each step's ratio given, ``jit``); correlated (a step's ratio from its own
 # score ``jz`` and the parts ``ja``/``jb`` of the frame it is taken on, frames iconf[I_FLO] on)
 NO_JITTER, INDEPENDENT, CORRELATED = 0, 1, 2
-# the step model's form, compiled from its one statement (so a new term needs no change here)
+# the step model's form and a session's first frame, compiled from their one statement
 _step_inputs = nb.njit(cache=True)(step_inputs)
+_join_frame = nb.njit(cache=True)(serving.join_frame)
 # istate[S_TURNED]: 0 the caller takes the turn at fstate[0]; 1 the turn there is taken, the step is the caller's;
 # 2 a step (or a wait) starts at fstate[0] and ends at fstate[1], at or past the horizon, where SimPy stops the
 # run (the step-by-step path never gets to its records either); 3 the turn at fstate[0] is taken and the loop
@@ -61,10 +69,13 @@ _step_inputs = nb.njit(cache=True)(step_inputs)
 # took fstate[1] seconds (EngineModel.last_step says what it did), and what follows it is the caller's: the front
 # end reacts to a preemption, a request left waiting or a step that scheduled nothing, as the loop does not
 TURN_CALLER, TURN_TAKEN, PAST_HORIZON, PAUSED, STEP_TAKEN = range(5)
-# the front end's counters a turn's departures change (``fc``): sessions running at the front end, departures taken
-C_NRUN, C_DEP = range(2)
-# istate (in/out): what the call did (S_NDEP: the departures taken, the first of ``dep_t``; S_NNEW: the requests added)
-S_SFRAME, S_PEAK, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND, S_NDEP, S_NNEW = range(9)
+# the front end's counters (``fc``, in/out): sessions running at the front end, departures taken (of ``dep_t``) and
+# booked (its length), sessions waiting at the front end (its FCFS queue: ``fq[C_QHEAD:C_QHEAD + C_NWAIT]``), the
+# next arrival, the next admission's sequence number
+C_NRUN, C_DEP, C_NDEPS, C_NWAIT, C_QHEAD, C_NARR, C_SEQ = range(7)
+N_FC = 7
+# istate (in/out): what the call did (S_NNEW: the requests added)
+S_SFRAME, S_PEAK, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND, S_NNEW = range(8)
 
 
 @nb.njit(cache=True)
@@ -120,12 +131,13 @@ def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f,
 
 
 @nb.njit(cache=True)
-def _wheel(live, pslot, next_frame, phase, P):
-    """The live sessions by phase slot (slot k's: ``who[start[k]:start[k + 1]]``) and each slot's next tick.
+def _wheel(live, state, pslot, next_frame, phase, P):
+    """The sessions by phase slot (slot k's: ``who[start[k]:start[k + 1]]``) and each slot's next tick: the live
+    ones, and those yet to arrive in the span (they tick once they arrive, :func:`_arrive`).
 
-    A turn takes every frame that came due, so every session of a slot is before the same next frame; the turn
-    then visits only the slots that came due, not every live session. ``ok`` is False when a slot's sessions are
-    not on one frame (the caller then steps one at a time)."""
+    A turn takes every frame that came due, so every live session of a slot is before the same next frame; the
+    turn then visits only the slots that came due, not every live session. ``ok`` is False when a slot's sessions
+    are not on one frame (the caller then steps one at a time)."""
     start = np.zeros(PHASE_SLOTS + 1, np.int64)
     for j in range(live.size):
         start[pslot[live[j]] + 1] += 1
@@ -141,6 +153,8 @@ def _wheel(live, pslot, next_frame, phase, P):
         k = pslot[i]
         who[fill[k]] = i
         fill[k] += 1
+        if not _live(state[i]):
+            continue
         if frame[k] < 0:
             frame[k] = next_frame[i]
             tick[k] = _tick(next_frame[i], P, phase[i])
@@ -189,7 +203,7 @@ def _turn_fits(now, visit, n_visit, iconf, fconf, maxlen, state, phase, next_fra
     """The turn's checks: every due frame of the visited sessions is one the compiled turn takes as the
     step-by-step one would (a running session's, on a paused request or, its first, on a new one for which the
     engine's arrays have ``room``, fitting the length limit). Returns (whether all pass, the silent answers the
-    turn will write)."""
+    turn will write, the room left)."""
     P, eps = fconf[F_P], fconf[F_EPS]
     chunk, n_out = 1 + iconf[I_NIN], iconf[I_NOUT]
     n_ans = 0
@@ -204,17 +218,16 @@ def _turn_fits(now, visit, n_visit, iconf, fconf, maxlen, state, phase, next_fra
             n_ans += k
             continue
         if due and t < running_since[i] - eps:
-            return False, n_ans
+            return False, n_ans, room
         if inflight[i] < 0 and (due or backlog[i] > 0):
             s = sslot[i]
             if s < 0:  # its first frame (a session that started and has no request was rebased: not here)
                 room -= 1
-                first = iconf[I_PROMPT] + pending_in[i] + chunk - 1
-                if started[i] or room < 0 or hist[i] + first + n_out >= maxlen:  # serving.frame_fits
-                    return False, n_ans
+                if started[i] or room < 0 or not _first_fits(i, iconf, maxlen, hist, pending_in):
+                    return False, n_ans, room
             elif status[s] != P_CODE or hist[i] + chunk + n_out >= maxlen:
-                return False, n_ans
-    return True, n_ans
+                return False, n_ans, room
+    return True, n_ans, room
 
 
 @nb.njit(cache=True)
@@ -361,17 +374,14 @@ def _tokens_to_frames(sampled, n_sam, n_out, sess_of_slot, pslot, inflight, infl
 
 
 @nb.njit(cache=True)
-def _departures_due(now, dep_t, dep_i, k, state, sslot, held, backlog, pend, n_pend):
-    """The departures due at a turn at ``now``, in SimEngine._turn's order (its heap's): whether this loop can
-    take them all (none is of a session waiting at the front end, whose queue it does not keep), where they end
-    in ``dep_t``, the blocks they free and (at most) the frames they leave owed."""
+def _departures_due(now, dep_t, dep_i, k, n_deps, state, sslot, held, backlog, pend, n_pend):
+    """The departures due at a turn at ``now``, in SimEngine._turn's order (its heap's): where they end in
+    ``dep_t``, the blocks they free and (at most) the frames they leave owed."""
     freed = 0
     owed = 0
-    while k < dep_t.size and dep_t[k] <= now:
+    while k < n_deps and dep_t[k] <= now:
         i = dep_i[k]
-        if state[i] == WAITING_STATE:
-            return False, k, 0, 0
-        if state[i] == R_STATE:  # (a session that already ended is passed over, as SimEngine._turn does)
+        if _live(state[i]):  # (a session that already ended is passed over, as SimEngine._turn does)
             if sslot[i] >= 0:  # (admitted, its first frame not yet due: no request yet)
                 freed += held[sslot[i]]
             owed += backlog[i] + 1
@@ -379,7 +389,111 @@ def _departures_due(now, dep_t, dep_i, k, state, sslot, held, backlog, pend, n_p
                 if pend[q, 0] == i:
                     owed += 1
         k += 1
-    return True, k, freed, owed
+    return k, freed, owed
+
+
+@nb.njit(cache=True)
+def _book_departure(t, i, dep_t, dep_i, fc):
+    """SimEngine._enter's departure: ``(t, i)`` into the departures still to come, in the heap's order."""
+    j = fc[C_NDEPS]
+    while j > fc[C_DEP] and (dep_t[j - 1] > t or (dep_t[j - 1] == t and dep_i[j - 1] > i)):
+        dep_t[j], dep_i[j] = dep_t[j - 1], dep_i[j - 1]
+        j -= 1
+    dep_t[j], dep_i[j] = t, i
+    fc[C_NDEPS] += 1
+
+
+@nb.njit(cache=True)
+def _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick,
+            cs, cp, clat, cw, ctr):
+    """SimEngine._turn's arrivals (those up to ``now``): each passes the gate (the controller's may_admit,
+    compiled) with the sessions in flight, or is refused (the caller names the reason). One let in waits at the
+    tail of the front end's queue, streams from its join frame and has its departure booked (SimEngine._enter)."""
+    P, horizon = fconf[F_P], fconf[F_HORIZON]
+    while fc[C_NARR] < iconf[I_NA_END] and arr_t[fc[C_NARR]] <= now:
+        i = fc[C_NARR]
+        fc[C_NARR] += 1
+        if arr_t[i] >= horizon:
+            continue
+        in_flight = fc[C_NRUN] + fc[C_NWAIT]
+        if iconf[I_CTL] == CTL_COMPILED and not ck.may_admit(cs, cp, clat, cw, ctr, now, in_flight):
+            state[i] = REFUSED_STATE
+            s_ended[i] = now
+            continue
+        state[i] = WAITING_STATE
+        nf = _join_frame(arr_t[i], P, phase[i])
+        next_frame[i] = nf
+        fq[fc[C_QHEAD] + fc[C_NWAIT]] = i
+        fc[C_NWAIT] += 1
+        _book_departure(arr_t[i] + dur[i], i, dep_t, dep_i, fc)
+        k = pslot[i]
+        tick[k] = min(tick[k], _tick(nf, P, phase[i]))  # (its slot's others, if any, tick no later)
+
+
+@nb.njit(cache=True)
+def _first_fits(i, iconf, maxlen, hist, pending_in):
+    """Whether session ``i``'s first frame (its prompt, the input of its silent frames, its own) fits the length
+    limit (SimEngine._submit: serving.frame_fits)."""
+    return hist[i] + iconf[I_PROMPT] + pending_in[i] + iconf[I_NIN] + iconf[I_NOUT] < maxlen
+
+
+@nb.njit(cache=True)
+def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started, next_frame, phase, room, leaving):
+    """SimEngine._admit's FCFS pass (serving.admit_fcfs), planned: how many heads of the front end's queue (less
+    those ``leaving`` before it) get the blocks vLLM's gate wants (serving.admission_need_blocks), or -1 when one
+    that does is one this loop does not take (a readmission; a first frame due now past the length limit, or
+    without room for its request)."""
+    n = 0
+    for q in range(fc[C_QHEAD], fc[C_QHEAD] + fc[C_NWAIT]):
+        i = fq[q]
+        gone = False
+        for d in leaving:
+            gone = gone or d == i
+        if gone:
+            continue
+        tok = hist[i] + pending_in[i] if started[i] else iconf[I_PROMPT] + pending_in[i] + iconf[I_NIN]
+        need = gate_blocks_jit(tok, lim[L_BS], lim[L_CAP], 0)
+        if need > free:
+            break
+        if started[i]:
+            return -1
+        if _tick(next_frame[i], fconf[F_P], phase[i]) <= now + fconf[F_EPS]:  # its first frame is due now
+            room -= 1
+            if room < 0 or not _first_fits(i, iconf, lim[L_MAXLEN], hist, pending_in):
+                return -1
+        free -= need
+        n += 1
+    return n
+
+
+@nb.njit(cache=True)
+def _admit(now, n, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted, admitted):
+    """The ``n`` heads of the front end's queue are admitted (SimEngine._admit): a new session runs from its
+    first frame's tick, which hands its prompt to the engine."""
+    for _ in range(n):
+        i = fq[fc[C_QHEAD]]
+        fc[C_QHEAD] += 1
+        fc[C_NWAIT] -= 1
+        admit_seq[i] = fc[C_SEQ]
+        fc[C_SEQ] += 1
+        if np.isnan(s_admitted[i]):
+            s_admitted[i] = now
+            admitted[i] = True
+        state[i] = R_STATE
+        running_since[i] = _tick(next_frame[i], P, phase[i])
+        fc[C_NRUN] += 1
+
+
+@nb.njit(cache=True)
+def _leave_queue(i, fc, fq):
+    """Session ``i`` leaves the front end's queue (it departed while waiting)."""
+    h, n = fc[C_QHEAD], fc[C_NWAIT]
+    j = h
+    while fq[j] != i:
+        j += 1
+    for q in range(j, h + n - 1):
+        fq[q] = fq[q + 1]
+    fc[C_NWAIT] -= 1
 
 
 @nb.njit(cache=True)
@@ -405,17 +519,21 @@ def _owed(i, f, tok, now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who,
 
 
 @nb.njit(cache=True)
-def _depart(i, now, fconf, fc, state, sslot, pslot, phase, next_frame, backlog, inflight, inflight_tok, s_frames,
+def _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backlog, inflight, inflight_tok, s_frames,
             s_silent, s_ended, fresh, cnt, status, slots, held, run, kw, wq, pend, n_pend, a_key, a_who, a_tok, n_ans):
-    """SimEngine._end of a running session that departs: its request aborted (EngineModel.abort:
-    serving.abort_slot), then the frames it is owed (the lockstep's held ones, the one in the engine, the queued
-    ones) answered once their deadline has passed. Returns (answers, frames still owed to others)."""
+    """SimEngine._end of a session that departs: its request aborted (EngineModel.abort: serving.abort_slot), or
+    its place in the front end's queue given up, then the frames it is owed (the lockstep's held ones, the one in
+    the engine, the queued ones) answered once their deadline has passed. Returns (answers, frames still owed to
+    others)."""
     s = sslot[i]
     if s >= 0:  # (admitted, its first frame not yet due: no request yet)
         abort_slot(s, cnt, status, slots, held, run, kw, wq)
         fresh[s] = False
         sslot[i] = -1
-    fc[C_NRUN] -= 1
+    if state[i] == WAITING_STATE:
+        _leave_queue(i, fc, fq)
+    else:
+        fc[C_NRUN] -= 1
     m = 0
     for q in range(n_pend):
         if pend[q, 0] == i:
@@ -437,37 +555,58 @@ def _depart(i, now, fconf, fc, state, sslot, pslot, phase, next_frame, backlog, 
 
 
 @nb.njit(cache=True)
+def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog,
+               inflight, hist, pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq,
+               dep_t, dep_i, n_room):
+    """The checks of the turn at ``now``, after its arrivals: the sessions it visits, whether this loop takes the
+    rest as SimEngine._turn would (_turn_fits, the departures, the admissions, room for the answers) and what it
+    takes: (visited, taken, departures' end in ``dep_t``, sessions admitted)."""
+    n_visit = _due_sessions(now, fconf[F_EPS], tick, start, who, ready, n_ready, state, visit)
+    fits, n_ans, room = _turn_fits(now, visit, n_visit, iconf, fconf, lim[L_MAXLEN], state, phase, next_frame, backlog,
+                                   inflight, hist, pending_in, running_since, started, sslot, status, n_room)
+    k0 = fc[C_DEP]
+    k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, fc[C_NDEPS], state, sslot, held, backlog, pend, n_pend)
+    n_adm = _admissions(now, iconf, fconf, lim, lim[L_NB] - (cnt[E_USED] - freed), fc, fq, hist, pending_in, started,
+                        next_frame, phase, room, dep_i[k0:k1])
+    taken = (fits and n_adm >= 0 and owed + n_ans <= iconf[I_ANSCAP]
+             and (iconf[I_LOCKSTEP] == 0 or n_pend + n_ans <= pend.shape[0]))
+    return n_visit, taken, k1, n_adm
+
+
+@nb.njit(cache=True)
 def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
           backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted,
           s_frames, s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots, held, out, maxtok,
           kseq, run, kw, wq, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend,
-          fc, dep_t, dep_i, s_ended, new_i, new_s, n_new):
-    """The front end's turn at ``now`` (SimEngine._turn): the departures due, then the sessions whose frames came
-    due (_ticks, _answer_silent), if its checks pass; ``fc`` holds the front end's counters the departures change.
-    Returns (taken, frames handed over, the latest, rows, frames owed in lockstep, new requests so far)."""
-    P, Pq, deadline, eps = fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS]
+          fc, fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i, new_s, n_new, cs, cp, clat, cw, ctr):
+    """The front end's turn at ``now`` (SimEngine._turn): the arrivals, then, if the checks pass (:func:`_turn_plan`;
+    else the caller takes the rest of the turn), the departures due, the admissions and the sessions whose frames
+    came due (_ticks, _answer_silent). ``fc`` holds the front end's counters. Returns (taken, frames handed over,
+    the latest, rows, frames owed in lockstep, new requests so far)."""
+    P, eps = fconf[F_P], fconf[F_EPS]
     n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
-    n_visit = _due_sessions(now, eps, tick, start, who, ready, n_ready, state, visit)
-    room = min(status.size - cnt[E_NEXT], new_i.size - n_new)
-    fits, n_ans = _turn_fits(now, visit, n_visit, iconf, fconf, lim[L_MAXLEN], state, phase, next_frame, backlog,
-                             inflight, hist, pending_in, running_since, started, sslot, status, room)
-    k0 = fc[C_DEP]
-    deps, k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, state, sslot, held, backlog, pend, n_pend)
-    lockstep = iconf[I_LOCKSTEP] != 0
-    if (not fits or not deps or owed + n_ans > iconf[I_ANSCAP] or (lockstep and n_pend + n_ans > pend.shape[0])
-            or _front_head_fits(iconf, lim, cnt[E_USED] - freed, hist, pending_in, started)):  # SimEngine._admit
+    if iconf[I_NA_END]:
+        _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick,
+                cs, cp, clat, cw, ctr)
+    n_visit, taken, k1, n_adm = _turn_plan(
+        now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog, inflight, hist,
+        pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq, dep_t, dep_i,
+        min(status.size - cnt[E_NEXT], new_i.size - n_new))
+    if not taken:
         return False, 0, -1, nrows, n_pend, n_new
     n0 = 0
-    for k in range(k0, k1):
+    for k in range(fc[C_DEP], k1):
         i = dep_i[k]
-        if state[i] == R_STATE:
-            n0, n_pend = _depart(i, now, fconf, fc, state, sslot, pslot, phase, next_frame, backlog, inflight,
+        if _live(state[i]):
+            n0, n_pend = _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backlog, inflight,
                                  inflight_tok, s_frames, s_silent, s_ended, fresh, cnt, status, slots, held, run, kw,
                                  wq, pend, n_pend, a_key, a_who, a_tok, n0)
             sl = pslot[i]
             if tick[sl] > now + eps:  # its slot may have no one left to tick
                 tick[sl] = _slot_tick(sl, start, who, state, next_frame, phase, P)
     fc[C_DEP] = k1
+    _admit(now, n_adm, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted, admitted)
+    lockstep = iconf[I_LOCKSTEP] != 0
     n_ans = _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot, next_frame, backlog,
                        pending_in, s_frames, s_silent, a_key, a_who, a_tok, n0)
     for k in range(PHASE_SLOTS):
@@ -481,10 +620,25 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
         n_pend = _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend)
         n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n0)
-    if n_ans:
-        nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, P, Pq, deadline, eps, s_late,
-                      fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, fc[C_NRUN] + iconf[I_NWAITING])
+    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_late, fr_f, fr_tick, fr_done,
+                      fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
     return True, n_sub, latest, nrows, n_pend, n_new
+
+
+@nb.njit(cache=True)
+def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_late, fr_f, fr_tick, fr_done, fr_lat,
+              fr_i, nrows, cs, cp, clat, cw, ctr):
+    """The moment's answers recorded (:func:`flush`) and, one row at a time, told to a compiled controller as
+    SimEngine._flush_answers tells it. Returns the rows."""
+    if n_ans == 0:
+        return nrows
+    r0 = nrows
+    nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS],
+                  s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, fc[C_NRUN] + fc[C_NWAIT])
+    if iconf[I_CTL] == CTL_COMPILED:
+        ck.observe_rows(cs, cp, clat, cw, ctr, fr_done[r0:nrows], fr_lat[r0:nrows], fr_i[r0:nrows, R_FRAMES],
+                        fr_i[r0:nrows, R_SILENT], fr_i[r0:nrows, R_INFLIGHT])
+    return nrows
 
 
 @nb.njit(cache=True)
@@ -521,9 +675,10 @@ def _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend):
 
 
 @nb.njit(cache=True)
-def _answer_step(now, iconf, fconf, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
+def _answer_step(now, iconf, fconf, fc, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
                  s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
-                 pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, row, nS, new_tokens, ctx, used, n_running):
+                 pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, row, nS, new_tokens, ctx, used, cs, cp, clat,
+                 cw, ctr):
     """After a step that ended at ``now``: tokens to their frames, finished frames (and in lockstep the silent
     ones they held back) answered, one row per tick, and the step's row. Returns (sessions with frames still
     queued, frames still owed, frame rows)."""
@@ -534,31 +689,21 @@ def _answer_step(now, iconf, fconf, sampled, n_sam, sess_of_slot, pslot, infligh
     if n_pend:
         n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n_done)
-    nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE],
-                   fconf[F_EPS], s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, n_running + iconf[I_NWAITING])
-    _record_step(row, iconf, nS, new_tokens, ctx, used, tokens_out, n_ans, a_tok[n_done:n_ans], n_running)
+    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_late, fr_f, fr_tick, fr_done,
+                      fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
+    _record_step(row, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, a_tok[n_done:n_ans])
     return n_ready, n_pend, nrows
 
 
 @nb.njit(cache=True)
-def _record_step(row, iconf, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok, n_running):
+def _record_step(row, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok):
     """A step's row (SimEngine._after_step's): batch, tokens, context, blocks, frames answered, silent ones."""
     row[0], row[1], row[2], row[3], row[4], row[5] = nS, new_tokens, ctx, used, tokens_out, n_ans
     silent = 0
     for t in silent_tok:
         if t == 0:  # serving.frame_is_silent
             silent += 1
-    row[6], row[7], row[8] = n_running, iconf[I_NWAITING], silent
-
-
-@nb.njit(cache=True)
-def _front_head_fits(iconf, lim, used, hist, pending_in, started):
-    """SimEngine._admit: would the front end's head be admitted now (serving.admission_need_blocks)?"""
-    head = iconf[I_HEAD]
-    if head < 0:
-        return False
-    tok = hist[head] + pending_in[head] if started[head] else iconf[I_PROMPT] + pending_in[head] + iconf[I_NIN]
-    return gate_blocks_jit(tok, lim[L_BS], lim[L_CAP], 0) <= lim[L_NB] - used
+    row[6], row[7], row[8] = fc[C_NRUN], fc[C_NWAIT], silent
 
 
 @nb.njit(cache=True)
@@ -575,22 +720,27 @@ def _queued_behind(live, state, inflight, backlog):
 
 
 @nb.njit(cache=True)
-def _next_wake(tick, t_next, dep_t, k):
-    """When an idle engine looks again (SimEngine._run's wait): the next tick, event or departure."""
+def _next_wake(tick, t_next, fc, dep_t, iconf, arr_t):
+    """When an idle engine looks again (SimEngine._run's wait): the next tick, event, departure or arrival."""
     until = min(tick.min(), t_next)
-    return min(until, dep_t[k]) if k < dep_t.size else until
+    if fc[C_DEP] < fc[C_NDEPS]:
+        until = min(until, dep_t[fc[C_DEP]])
+    if fc[C_NARR] < iconf[I_NA_END]:
+        until = min(until, arr_t[fc[C_NARR]])
+    return until
 
 
 @nb.njit(cache=True)
-def _engine_step(iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s,
-                 o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, step_no, sframe, jit, jz, ja, jb, jp, jr):
-    """EngineModel.step (serving.engine_step on the engine model's own arrays), the first-step term and
-    the step's latency. Returns (the latency, or -1 when the step is the caller's to take: under correlated jitter
-    its frame's draws are not in this call; whether this loop may go on after it: the front end reacts to nothing
-    in it that the loop does not restate)."""
+def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw,
+                 wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, step_no, sframe, jit, jz, ja, jb, jp, jr):
+    """EngineModel.step (serving.engine_step on the engine model's own arrays) at ``now``, the first-step term and
+    the step's latency. Returns (the latency, TURN_CALLER when this loop goes on after it, or where it stops:
+    TURN_TAKEN before it, the step the caller's to take (under correlated jitter its frame's draws are not in this
+    call); PAST_HORIZON, it outlives the run; STEP_TAKEN, the front end reacts to something in it that the loop does
+    not restate)."""
     jitter, f_lo = int(fconf[F_JITTER]), iconf[I_FLO]
     if jitter == CORRELATED and sframe - f_lo >= ja.size:
-        return -1.0, False
+        return -1.0, TURN_TAKEN
     engine_step(lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam,
                 o_pau, o_n, reached)
     first = False  # SimEngine._step: a frame starts in a step after the engine idled
@@ -603,76 +753,77 @@ def _engine_step(iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, he
     # SimEngine._after_step's own rules: a step that scheduled nothing stalls; a front end that steps vLLM itself
     # takes back what it preempted, and looks at every request left waiting (serving.deadlock_victims)
     plain = o_n[O_SCHED] > 0 and (iconf[I_SEES] == 0 or (o_n[O_PRE] == 0 and cnt[E_KW] + cnt[E_WQ] == 0))
-    return lat, plain
+    if now + lat >= fconf[F_HORIZON]:
+        return lat, PAST_HORIZON
+    return lat, TURN_CALLER if plain else STEP_TAKEN
 
 
 @nb.njit(cache=True)
-def _span_state(iconf, live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, n_answers):
-    """What a span keeps besides the caller's arrays: the front end's counters (``fc``), the wheel over the phase
-    slots, the sessions a turn visits, those with frames queued, the running ones (lockstep) and room for a step's
-    ``n_answers`` answers."""
-    fc = np.zeros(2, np.int64)
-    fc[C_NRUN] = iconf[I_NRUNNING]
-    start, who, tick, ok = _wheel(live, pslot, next_frame, phase, P)
+def _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, n_answers):
+    """What a span keeps besides the caller's arrays: the wheel over the phase slots, the sessions a turn visits,
+    those with frames queued, the running ones (lockstep) and room for a step's ``n_answers`` answers."""
+    start, who, tick, ok = _wheel(live, state, pslot, next_frame, phase, P)
     visit = np.empty(2 * live.size, np.int64)
     ready, n_ready = _queued_behind(live, state, inflight, backlog)
     run_sess = live[state[live] == R_STATE] if lockstep else live[:0]
     a_key, a_who, a_tok = np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), np.empty(n_answers, np.int64)
-    return fc, start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok
+    return start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok
 
 
 @nb.njit(cache=True)
 def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
              inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens,
              s_frames, s_silent, s_late, fresh, sess_of_slot, eng, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f,
-             fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s):
+             fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, fc, fq, arr_t, dur, s_admitted,
+             admit_seq, ctl):
     """Turns and steps from just after the caller's turn at ``fstate[0]`` until the next event, ``max_steps`` or
-    anything this loop does not restate; the state arrays (the engine model's, ``eng``, among them) are updated in
-    place, the steps' and frames' records written to ``st_*`` and ``fr_*``, and ``istate``/``fstate`` say where it
-    stopped (S_TURNED). ``dep_t``/``dep_i``: the departures to come, in time order; ``s_ended`` gets the times of
-    those taken here. ``new_i``/``new_s``: the session and slot of each request added here (a first frame)."""
+    anything this loop does not restate; the state arrays (the engine model's, ``eng``, the controller's, ``ctl``)
+    are updated in place, the records written to ``st_*`` and ``fr_*``, and ``istate``/``fstate``/``fc`` say where it
+    stopped (S_TURNED). ``dep_t``/``dep_i``: departures booked, in time order; ``arr_t``/``dur``: each session's
+    arrival and duration; ``new_i``/``new_s``: each request added here (a first frame): its session and slot."""
     P, t_next, horizon, t_pause = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON], fconf[F_TPAUSE]
     max_steps, ans_cap, lockstep = iconf[I_MAXSTEPS], iconf[I_ANSCAP], iconf[I_LOCKSTEP] != 0
     # the arguments live as long as this call: inside it they need no reference counts (compiled.borrowed), and
     # the engine's arrays are unpacked once (a tuple of arrays handed to a callee costs every call)
     (iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight, inflight_tok,
-     hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames, s_silent, s_late,
-     fresh, sess_of_slot) = borrowed((iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame,
-                                      backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step,
-                                      running_since, started, admitted, s_tokens, s_frames, s_silent, s_late, fresh,
-                                      sess_of_slot))
-    (jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i,
-     s_ended, new_i, new_s) = borrowed((jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat,
-                                        fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s))
+     hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames, s_silent, s_late, fresh,
+     sess_of_slot, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i,
+     s_ended, new_i, new_s, fc, fq, arr_t, dur, s_admitted, admit_seq) = borrowed((
+        iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight, inflight_tok,
+        hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames, s_silent, s_late,
+        fresh, sess_of_slot, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend,
+        dep_t, dep_i, s_ended, new_i, new_s, fc, fq, arr_t, dur, s_admitted, admit_seq))
     lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
         o_n, reached = borrowed(eng)
+    cs, cp, clat, cw, ctr = borrowed(ctl)
     sframe, peak, n_pend = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND]
     idle = istate[S_IDLE] != 0  # the engine waited since its last step: a frame's step then pays first_s
     now = fstate[0]
     nsteps = nrows = n_new = 0
     turned = TURN_TAKEN  # the caller's turn at `now` is done
-    fc, start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok = _span_state(
-        iconf, live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, ans_cap + pend.shape[0])
+    start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok = _span_state(
+        live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, ans_cap + pend.shape[0])
     while ok:
         if turned == TURN_CALLER:
-            if now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_f.size:
+            if (now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_f.size
+                    or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size):
                 break
             taken, n_sub, latest, nrows, n_pend, n_new = _turn(
                 now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
                 backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started,
                 admitted, s_frames, s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots,
                 held, out, maxtok, kseq, run, kw, wq, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows,
-                run_sess, pend, n_pend, fc, dep_t, dep_i, s_ended, new_i, new_s, n_new)
+                run_sess, pend, n_pend, fc, fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i,
+                new_s, n_new, cs, cp, clat, cw, ctr)
             if not taken:
                 break
-            sframe = max(sframe, latest)
-            n_ready = 0
+            sframe, n_ready = max(sframe, latest), 0
             if now >= t_pause:  # the turn is taken: the caller looks, then calls again from here
                 turned = PAUSED
                 break
         turned = TURN_CALLER
-        if cnt[E_RUN] + cnt[E_KW] + cnt[E_WQ] == 0:  # no work: wait for the next tick (or event, or departure)
-            until = _next_wake(tick, t_next, dep_t, fc[C_DEP])
+        if cnt[E_RUN] + cnt[E_KW] + cnt[E_WQ] == 0:  # no work: wait for the next tick, event, departure or arrival
+            until = _next_wake(tick, t_next, fc, dep_t, iconf, arr_t)
             if until <= now:
                 break
             idle = True
@@ -681,35 +832,31 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                 break
             now = until
             continue
-        lat, plain = _engine_step(iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq,
-                                  run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, nsteps, sframe,
-                                  jit, jz, ja, jb, jp, jr)
-        if lat < 0:
-            turned = TURN_TAKEN  # the turn at `now` is done; the step-by-step path takes the step
+        lat, turned = _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok,
+                                   kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, nsteps,
+                                   sframe, jit, jz, ja, jb, jp, jr)
+        if turned == TURN_TAKEN:  # the step-by-step path takes the step
             break
         idle = False
+        if turned != TURN_CALLER:  # (SimPy stops a run during a step that outlives it; STEP_TAKEN: it took `lat`)
+            fstate[1] = now + lat if turned == PAST_HORIZON else lat
+            break
         step_start, now = now, now + lat
-        if now >= horizon:  # the step outlives the run: SimPy stops while it runs
-            fstate[1], now, turned = now, step_start, PAST_HORIZON
-            break
-        if not plain:  # what follows the step is the caller's
-            fstate[1], now, turned = lat, step_start, STEP_TAKEN
-            break
         n_ready, n_pend, nrows = _answer_step(
-            now, iconf, fconf, o_sam, o_n[O_SAM], sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
+            now, iconf, fconf, fc, o_sam, o_n[O_SAM], sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
             s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
             pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i[nsteps], o_n[O_SCHED], o_n[O_NEW],
-            o_n[O_CTX], o_n[O_USED], fc[C_NRUN])
+            o_n[O_CTX], o_n[O_USED], cs, cp, clat, cw, ctr)
         peak = max(peak, o_n[O_USED])
         st_t[nsteps], st_lat[nsteps] = step_start, lat
         nsteps += 1
     istate[S_SFRAME], istate[S_PEAK], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED] = \
         sframe, peak, nsteps, nrows, turned
-    istate[S_IDLE], istate[S_NPEND], istate[S_NDEP], istate[S_NNEW] = 1 if idle else 0, n_pend, fc[C_DEP], n_new
+    istate[S_IDLE], istate[S_NPEND], istate[S_NNEW] = 1 if idle else 0, n_pend, n_new
     fstate[0] = now
 
 
 # what run_span compiles into itself from other modules: the engine step (with the residency it calls), the step
-# model's form and the jitter ratio
-FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel)
+# model's form, the jitter ratio and the admission controllers
+FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel)
 STEP_FORM = compiled.guard(run_span, FORM_PARTS)  # before any loop is called, so none has loaded its cache yet

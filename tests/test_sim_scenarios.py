@@ -242,6 +242,10 @@ def test_the_compiled_loop_reproduces_the_step_by_step_engine_under_independent_
     if admission != "none":  # the controller is told the sessions in flight at each row, departures and all
         assert slow.controller_trace == fast.controller_trace
     assert fast.loop_departures > 0 and fast.loop_first_frames > 0
+    # arrivals pass the gate inside the loop (the controller compiled: control_kernel), and are admitted there
+    assert fast.loop_arrivals > 0 and fast.loop_admissions > 0 and slow.loop_arrivals == 0
+    if admission != "none":
+        assert fast.loop_refused > 0
     assert fast.fast_steps > 0.5 * fast.summary["steps"], "the compiled loop must have taken most steps"
     s = fast.summary
     if maxlen:
@@ -346,3 +350,64 @@ def test_the_victim_is_the_most_recently_admitted_session(cal):
     order = res.sessions.sort_values("admitted_s").preemptions.to_numpy() > 0
     first_victim = int(np.argmax(order))
     assert order[first_victim:].all() and not order[:first_victim].any(), order.astype(int)
+
+
+def test_sessions_that_leave_while_waiting_for_blocks_leave_inside_the_loop():
+    """A pool that holds about 10 bounded sessions against 40 offered: arrivals queue at the front end for blocks,
+    are admitted as others leave, and some hang up still waiting; the compiled loop takes all of it as the
+    step-by-step front end does."""
+    c = calibration.load("moshi-7b-h200")
+    c = replace(c, engine=replace(c.engine, num_blocks=120))
+    from metronome.sim.scenario import make_scenario
+
+    sc = make_scenario(c, kv="sinks", sinks=16, window=240, arrival_rate=2.0, session_duration="exp:20",
+                       horizon=60.0, seed=5, deadline=0.04, phases="independent")
+    slow = run(sc, fast_forward=False, check_invariants=True)
+    fast = run(sc, fast_forward=True, check_invariants=True)
+    _tables_equal(slow, fast)
+    s = fast.sessions
+    assert ((s.end_reason == "departed") & s.admitted_s.isna()).sum() > 10  # hung up while waiting
+    assert fast.loop_arrivals > 100 and fast.loop_admissions > 20 and fast.loop_departures > 20
+
+
+def test_a_controller_deciding_in_python_is_fed_after_each_span(monkeypatch):
+    """A registered controller that decides in Python cannot run inside the compiled loop: the loop stops at each
+    arrival and hands it the frame rows after each call, with the same trace as step by step."""
+    from metronome import admission as adm
+    from metronome.sim.scenario import make_scenario
+
+    class Halver(adm.AdmissionController):
+        name = spec = "halver"
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.n = 40
+
+        @classmethod
+        def from_spec(cls, arg, deadline_s, params):
+            return cls()
+
+        @property
+        def limit(self):
+            return self.n
+
+        def _decide(self, in_flight, p_latency_s, frames, silent):
+            if p_latency_s is not None and p_latency_s > 0.03 and self.n > 4:
+                self.n //= 2
+                return "decrease"
+            self.n += 1
+            return "increase"
+
+    monkeypatch.setattr(adm, "CONTROLLERS", dict(adm.CONTROLLERS))
+    adm.register(Halver)
+    c = calibration.load("moshi-7b-h200")
+    c = replace(c, engine=replace(c.engine, num_blocks=900))
+    sc = make_scenario(c, kv="sinks", sinks=16, window=240, arrival_rate=2.0, session_duration="exp:40",
+                       horizon=60.0, seed=5, deadline=0.04, admission="halver", phases="independent")
+    slow = run(sc, fast_forward=False, check_invariants=True)
+    fast = run(sc, fast_forward=True, check_invariants=True)
+    _tables_equal(slow, fast)
+    assert slow.controller_trace == fast.controller_trace
+    assert {r["decision"] for r in fast.controller_trace} == {"increase", "decrease"}
+    assert fast.loop_arrivals == 0 and fast.fast_steps > 0.5 * fast.summary["steps"]
+    assert fast.summary["sessions_refused"] > 0

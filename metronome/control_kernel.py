@@ -1,0 +1,304 @@
+"""The admission controllers' interval machinery and decisions, in the form numba compiles.
+
+:mod:`metronome.admission` is the controllers' interface (what the live driver, the fleet and the simulator
+call); this module is where their rules are stated, once, over a controller's state in arrays, so that the
+simulator's compiled loop (:mod:`metronome.sim.fastpath`) can run a controller at every arrival and every
+answered frame without leaving machine code, and every other caller runs the very same code through
+:class:`metronome.admission.AdmissionController`.
+
+A controller is four arrays:
+
+* ``cp`` its constants (``CP_*``): its kind, the control interval, the percentile, the latency target and its
+  own settings;
+* ``cs`` its state (``CS_*``): the interval grid's origin and index, the open interval's aggregates (frames,
+  silent frames, peak and last in-flight count, latency samples), the limit and what the kind keeps besides;
+* ``lat``/``w``: the open interval's non-silent latencies and their weights (``cs[CS_NLAT]`` of them);
+* ``tr``: the closed intervals' rows (``TR_*`` columns, ``cs[CS_NTRACE]`` of them).
+
+Callers size ``lat``/``w`` and ``tr`` (:func:`intervals_due`); nothing here allocates, and a write past them
+raises.
+A kind whose decision is written in Python (a controller registered by a user) is ``K_PYTHON``: its interval
+machinery is still this module's (:func:`close_one`, :func:`next_interval`), its decision the class's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+
+# a controller's kind (cp[CP_KIND]): what decides at an interval's end
+K_PYTHON, K_NONE, K_STATIC, K_AIMD, K_GRADIENT = range(5)
+# its constants
+(CP_KIND, CP_INTERVAL, CP_PCT, CP_TARGET, CP_ADD, CP_DECREASE, CP_MIN, CP_MAX, CP_SILENT_TOL, CP_DEAD_N, CP_LIMIT0,
+ CP_SMOOTH, CP_RTT, CP_QUEUE, CP_EMA, CP_WARMUP, CP_DRIFT) = range(17)
+N_CP = 17
+# its state (CS_T0 is NaN until the first call anchors the grid; CS_LONG NaN until Gradient's first baseline)
+(CS_T0, CS_K, CS_FRAMES, CS_SILENT, CS_PEAK, CS_LAST, CS_NLAT, CS_LIMIT, CS_DEAD, CS_DEAD_RUN, CS_LONG, CS_NLONG,
+ CS_NTRACE) = range(13)
+N_CS = 13
+# a closed interval's row: its end, the limit after the decision, the peak in flight, the percentile (NaN: none),
+# frames, silent frames and the decision (DECISIONS' index)
+TR_END, TR_LIMIT, TR_PEAK, TR_P, TR_FRAMES, TR_SILENT, TR_DECISION = range(7)
+N_TR = 7
+# decisions, as metronome.admission.DECISIONS names them (the same order)
+D_INCREASE, D_DECREASE, D_DRAINING, D_HOLD, D_DEAD = range(5)
+
+# Interval ends are t0 + (k+1)·I in floating point, and cumulative weights sums of floats: an exact hit must not
+# be missed by rounding.
+REL_EPS = 1e-9
+
+
+@nb.njit(cache=True)
+def percentile_sorted(v, cum, q):
+    """The weighted nearest-rank percentile of values ``v`` in ascending order, ``cum`` their cumulative weights
+    (all > 0), ``q`` in (0, 100]: the smallest value whose cumulative weight reaches ``q/100`` of the total. The
+    small relative slack keeps q·W/100 == an exact cumulative weight from being missed by rounding (e.g.
+    99.9 · 1000 / 100 = 999.0000000000001)."""
+    total = cum[-1]
+    threshold = q * total / 100.0 - REL_EPS * total
+    i = np.searchsorted(cum, threshold, side="left")
+    return v[min(i, v.size - 1)]
+
+
+@nb.njit(cache=True)
+def percentile_of(v, w, q):
+    """:func:`percentile_sorted` of ``v`` (weights ``w``, all > 0), ties broken by a stable sort, as
+    :func:`metronome.results.weighted_percentiles` sorts. NaN when empty."""
+    if v.size == 0:
+        return np.nan
+    order = np.argsort(v, kind="mergesort")  # (numba's mergesort is stable, as numpy's "stable")
+    return percentile_sorted(v[order], np.cumsum(w[order]), q)
+
+
+@nb.njit(cache=True)
+def limit_of(cs, cp):
+    """The concurrency limit in sessions (``none``: no limit, +inf)."""
+    kind = cp[CP_KIND]
+    if kind == K_NONE:
+        return np.inf
+    if kind == K_STATIC:
+        return cp[CP_LIMIT0]
+    return math.floor(cs[CS_LIMIT] + 1e-9)
+
+
+@nb.njit(cache=True)
+def _due(cs, cp, now):
+    """Has the open interval ended by ``now``?"""
+    return (now - cs[CS_T0]) / cp[CP_INTERVAL] >= cs[CS_K] + 1 - REL_EPS
+
+
+@nb.njit(cache=True)
+def intervals_due(cs, cp, now):
+    """How many intervals a call at ``now`` would close (what ``tr`` must have room for)."""
+    if np.isnan(cs[CS_T0]):
+        return 0
+    n = 0
+    elapsed = (now - cs[CS_T0]) / cp[CP_INTERVAL]
+    while elapsed >= cs[CS_K] + n + 1 - REL_EPS:
+        n += 1
+    return n
+
+
+@nb.njit(cache=True)
+def close_one(cs, cp, lat, w, in_flight):
+    """The open interval's figures at its end: (end, peak in flight, percentile or NaN, frames, silent)."""
+    end = cs[CS_T0] + (cs[CS_K] + 1) * cp[CP_INTERVAL]
+    peak = max(cs[CS_PEAK], in_flight)
+    n = int(cs[CS_NLAT])
+    p = percentile_of(lat[:n], w[:n], cp[CP_PCT]) if n else np.nan
+    return end, peak, p, cs[CS_FRAMES], cs[CS_SILENT]
+
+
+@nb.njit(cache=True)
+def next_interval(cs, in_flight):
+    """Open the next interval: nothing observed yet; what is in flight now was in flight when it began."""
+    cs[CS_K] += 1
+    cs[CS_NLAT] = 0
+    cs[CS_FRAMES] = 0
+    cs[CS_SILENT] = 0
+    cs[CS_PEAK] = in_flight
+
+
+@nb.njit(cache=True)
+def record(cs, tr, end, limit, peak, p, frames, silent, decision):
+    """A closed interval's row in the trace."""
+    r = int(cs[CS_NTRACE])
+    if r >= tr.shape[0]:  # (the caller makes room; writing past it would corrupt memory unchecked)
+        raise IndexError("control_kernel.record: no room in the trace")
+    tr[r, TR_END], tr[r, TR_LIMIT], tr[r, TR_PEAK], tr[r, TR_P] = end, limit, peak, p
+    tr[r, TR_FRAMES], tr[r, TR_SILENT], tr[r, TR_DECISION] = frames, silent, decision
+    cs[CS_NTRACE] = r + 1
+
+
+@nb.njit(cache=True)
+def close_through(cs, cp, lat, w, tr, now, in_flight):
+    """Close every interval that ended at or before ``now``, each with one decision (a compiled kind's); the
+    first call anchors the grid."""
+    if np.isnan(cs[CS_T0]):
+        cs[CS_T0] = now
+        return
+    while _due(cs, cp, now):
+        end, peak, p, frames, silent = close_one(cs, cp, lat, w, in_flight)
+        d = decide(cs, cp, peak, p, frames, silent)
+        record(cs, tr, end, limit_of(cs, cp), peak, p, frames, silent, d)
+        next_interval(cs, in_flight)
+
+
+@nb.njit(cache=True)
+def advance(cs, cp, lat, w, tr, now, in_flight):
+    """Close every interval that ended at or before ``now`` (``in_flight`` sessions in flight now)."""
+    cs[CS_LAST] = in_flight
+    close_through(cs, cp, lat, w, tr, now, in_flight)
+    cs[CS_PEAK] = max(cs[CS_PEAK], in_flight)
+
+
+@nb.njit(cache=True)
+def take_frames(cs, cp, lat, w, latency, frames, silent):
+    """``frames`` frames answered with ``latency``, ``silent`` of them empty, into the open interval: silent
+    frames only count; the others are one latency sample of weight ``frames - silent``. A frame clears a dead
+    signal."""
+    if frames == 0:
+        return
+    cs[CS_FRAMES] += frames
+    cs[CS_SILENT] += silent
+    if frames > silent:
+        n = int(cs[CS_NLAT])
+        if n >= lat.size:
+            raise IndexError("control_kernel.take_frames: no room for the latency sample")
+        lat[n], w[n] = latency, frames - silent
+        cs[CS_NLAT] = n + 1
+    cs[CS_DEAD] = 0.0
+    cs[CS_DEAD_RUN] = 0.0
+
+
+@nb.njit(cache=True)
+def observe(cs, cp, lat, w, tr, now, latency, frames, silent):
+    """Frames answered at ``now``: the intervals ended by then close (with the last in-flight count reported),
+    then the frames join the open one."""
+    close_through(cs, cp, lat, w, tr, now, cs[CS_LAST])
+    take_frames(cs, cp, lat, w, latency, frames, silent)
+
+
+@nb.njit(cache=True)
+def may_admit(cs, cp, lat, w, tr, now, in_flight):
+    """Advance to ``now``, then: may one more session start with ``in_flight`` in flight? (``none``: always.)"""
+    advance(cs, cp, lat, w, tr, now, in_flight)
+    if cp[CP_KIND] == K_NONE:
+        return True
+    return cs[CS_DEAD] == 0.0 and in_flight < limit_of(cs, cp)
+
+
+# ------------------------------------------------------------------------------------------------ decisions
+@nb.njit(cache=True)
+def decide(cs, cp, in_flight, p, frames, silent):
+    """Judge one closed interval (its peak in flight, percentile, frames, silent frames); may change the limit;
+    returns a D_* decision. ``none`` and ``static`` hold."""
+    kind = cp[CP_KIND]
+    if kind == K_AIMD:
+        return _aimd(cs, cp, in_flight, p, frames, silent)
+    if kind == K_GRADIENT:
+        return _gradient(cs, cp, in_flight, p, frames, silent)
+    return D_HOLD
+
+
+@nb.njit(cache=True)
+def _no_frames(cs, cp, in_flight):
+    """An interval without a single frame: with sessions in flight it counts toward a dead signal
+    (``dead_intervals`` in a row refuse everything); with none, it clears it (cold start must admit)."""
+    if in_flight > 0:
+        cs[CS_DEAD_RUN] += 1
+        if cs[CS_DEAD_RUN] >= cp[CP_DEAD_N]:
+            cs[CS_DEAD] = 1.0
+    else:
+        cs[CS_DEAD_RUN] = 0.0
+        cs[CS_DEAD] = 0.0
+    return D_DEAD if cs[CS_DEAD] != 0.0 else D_HOLD
+
+
+@nb.njit(cache=True)
+def _congested(cp, p, frames, silent):
+    """Absolute congestion: too many silent frames, or the latency percentile over the target."""
+    if silent / frames > cp[CP_SILENT_TOL]:
+        return True
+    return not np.isnan(p) and p > cp[CP_TARGET]
+
+
+@nb.njit(cache=True)
+def _clamp(cp, x):
+    return min(cp[CP_MAX], max(cp[CP_MIN], x))
+
+
+@nb.njit(cache=True)
+def _aimd(cs, cp, in_flight, p, frames, silent):
+    """AIMD (:class:`metronome.admission.AIMDController` says why each rule is as it is)."""
+    if frames == 0:
+        return _no_frames(cs, cp, in_flight)
+    L = cs[CS_LIMIT]
+    if _congested(cp, p, frames, silent):
+        if in_flight > math.floor(L + 1e-9):
+            return D_DRAINING  # the last cut has not taken effect yet
+        cut = min(math.floor(L * cp[CP_DECREASE] + 1e-9), math.floor(L + 1e-9) - 1)
+        cs[CS_LIMIT] = _clamp(cp, float(cut))
+        return D_DECREASE
+    if not np.isnan(p) and 2 * in_flight >= L:
+        cs[CS_LIMIT] = _clamp(cp, L + cp[CP_ADD])
+        return D_INCREASE
+    return D_HOLD
+
+
+@nb.njit(cache=True)
+def _update_long(cs, cp, short):
+    """Gradient's baseline: a plain mean over the warm-up, then an EMA that follows a rise ``drift`` times as
+    fast as a fall; Netflix's recovery rule; never past target / tolerance."""
+    if np.isnan(cs[CS_LONG]) or cs[CS_NLONG] < cp[CP_WARMUP]:
+        n = cs[CS_NLONG]
+        cs[CS_LONG] = short if np.isnan(cs[CS_LONG]) else (cs[CS_LONG] * n + short) / (n + 1)
+    else:
+        rate = cp[CP_EMA] if short <= cs[CS_LONG] else cp[CP_EMA] * cp[CP_DRIFT]
+        cs[CS_LONG] += rate * (short - cs[CS_LONG])
+    cs[CS_NLONG] += 1
+    if short > 0 and cs[CS_LONG] / short > 2.0:
+        cs[CS_LONG] *= 0.95
+    cs[CS_LONG] = min(cs[CS_LONG], cp[CP_TARGET] / cp[CP_RTT])
+
+
+@nb.njit(cache=True)
+def _gradient(cs, cp, in_flight, p, frames, silent):
+    """Gradient2 (:class:`metronome.admission.GradientController` says why each rule is as it is)."""
+    if frames == 0:
+        return _no_frames(cs, cp, in_flight)
+    L = cs[CS_LIMIT]
+    smoothing = cp[CP_SMOOTH]
+    if _congested(cp, p, frames, silent):
+        cs[CS_LIMIT] = _clamp(cp, L * (1.0 - smoothing * 0.5))
+        return D_DECREASE
+    if np.isnan(p):  # only silent frames, within the tolerance: nothing to learn
+        return D_HOLD
+    short = p
+    if np.isnan(cs[CS_LONG]) or short <= cp[CP_RTT] * cs[CS_LONG]:
+        _update_long(cs, cp, short)
+    if short <= 0:
+        gradient = 1.0
+    else:
+        gradient = min(1.0, max(0.5, cp[CP_RTT] * cs[CS_LONG] / short))
+    new = (1.0 - smoothing) * L + smoothing * (gradient * L + cp[CP_QUEUE])
+    if new > L and 2 * in_flight < L:
+        new = L  # app-limited: do not grow
+    new = _clamp(cp, new)
+    cs[CS_LIMIT] = new
+    if new > L + 1e-12:
+        return D_INCREASE
+    if new < L - 1e-12:
+        return D_DECREASE
+    return D_HOLD
+
+
+@nb.njit(cache=True)
+def observe_rows(cs, cp, lat, w, tr, now, latency, frames, silent, in_flight):
+    """Row by row: ``advance(now, in_flight)`` then ``observe(now, latency, frames, silent)`` (a front end
+    answering its frames a moment at a time)."""
+    for j in range(now.size):
+        advance(cs, cp, lat, w, tr, now[j], in_flight[j])
+        observe(cs, cp, lat, w, tr, now[j], latency[j], frames[j], silent[j])

@@ -1,0 +1,105 @@
+"""The controllers' compiled statement (metronome/control_kernel.py): what the simulator's loop runs is what every
+other caller runs, and a loop can never write past the arrays a controller holds."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from metronome import control_kernel as ck
+from metronome.admission import AdmissionController, AIMDController, StaticCap, make_controller
+from metronome.results import percentiles, weighted_percentile, weighted_percentiles
+
+
+def test_the_kernels_percentile_is_the_reports_on_ties_and_weights():
+    """One rule, two sorts (numba's mergesort, numpy's stable sort): the same value on samples full of ties. The
+    expected values are counted by hand from the definition (smallest v with W(x <= v) >= q·W/100)."""
+    v = np.array([0.3, 0.1, 0.2, 0.1, 0.3, 0.2, 0.1])
+    w = np.array([1.0, 2.0, 1.0, 1.0, 3.0, 2.0, 1.0])  # W = 11: 0.1 weighs 4, 0.2 weighs 3, 0.3 weighs 4
+    by_hand = {10: 0.1, 36: 0.1, 37: 0.2, 63: 0.2, 64: 0.3, 99: 0.3, 100: 0.3}
+    for q, want in by_hand.items():
+        assert ck.percentile_of(v, w, float(q)) == want, q
+        assert weighted_percentile(v, w, q) == want, q
+    assert weighted_percentiles(v, w, tuple(by_hand)) == list(by_hand.values())
+    assert math.isnan(ck.percentile_of(np.zeros(0), np.zeros(0), 50.0))
+    rng = np.random.default_rng(3)
+    for _ in range(200):  # and the two agree wherever ties and weights fall
+        n = int(rng.integers(1, 60))
+        v, w = rng.integers(0, 8, n) / 8.0, rng.integers(1, 5, n).astype(float)
+        q = float(rng.choice([1.0, 50.0, 90.0, 99.0, 99.9, 100.0]))
+        assert ck.percentile_of(v, w, q) == weighted_percentile(v, w, q)
+
+
+def test_percentiles_leave_out_nan_and_sort_once():
+    assert percentiles([np.nan, 3.0, 1.0, 2.0], (50, 100)) == [2.0, 3.0]
+    assert percentiles([np.nan], (50, 99)) == [None, None]
+
+
+def test_room_covers_a_loop_from_a_controller_not_yet_anchored():
+    """A compiled loop writes the trace rows of every interval it closes; ``room`` must cover them even before
+    the first call anchors the grid (the loop may be the first to call)."""
+    c = make_controller("aimd", 0.04, {"interval_s": 0.5})
+    assert math.isnan(c.cs[ck.CS_T0])
+    now = np.linspace(10.0, 70.0, 1000)  # 60 s: 120 intervals of 0.5 s
+    c.room(10.0, 70.0, now.size)
+    ones = np.ones(now.size)
+    ck.observe_rows(c.cs, c.cp, c.lat, c.w, c.tr, now, 0.01 * ones, ones, 0 * ones, 3 * ones)
+    assert len(c.trace()) == 120  # anchored at 10 s: the 120 intervals of 0.5 s that ended by 70 s (the last at it)
+    fresh = make_controller("aimd", 0.04, {"interval_s": 0.5})  # without room the kernel refuses, never corrupts
+    with pytest.raises(IndexError):
+        ck.observe_rows(fresh.cs, fresh.cp, fresh.lat, fresh.w, fresh.tr, now, 0.01 * ones, ones, 0 * ones, 3 * ones)
+
+
+class _Halver(AdmissionController):
+    """A controller deciding in Python (as one a user registers): the cap halves when the p99 is over 30 ms."""
+
+    name = spec = "halver"
+
+    def __init__(self, n: int = 40, **kw):
+        super().__init__(**kw)
+        self.n = n
+
+    @property
+    def limit(self) -> int:
+        return self.n
+
+    def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
+        if p_latency_s is not None and p_latency_s > 0.03:
+            self.n = max(1, self.n // 2)
+            return "decrease"
+        return "hold"
+
+
+def test_a_controller_deciding_in_python_runs_the_same_interval_machinery():
+    """The interval grid, the peak in flight and the percentile are the kernel's for every controller; only the
+    decision is the class's. Expected rows worked out by hand: intervals of 1 s from t = 0."""
+    c = _Halver(8)
+    assert not c.compiled
+    c.advance(0.0, 0)
+    c.observe(0.2, 0.010, frames=3, silent=1)  # weight 2 at 10 ms
+    c.observe(0.7, 0.050, frames=1)  # weight 1 at 50 ms: p99 = 50 ms > 30 ms
+    assert c.may_admit(0.9, 7) and not c.may_admit(0.95, 8)
+    c.advance(1.0, 5)  # closes [0, 1): its peak is 8, the count the refused call at 0.95 reported
+    (row,) = c.trace()
+    assert row == {"t_s": 1.0, "limit": 4, "in_flight": 8, "p_latency_s": 0.05, "frames": 4, "silent": 1,
+                   "decision": "decrease"}
+    assert not c.may_admit(1.5, 4) and c.may_admit(1.5, 3)
+
+
+@pytest.mark.parametrize("make", [lambda: AIMDController({"initial_limit": 5}, 0.04), lambda: StaticCap(5)],
+                         ids=["aimd", "static"])
+def test_the_kernel_and_the_interface_are_one_state(make):
+    """The loop calls the kernel on the controller's own arrays: what it does shows through the interface."""
+    a, b = make(), make()
+    assert a.compiled
+    # (in flight rising row by row: the row that closes an interval brings its peak)
+    rows = [(0.1 * k, 0.02 if k % 7 else 0.09, 1 + k % 3, k % 2, k) for k in range(1, 80)]
+    for t, lat, f, s, inf in rows:
+        a.advance(t, inf)
+        a.observe(t, lat, f, s)
+    now, lat, f, s, inf = (np.array(c, dtype=float) for c in zip(*rows))
+    b.room(now[0], now[-1], now.size)
+    ck.observe_rows(b.cs, b.cp, b.lat, b.w, b.tr, now, lat, f, s, inf)
+    assert a.trace() == b.trace() and a.limit == b.limit and len(a.trace()) == 7
