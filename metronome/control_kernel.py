@@ -56,20 +56,53 @@ def percentile_sorted(v, cum, q):
     (all > 0), ``q`` in (0, 100]: the smallest value whose cumulative weight reaches ``q/100`` of the total. The
     small relative slack keeps q·W/100 == an exact cumulative weight from being missed by rounding (e.g.
     99.9 · 1000 / 100 = 999.0000000000001)."""
-    total = cum[-1]
-    threshold = q * total / 100.0 - REL_EPS * total
-    i = np.searchsorted(cum, threshold, side="left")
+    i = np.searchsorted(cum, percentile_threshold(cum[-1], q), side="left")
     return v[min(i, v.size - 1)]
 
 
 @nb.njit(cache=True)
-def percentile_of(v, w, q):
-    """:func:`percentile_sorted` of ``v`` (weights ``w``, all > 0), ties broken by a stable sort, as
-    :func:`metronome.results.weighted_percentiles` sorts. NaN when empty."""
-    if v.size == 0:
-        return np.nan
-    order = np.argsort(v, kind="mergesort")  # (numba's mergesort is stable, as numpy's "stable")
-    return percentile_sorted(v[order], np.cumsum(w[order]), q)
+def percentile_threshold(total, q):
+    """The cumulative weight the ``q``-th percentile's value is the first to reach, of a total weight ``total``."""
+    return q * total / 100.0 - REL_EPS * total
+
+
+@nb.njit(cache=True)
+def percentile_whole(v, w, q):
+    """:func:`percentile_sorted` of ``v`` whose weights ``w`` are whole numbers (all > 0, a total below 2**53: every
+    sum of them is exact), without sorting: the value the percentile's rank falls on among the samples repeated by
+    weight, found by a weighted quickselect (expected linear time: a run's frames are millions of rows)."""
+    total = 0.0
+    for x in w:
+        total += x
+    rank = min(max(math.ceil(percentile_threshold(total, q)) - 1, 0), total - 1)  # 0-based, among the repeated
+    a, b = v.copy(), w.copy()
+    lo, hi = 0, v.size
+    while True:
+        p = a[lo + (hi - lo) // 2]
+        # three ways: [lo, i) below the pivot, [i, j) equal, [j, hi) above
+        i, j, k = lo, lo, hi
+        below = equal = 0.0
+        while j < k:
+            if a[j] < p:
+                a[i], a[j] = a[j], a[i]
+                b[i], b[j] = b[j], b[i]
+                below += b[i]
+                i += 1
+                j += 1
+            elif a[j] > p:
+                k -= 1
+                a[j], a[k] = a[k], a[j]
+                b[j], b[k] = b[k], b[j]
+            else:
+                equal += b[j]
+                j += 1
+        if rank < below:
+            hi = i
+        elif rank < below + equal:
+            return p
+        else:
+            rank -= below + equal
+            lo = j
 
 
 @nb.njit(cache=True)
@@ -107,7 +140,7 @@ def close_one(cs, cp, lat, w, in_flight):
     end = cs[CS_T0] + (cs[CS_K] + 1) * cp[CP_INTERVAL]
     peak = max(cs[CS_PEAK], in_flight)
     n = int(cs[CS_NLAT])
-    p = percentile_of(lat[:n], w[:n], cp[CP_PCT]) if n else np.nan
+    p = percentile_whole(lat[:n], w[:n], cp[CP_PCT]) if n else np.nan  # (weights: frames less silent ones)
     return end, peak, p, cs[CS_FRAMES], cs[CS_SILENT]
 
 
@@ -301,4 +334,4 @@ def observe_rows(cs, cp, lat, w, tr, now, latency, frames, silent, in_flight):
     answering its frames a moment at a time)."""
     for j in range(now.size):
         advance(cs, cp, lat, w, tr, now[j], in_flight[j])
-        observe(cs, cp, lat, w, tr, now[j], latency[j], frames[j], silent[j])
+        take_frames(cs, cp, lat, w, latency[j], frames[j], silent[j])  # (observe: advance closed through now[j])

@@ -13,23 +13,34 @@ from metronome.admission import AdmissionController, AIMDController, StaticCap, 
 from metronome.results import percentiles, weighted_percentile, weighted_percentiles
 
 
-def test_the_kernels_percentile_is_the_reports_on_ties_and_weights():
-    """One rule, two sorts (numba's mergesort, numpy's stable sort): the same value on samples full of ties. The
-    expected values are counted by hand from the definition (smallest v with W(x <= v) >= q·W/100)."""
+def test_the_percentile_by_selection_is_the_percentile_by_sorting():
+    """One rule, two ways to it: whole weights (frames, steps; the controllers' intervals) select the value in
+    linear time (control_kernel.percentile_whole), others sort (percentile_sorted). Both against values counted
+    by hand from the definition (smallest v with W(x <= v) >= q·W/100), and against the samples repeated by weight
+    and sorted (nearest rank, 1-based ceil(q·W/100))."""
     v = np.array([0.3, 0.1, 0.2, 0.1, 0.3, 0.2, 0.1])
     w = np.array([1.0, 2.0, 1.0, 1.0, 3.0, 2.0, 1.0])  # W = 11: 0.1 weighs 4, 0.2 weighs 3, 0.3 weighs 4
     by_hand = {10: 0.1, 36: 0.1, 37: 0.2, 63: 0.2, 64: 0.3, 99: 0.3, 100: 0.3}
+    order = np.argsort(v, kind="stable")
     for q, want in by_hand.items():
-        assert ck.percentile_of(v, w, float(q)) == want, q
+        assert ck.percentile_whole(v, w, float(q)) == want, q
+        assert ck.percentile_sorted(v[order], np.cumsum(w[order]), float(q)) == want, q
         assert weighted_percentile(v, w, q) == want, q
     assert weighted_percentiles(v, w, tuple(by_hand)) == list(by_hand.values())
-    assert math.isnan(ck.percentile_of(np.zeros(0), np.zeros(0), 50.0))
+    # 161 of 1,000 samples are exactly 16.1%, but 16.1 · 1000 / 100 rounds to 161.00000000000003: the slack
+    # keeps the percentile on them (both ways to it)
+    assert weighted_percentile([0.2, 0.9], [161, 839], 16.1) == 0.2
+    assert ck.percentile_sorted(np.array([0.2, 0.9]), np.array([161.0, 1000.0]), 16.1) == 0.2
     rng = np.random.default_rng(3)
-    for _ in range(200):  # and the two agree wherever ties and weights fall
+    for _ in range(300):  # ties and weights anywhere
         n = int(rng.integers(1, 60))
         v, w = rng.integers(0, 8, n) / 8.0, rng.integers(1, 5, n).astype(float)
         q = float(rng.choice([1.0, 50.0, 90.0, 99.0, 99.9, 100.0]))
-        assert ck.percentile_of(v, w, q) == weighted_percentile(v, w, q)
+        rep = np.sort(np.repeat(v, w.astype(int)))
+        want = rep[max(math.ceil(q * rep.size / 100 - 1e-9 * rep.size), 1) - 1]
+        assert ck.percentile_whole(v, w, q) == want
+        order = np.argsort(v, kind="stable")
+        assert ck.percentile_sorted(v[order], np.cumsum(w[order]), q) == want
 
 
 def test_percentiles_leave_out_nan_and_sort_once():
