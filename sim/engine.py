@@ -189,11 +189,10 @@ class SimEngine:
         self._buffers = None  # the compiled loop's record buffers, reused from call to call
         self._last_span = SimEngine.COMPILED_STEPS  # steps the last call of the compiled loop took
         self.pause_every_s = None  # the compiled loop hands back at each multiple of it (a caller looks)
-        # the compiled loop takes arrivals too when it can run the gate: no controller or a compiled one, nobody
-        # parked in the gate's queue (it does not keep it), and phases of their own (lockstep's silent frames wait
-        # for their tick's running frames, which it does not follow as sessions join)
+        # the compiled loop takes arrivals too when it can run the gate: no controller or a compiled one, and nobody
+        # parked in the gate's queue (it does not keep it)
         c = self.controller
-        self.arrivals_in_loop = (c is None or c.compiled) and self.gate.on_refuse != "queue" and not self.lockstep
+        self.arrivals_in_loop = (c is None or c.compiled) and self.gate.on_refuse != "queue"
         self._no_controller = None  # the arrays the loop gets without a compiled controller (kept from call to call)
 
     def _init_sessions(self, M: int) -> None:
@@ -738,7 +737,7 @@ class SimEngine:
         buf = self._compiled_buffers(n_max, int(iconf[fp.I_ANSCAP]))
         new_i, new_s = (np.zeros(sess.size, dtype=np.int64) for _ in range(2))  # first frames: new requests
         # lockstep: silent frames owed until their tick's running frames are done (session, frame, tokens got)
-        pend = np.zeros((len(self.silent_pending) + 8 * live.size + 64, 3), dtype=np.int64)
+        pend = np.zeros((len(self.silent_pending) + 8 * sess.size + 64, 3), dtype=np.int64)
         if self.silent_pending:
             pend[:len(self.silent_pending)] = self.silent_pending
         na0 = self.next_arrival

@@ -618,7 +618,7 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
                                        new_s, n_new)
     if lockstep:
         n_pend = _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend)
-        n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
+        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n0)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_late, fr_f, fr_tick, fr_done,
                       fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
@@ -642,14 +642,16 @@ def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_lat
 
 
 @nb.njit(cache=True)
-def _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames, s_silent, a_key, a_who,
-                   a_tok, n_ans):
+def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames, s_silent, a_key,
+                   a_who, a_tok, n_ans):
     """SimEngine._answer_silent (lockstep): frames owed to sessions without a place (``pend``: session, frame,
-    tokens got) are answered once every running session's frame of their tick is done. Appends them to the
-    answers; returns (the answers, the frames still owed)."""
+    tokens got) are answered once every running session's frame of their tick is done (``run_sess``: the sessions
+    the span may see). Appends them to the answers; returns (the answers, the frames still owed)."""
     unfinished = np.iinfo(np.int64).max
     for j in range(run_sess.size):
         i = run_sess[j]
+        if state[i] != R_STATE:
+            continue
         if inflight[i] >= 0:
             unfinished = min(unfinished, inflight[i])
         elif backlog[i] > 0:
@@ -677,8 +679,8 @@ def _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend):
 @nb.njit(cache=True)
 def _answer_step(now, iconf, fconf, fc, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
                  s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
-                 pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, row, nS, new_tokens, ctx, used, cs, cp, clat,
-                 cw, ctr):
+                 state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, row, nS, new_tokens, ctx, used, cs, cp,
+                 clat, cw, ctr):
     """After a step that ended at ``now``: tokens to their frames, finished frames (and in lockstep the silent
     ones they held back) answered, one row per tick, and the step's row. Returns (sessions with frames still
     queued, frames still owed, frame rows)."""
@@ -687,7 +689,7 @@ def _answer_step(now, iconf, fconf, fc, sampled, n_sam, sess_of_slot, pslot, inf
                                                     a_key, a_who, a_tok, ready)
     n_ans = n_done
     if n_pend:
-        n_ans, n_pend = _answer_silent(run_sess, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
+        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n_done)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_late, fr_f, fr_tick, fr_done,
                       fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
@@ -765,7 +767,7 @@ def _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, loc
     start, who, tick, ok = _wheel(live, state, pslot, next_frame, phase, P)
     visit = np.empty(2 * live.size, np.int64)
     ready, n_ready = _queued_behind(live, state, inflight, backlog)
-    run_sess = live[state[live] == R_STATE] if lockstep else live[:0]
+    run_sess = live if lockstep else live[:0]
     a_key, a_who, a_tok = np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), np.empty(n_answers, np.int64)
     return start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok
 
@@ -845,7 +847,7 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
         n_ready, n_pend, nrows = _answer_step(
             now, iconf, fconf, fc, o_sam, o_n[O_SAM], sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
             s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
-            pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i[nsteps], o_n[O_SCHED], o_n[O_NEW],
+            state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i[nsteps], o_n[O_SCHED], o_n[O_NEW],
             o_n[O_CTX], o_n[O_USED], cs, cp, clat, cw, ctr)
         peak = max(peak, o_n[O_USED])
         st_t[nsteps], st_lat[nsteps] = step_start, lat
