@@ -55,7 +55,7 @@ def percentile_sorted(v, cum, q):
     """The weighted nearest-rank percentile of values ``v`` in ascending order, ``cum`` their cumulative weights
     (all > 0), ``q`` in (0, 100]: the smallest value whose cumulative weight reaches ``q/100`` of the total. The
     small relative slack keeps q·W/100 == an exact cumulative weight from being missed by rounding (e.g.
-    99.9 · 1000 / 100 = 999.0000000000001)."""
+    16.1 · 1000 / 100 = 161.00000000000003)."""
     i = np.searchsorted(cum, percentile_threshold(cum[-1], q), side="left")
     return v[min(i, v.size - 1)]
 
