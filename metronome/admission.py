@@ -77,7 +77,6 @@ DECISIONS = ("increase", "decrease", "draining", "hold", "dead")
 ON_REFUSE = ("reject", "queue")
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # Parameters: each controller declares its own (``Params``); a parameter file may hold any of them
 # ---------------------------------------------------------------------------------------------------
@@ -426,9 +425,7 @@ class AdmissionController(ABC):
 
     def advance(self, now_s: float, in_flight: int) -> None:
         """Close every control interval that ended at or before ``now_s`` (one decision each)."""
-        now_s = self._check_time(now_s)
-        in_flight = self._check_in_flight(in_flight)
-        self._room(now_s, 0)
+        now_s, in_flight = self._checked(now_s, in_flight)
         if self.compiled:
             ck.advance(self.cs, self.cp, self.lat, self.w, self.tr, now_s, float(in_flight))
             return
@@ -439,9 +436,7 @@ class AdmissionController(ABC):
     def may_admit(self, now_s: float, in_flight: int) -> bool:
         """Advance to ``now_s``, then: may one more session start with ``in_flight`` running?"""
         if self.compiled:
-            now_s = self._check_time(now_s)
-            in_flight = self._check_in_flight(in_flight)
-            self._room(now_s, 0)
+            now_s, in_flight = self._checked(now_s, in_flight)
             return bool(ck.may_admit(self.cs, self.cp, self.lat, self.w, self.tr, now_s, float(in_flight)))
         self.advance(now_s, in_flight)
         return (not self.dead) and int(in_flight) < self.limit
@@ -489,6 +484,12 @@ class AdmissionController(ABC):
             grow = max(n, 2 * self.lat.size) - self.lat.size
             self.lat, self.w = (np.concatenate([a, np.zeros(grow)]) for a in (self.lat, self.w))
 
+    def _checked(self, now_s, in_flight) -> tuple[float, int]:
+        """A call's time and in-flight count, checked, with room for the intervals it closes."""
+        now_s, in_flight = self._check_time(now_s), self._check_in_flight(in_flight)
+        self._room(now_s, 0)
+        return now_s, in_flight
+
     @staticmethod
     def _check_time(now_s) -> float:
         if not _is_real(now_s):
@@ -516,10 +517,9 @@ class AdmissionController(ABC):
             ck.next_interval(cs, float(in_flight))
 
     def _decide(self, in_flight: int, p_latency_s: float | None, frames: int, silent: int) -> str:
-        """Judge one closed interval; may change the limit; returns one of :data:`DECISIONS` (a compiled kind's
-        decision is control_kernel.decide; a controller deciding in Python states its own)."""
-        p = np.nan if p_latency_s is None else float(p_latency_s)
-        return DECISIONS[int(ck.decide(self.cs, self.cp, float(in_flight), p, float(frames), float(silent)))]
+        """Judge one closed interval; may change the limit; returns one of :data:`DECISIONS`. A controller deciding
+        in Python (``kind`` K_PYTHON) states it; a compiled kind's is control_kernel.decide, never called here."""
+        raise NotImplementedError(f"{type(self).__name__} decides in Python (kind K_PYTHON) but states no _decide")
 
 
 # ---------------------------------------------------------------------------------------------------

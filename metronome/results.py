@@ -57,7 +57,6 @@ REFUSED_REASONS = EndReason.NOT_ADMITTED
 DIGITS = 6  # figures in seconds and fractions are rounded to 1e-6 (a microsecond) in both summaries
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # The percentile
 # ---------------------------------------------------------------------------------------------------
@@ -75,7 +74,7 @@ def weighted_percentile(values, weights, q: float) -> float | None:
 
 
 def weighted_percentiles(values, weights, qs) -> list[float | None]:
-    """:func:`weighted_percentile` at each of ``qs``, the samples sorted once (a run's frames are millions)."""
+    """:func:`weighted_percentile` at each of ``qs``, the samples checked once (a run's frames are millions)."""
     v = np.asarray(values, dtype=float).ravel()
     w = np.asarray(weights, dtype=float).ravel()
     if v.shape != w.shape:
@@ -104,7 +103,7 @@ def percentile(values, q: float) -> float | None:
 
 
 def percentiles(values, qs) -> list[float | None]:
-    """:func:`percentile` at each of ``qs``, the samples sorted once."""
+    """:func:`percentile` at each of ``qs``."""
     v = np.asarray(values, dtype=float).ravel()
     v = v[~np.isnan(v)]
     return weighted_percentiles(v, np.ones(v.size), qs) if v.size else [None] * len(qs)

@@ -41,8 +41,8 @@ P_CODE = EngineModel.PAUSED_CODE
 
 # iconf: the front end's and the stream's constants (the engine's limits are the engine model's own, ``lim``);
 # I_SEES: the front end sees starved and preempted requests after each step (serving.sees_starvation); I_NA_END:
-# the arrivals the loop takes are those before this one (0: it takes none); I_CTL: how the admission controller
-# hears the answered frames (CTL_*)
+# the arrivals the loop takes are those before this one (the next arrival's index: it takes none); I_CTL: how the
+# admission controller hears the answered frames (CTL_*)
 I_NIN, I_NOUT, I_MAXSTEPS, I_PROMPT, I_ANSCAP, I_FLO, I_LOCKSTEP, I_SEES, I_NA_END, I_CTL = range(10)
 N_ICONF = 10
 # I_CTL: no controller, or one deciding in Python (the caller hands it the frame rows after the call); a compiled
@@ -314,7 +314,7 @@ def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog
         if i == last:
             continue
         last = i
-        first = prompt + pending_in[i] + chunk - 1  # (SimEngine._submit: the prompt, silent frames' input, its own)
+        first = _first_chunk(prompt, pending_in[i], chunk - 1)
         s = add_slot(hist[i] + first, n_out, cnt, status, ntok, maxtok, kseq, wq)
         sslot[i], sess_of_slot[s], started[i], pending_in[i] = s, i, True, 0
         new_i[n_new], new_s[n_new] = i, s
@@ -431,10 +431,16 @@ def _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, 
 
 
 @nb.njit(cache=True)
+def _first_chunk(prompt, pending, n_in):
+    """A session's first frame's tokens (SimEngine._request_tokens): the prompt, the input of its silent frames
+    and its own."""
+    return prompt + pending + n_in
+
+
+@nb.njit(cache=True)
 def _first_fits(i, iconf, maxlen, hist, pending_in):
-    """Whether session ``i``'s first frame (its prompt, the input of its silent frames, its own) fits the length
-    limit (SimEngine._submit: serving.frame_fits)."""
-    return hist[i] + iconf[I_PROMPT] + pending_in[i] + iconf[I_NIN] + iconf[I_NOUT] < maxlen
+    """Whether session ``i``'s first frame fits the length limit (SimEngine._submit: serving.frame_fits)."""
+    return hist[i] + _first_chunk(iconf[I_PROMPT], pending_in[i], iconf[I_NIN]) + iconf[I_NOUT] < maxlen
 
 
 @nb.njit(cache=True)
@@ -451,7 +457,7 @@ def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started,
             gone = gone or d == i
         if gone:
             continue
-        tok = hist[i] + pending_in[i] if started[i] else iconf[I_PROMPT] + pending_in[i] + iconf[I_NIN]
+        tok = hist[i] + pending_in[i] if started[i] else _first_chunk(iconf[I_PROMPT], pending_in[i], iconf[I_NIN])
         need = gate_blocks_jit(tok, lim[L_BS], lim[L_CAP], 0)
         if need > free:
             break
@@ -585,9 +591,8 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
     the latest, rows, frames owed in lockstep, new requests so far)."""
     P, eps = fconf[F_P], fconf[F_EPS]
     n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
-    if iconf[I_NA_END]:
-        _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick,
-                cs, cp, clat, cw, ctr)
+    _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick, cs,
+            cp, clat, cw, ctr)
     n_visit, taken, k1, n_adm = _turn_plan(
         now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog, inflight, hist,
         pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq, dep_t, dep_i,
@@ -679,8 +684,8 @@ def _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend):
 @nb.njit(cache=True)
 def _answer_step(now, iconf, fconf, fc, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
                  s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
-                 state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, row, nS, new_tokens, ctx, used, cs, cp,
-                 clat, cw, ctr):
+                 state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, row, nS, new_tokens, ctx, used, cs,
+                 cp, clat, cw, ctr):
     """After a step that ended at ``now``: tokens to their frames, finished frames (and in lockstep the silent
     ones they held back) answered, one row per tick, and the step's row. Returns (sessions with frames still
     queued, frames still owed, frame rows)."""
@@ -734,7 +739,8 @@ def _next_wake(tick, t_next, fc, dep_t, iconf, arr_t):
 
 @nb.njit(cache=True)
 def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw,
-                 wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, step_no, sframe, jit, jz, ja, jb, jp, jr):
+                 wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, step_no, sframe, jit, jz, ja, jb, jp,
+                 jr):
     """EngineModel.step (serving.engine_step on the engine model's own arrays) at ``now``, the first-step term and
     the step's latency. Returns (the latency, TURN_CALLER when this loop goes on after it, or where it stops:
     TURN_TAKEN before it, the step the caller's to take (under correlated jitter its frame's draws are not in this
@@ -787,14 +793,14 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     max_steps, ans_cap, lockstep = iconf[I_MAXSTEPS], iconf[I_ANSCAP], iconf[I_LOCKSTEP] != 0
     # the arguments live as long as this call: inside it they need no reference counts (compiled.borrowed), and
     # the engine's arrays are unpacked once (a tuple of arrays handed to a callee costs every call)
-    (iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight, inflight_tok,
-     hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames, s_silent, s_late, fresh,
-     sess_of_slot, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i,
-     s_ended, new_i, new_s, fc, fq, arr_t, dur, s_admitted, admit_seq) = borrowed((
-        iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight, inflight_tok,
-        hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames, s_silent, s_late,
-        fresh, sess_of_slot, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done, fr_lat, fr_i, pend,
-        dep_t, dep_i, s_ended, new_i, new_s, fc, fq, arr_t, dur, s_admitted, admit_seq))
+    (iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
+     inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames,
+     s_silent, s_late, fresh, sess_of_slot, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done,
+     fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, fc, fq, arr_t, dur, s_admitted, admit_seq) = borrowed((
+        iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
+        inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames,
+        s_silent, s_late, fresh, sess_of_slot, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done,
+        fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, fc, fq, arr_t, dur, s_admitted, admit_seq))
     lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
         o_n, reached = borrowed(eng)
     cs, cp, clat, cw, ctr = borrowed(ctl)

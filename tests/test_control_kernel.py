@@ -114,3 +114,20 @@ def test_the_kernel_and_the_interface_are_one_state(make):
     b.room(now[0], now[-1], now.size)
     ck.observe_rows(b.cs, b.cp, b.lat, b.w, b.tr, now, lat, f, s, inf)
     assert a.trace() == b.trace() and a.limit == b.limit and len(a.trace()) == 7
+
+
+def test_a_controller_deciding_in_python_must_state_its_decision():
+    """The base class has no decision of its own to fall back on: a Python controller without one says so at its
+    first closed interval, rather than holding silently."""
+
+    class Silent(AdmissionController):
+        name = spec = "silent"
+
+        @property
+        def limit(self) -> int:
+            return 4
+
+    c = Silent()
+    c.advance(0.0, 1)
+    with pytest.raises(NotImplementedError, match="Silent decides in Python"):
+        c.advance(1.0, 1)
