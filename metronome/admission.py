@@ -416,8 +416,8 @@ class AdmissionController(ABC):
             raise ValueError("observe_many: rows out of time order, or frames/silent/in_flight out of range")
         if self.compiled:
             self._room(float(now[0]), n, float(now[-1]))
-            ck.observe_rows(self.cs, self.cp, self.lat, self.w, self.tr, now, lat, fr.astype(float),
-                            si.astype(float), inf.astype(float))
+            # (contiguous int64 counts, as the simulator's compiled loop hands them over: one compiled form)
+            ck.observe_rows(self.cs, self.cp, self.lat, self.w, self.tr, now, lat, fr, si, np.ascontiguousarray(inf))
             return
         for t, lt, f, s, k in zip(now.tolist(), lat.tolist(), fr.tolist(), si.tolist(), inf.tolist()):
             self.advance(t, k)

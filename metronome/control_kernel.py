@@ -68,41 +68,80 @@ def percentile_threshold(total, q):
 
 @nb.njit(cache=True)
 def percentile_whole(v, w, q):
-    """:func:`percentile_sorted` of ``v`` whose weights ``w`` are whole numbers (all > 0, a total below 2**53: every
-    sum of them is exact), without sorting: the value the percentile's rank falls on among the samples repeated by
-    weight, found by a weighted quickselect (expected linear time: a run's frames are millions of rows)."""
+    """:func:`percentiles_whole` at one ``q``."""
+    qs = np.empty(1)
+    qs[0] = q
+    return percentiles_whole(v, w, qs)[0]
+
+
+@nb.njit(cache=True)
+def percentiles_whole(v, w, qs):
+    """:func:`percentile_sorted` at each of ``qs`` of ``v`` whose weights ``w`` are whole numbers (>= 0, a total
+    above 0 and below 2**53: every sum of them is exact; no value NaN), without sorting: the value each
+    percentile's rank falls on among the samples repeated by weight, found by a weighted quickselect (expected
+    linear time: a run's frames are millions of rows). The ranks are taken in ascending order, each searching
+    only what lies at or above the one before."""
     total = 0.0
     for x in w:
         total += x
-    rank = min(max(math.ceil(percentile_threshold(total, q)) - 1, 0), total - 1)  # 0-based, among the repeated
+    out = np.empty(qs.size)
     a, b = v.copy(), w.copy()
-    lo, hi = 0, v.size
-    while True:
-        p = a[lo + (hi - lo) // 2]
-        # three ways: [lo, i) below the pivot, [i, j) equal, [j, hi) above
-        i, j, k = lo, lo, hi
-        below = equal = 0.0
-        while j < k:
-            if a[j] < p:
-                a[i], a[j] = a[j], a[i]
-                b[i], b[j] = b[j], b[i]
-                below += b[i]
-                i += 1
-                j += 1
-            elif a[j] > p:
-                k -= 1
-                a[j], a[k] = a[k], a[j]
-                b[j], b[k] = b[k], b[j]
+    lo, base = 0, 0.0  # everything before lo is below what is left to find, and weighs base
+    for idx in np.argsort(qs):
+        rank = min(max(math.ceil(percentile_threshold(total, qs[idx])) - 1, 0), total - 1)  # 0-based, repeated
+        rank -= base
+        hi = v.size
+        while True:
+            if lo >= hi:  # (cannot happen while the ranks are within the total: a bug, not a slow search)
+                raise AssertionError("percentiles_whole: a rank fell outside the samples")
+            p = a[lo + (hi - lo) // 2]
+            # three ways: [lo, i) below the pivot, [i, j) equal, [j, hi) above
+            i, j, k = lo, lo, hi
+            below = equal = 0.0
+            while j < k:
+                if a[j] < p:
+                    a[i], a[j] = a[j], a[i]
+                    b[i], b[j] = b[j], b[i]
+                    below += b[i]
+                    i += 1
+                    j += 1
+                elif a[j] > p:
+                    k -= 1
+                    a[j], a[k] = a[k], a[j]
+                    b[j], b[k] = b[k], b[j]
+                else:
+                    equal += b[j]
+                    j += 1
+            if rank < below:
+                hi = i
+            elif rank < below + equal:
+                out[idx] = p
+                lo, base = i, base + below  # the next rank is at or above p: from the equal block on
+                break
             else:
-                equal += b[j]
-                j += 1
-        if rank < below:
-            hi = i
-        elif rank < below + equal:
-            return p
-        else:
-            rank -= below + equal
-            lo = j
+                rank -= below + equal
+                base += below + equal
+                lo = j
+    return out
+
+
+@nb.njit(cache=True)
+def whole_weights(v, w):
+    """What :func:`percentiles_whole` may take, in one pass: 1 when every weight is a finite whole number >= 0,
+    their total is above 0 and below 2**53, and no value is NaN; 0 when they are fine but not that (fractions, a
+    NaN value, too large a total); -1 when a weight is negative or not finite; -2 when every weight is 0."""
+    total = 0.0
+    whole = True
+    for j in range(w.size):
+        x = w[j]
+        if not (x >= 0.0) or np.isinf(x):
+            return -1
+        total += x
+        if whole and (x != math.floor(x) or np.isnan(v[j])):
+            whole = False
+    if total == 0.0:
+        return -2
+    return 1 if whole and total < 2.0 ** 53 else 0
 
 
 @nb.njit(cache=True)
@@ -333,5 +372,6 @@ def observe_rows(cs, cp, lat, w, tr, now, latency, frames, silent, in_flight):
     """Row by row: ``advance(now, in_flight)`` then ``observe(now, latency, frames, silent)`` (a front end
     answering its frames a moment at a time)."""
     for j in range(now.size):
-        advance(cs, cp, lat, w, tr, now[j], in_flight[j])
-        take_frames(cs, cp, lat, w, latency[j], frames[j], silent[j])  # (observe: advance closed through now[j])
+        # (counts as floats, as every other caller gives them: one compiled form of advance and take_frames)
+        advance(cs, cp, lat, w, tr, now[j], float(in_flight[j]))
+        take_frames(cs, cp, lat, w, latency[j], float(frames[j]), float(silent[j]))  # (advance closed through now[j])

@@ -65,6 +65,8 @@ class FillModel:
 
     def __post_init__(self):
         check_phases(self.phases)
+        # T(N, c)'s constants, once (the mean-field clocks call it hundreds of times; not a field: no part of eq)
+        object.__setattr__(self, "_service", throughput.FrameService(self.calibration, self.policy, self.phases))
 
     # -- basic quantities ------------------------------------------------------------------------------
     @property
@@ -96,7 +98,7 @@ class FillModel:
         n = np.asarray(n_sessions)
         share = (self.usable_blocks * self.policy.block_size) // np.maximum(n, 1)
         tokens = np.minimum(np.asarray(tokens, dtype=np.int64), share)
-        return throughput.frame_service_s(self.calibration, self.policy, self.phases, n, tokens)
+        return self._service(n, tokens)
 
     def frame_time_s(self, n_sessions, tokens):
         """Seconds between one session's served frames with ``n_sessions`` in flight at ``tokens`` computed

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metronome.control_kernel import percentile_sorted, percentile_whole
+from metronome.control_kernel import percentile_sorted, percentiles_whole, whole_weights
 from metronome.serving import EndReason
 
 __all__ = [
@@ -82,15 +82,16 @@ def weighted_percentiles(values, weights, qs) -> list[float | None]:
     for q in qs:
         if not 0.0 < q <= 100.0:
             raise ValueError(f"percentile must be in (0, 100], got {q}")
-    if np.any(w < 0) or not np.all(np.isfinite(w)):
+    kind = whole_weights(v, w)  # (one pass over millions of frame rows)
+    if kind == -1:
         raise ValueError("weights must be finite and >= 0")
-    keep = w > 0
-    if not np.any(keep):
+    if kind == -2:
         return [None] * len(qs)
-    v, w = v[keep], w[keep]
     # the rule is the admission controllers' too (they run it in the simulator's compiled loop): stated there
-    if w.sum() < 2.0 ** 53 and (w == np.floor(w)).all() and not np.isnan(v).any():  # whole weights: frames, steps
-        return [float(percentile_whole(v, w, float(q))) for q in qs]
+    if kind == 1:  # whole weights (frames, steps): selected, not sorted
+        return [float(x) for x in percentiles_whole(v, w, np.array(qs, dtype=float))]
+    keep = w > 0
+    v, w = v[keep], w[keep]
     order = np.argsort(v, kind="stable")
     v, cum = v[order], np.cumsum(w[order])
     return [float(percentile_sorted(v, cum, float(q))) for q in qs]

@@ -51,35 +51,43 @@ def frame_steps(stream: TokenStream) -> tuple[np.ndarray, np.ndarray]:
     return new, np.where(j == 0, 0, stream.input_tokens_per_frame + j)
 
 
-def _frame_substeps(calibration: Calibration, policy: KVPolicy, computed_tokens):
-    """Per sub-step ``j`` of a frame that starts after ``computed_tokens``: (tokens it computes, resident tokens
-    it attends over), as arrays whose last axis is ``j``."""
-    c = np.asarray(computed_tokens, dtype=np.int64)[..., None]
-    new, before = frame_steps(calibration.stream)
-    return new, policy.resident_tokens(c + before).astype(float)
+class FrameService:
+    """``T(N, c)`` of one engine serving one policy under one phase regime (:func:`frame_service_s`), with what
+    does not depend on ``N`` and ``c`` worked out once: the mean-field clocks of the fill model call it hundreds
+    of times a run."""
 
+    def __init__(self, calibration: Calibration, policy: KVPolicy, phases: str):
+        check_phases(phases)
+        self.policy, self.aligned = policy, phases == "aligned"
+        self.lat = calibration.step_latency_for(policy)
+        self.ratio = mean_ratio(self.lat)
+        self.budget = calibration.engine.max_num_batched_tokens
+        self.new, self.before = frame_steps(calibration.stream)
 
-def _steps_s(calibration: Calibration, policy: KVPolicy, batch, context_tokens, new_tokens):
-    """Seconds of the engine's steps over ``batch`` sequences, ``context_tokens`` and ``new_tokens`` (split into
-    steps the token budget allows), at the step model's mean."""
-    lat = calibration.step_latency_for(policy)
-    m = np.maximum(np.ceil(new_tokens / calibration.engine.max_num_batched_tokens), 1.0)
-    return m * lat.step_s(batch / m, context_tokens / m, new_tokens / m) * mean_ratio(lat)
+    def steps_s(self, batch, context_tokens, new_tokens):
+        """Seconds of the engine's steps over ``batch`` sequences, ``context_tokens`` and ``new_tokens`` (split into
+        steps the token budget allows), at the step model's mean."""
+        m = np.maximum(np.ceil(new_tokens / self.budget), 1.0)
+        return m * self.lat.step_s(batch / m, context_tokens / m, new_tokens / m) * self.ratio
+
+    def __call__(self, sessions, computed_tokens):
+        n = np.asarray(sessions, dtype=float)[..., None]
+        # per sub-step j of a frame that starts after computed_tokens: the tokens it computes, the resident tokens
+        # it attends over (the last axis is j)
+        ctx = self.policy.resident_tokens(np.asarray(computed_tokens, dtype=np.int64)[..., None] + self.before)
+        ctx = ctx.astype(float)
+        if self.aligned:
+            t = self.steps_s(n, n * ctx, n * self.new).sum(axis=-1)
+        else:
+            t = self.new.size * self.steps_s(n[..., 0], n[..., 0] * ctx.mean(axis=-1), n[..., 0] * self.new.mean())
+        return np.where(np.asarray(sessions) > 0, t, 0.0)
 
 
 def frame_service_s(calibration: Calibration, policy: KVPolicy, phases: str, sessions, computed_tokens):
     """``T(N, c)``: seconds the engine takes to serve one frame of each of ``sessions`` sessions, each of which has
     ``computed_tokens`` tokens at the frame's start and work in every step (module docstring). Vectorised:
     ``sessions`` and ``computed_tokens`` broadcast; 0 for no sessions."""
-    check_phases(phases)
-    n = np.asarray(sessions, dtype=float)[..., None]
-    new, ctx = _frame_substeps(calibration, policy, computed_tokens)
-    if phases == "aligned":
-        t = _steps_s(calibration, policy, n, n * ctx, n * new).sum(axis=-1)
-    else:
-        k = new.size
-        t = k * _steps_s(calibration, policy, n[..., 0], n[..., 0] * ctx.mean(axis=-1), n[..., 0] * new.mean())
-    return np.where(np.asarray(sessions) > 0, t, 0.0)
+    return FrameService(calibration, policy, phases)(sessions, computed_tokens)
 
 
 def frame_time_s(calibration: Calibration, policy: KVPolicy, phases: str, sessions, computed_tokens):

@@ -33,6 +33,7 @@ from metronome import control_kernel as ck
 from metronome.compiled import borrowed
 from metronome.calibration import step_inputs
 from metronome.jitter_kernel import correlated_ratio
+from metronome.sim.recorder import FRAME_BLOCK, STEP_BLOCK
 from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX, O_NEW,
                                O_PRE, O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel, abort_slot, add_slot,
                                engine_step, gate_blocks_jit, key_order, resume_slot)
@@ -50,7 +51,12 @@ N_ICONF = 10
 CTL_AFTER, CTL_COMPILED = 0, 1
 # frame rows' integer columns (fr_i); R_INFLIGHT: sessions in flight at the front end when the row was answered (what
 # an admission controller is told with it)
-R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_INFLIGHT = range(6)
+R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_INFLIGHT = (
+    FRAME_BLOCK.index(c) for c in ("frames", "late", "tokens", "silent", "silent_preempted", "in_flight"))
+# a step row's integer columns (st_i), likewise the steps table's block
+(Q_BATCH, Q_NEW, Q_CTX, Q_USED, Q_OUT, Q_DONE, Q_RUNNING, Q_WAITING, Q_SILENT, Q_FREE, Q_PRE) = (
+    STEP_BLOCK.index(c) for c in ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out",
+                                  "frames_done", "running", "waiting", "silent_frames", "free_blocks", "preemptions"))
 WAITING_STATE, R_STATE, ENDED_STATE, REFUSED_STATE = 1, 3, 4, 5  # SimEngine's states: waiting, running, ended, refused
 # fconf: times and the step-latency model's real-time terms (its coefficients come as their own array, ``coef``)
 # (F_TPAUSE: the loop hands back after the first turn from then on, so a caller can look at the run, e.g. whether
@@ -74,7 +80,9 @@ TURN_CALLER, TURN_TAKEN, PAST_HORIZON, PAUSED, STEP_TAKEN = range(5)
 # next arrival, the next admission's sequence number
 C_NRUN, C_DEP, C_NDEPS, C_NWAIT, C_QHEAD, C_NARR, C_SEQ = range(7)
 N_FC = 7
-# istate (in/out): what the call did (S_NNEW: the requests added)
+# istate (in/out): what the call did (S_NNEW: the requests added); S_NSTEPS and S_NROWS come in as the rows of the
+# record arrays (st_*, fr_*: the tables' storage) to write from, S_NSTEPS goes out as the steps taken and S_NROWS as
+# the row after the last written
 S_SFRAME, S_PEAK, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND, S_NNEW = range(8)
 
 
@@ -119,12 +127,12 @@ def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f,
         fr_tick[nrows] = tick
         fr_done[nrows] = now
         fr_lat[nrows] = latency
-        fr_i[nrows, R_FRAMES] = e - j
-        fr_i[nrows, R_LATE] = (e - j) if late else 0
-        fr_i[nrows, R_TOKENS] = tk
-        fr_i[nrows, R_SILENT] = sil
-        fr_i[nrows, R_SILENT_PRE] = pre
-        fr_i[nrows, R_INFLIGHT] = in_flight
+        fr_i[R_FRAMES, nrows] = e - j
+        fr_i[R_LATE, nrows] = (e - j) if late else 0
+        fr_i[R_TOKENS, nrows] = tk
+        fr_i[R_SILENT, nrows] = sil
+        fr_i[R_SILENT_PRE, nrows] = pre
+        fr_i[R_INFLIGHT, nrows] = in_flight
         nrows += 1
         j = e
     return nrows
@@ -641,8 +649,8 @@ def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_lat
     nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS],
                   s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, fc[C_NRUN] + fc[C_NWAIT])
     if iconf[I_CTL] == CTL_COMPILED:
-        ck.observe_rows(cs, cp, clat, cw, ctr, fr_done[r0:nrows], fr_lat[r0:nrows], fr_i[r0:nrows, R_FRAMES],
-                        fr_i[r0:nrows, R_SILENT], fr_i[r0:nrows, R_INFLIGHT])
+        ck.observe_rows(cs, cp, clat, cw, ctr, fr_done[r0:nrows], fr_lat[r0:nrows], fr_i[R_FRAMES][r0:nrows],
+                        fr_i[R_SILENT][r0:nrows], fr_i[R_INFLIGHT][r0:nrows])
     return nrows
 
 
@@ -684,11 +692,11 @@ def _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend):
 @nb.njit(cache=True)
 def _answer_step(now, iconf, fconf, fc, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
                  s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
-                 state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, row, nS, new_tokens, ctx, used, cs,
-                 cp, clat, cw, ctr):
+                 state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i, k, nS, new_tokens, ctx, used,
+                 cs, cp, clat, cw, ctr):
     """After a step that ended at ``now``: tokens to their frames, finished frames (and in lockstep the silent
     ones they held back) answered, one row per tick, and the step's row. Returns (sessions with frames still
-    queued, frames still owed, frame rows)."""
+    queued, frames still owed, frame rows). The step's row is ``k``."""
     tokens_out, n_done, n_ready = _tokens_to_frames(sampled, n_sam, iconf[I_NOUT], sess_of_slot, pslot, inflight,
                                                     inflight_tok, s_tokens, s_frames, hist, last_tok, backlog,
                                                     a_key, a_who, a_tok, ready)
@@ -698,19 +706,21 @@ def _answer_step(now, iconf, fconf, fc, sampled, n_sam, sess_of_slot, pslot, inf
                                        s_silent, a_key, a_who, a_tok, n_done)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_late, fr_f, fr_tick, fr_done,
                       fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
-    _record_step(row, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, a_tok[n_done:n_ans])
+    _record_step(st_i, k, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, a_tok[n_done:n_ans])
     return n_ready, n_pend, nrows
 
 
 @nb.njit(cache=True)
-def _record_step(row, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok):
-    """A step's row (SimEngine._after_step's): batch, tokens, context, blocks, frames answered, silent ones."""
-    row[0], row[1], row[2], row[3], row[4], row[5] = nS, new_tokens, ctx, used, tokens_out, n_ans
+def _record_step(st_i, k, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok):
+    """Step row ``k`` (SimEngine._after_step's): batch, tokens, context, blocks, frames answered, silent ones (the
+    caller fills the free blocks; the loop preempts nobody)."""
     silent = 0
     for t in silent_tok:
         if t == 0:  # serving.frame_is_silent
             silent += 1
-    row[6], row[7], row[8] = fc[C_NRUN], fc[C_NWAIT], silent
+    st_i[Q_BATCH, k], st_i[Q_NEW, k], st_i[Q_CTX, k], st_i[Q_USED, k] = nS, new_tokens, ctx, used
+    st_i[Q_OUT, k], st_i[Q_DONE, k], st_i[Q_SILENT, k] = tokens_out, n_ans, silent
+    st_i[Q_RUNNING, k], st_i[Q_WAITING, k], st_i[Q_PRE, k] = fc[C_NRUN], fc[C_NWAIT], 0
 
 
 @nb.njit(cache=True)
@@ -807,7 +817,8 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     sframe, peak, n_pend = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND]
     idle = istate[S_IDLE] != 0  # the engine waited since its last step: a frame's step then pays first_s
     now = fstate[0]
-    nsteps = nrows = n_new = 0
+    s0, nrows = istate[S_NSTEPS], istate[S_NROWS]  # the records are written from these rows on
+    nsteps = n_new = 0
     turned = TURN_TAKEN  # the caller's turn at `now` is done
     start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok = _span_state(
         live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, ans_cap + pend.shape[0])
@@ -853,10 +864,10 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
         n_ready, n_pend, nrows = _answer_step(
             now, iconf, fconf, fc, o_sam, o_n[O_SAM], sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
             s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
-            state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i[nsteps], o_n[O_SCHED], o_n[O_NEW],
-            o_n[O_CTX], o_n[O_USED], cs, cp, clat, cw, ctr)
+            state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i, s0 + nsteps, o_n[O_SCHED],
+            o_n[O_NEW], o_n[O_CTX], o_n[O_USED], cs, cp, clat, cw, ctr)
         peak = max(peak, o_n[O_USED])
-        st_t[nsteps], st_lat[nsteps] = step_start, lat
+        st_t[s0 + nsteps], st_lat[s0 + nsteps] = step_start, lat
         nsteps += 1
     istate[S_SFRAME], istate[S_PEAK], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED] = \
         sframe, peak, nsteps, nrows, turned

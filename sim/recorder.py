@@ -1,7 +1,9 @@
 """Metrics, recorded once: per engine step, per frame tick, per session.
 
-Steps and frame ticks arrive in chunks (one row from a single step, many rows from a fast-forwarded
-span), so each table is a list of column chunks concatenated at the end.
+Rows are written in place: each table's columns live in storage that grows by doubling, and a writer (the
+compiled loop, or a step of the step-by-step path) writes its rows straight after the last. A run's frames table
+is millions of rows, and writing them into per-call chunks and joining those at the end touched every row
+three times.
 """
 
 from __future__ import annotations
@@ -16,46 +18,91 @@ STEP_COLUMNS = (
     "tokens_out", "frames_done", "silent_frames", "preemptions", "running", "waiting",
 )
 FRAME_COLUMNS = ("frame", "tick_s", "done_s", "latency_s", "frames", "silent", "silent_preempted", "late", "tokens")
+# the integer columns a compiled writer takes as one array, one row each, in its order (metronome.sim.fastpath
+# indexes them by these names); "in_flight" is the writer's own: what a controller is told with a frame row, no
+# column of the table
+STEP_BLOCK = ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out", "frames_done", "running",
+              "waiting", "silent_frames", "free_blocks", "preemptions")
+FRAME_BLOCK = ("frames", "late", "tokens", "silent", "silent_preempted", "in_flight")
 
 
 class Table:
-    def __init__(self, columns, dtypes):
-        self.columns = columns
+    """Columns of one dtype each; those named in ``block`` (int64) are the rows of one 2-D array, so that a compiled
+    writer takes them as one argument. :meth:`reserve` makes room, a writer writes rows ``rows`` on into
+    :attr:`block` and :meth:`store`, and :meth:`commit` says how far it got."""
+
+    def __init__(self, columns, dtypes, block=(), capacity: int = 1024):
+        self.columns = tuple(columns)
         self.dtypes = dtypes
-        self.chunks: dict[str, list[np.ndarray]] = {c: [] for c in columns}
+        self.block_names = tuple(block)
+        self._row_of = {c: j for j, c in enumerate(self.block_names)}
+        self.capacity = capacity
+        self.block = np.empty((len(self.block_names), capacity), dtype=np.int64)
+        self._own = {c: np.empty(capacity, dtype=dtypes[c]) for c in self.columns if c not in self._row_of}
         self.rows = 0
 
-    def add(self, **cols):
-        n = None
-        for c in self.columns:
-            v = np.atleast_1d(np.asarray(cols[c], dtype=self.dtypes[c]))
-            if n is None:
-                n = len(v)
-            elif len(v) != n:  # scalars broadcast over the chunk
-                v = np.broadcast_to(v, (n,)).copy() if len(v) == 1 else v
-            self.chunks[c].append(v)
-        self.rows += n or 0
+    def store(self, c) -> np.ndarray:
+        """Column ``c``'s whole storage (``capacity`` rows, those from ``rows`` on not yet written)."""
+        j = self._row_of.get(c)
+        return self.block[j] if j is not None else self._own[c]
+
+    def reserve(self, n: int, expect: int = 0) -> None:
+        """Room for ``n`` more rows, and for ``expect`` rows in all if it has to grow. Growing copies the rows
+        written into new storage (arrays taken from the old one before, such as a :meth:`frame`, keep what they
+        had). Room costs nothing until written (the system maps pages as they are first touched), copying does: a
+        writer that can tell how many rows a run will have says so."""
+        need = self.rows + n
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity, expect)
+        block = np.empty((len(self.block_names), cap), dtype=np.int64)
+        block[:, :self.rows] = self.block[:, :self.rows]
+        self.block = block
+        for c, old in self._own.items():
+            new = np.empty(cap, dtype=old.dtype)
+            new[:self.rows] = old[:self.rows]
+            self._own[c] = new
+        self.capacity = cap
+
+    def commit(self, rows: int) -> None:
+        """A writer wrote up to row ``rows`` (exclusive)."""
+        if not self.rows <= rows <= self.capacity:
+            raise ValueError(f"commit({rows}): the table has {self.rows} rows and room for {self.capacity}")
+        self.rows = rows
+
+    def add(self, **cols) -> None:
+        """Append rows: every column's values (scalars are broadcast over the longest)."""
+        vals = [np.atleast_1d(np.asarray(cols[c], dtype=self.dtypes[c])) for c in self.columns]
+        lengths = {len(v) for v in vals} - {1}
+        if len(lengths) > 1:
+            raise ValueError(f"add: columns of {sorted(lengths)} rows")
+        n = lengths.pop() if lengths else 1
+        self.reserve(n)
+        r = self.rows
+        for c, v in zip(self.columns, vals):
+            self.store(c)[r:r + n] = v
+        self.rows = r + n
 
     def column(self, c) -> np.ndarray:
-        ch = self.chunks[c]
-        return np.concatenate(ch) if ch else np.zeros(0, dtype=self.dtypes[c])
+        """Column ``c``'s rows (a view: later rows do not show in it)."""
+        return self.store(c)[:self.rows]
 
     def frame(self) -> pd.DataFrame:
-        # the columns are new arrays (concatenated): the frame takes them as they are, one block each, rather
-        # than copying millions of rows into one block per dtype
+        # views of the storage: the frame takes them as they are, one block each, rather than copying millions of
+        # rows into one block per dtype
         return pd.DataFrame({c: self.column(c) for c in self.columns}, copy=False)
 
 
 def step_table() -> Table:
     dt = {c: np.int64 for c in STEP_COLUMNS}
     dt["t_s"] = dt["step_s"] = np.float64
-    return Table(STEP_COLUMNS, dt)
+    return Table(STEP_COLUMNS, dt, STEP_BLOCK)
 
 
 def frame_table() -> Table:
     dt = {c: np.int64 for c in FRAME_COLUMNS}
     dt["tick_s"] = dt["done_s"] = dt["latency_s"] = np.float64
-    return Table(FRAME_COLUMNS, dt)
+    return Table(FRAME_COLUMNS, dt, FRAME_BLOCK)
 
 
 def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float | None:

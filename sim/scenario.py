@@ -132,6 +132,7 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
         env.run(until=sc.horizon_s)
     eng.finalize()
     steps, frames = eng.steps.frame(), eng.frames.frame()
+    eng.release()
     sessions = pd.DataFrame({
         "session": np.arange(arrival.size),
         "arrival_s": eng.arrival,
@@ -190,7 +191,7 @@ class _Decided:
         self.terminal = (ENDED, REFUSED)
         span = np.minimum(eng.duration, eng.horizon - eng.arrival)
         self.most = np.where(span >= 0, np.floor(span / eng.P) + 2, 0).astype(np.int64)
-        self.seen = 0  # frames-table chunks already counted
+        self.seen = 0  # frames-table rows already counted
         self.frames_after = self.silent_after = 0
         st, policy = eng.cal.stream, eng.policy
         # the tokens a session holds once ``frames`` of its frames have ticked (and one more is in flight)
@@ -232,12 +233,11 @@ class _Decided:
             return True
         if eng.t_sat is None:
             return self._cannot_run_dry(done)
-        ch = eng.frames.chunks
-        for j in range(self.seen, len(ch["tick_s"])):
-            after = ch["tick_s"][j] >= eng.t_sat
-            self.frames_after += int(ch["frames"][j][after].sum())
-            self.silent_after += int(ch["silent_preempted"][j][after].sum())
-        self.seen = len(ch["tick_s"])
+        fr, r0 = eng.frames, self.seen  # the rows recorded since the last look
+        after = fr.column("tick_s")[r0:] >= eng.t_sat
+        self.frames_after += int(fr.column("frames")[r0:][after].sum())
+        self.silent_after += int(fr.column("silent_preempted")[r0:][after].sum())
+        self.seen = fr.rows
         buffered = eng.buffered_answers()
         left = int(np.maximum(self.most - eng.s_frames, 0)[~done].sum()) + buffered
         return collapse_decided(self.silent_after, self.frames_after, left)

@@ -43,6 +43,41 @@ def test_the_percentile_by_selection_is_the_percentile_by_sorting():
         assert ck.percentile_sorted(v[order], np.cumsum(w[order]), q) == want
 
 
+def test_several_percentiles_in_one_selection():
+    """percentiles_whole takes its ranks in ascending order, each searching only above the last: every q, asked in
+    any order and among zero weights (a frame row of silent frames only), is the value the samples repeated by
+    weight and sorted put at its nearest rank."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        n = int(rng.integers(1, 80))
+        v, w = rng.integers(0, 10, n) / 10.0, rng.integers(0, 4, n).astype(float)
+        if w.sum() == 0:
+            w[0] = 1.0
+        qs = rng.choice([0.5, 1.0, 25.0, 50.0, 50.0, 90.0, 99.0, 100.0], size=int(rng.integers(1, 5)))
+        rep = np.sort(np.repeat(v, w.astype(int)))
+        want = [rep[max(math.ceil(q * rep.size / 100 - 1e-9 * rep.size), 1) - 1] for q in qs]
+        assert ck.percentiles_whole(v, w, qs.astype(float)).tolist() == want
+        assert weighted_percentiles(v, w, tuple(qs.tolist())) == want
+
+
+def test_what_may_be_selected():
+    """whole_weights sends whole weights to the selection and the rest to the sort, and refuses bad weights."""
+    v = np.array([0.1, 0.2])
+    assert ck.whole_weights(v, np.array([1.0, 2.0])) == 1
+    assert ck.whole_weights(v, np.array([1.0, 0.5])) == 0  # a fraction: sorted
+    assert ck.whole_weights(np.array([0.1, np.nan]), np.array([1.0, 1.0])) == 0  # a NaN value: sorted
+    assert ck.whole_weights(v, np.array([1.0, 2.0 ** 53])) == 0  # sums no longer exact
+    assert ck.whole_weights(v, np.array([1.0, -1.0])) == -1
+    assert ck.whole_weights(v, np.array([1.0, np.inf])) == -1
+    assert ck.whole_weights(v, np.array([np.nan, 1.0])) == -1
+    assert ck.whole_weights(v, np.array([0.0, 0.0])) == -2
+    assert weighted_percentiles(v, [0, 0], (50, 99)) == [None, None]
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        weighted_percentiles(v, [1, -1], (50,))
+    # the sorting way: 0.1 and 0.2 weigh half, so the median is 0.2
+    assert weighted_percentiles([0.3, 0.1, 0.2], [0.5, 0.25, 0.25], (50, 51, 100)) == [0.2, 0.3, 0.3]
+
+
 def test_percentiles_leave_out_nan_and_sort_once():
     assert percentiles([np.nan, 3.0, 1.0, 2.0], (50, 100)) == [2.0, 3.0]
     assert percentiles([np.nan], (50, 99)) == [None, None]
