@@ -222,6 +222,37 @@ def test_one_table_of_models_feeds_the_presets_and_the_probe():
             assert cal.load(f"{m.key}-{gpu}").stream == m.stream
 
 
+# Each model's real-time stream (frame period s, input and output tokens a frame) and KV bytes a token, as its
+# sources state them, written here by hand (not read from metronome.models, which this checks; the sources are in
+# the models' stream_note and the shared model notes): Moshi fuses text and 8+8 audio codebooks into one KV position
+# per 80 ms frame (12.5 Hz), 32 layers x 32 KV heads x 128 in bf16; Qwen2.5-Omni's thinker hears 25 audio tokens/s
+# in TMRoPE chunks of 2 s and writes ~4 text tokens a chunk, 28 x 4 x 128; Qwen3-Omni's thinker 13 audio tokens/s
+# (the 12.5 Hz encoder's length formula) per 1 s frame, 2 text tokens out, 48 x 4 x 128; MiniCPM-o 4.5 decides once a
+# second (1 Hz duplex unit: <unit>, 10 audio tokens, 2 markers in; ~8 speak tokens out), Qwen3-8B's 36 x 8 x 128.
+PINNED_STREAMS = {
+    "moshi-7b": ((0.08, 0, 1), 2 * 32 * 32 * 128 * 2),
+    "qwen2.5-omni-7b": ((2.0, 50, 4), 2 * 28 * 4 * 128 * 2),
+    "qwen3-omni-30b-a3b": ((1.0, 13, 2), 2 * 48 * 4 * 128 * 2),
+    "minicpm-o-4.5": ((1.0, 12, 8), 2 * 36 * 8 * 128 * 2),
+}
+
+
+def test_each_models_stream_is_what_its_sources_say():
+    from metronome.models import MODELS
+
+    assert sorted(MODELS) == sorted(PINNED_STREAMS)
+    for key, ((period, n_in, n_out), kv_bytes) in PINNED_STREAMS.items():
+        m = MODELS[key]
+        got = (m.stream.frame_period_s, m.stream.input_tokens_per_frame, m.stream.output_tokens_per_frame)
+        assert got == (period, n_in, n_out), key
+        assert m.shape.kv_bytes_per_token == kv_bytes, key
+        for gpu in ("h200", "b200"):  # and each shipped preset carries them
+            c = cal.load(f"{key}-{gpu}")
+            assert (c.stream.frame_period_s, c.stream.input_tokens_per_frame,
+                    c.stream.output_tokens_per_frame) == (period, n_in, n_out), (key, gpu)
+            assert c.kv_bytes_per_token == kv_bytes, (key, gpu)
+
+
 def test_the_step_models_form_is_stated_once():
     """A new term of the step-latency model is a coefficient, its unit and its input in metronome/calibration.py
     (:func:`step_inputs`), its fit and its tests. No other code names a coefficient, except the roofline, which
