@@ -667,9 +667,11 @@ class Driver:
         p = eng.pool()
         # t_s: the step's start, as in the simulator's steps (metronome.results); t_end_s: when its outputs were in
         row = {"t_s": t_start, "t_end_s": now, "stalled": stalled, "step_s": info.duration_s,
-               "batch": info.batch, "new_tokens": info.new_tokens, "context_tokens": info.context_tokens,
-               # the KV the step attended over under the policy (the simulator's context_tokens)
-               "resident_tokens": int(sum(self.policy.resident_tokens(k) for k in info.computed.values())),
+               # context_tokens: the KV the step attended over under the policy, as the simulator's steps and the
+               # calibration's fit mean it; raw_context_tokens: the scheduled requests' whole computed histories
+               "batch": info.batch, "new_tokens": info.new_tokens,
+               "context_tokens": int(sum(self.policy.resident_tokens(k) for k in info.computed.values())),
+               "raw_context_tokens": info.context_tokens,
                "prefill_tokens": info.prefill_tokens, "preemptions": len(preempted),
                "preempted": [v for v, _ in preempted], "engine_preempted": info.preempted,
                "free_blocks": p.free_blocks, "used_blocks": p.used_blocks, "kv_usage": p.kv_usage,

@@ -320,6 +320,18 @@ def test_at_max_model_len_a_bounded_session_is_rebased_to_its_sinks_and_last_win
     assert res.summary["rebases"] == 1 and session_row(res, "a")["rebases"] == 1
 
 
+def test_a_steps_context_is_what_it_attended_over_as_in_the_simulator():
+    """One key, one meaning across the live and simulated steps tables: ``context_tokens`` is the KV a step
+    attended over under the policy (sinks S=16 and a window of 64 keep at most S + W tokens plus a partial block at
+    each end), ``raw_context_tokens`` the whole history the scheduled requests computed (16 tokens a frame here,
+    past 300 by frame 19)."""
+    _, res = _capped("rebase")
+    ctx = [st["context_tokens"] for st in res.steps]
+    raw = [st["raw_context_tokens"] for st in res.steps]
+    assert max(raw) >= 16 * 19 and max(ctx) <= S + W + 2 * BS
+    assert all(c == r for c, r in zip(ctx, raw) if r <= S + W)  # nothing evicted yet: the same
+
+
 def test_a_first_frame_past_max_model_len_is_rebased_into_it():
     """A 310-token prompt + the frame's 14 inputs + 2 outputs = 326 >= 320: the first request itself would pass
     max_model_len (vLLM refuses it: "your prompt contains ... input tokens"; seen in paced calibration runs,

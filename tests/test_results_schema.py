@@ -67,7 +67,7 @@ def live_rows():
     frames.append({**frames[-1], "frame": 4, "tick_s": 0.4, "done_s": None, "latency_s": None,  # still due:
                    "censored": True, "tokens_delivered": 0})                                    # not counted
     steps = [{"run": "r", "t_s": t, "t_end_s": t + d, "stalled": False, "step_s": d, "batch": 2, "new_tokens": 2,
-              "context_tokens": 100, "resident_tokens": 100, "prefill_tokens": 0,
+              "context_tokens": 100, "raw_context_tokens": 100, "prefill_tokens": 0,
               "preemptions": int(t == T_PREEMPT), "preempted": ["B"] if t == T_PREEMPT else [],
               "engine_preempted": [], "free_blocks": 9 - used, "used_blocks": used, "kv_usage": used / 9,
               "running": 2, "waiting": 0, "paused": 0, "sessions": 2, "sessions_waiting": 0, "sessions_prefill": 0,
