@@ -485,8 +485,8 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
     for r in keep.itertuples():
         row = {"attempt": attempt, "phase": key, "kind": "paced", "sessions": n, "context": 0, "chunk_tokens": 0,
                "step_s": float(r.eff), "engine_step_s": float(r.step_s), "batch": int(r.batch), "first": bool(r.first),
-               "new_tokens": int(r.new_tokens), "context_tokens": int(r.resident_tokens),
-               "raw_context_tokens": int(r.context_tokens), "prefill_tokens": int(r.prefill_tokens),
+               "new_tokens": int(r.new_tokens), "context_tokens": int(r.context_tokens),
+               "raw_context_tokens": int(r.raw_context_tokens), "prefill_tokens": int(r.prefill_tokens),
                "preemptions": 0, "tick": int(math.floor(r.t_s / stream.frame_period_s + 1e-9))}
         if journal is not None:
             journal.append(row)
