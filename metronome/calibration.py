@@ -210,6 +210,16 @@ class StepLatencyModel:
         return replace(self, **{k: getattr(self, k) + add[k] for k in COEFFICIENTS},
                        terms=self.terms + self.plugin_terms, plugin_terms=())
 
+    def scaled(self, factor: float) -> "StepLatencyModel":
+        """The same engine ``factor`` times slower (a host measured that much slower than when it was calibrated):
+        every coefficient, term and the first-step extra times ``factor``; the jitter, a ratio, stays."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"a speed factor must be a positive number, got {factor}")
+        terms = tuple(replace(t, value=t.value * factor) for t in self.terms)
+        plugin = tuple(replace(t, value=t.value * factor) for t in self.plugin_terms)
+        return replace(self, **{k: getattr(self, k) * factor for k in COEFFICIENTS},
+                       frame_first_s=self.frame_first_s * factor, terms=terms, plugin_terms=plugin)
+
     @property
     def coefficients(self) -> tuple[float, ...]:
         """The coefficients in :data:`COEFFICIENTS` order (what :func:`step_inputs` pairs with)."""

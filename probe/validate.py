@@ -19,6 +19,11 @@
    (the simulator's; the fill model's is ``t_sat_predicted_fill_s``), silent-frame fraction, p50/p99 frame
    latency live and simulated, and relative errors ``(simulated − live) / live``. It is rewritten after
    every policy, so a crash keeps the policies already compared.
+5. **Know the host** (:mod:`metronome.probe.drift`): before the live runs and after them, a few of the
+   calibration's own grid points are measured again on an engine as calibrated. ``drift`` says how much slower
+   the engine ran than its calibration; each error is also given against the calibration scaled by that
+   (``*_scaled``, the runs simulated again in ``DIR/<policy>/sim-scaled/``). Past ±10 % drift, before or after,
+   the comparison is not valid: ``verdict`` says why and ``within_target`` holds no verdict.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from metronome.errors import MetronomeError
 from metronome.kv_policy import KVPolicy, make_policy
 from metronome.outputs import check_out, run_dir, write_json
 
+from metronome.probe import drift
 from metronome.probe.records import RUN_TABLES as TABLES
 T_SAT_TARGET, LATENCY_TARGET = 0.05, 0.10
 
@@ -154,7 +160,8 @@ def _validate(opts: ValidateOptions, out: Path, device: str, resolved, echo) -> 
         "calibration": str(Path(opts.out) / "calibration" / "calibration.json"), "phases": opts.phases,
         "loop": opts.loop, "policies": {},
     }
-    cal = None
+    cal = grid = points = before = None
+    lives = {}
     for name, policy in opts.policies():
         config = replace(base, **policy.engine_settings())
         echo(f"[{time.perf_counter() - t0:5.0f} s] {name}: starting the engine ({opts.num_blocks} blocks)")
@@ -168,6 +175,9 @@ def _validate(opts: ValidateOptions, out: Path, device: str, resolved, echo) -> 
                 err = res.measurements["step_fit"]["error"]
                 summary["calibration_fit"] = {k: err[k] for k in ("median_abs_rel", "p90_abs_rel", "max_abs_rel")}
                 summary["calibration_seconds"] = round(res.seconds, 1)
+                grid, points = res.samples["grid"], drift.reference_points(res.measurements["grid_points"])
+                echo(f"[{time.perf_counter() - t0:5.0f} s] the engine's speed against its calibration (before)")
+                before = _reference(engine, copts, points, grid, out / "drift_before.parquet")
             if opts.loop == "vllm":  # the live run on vLLM's own loop: AsyncLLM, its EngineCore in a process of its own
                 from metronome.probe.own_loop import OwnLoopEngine
 
@@ -180,9 +190,26 @@ def _validate(opts: ValidateOptions, out: Path, device: str, resolved, echo) -> 
         finally:
             engine.close()
         sim = simulate(cal, policy, opts, out / name / "sim")
+        lives[name] = live
         summary["policies"][name] = compare(live, sim, policy)
         summary["seconds"] = round(time.perf_counter() - t0, 1)
         write_json(out / "summary.json", summary)  # after every policy: a crash keeps what was compared
+    # after the runs, on an engine as calibrated (the bounded runs' engines run other attention)
+    echo(f"[{time.perf_counter() - t0:5.0f} s] the engine's speed against its calibration (after)")
+    engine = Engine(base, log_path=out / "engine.log")
+    try:
+        after = _reference(engine, copts, points, grid, out / "drift_after.parquet")
+    finally:
+        engine.close()
+    summary["drift"] = d = drift.assess(before, after)
+    for name, policy in opts.policies():
+        row = summary["policies"][name]
+        if d["factor"] is not None:  # the same runs priced by the engine the host left them
+            scaled = replace(cal, step_latency=cal.step_latency.scaled(d["factor"]))
+            add_scaled(row, lives[name], simulate(scaled, policy, opts, out / name / "sim-scaled"))
+        if not d["valid"]:  # no verdict on a comparison the host decided
+            row["within_target"] = {k: None for k in row["within_target"]}
+    summary["verdict"] = "valid" if d["valid"] else f"not valid: {d['reason']}"
     summary["cliff"] = {
         "unbounded": bool(summary["policies"]["unbounded"]["cliff_live"]),
         **{n: bool(summary["policies"][n]["cliff_live"]) for n, _ in opts.policies() if n != "unbounded"},
@@ -274,6 +301,25 @@ def compare(live, sim, policy: KVPolicy) -> dict:
     return row
 
 
+def add_scaled(row: dict, live, sim) -> None:
+    """Errors against the calibration scaled by the host's measured drift (``*_scaled``), beside those against the
+    calibration as taken."""
+    ls, ss = live.summary, sim.summary
+    row["t_sat_predicted_scaled_s"] = ss["t_sat_observed_s"]
+    row["t_sat_relative_error_scaled"] = _rel(ss["t_sat_observed_s"], ls["t_sat_observed_s"])
+    for q in ("p50", "p99"):
+        k = f"{q}_frame_latency_s"
+        row[k]["simulated_scaled"] = ss[k]
+        row[k]["relative_error_scaled"] = _rel(ss[k], ls[k])
+
+
+def _reference(engine, copts, points, grid, path: Path) -> float | None:
+    """The reference steps on ``engine`` (kept in ``path``) and the speed ratio they give."""
+    ref = drift.measure(engine, KVPolicy.unbounded(copts.block_size), copts, points)
+    ref.to_parquet(path, index=False)
+    return drift.speed_ratio(ref, grid)
+
+
 def _ok(e):
     return None if e is None else abs(e) <= LATENCY_TARGET
 
@@ -292,7 +338,8 @@ def table(summary: dict) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
     head = ("policy", "t_sat live", "t_sat sim", "t_sat fill", "err", "silent live", "silent sim",
-            "p50 live ms", "p50 sim ms", "err", "p99 live ms", "p99 sim ms", "err", "preempt live/sim")
+            "p50 live ms", "p50 sim ms", "err", "scaled", "p99 live ms", "p99 sim ms", "err", "scaled",
+            "preempt live/sim")
     rows = [head]
     for name, r in summary["policies"].items():
         rows.append((name, f(r["t_sat_observed_s"]), f(r["t_sat_predicted_s"]), f(r["t_sat_predicted_fill_s"]),
@@ -300,12 +347,21 @@ def table(summary: dict) -> str:
                      f(r["silent_frame_fraction"]["simulated"], "frac"),
                      f(r["p50_frame_latency_s"]["live"], "ms"), f(r["p50_frame_latency_s"]["simulated"], "ms"),
                      f(r["p50_frame_latency_s"]["relative_error"], "%"),
+                     f(r["p50_frame_latency_s"].get("relative_error_scaled"), "%"),
                      f(r["p99_frame_latency_s"]["live"], "ms"), f(r["p99_frame_latency_s"]["simulated"], "ms"),
                      f(r["p99_frame_latency_s"]["relative_error"], "%"),
+                     f(r["p99_frame_latency_s"].get("relative_error_scaled"), "%"),
                      f"{r['preemptions']['live']}/{r['preemptions']['simulated']}"))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    d = summary.get("drift")
+    if d is not None and d["factor"] is not None:
+        lines.append(f"engine speed against its calibration: {d['before']:+.1%} before the runs, {d['after']:+.1%} "
+                     f"after (\"scaled\": errors against the calibration scaled by {d['factor']:.3f})")
+    if "verdict" in summary:
+        lines.append(f"comparison: {summary['verdict']}")
+    return "\n".join(lines)
 
 
 def dumps(summary: dict) -> str:

@@ -123,6 +123,8 @@ def test_bounded_frame_latency_agrees(validated, policy):
            / p[f"{q}_frame_latency_s"]["live"] for q in ("p50", "p99")}
     print(f"{policy}: load {load:.2f}, p50 {err['p50']:+.1%}, p99 {err['p99']:+.1%}")  # shown on failure
     missed = p["live"]["deadline_miss_fraction"]
+    if not summary["drift"]["valid"]:  # validate's own measure of the host: these latencies are the host's
+        pytest.skip(summary["verdict"])
     if missed <= KEPT_UP:
         # A timed comparison on a shared 2-core host (CI runs this beside the suite's own engines), so the
         # README's 10 % is measured by the validate command, not asserted here. What is asserted: the model is
@@ -135,6 +137,29 @@ def test_bounded_frame_latency_agrees(validated, policy):
                     f"{err['p99']:+.0%} against the simulator)")
 
 
+def test_the_host_is_measured_before_and_after(validated):
+    """validate repeats the calibration's smallest and largest grid points on an engine as calibrated, before the
+    live runs and after them (probe/drift.py), prices every run again with the calibration scaled by the drift, and
+    past 10 % drift says the comparison is not valid instead of giving a verdict."""
+    out, res, summary = validated
+    d = summary["drift"]
+    for when in ("before", "after"):
+        ref = pd.read_parquet(out / f"drift_{when}.parquet")
+        assert set(ref.kind) == {"prefill", "decode"} and (ref.step_s > 0).all()
+        # the calibration's smallest and largest grid points: N 1..8 by C 64..512, where 8 x 512 tokens would take
+        # 128 blocks of 32 and the pool has 95 (8 x 256: 64 blocks)
+        assert set(ref.phase) == {"grid N=1 C=64", "grid N=8 C=256"}
+    assert d["factor"] == pytest.approx(1 + (d["before"] + d["after"]) / 2)
+    assert d["valid"] == (max(abs(d["before"]), abs(d["after"])) <= 0.10)
+    for name, p in summary["policies"].items():
+        assert (out / name / "sim-scaled" / "summary.json").exists()
+        assert p["p50_frame_latency_s"]["relative_error_scaled"] is not None
+        if not d["valid"]:
+            assert all(v is None for v in p["within_target"].values())
+    assert summary["verdict"] == "valid" if d["valid"] else summary["verdict"].startswith("not valid: the engine ran")
+    assert "engine speed against its calibration" in res.stdout and f"comparison: {summary['verdict']}" in res.stdout
+
+
 def test_outputs_and_table(validated):
     out, res, summary = validated
     for policy in ("unbounded", "window", "sinks"):
@@ -144,7 +169,8 @@ def test_outputs_and_table(validated):
         assert (out / policy / "sim" / "summary.json").is_file()
         p = summary["policies"][policy]
         for k in ("p50_frame_latency_s", "p99_frame_latency_s"):
-            assert set(p[k]) == {"live", "simulated", "relative_error"} and p[k]["live"] > 0
+            assert set(p[k]) == {"live", "simulated", "relative_error", "simulated_scaled",
+                                 "relative_error_scaled"} and p[k]["live"] > 0
         assert set(p["silent_frame_fraction"]) == {"live", "simulated"}
     assert (out / "calibration" / "calibration.json").is_file()
     assert summary["policies"]["unbounded"]["cliff_simulated"]  # the simulator sees the same cliff
