@@ -19,11 +19,11 @@
    (the simulator's; the fill model's is ``t_sat_predicted_fill_s``), silent-frame fraction, p50/p99 frame
    latency live and simulated, and relative errors ``(simulated − live) / live``. It is rewritten after
    every policy, so a crash keeps the policies already compared.
-5. **Know the host** (:mod:`metronome.probe.drift`): before the live runs and after them, a few of the
-   calibration's own grid points are measured again on an engine as calibrated. ``drift`` says how much slower
-   the engine ran than its calibration; each error is also given against the calibration scaled by that
-   (``*_scaled``, the runs simulated again in ``DIR/<policy>/sim-scaled/``). Past ±10 % drift, before or after,
-   the comparison is not valid: ``verdict`` says why and ``within_target`` holds no verdict.
+5. **Know the host** (:mod:`metronome.probe.drift`): right after calibrating and again after the live runs, a few
+   of the calibration's own grid points are measured on an engine as calibrated. ``drift`` says how much slower
+   the engine ran after the runs than when it was calibrated; each error is also given against the calibration
+   scaled by the mean speed over the runs (``*_scaled``, the runs simulated again in ``DIR/<policy>/sim-scaled/``).
+   Past ±10 % drift the comparison is not valid: ``verdict`` says why and ``within_target`` holds no verdict.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def _validate(opts: ValidateOptions, out: Path, device: str, resolved, echo) -> 
         "calibration": str(Path(opts.out) / "calibration" / "calibration.json"), "phases": opts.phases,
         "loop": opts.loop, "policies": {},
     }
-    cal = grid = points = before = None
+    cal = points = before = None
     lives = {}
     for name, policy in opts.policies():
         config = replace(base, **policy.engine_settings())
@@ -175,9 +175,9 @@ def _validate(opts: ValidateOptions, out: Path, device: str, resolved, echo) -> 
                 err = res.measurements["step_fit"]["error"]
                 summary["calibration_fit"] = {k: err[k] for k in ("median_abs_rel", "p90_abs_rel", "max_abs_rel")}
                 summary["calibration_seconds"] = round(res.seconds, 1)
-                grid, points = res.samples["grid"], drift.reference_points(res.measurements["grid_points"])
-                echo(f"[{time.perf_counter() - t0:5.0f} s] the engine's speed against its calibration (before)")
-                before = _reference(engine, copts, points, grid, out / "drift_before.parquet")
+                points = drift.reference_points(res.measurements["grid_points"])
+                echo(f"[{time.perf_counter() - t0:5.0f} s] the engine's speed as calibrated (a reference)")
+                before = _reference(engine, copts, points, out / "drift_before.parquet")
             if opts.loop == "vllm":  # the live run on vLLM's own loop: AsyncLLM, its EngineCore in a process of its own
                 from metronome.probe.own_loop import OwnLoopEngine
 
@@ -195,13 +195,13 @@ def _validate(opts: ValidateOptions, out: Path, device: str, resolved, echo) -> 
         summary["seconds"] = round(time.perf_counter() - t0, 1)
         write_json(out / "summary.json", summary)  # after every policy: a crash keeps what was compared
     # after the runs, on an engine as calibrated (the bounded runs' engines run other attention)
-    echo(f"[{time.perf_counter() - t0:5.0f} s] the engine's speed against its calibration (after)")
+    echo(f"[{time.perf_counter() - t0:5.0f} s] the engine's speed after the runs (the reference again)")
     engine = Engine(base, log_path=out / "engine.log")
     try:
-        after = _reference(engine, copts, points, grid, out / "drift_after.parquet")
+        after = _reference(engine, copts, points, out / "drift_after.parquet")
     finally:
         engine.close()
-    summary["drift"] = d = drift.assess(before, after)
+    summary["drift"] = d = drift.assess(drift.speed_ratio(after, before))
     for name, policy in opts.policies():
         row = summary["policies"][name]
         if d["factor"] is not None:  # the same runs priced by the engine the host left them
@@ -313,11 +313,11 @@ def add_scaled(row: dict, live, sim) -> None:
         row[k]["relative_error_scaled"] = _rel(ss[k], ls[k])
 
 
-def _reference(engine, copts, points, grid, path: Path) -> float | None:
-    """The reference steps on ``engine`` (kept in ``path``) and the speed ratio they give."""
+def _reference(engine, copts, points, path: Path):
+    """The reference steps on ``engine``, kept in ``path``."""
     ref = drift.measure(engine, KVPolicy.unbounded(copts.block_size), copts, points)
     ref.to_parquet(path, index=False)
-    return drift.speed_ratio(ref, grid)
+    return ref
 
 
 def _ok(e):
@@ -357,8 +357,8 @@ def table(summary: dict) -> str:
              for r in rows]
     d = summary.get("drift")
     if d is not None and d["factor"] is not None:
-        lines.append(f"engine speed against its calibration: {d['before']:+.1%} before the runs, {d['after']:+.1%} "
-                     f"after (\"scaled\": errors against the calibration scaled by {d['factor']:.3f})")
+        lines.append(f"engine speed after the runs against when it was calibrated: {d['drift']:+.1%} (\"scaled\": "
+                     f"errors against the calibration scaled by {d['factor']:.3f}, the mean speed over the runs)")
     if "verdict" in summary:
         lines.append(f"comparison: {summary['verdict']}")
     return "\n".join(lines)
