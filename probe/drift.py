@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
-DRIFT_LIMIT = 0.10  # past this, before or after the runs, the comparison is not valid
+DRIFT_LIMIT = 0.10  # past this drift over the runs, either way, the comparison is not valid
 KINDS = ("prefill", "decode")  # what the reference repeats of each point (chunks wait for the frame clock: slow)
 # each point measured this many times, in turn (one pass is ~20 steps, a second on the tiny model: alone it swung by
 # 15 % from one minute to the next)
