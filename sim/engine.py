@@ -169,7 +169,9 @@ class SimEngine:
         self.preempted_last = False  # the last step preempted: admit nobody in the next turn
         self.stalled = False  # the last step scheduled nothing and freed nothing: wait for an event
         self.serving_frame = 0  # the latest frame handed to the engine: the frame a step is taken on (jitter)
-        self.silent_pending: list[tuple[int, int, int]] = []  # (session, frame, tokens got) answered with the lockstep
+        # rows (session, frame, tokens got) answered with the lockstep, kept as arrays: past the cliff hundreds of
+        # thousands are owed at once, and a list of tuples turned into an array every step was most of a run
+        self._pend_chunks: list[np.ndarray] = []
         self._answers: list[tuple] = []  # (tick keys, sessions, tokens got) answered at the current moment
         self.t_sat: float | None = None
         self.peak_used = 0
@@ -408,9 +410,7 @@ class SimEngine:
                 q = many[queued]
                 self.backlog[q] += n_due[queued]
                 self.next_frame[q] += n_due[queued]
-                for i in many[~queued].tolist():
-                    while tick(self.next_frame[i], P, self.phase[i]) <= now + _EPS:
-                        self._tick_one(np.array([i]))
+                self._tick_each(many[~queued], n_due[~queued])
             self._tick_one(due[one])
         submit = live[(self.state[live] == RUNNING) & (self.inflight[live] < 0) & (self.backlog[live] > 0)]
         if submit.size:
@@ -426,6 +426,23 @@ class SimEngine:
         if quiet.size:
             self.pending_in[quiet] += self.n_in
             self._owe(quiet, f[~run], np.zeros(quiet.size, dtype=np.int64))
+
+    def _tick_each(self, idx: np.ndarray, n_due: np.ndarray) -> None:
+        """Sessions ``idx`` have ``n_due`` frames each come due at once (a session waiting or re-prefilling while
+        the engine is slower than the frame clock): :meth:`_tick_one` for each frame, session by session in
+        order, in one call (past the cliff hundreds of sessions wait, and one call per frame was most of a run)."""
+        if not idx.size:
+            return
+        start = np.cumsum(n_due) - n_due
+        who = np.repeat(idx, n_due)
+        f = np.repeat(self.next_frame[idx], n_due) + np.arange(who.size) - np.repeat(start, n_due)
+        self.next_frame[idx] += n_due
+        run = (self.state[who] == RUNNING) & (serving.frame_tick(f, self.P, self.phase[who])
+                                              >= self.running_since[who] - _EPS)
+        np.add.at(self.backlog, who[run], 1)
+        quiet = ~run
+        np.add.at(self.pending_in, who[quiet], self.n_in)
+        self._owe(who[quiet], f[quiet], np.zeros(int(quiet.sum()), dtype=np.int64))
 
     def _submit_many(self, idx: np.ndarray, now: float) -> None:
         """Hand each session's oldest due frame to the engine. Sessions paused in the engine whose frame fits
@@ -485,8 +502,12 @@ class SimEngine:
         if self.state[i] == WAITING and i in self.waiting:
             self.waiting.remove(i)
         # frames still owed: answered (silent or short) once their deadline has passed, else censored
-        owed = [(f, tok) for (j, f, tok) in self.silent_pending if j == i]
-        self.silent_pending = [x for x in self.silent_pending if x[0] != i]
+        pend = self.silent_pending
+        mine = pend[:, 0] == i
+        owed = [(f, tok) for f, tok in pend[mine, 1:].tolist()]
+        if mine.any():
+            left = pend[~mine]
+            self._pend_chunks = [left] if left.size else []
         if self.inflight[i] >= 0:
             owed.append((int(self.inflight[i]), int(self.inflight_tok[i])))
         # an overloaded session ends with hundreds of frames queued: answered in one call, not one by one
@@ -518,24 +539,36 @@ class SimEngine:
         In lockstep they are answered with their tick's running frames (:meth:`_answer_silent`); a front end
         serving clients on their own clocks answers them at once."""
         if self.lockstep:
-            self.silent_pending.extend(zip(idx.tolist(), f.tolist(), tokens.tolist()))
+            if idx.size:
+                self._pend_chunks.append(np.stack([idx, f, tokens], axis=1).astype(np.int64, copy=False))
         elif idx.size:
             self._answer_many(idx, f, tokens)
 
+    @property
+    def silent_pending(self) -> np.ndarray:
+        """The frames owed in lockstep, one row (session, frame, tokens got) each, oldest first."""
+        ch = self._pend_chunks
+        if not ch:
+            return np.zeros((0, 3), dtype=np.int64)
+        if len(ch) > 1:
+            self._pend_chunks = ch = [np.concatenate(ch)]
+        return ch[0]
+
     def _answer_silent(self, now: float) -> None:
         """Lockstep: silent frames are answered once every running session's frame of their tick is done."""
-        if not self.silent_pending:
+        if not self._pend_chunks:
             return
         # lockstep only (every phase 0): a tick is its frame index
         run = np.flatnonzero(self.state == RUNNING)
         owed = np.where(self.inflight[run] >= 0, self.inflight[run],
                         np.where(self.backlog[run] > 0, self.next_frame[run] - self.backlog[run], np.iinfo(np.int64).max))
         unfinished = int(owed.min()) if owed.size else np.iinfo(np.int64).max
-        pend = np.array(self.silent_pending, dtype=np.int64).reshape(-1, 3)
+        pend = self.silent_pending
         now_ = pend[:, 1] < unfinished
         if now_.any():
             self._answer_many(pend[now_, 0], pend[now_, 1], pend[now_, 2])
-            self.silent_pending = [tuple(x) for x in pend[~now_].tolist()]
+            left = pend[~now_]
+            self._pend_chunks = [left] if left.size else []
 
     def _flush_answers(self, now: float) -> tuple[int, int]:
         """Record the frames answered at ``now`` (one row per tick) and feed the controller; returns (frames, silent).
@@ -734,9 +767,9 @@ class SimEngine:
         istate[fp.S_NSTEPS], istate[fp.S_NROWS] = self.steps.rows, self.frames.rows
         new_i, new_s = (np.zeros(sess.size, dtype=np.int64) for _ in range(2))  # first frames: new requests
         # lockstep: silent frames owed until their tick's running frames are done (session, frame, tokens got)
-        pend = np.zeros((len(self.silent_pending) + 8 * sess.size + 64, 3), dtype=np.int64)
-        if self.silent_pending:
-            pend[:len(self.silent_pending)] = self.silent_pending
+        owed = self.silent_pending
+        pend = np.zeros((len(owed) + 8 * sess.size + 64, 3), dtype=np.int64)
+        pend[:len(owed)] = owed
         na0 = self.next_arrival
         fp.run_span(iconf, fconf, coef, istate, fstate, sess, self.state, self.phase, self.pslot, self.slot,
                     self.next_frame, self.backlog, self.inflight, self.inflight_tok, self.hist, self.last_tok,
@@ -752,7 +785,7 @@ class SimEngine:
         end = float(fstate[0])
         if n == 0 and end == now and turned not in (fp.PAST_HORIZON, fp.PAUSED, fp.STEP_TAKEN):
             return None
-        self.silent_pending = [tuple(x) for x in pend[:n_pend].tolist()]
+        self._pend_chunks = [pend[:n_pend].copy()] if n_pend else []
         self.serving_frame, self.peak_used = sframe, peak
         self.n_steps += n
         self.fast_steps += n

@@ -414,3 +414,63 @@ def test_a_controller_deciding_in_python_is_fed_after_each_span(monkeypatch):
     assert {r["decision"] for r in fast.controller_trace} == {"increase", "decrease"}
     assert fast.loop_arrivals == 0 and fast.fast_steps > 0.5 * fast.summary["steps"]
     assert fast.summary["sessions_refused"] > 0
+
+
+@pytest.mark.parametrize("phases", ["independent", "aligned"])
+def test_frames_due_together_for_a_session_without_a_place_are_each_ticked(monkeypatch, phases):
+    """Past the cliff an engine step outlasts several frame periods, so a waiting or re-prefilling session has
+    several frames come due at one turn. ``_tick_each`` takes them in one call; this replays each call as
+    :meth:`SimEngine._tick_one` frame by frame, session by session, on the state before it, and the two must
+    leave the same frame clocks, backlog, input owed and answers owed. In lockstep those answers wait in a list
+    for their tick's running frames, and leave it only by being answered."""
+    from metronome.sim.engine import SimEngine
+
+    names = ("next_frame", "backlog", "pending_in", "s_frames", "s_silent")
+    real = SimEngine._tick_each
+    seen = {"calls": 0, "frames": 0, "quiet": 0}
+
+    def owed(eng):
+        # (the answers as one list of rows: how many calls brought them is not the rule)
+        return (eng.silent_pending.copy(),
+                [r for x in eng._answers for r in zip(*(np.asarray(a, np.int64).tolist() for a in x))])
+
+    def checked(eng, idx, n_due):
+        before = {k: getattr(eng, k).copy() for k in names}
+        chunks, answers = list(eng._pend_chunks), list(eng._answers)
+        n_owed = sum(len(x) for x in owed(eng))
+        real(eng, idx, n_due)
+        got = ({k: getattr(eng, k).copy() for k in names}, owed(eng))
+        for k in names:
+            getattr(eng, k)[:] = before[k]
+        eng._pend_chunks, eng._answers = chunks, answers
+        for i, n in zip(idx.tolist(), n_due.tolist()):
+            for _ in range(n):
+                eng._tick_one(np.array([i]))
+        want = ({k: getattr(eng, k).copy() for k in names}, owed(eng))
+        for k in names:
+            assert (got[0][k] == want[0][k]).all(), k
+        assert (got[1][0] == want[1][0]).all() and got[1][1] == want[1][1]
+        seen["calls"] += int(idx.size > 0)
+        seen["frames"] += int(n_due.sum())
+        seen["quiet"] += sum(len(x) for x in want[1]) - n_owed
+
+    answer_silent = SimEngine._answer_silent
+
+    def kept(eng, now):  # frames owed in lockstep leave the list only by being answered
+        owed0, answered0 = len(eng.silent_pending), int(eng.s_frames.sum())
+        answer_silent(eng, now)
+        answered = int(eng.s_frames.sum()) - answered0
+        assert owed0 - len(eng.silent_pending) == answered, (owed0, len(eng.silent_pending), answered)
+        seen["answered_later"] += answered
+
+    seen["answered_later"] = 0
+    monkeypatch.setattr(SimEngine, "_tick_each", checked)
+    monkeypatch.setattr(SimEngine, "_answer_silent", kept)
+    c = calibration.load("moshi-7b-h200")  # past N* (122): steps outlast frames; a small pool runs dry early
+    c = replace(c, engine=replace(c.engine, num_blocks=3_000))
+    sc = Scenario(c, KVPolicy.unbounded(16), Arrivals("ramp", sessions=300, ramp_s=1.0), 30.0, phases=phases)
+    res = run(sc, fast_forward=False)
+    assert res.summary["preemptions"] > 0
+    # the branch was reached with several frames per session, and some of them went unheard (answers owed)
+    assert seen["calls"] > 0 and seen["frames"] > 2 * seen["calls"] and seen["quiet"] > 0, seen
+    assert (seen["answered_later"] > 0) == (phases == "aligned"), seen  # (only lockstep owes them for later)
