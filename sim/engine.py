@@ -406,7 +406,7 @@ class SimEngine:
                 # the division may round across a tick: settle on the tick test itself (f·P + φ <= now)
                 n_due -= tick(nf + n_due - 1, P, ph) > now + _EPS
                 n_due += tick(nf + n_due, P, ph) <= now + _EPS
-                queued = (self.state[many] == RUNNING) & (tick(nf, P, ph) >= self.running_since[many] - _EPS)
+                queued = self._queues(many, nf)
                 q = many[queued]
                 self.backlog[q] += n_due[queued]
                 self.next_frame[q] += n_due[queued]
@@ -420,12 +420,18 @@ class SimEngine:
         """Frame ``next_frame`` of sessions ``idx`` is due: a running session's is queued, the others' is silent."""
         f = self.next_frame[idx].copy()
         self.next_frame[idx] += 1
-        run = (self.state[idx] == RUNNING) & (serving.frame_tick(f, self.P, self.phase[idx]) >= self.running_since[idx] - _EPS)
+        run = self._queues(idx, f)
         self.backlog[idx[run]] += 1
         quiet = idx[~run]
         if quiet.size:
             self.pending_in[quiet] += self.n_in
             self._owe(quiet, f[~run], np.zeros(quiet.size, dtype=np.int64))
+
+    def _queues(self, idx: np.ndarray, f: np.ndarray) -> np.ndarray:
+        """Whether frame ``f`` of session ``idx`` is queued for the engine (the session runs, and the frame is not
+        before its place in it) rather than heard as silence."""
+        return (self.state[idx] == RUNNING) & (serving.frame_tick(f, self.P, self.phase[idx])
+                                               >= self.running_since[idx] - _EPS)
 
     def _tick_each(self, idx: np.ndarray, n_due: np.ndarray) -> None:
         """Sessions ``idx`` have ``n_due`` frames each come due at once (a session waiting or re-prefilling while
@@ -437,8 +443,7 @@ class SimEngine:
         who = np.repeat(idx, n_due)
         f = np.repeat(self.next_frame[idx], n_due) + np.arange(who.size) - np.repeat(start, n_due)
         self.next_frame[idx] += n_due
-        run = (self.state[who] == RUNNING) & (serving.frame_tick(f, self.P, self.phase[who])
-                                              >= self.running_since[who] - _EPS)
+        run = self._queues(who, f)
         np.add.at(self.backlog, who[run], 1)
         quiet = ~run
         np.add.at(self.pending_in, who[quiet], self.n_in)
