@@ -260,10 +260,10 @@ O_SCHED, O_ADMIT, O_PRE, O_SAM, O_PAUSE, O_NEW, O_CTX, O_USED = range(8)
 # the rules that can decide a step besides "everyone gets their own" (``reached`` counts each time one did, so a
 # test can say which a scenario covers): a dry pool preempting running[-1], out-of-window blocks freed, the token
 # budget cutting a request short, max_num_seqs or the full-sequence gate or the watermark stopping an admission,
-# max_model_len capping a request's tokens
+# max_model_len capping a request's tokens, the long-prefill threshold capping them
 RULES = ("preemption", "window_free", "token_budget", "max_num_seqs", "full_sequence_gate", "watermark",
-         "length_limit")
-R_PREEMPT, R_WFREE, R_BUDGET, R_SEQS, R_GATE, R_WM, R_LEN = range(len(RULES))
+         "length_limit", "long_prefill")
+R_PREEMPT, R_WFREE, R_BUDGET, R_SEQS, R_GATE, R_WM, R_LEN, R_LONG = range(len(RULES))
 
 _res_blocks = nb.njit(cache=True)(resident_blocks_of)
 _res_tokens = nb.njit(cache=True)(resident_tokens_of)
@@ -275,6 +275,7 @@ def _chunk(s, budget, thr, ntok, computed, reached):
     """Tokens request ``s`` is scheduled from ``budget``: what it has left, at most the long-prefill threshold."""
     k = ntok[s] - computed[s]
     if 0 < thr < k:
+        reached[R_LONG] += 1
         k = thr
     if budget < k:
         reached[R_BUDGET] += 1

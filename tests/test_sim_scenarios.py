@@ -145,7 +145,8 @@ def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy,
 # Scenarios that between them make every rule of EngineModel.RULES decide steps, each compared fast against step
 # by step; each names the rules it must reach (counted by the step-by-step engine, which takes every step the
 # compiled loop hands back). "length_limit" is left to the vLLM differential: the front end rebases a session
-# before its frame would pass max_model_len (serving.frame_fits), so no simulated request meets the cap.
+# before its frame would pass max_model_len (serving.frame_fits), so no simulated request meets the cap; so is
+# "long_prefill": no calibration sets vLLM's long-prefill threshold (tests/live/test_scheduler_differential.py).
 RULE_SCENARIOS = {
     # a 64-token budget: 80 sessions' frames in lockstep do not fit one step
     "token-budget": ("moshi-7b-h200", dict(num_blocks=1500, max_num_batched_tokens=64), KVPolicy.sinks(16, 16, 256),
@@ -171,7 +172,7 @@ def test_the_rule_scenarios_reach_every_rule():
     from metronome.serving import EngineModel
 
     covered = set().union(*(want for *_, want, _ in RULE_SCENARIOS.values()))
-    assert covered | {"length_limit"} == set(EngineModel.RULES)
+    assert covered | {"length_limit", "long_prefill"} == set(EngineModel.RULES)
     shape = RULE_SCENARIOS["sink-shape"][2]
     assert shape.sink_tokens > shape.block_size and shape.window_tokens % shape.block_size
 

@@ -18,8 +18,8 @@ API
 ::
 
     h = SchedulerHarness(num_blocks=33, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
-                         max_model_len=1024, sinks=None | (S, W), long_prefill_token_threshold=0,
-                         watermark=0.0, scheduler_reserve_full_isl=True)
+                         max_model_len=1024, sinks=None | (S, W), window=None | W,
+                         long_prefill_token_threshold=0, watermark=0.0, scheduler_reserve_full_isl=True)
     h.add(rid, prompt_tokens, max_tokens)            # a new streaming-input (resumable) session
     h.add(rid, prompt_tokens, max_tokens, resumable=False)  # a plain one-shot request
     h.append(rid, chunk_tokens, max_tokens)          # the next frame's input for a session
@@ -240,19 +240,22 @@ def _tiny_config_dir(max_model_len: int):
 class SchedulerHarness:
     def __init__(self, num_blocks: int, block_size: int = 16, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
-                 sinks: tuple[int, int] | None = None, *, long_prefill_token_threshold: int = 0,
-                 watermark: float = 0.0, scheduler_reserve_full_isl: bool = True):
+                 sinks: tuple[int, int] | None = None, *, window: int | None = None,
+                 long_prefill_token_threshold: int = 0, watermark: float = 0.0,
+                 scheduler_reserve_full_isl: bool = True):
         import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import Request, RequestStatus
         from vllm.v1.structured_output import StructuredOutputManager
 
         if num_blocks < 2:
             raise ValueError("num_blocks counts vLLM's null block: at least 2")
+        if sinks is not None and window is not None:
+            raise ValueError("sinks (the plugin) or window (vLLM's own sliding window), not both")
         self._Request, self._Status, self._MRO = Request, RequestStatus, ModelRunnerOutput
         self._SamplingParams, self._DELTA = SamplingParams, RequestOutputKind.DELTA
         self.num_blocks = int(num_blocks)
@@ -260,6 +263,7 @@ class SchedulerHarness:
         self.block_size = int(block_size)
         self.max_model_len = int(max_model_len)
         self.sinks = tuple(sinks) if sinks is not None else None
+        self.window = int(window) if window is not None else None
 
         model_config = ModelConfig(model=str(_tiny_config_dir(max_model_len)), dtype="float32",
                                    skip_tokenizer_init=True, max_model_len=max_model_len, seed=0)
@@ -281,6 +285,9 @@ class SchedulerHarness:
         self.vllm_config = vllm_config
 
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        if self.window is not None:  # vLLM's own sliding window (its SlidingWindowManager), as any such model gets
+            spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                     sliding_window=self.window)
         if self.sinks is not None:
             from metronome.probe.plugin import kv as plugin_kv
             from metronome.probe.plugin.semantics import SinkWindow
@@ -300,6 +307,11 @@ class SchedulerHarness:
 
             if type(self.manager) is not SinkWindowManager:
                 raise RuntimeError(f"the sink+window spec got a {type(self.manager).__name__}")
+        if self.window is not None:
+            from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+            if type(self.manager) is not SlidingWindowManager:
+                raise RuntimeError(f"the sliding-window spec got a {type(self.manager).__name__}")
         self.admission_cap = self.manager.max_admission_blocks_per_request  # None for full attention
         self.steps = 0
         self.final_status: dict[str, str] = {}  # requests the scheduler has dropped -> last status
