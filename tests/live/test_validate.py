@@ -62,7 +62,11 @@ def test_unbounded_hits_the_cliff(validated):
     steps = pd.read_parquet(out / "unbounded" / "steps.parquet")
     assert steps.used_blocks.max() >= BLOCKS - 1 - SESSIONS  # the pool ran (nearly) dry before the preemption
     frames = pd.read_parquet(out / "unbounded" / "frames.parquet")
-    assert frames[frames.state != "running"].silent.all()  # every frame of a waiting session is silent
+    # every answered frame of a waiting session is silent. Frames still owed when the horizon ends are censored
+    # (neither silent nor spoken, as the simulator leaves a run's last frames out): on a busy host the running
+    # sessions' last frames finish after the horizon, so the waiting sessions' frames of those ticks are censored
+    waiting = frames[(frames.state != "running") & ~frames.censored]
+    assert len(waiting) > 0 and waiting.silent.all(), waiting[~waiting.silent].to_string()
 
 
 @pytest.mark.parametrize("policy", ["window", "sinks"])
