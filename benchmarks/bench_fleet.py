@@ -49,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--controller", default="static")
     args = ap.parse_args(argv)
     cal = calmod.load(args.calibration)
-    policy = make_policy(args.kv, cal.engine.block_size_tokens, args.window, args.sinks)
+    policy = make_policy(args.kv, cal.engine.block_size_tokens, window=args.window, sinks=args.sinks)
     t0 = time.perf_counter()
     cap = capacity_cached(cal, policy, None, args.mean_session, {})
     t_cap = time.perf_counter() - t0

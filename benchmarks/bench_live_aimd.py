@@ -204,7 +204,8 @@ def set_up(args, out: Path) -> Bench:
     max_len = resolved.max_len_on_pool(args.num_blocks, bs)
     copts = CalibrateOptions(
         model="tiny", out=str(out / "calibration"), device=device, num_blocks=args.num_blocks, block_size=bs,
-        kv="window", window=args.window, paced_sessions=tuple(args.paced), paced_seconds=args.paced_seconds,
+        kv="window", kv_params=(("window", args.window),), paced_sessions=tuple(args.paced),
+        paced_seconds=args.paced_seconds,
         max_model_len=max_len, stream=stream, grid_sessions=(1, 2, 4, 8, 16), grid_context=(64, 128, 256),
         decode_steps=8, chunk_sizes=(stream.input_tokens_per_frame + 1,), chunk_repeats=3,
         growth_tokens=min(1024, max_len), chunk_idle_s=0.9 * stream.frame_period_s, fill_sessions=2,

@@ -21,19 +21,20 @@ itself, nothing else (``attended_tokens(n) == resident_tokens(n) + 1``). That is
 
 Resident *tokens* are the tokens stored in resident blocks (a partly filled last block counts only
 its filled slots). Every function accepts an integer or a numpy integer array for ``n``.
+
+A policy is a class (:class:`KVPolicy` and its subclasses) that declares its parameters and how they set that
+residency; :func:`register` makes it known to every command's ``--kv`` and parameter flags, the options records,
+the summaries and the report, which ask the policy rather than branch on its name.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable, ClassVar
 
 import numpy as np
 
 from metronome.errors import MetronomeError
-
-POLICY_KINDS = ("unbounded", "window", "sinks")
-BOUNDED_KINDS = ("window", "sinks")  # the policies that keep a session's KV under a fixed size
-
 
 def cdiv(a, b):
     """Ceiling division for ints and numpy integer arrays (vLLM's ``cdiv``)."""
@@ -62,65 +63,132 @@ def resident_tokens_of(n, bs, sink_blocks, window):
     return np.minimum(lo, sink_blocks) * bs + (n - lo * bs)
 
 
+
+@dataclass(frozen=True)
+class PolicyParam:
+    """A parameter a KV policy declares: ``--NAME`` on every command that takes a policy, ``NAME`` in the options
+    records and summaries, held in the policy's field ``attr`` (tokens)."""
+
+    name: str
+    attr: str
+    help: str
+    required: bool = True
+    sizes: bool = True  # it sets how much a session keeps (a report sizes it when not given)
+
+
+WINDOW = PolicyParam("window", "window_tokens", "window W in tokens: the last W tokens stay resident")
+SINKS = PolicyParam("sinks", "sink_tokens", "sink tokens S: the first S tokens stay resident (whole blocks)",
+                    sizes=False)
+
+_POLICIES: dict[str, type["KVPolicy"]] = {}
+
+
+def register(cls: type["KVPolicy"]) -> type["KVPolicy"]:
+    """Make a policy class known by its ``kind``: every command's ``--kv`` and its parameters' flags, the options
+    records, the simulator and the report take it from here."""
+    _POLICIES[cls.kind] = cls
+    return cls
+
+
+def policy_kinds() -> tuple[str, ...]:
+    return tuple(_POLICIES)
+
+
+def bounded_kinds() -> tuple[str, ...]:
+    """The policies that keep a session's KV under a fixed size."""
+    return tuple(k for k, c in _POLICIES.items() if c.bounded)
+
+
+def policy_params() -> dict[str, PolicyParam]:
+    """Every parameter some registered policy declares, by name, in registration order."""
+    out: dict[str, PolicyParam] = {}
+    for c in _POLICIES.values():
+        for p in c.params:
+            out.setdefault(p.name, p)
+    return out
+
+
+def policy_class(kind: str) -> type["KVPolicy"]:
+    if kind not in _POLICIES:
+        raise MetronomeError(f"unknown KV policy {kind!r} (one of {', '.join(_POLICIES)})")
+    return _POLICIES[kind]
+
+
 @dataclass(frozen=True)
 class KVPolicy:
-    """``unbounded``, ``window(W)`` or ``sinks(S, W)`` over a paged pool of ``block_size`` tokens."""
+    """A KV policy over a paged pool of ``block_size`` tokens. Every policy keeps the same shape of residency, its
+    first ``sink_tokens`` (whole blocks) and its last ``window_tokens`` (:func:`resident_blocks_of`), which the
+    compiled engine step, the fill model and the plugin read through :meth:`residency`; a policy class declares
+    its own parameters (``params``) and how they set that residency. ``window_tokens == 0`` keeps everything.
 
-    kind: str
+    The built-in ones: :class:`UnboundedKV`, :class:`WindowKV`, :class:`SinksKV`, and :class:`BudgetKV`."""
+
     block_size: int
     window_tokens: int = 0
     sink_tokens: int = 0
 
+    kind: ClassVar[str] = ""
+    params: ClassVar[tuple[PolicyParam, ...]] = ()
+    bounded: ClassVar[bool] = True
+
     def __post_init__(self):
-        if self.kind not in POLICY_KINDS:
-            raise MetronomeError(f"unknown KV policy {self.kind!r} (one of {', '.join(POLICY_KINDS)})")
         if self.block_size <= 0:
             raise MetronomeError(f"block size must be positive, got {self.block_size}")
-        if self.kind == "unbounded":
-            if self.window_tokens or self.sink_tokens:
-                raise MetronomeError("--window/--sinks only apply to --kv window or --kv sinks")
+        if not self.bounded:
             return
         if self.window_tokens < self.block_size:
             raise MetronomeError(
                 f"window of {self.window_tokens} tokens is under one block ({self.block_size} tokens)")
-        if self.kind == "window" and self.sink_tokens:
-            raise MetronomeError("--sinks needs --kv sinks (the window policy keeps no sinks)")
-        if self.kind == "sinks":
-            if self.sink_tokens <= 0:
-                raise MetronomeError(f"--kv sinks needs --sinks > 0, got {self.sink_tokens}")
-            if self.sink_tokens >= self.window_tokens:
-                raise MetronomeError(
-                    f"sinks ({self.sink_tokens}) must be fewer than the window ({self.window_tokens} tokens)")
+        if self.sink_tokens < 0:
+            raise MetronomeError(f"sinks must be 0 or more, got {self.sink_tokens}")
+        if self.sink_tokens >= self.window_tokens:
+            raise MetronomeError(
+                f"sinks ({self.sink_tokens}) must be fewer than the window ({self.window_tokens} tokens)")
 
     # -- constructors -------------------------------------------------------------------------------
     @classmethod
     def unbounded(cls, block_size: int) -> "KVPolicy":
-        return cls("unbounded", block_size)
+        return UnboundedKV(block_size)
 
     @classmethod
     def window(cls, block_size: int, window_tokens: int) -> "KVPolicy":
-        return cls("window", block_size, window_tokens=window_tokens)
+        return WindowKV(block_size, window_tokens=window_tokens)
 
     @classmethod
     def sinks(cls, block_size: int, sink_tokens: int, window_tokens: int) -> "KVPolicy":
-        return cls("sinks", block_size, window_tokens=window_tokens, sink_tokens=sink_tokens)
+        return SinksKV(block_size, window_tokens=window_tokens, sink_tokens=sink_tokens)
+
+    @classmethod
+    def from_params(cls, block_size: int, values: dict) -> "KVPolicy":
+        """The policy from its parameters' values (None: not given; a required one missing is an error)."""
+        kw = {}
+        for p in cls.params:
+            v = values.get(p.name)
+            if v is None:
+                if p.required:
+                    raise MetronomeError(f"--kv {cls.kind} needs --{p.name} ({p.help})")
+                continue
+            kw[p.attr] = int(v)
+        return cls(block_size, **kw)
+
+    @classmethod
+    def sized(cls, block_size: int, given: dict, kept_for: Callable[[int], int]) -> "KVPolicy":
+        """The policy a report recommends: the parameters the user ``given`` as they are, the others sized so that
+        the session keeps ``kept_for(sink_tokens)`` tokens in all (the report's choice of S + W)."""
+        raise NotImplementedError
 
     # -- the answers ---------------------------------------------------------------------------------
     @property
-    def bounded(self) -> bool:
-        return self.kind != "unbounded"
-
-    @property
     def runs_plugin(self) -> bool:
-        """Whether a vLLM engine serves this policy through Metronome's sink+window plugin. vLLM's own sliding
-        window serves ``window`` as it serves any model (CUDA graphs, no extra host work); the plugin serves
-        ``sinks`` in eager mode and copies each step's block table to the host, which a GPU calibration prices
-        as :attr:`metronome.calibration.StepLatencyModel.plugin_terms`."""
-        return self.kind == "sinks"
+        """Whether a vLLM engine serves this policy through Metronome's sink+window plugin: a bound that keeps
+        sinks. vLLM's own sliding window serves a bound without them as it serves any model (CUDA graphs, no extra
+        host work); the plugin serves sinks in eager mode and copies each step's block table to the host, which a
+        GPU calibration prices as :attr:`metronome.calibration.StepLatencyModel.plugin_terms`."""
+        return self.bounded and self.sink_tokens > 0
 
     @property
     def sink_blocks(self) -> int:
-        return cdiv(self.sink_tokens, self.block_size) if self.kind == "sinks" else 0
+        return cdiv(self.sink_tokens, self.block_size) if self.bounded else 0
 
     @property
     def window_blocks(self) -> int:
@@ -185,11 +253,11 @@ class KVPolicy:
         Blocks are freed on the computed-token basis before each chunk is allocated, so a request holds at
         most the blocks of its last ``W − 1`` computed tokens plus the tokens in flight, +1 because the
         window need not start on a block boundary: vLLM's ``SlidingWindowSpec.max_admission_blocks_per_request``
-        for ``window``; the sink+window plugin adds the sink blocks and caps at ``cdiv(max_model_len, bs)``."""
+        for its own window; the sink+window plugin adds the sink blocks and caps at ``cdiv(max_model_len, bs)``."""
         if not self.bounded:
             return None
         window = int(cdiv(min(self.window_tokens - 1 + max_in_flight_tokens, max_model_len), self.block_size)) + 1
-        if self.kind == "window":
+        if not self.runs_plugin:
             return window
         return min(self.sink_blocks + window, int(cdiv(max_model_len, self.block_size)))
 
@@ -203,18 +271,19 @@ class KVPolicy:
         """Prompt length of a session rebased near ``max_model_len``: S sinks plus the last W tokens."""
         return self.kept_tokens if self.bounded else None
 
+    def _values(self, named: bool = False) -> list[tuple[str, int]]:
+        """The parameters' values; ``named``: as text names them, an optional one left out at 0."""
+        return [(p.name, getattr(self, p.attr)) for p in self.params
+                if not (named and not p.required and not getattr(self, p.attr))]
+
     def describe(self) -> str:
-        if self.kind == "unbounded":
-            return "unbounded"
-        if self.kind == "window":
-            return f"window(W={self.window_tokens})"
-        return f"sinks(S={self.sink_tokens}, W={self.window_tokens})"
+        """``sinks(S=16, W=368)``: the kind and its parameters."""
+        words = ", ".join(f"{_LETTER.get(k, k)}={v}" for k, v in self._values(named=True))
+        return f"{self.kind}({words})" if words else self.kind
 
     def short_words(self) -> str:
         """How a sentence names the bound: ``sinks S=16, W=368``, ``window W=368`` or ``unbounded``."""
-        if self.kind == "sinks":
-            return f"sinks S={self.sink_tokens}, W={self.window_tokens}"
-        return f"window W={self.window_tokens}" if self.bounded else "unbounded"
+        return " ".join([self.kind, ", ".join(f"{_LETTER.get(k, k)}={v}" for k, v in self._values(named=True))]).strip()
 
     def serving_words(self) -> str:
         """What serves the policy in a vLLM engine."""
@@ -223,13 +292,12 @@ class KVPolicy:
         return "vLLM's own sliding window" if self.bounded else "vLLM, unbounded"
 
     def options(self) -> dict:
-        """The policy as command-line style options (``kv``, ``window``, ``sinks``; None where it has none), which
+        """The policy as command-line style options: ``kv`` and the policy's own parameters, which
         :func:`make_policy` reads back."""
-        return {"kv": self.kind, "window": self.window_tokens if self.bounded else None,
-                "sinks": self.sink_tokens if self.kind == "sinks" else None}
+        return {"kv": self.kind, **dict(self._values())}
 
     def cli_args(self) -> list[str]:
-        """The flags that select this policy on any command (``--kv``, ``--window``, ``--sinks``)."""
+        """The flags that select this policy on any command (``--kv`` and its parameters)."""
         return [x for k, v in self.options().items() if v is not None for x in (f"--{k}", str(v))]
 
     def engine_settings(self) -> dict:
@@ -239,34 +307,136 @@ class KVPolicy:
                 "sinks": self.sink_tokens if self.runs_plugin else None}
 
     def slug(self) -> str:
-        """A file-name part: ``""``, ``-window368`` or ``-sinks16-window368``."""
-        o = self.options()
-        return "".join(f"-{k}{o[k]}" for k in ("sinks", "window") if o[k] is not None)
+        """A file-name part: ``""``, ``-window368`` or ``-sinks16-window368`` (the parameters by name)."""
+        return "".join(f"-{k}{v}" for k, v in sorted(self._values(named=True)))
 
 
-def takes_sinks(kind: str) -> bool:
-    """Whether the policy ``kind`` keeps sink tokens (``--sinks`` applies to it)."""
-    return kind == "sinks"
+_LETTER = {"window": "W", "sinks": "S", "budget": "B"}  # how the text names the built-in parameters
 
 
-def check_sinks_option(kind: str, sink_tokens: int | None, required: bool = False) -> None:
-    """``--sinks`` given to a policy that keeps none is an error (a command that takes one policy); with
-    ``required``, a sinks policy must be given its S."""
-    if sink_tokens and not takes_sinks(kind):
-        raise MetronomeError(f"--sinks needs --kv sinks (the {kind} policy keeps no sinks)")
-    if required and takes_sinks(kind) and not sink_tokens:
-        raise MetronomeError("--kv sinks needs --sinks S (sink tokens) and --window W")
+@register
+@dataclass(frozen=True)
+class UnboundedKV(KVPolicy):
+    """Every token stays resident (vLLM's default): the pool fills at the sessions' token rate."""
+
+    kind: ClassVar[str] = "unbounded"
+    bounded: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if self.window_tokens or self.sink_tokens:
+            raise MetronomeError("--window/--sinks only apply to a bounded --kv")
+        super().__post_init__()
 
 
-def make_policy(kind: str, block_size: int, window_tokens: int | None = None, sink_tokens: int | None = None) -> KVPolicy:
-    """Build a policy from CLI-style options, with one-line errors for bad combinations.
+@register
+@dataclass(frozen=True)
+class WindowKV(KVPolicy):
+    """The last W tokens (vLLM's own sliding window)."""
+
+    kind: ClassVar[str] = "window"
+    params: ClassVar[tuple[PolicyParam, ...]] = (WINDOW,)
+
+    def __post_init__(self):
+        if self.sink_tokens:
+            raise MetronomeError("--sinks needs a policy that keeps sinks (the window policy keeps none)")
+        super().__post_init__()
+
+    @classmethod
+    def sized(cls, block_size, given, kept_for):
+        return cls(block_size, window_tokens=int(given.get("window") or kept_for(0)))
+
+
+@register
+@dataclass(frozen=True)
+class SinksKV(KVPolicy):
+    """The first S and the last W tokens (StreamingLLM; the sink+window plugin)."""
+
+    kind: ClassVar[str] = "sinks"
+    params: ClassVar[tuple[PolicyParam, ...]] = (SINKS, WINDOW)
+    DEFAULT_SINKS: ClassVar[int] = 16  # what a report recommends unless told
+
+    def __post_init__(self):
+        if self.sink_tokens <= 0:
+            raise MetronomeError(f"--kv sinks needs --sinks > 0, got {self.sink_tokens}")
+        super().__post_init__()
+
+    @classmethod
+    def sized(cls, block_size, given, kept_for):
+        s = int(given["sinks"]) if given.get("sinks") is not None else cls.DEFAULT_SINKS
+        w = int(given["window"]) if given.get("window") is not None else kept_for(s) - s
+        return cls(block_size, window_tokens=w, sink_tokens=s)
+
+
+
+BUDGET = PolicyParam("budget", "budget_tokens", "KV budget B in tokens per session: its sinks and its last B - S "
+                     "tokens stay resident")
+
+
+@register
+@dataclass(frozen=True)
+class BudgetKV(KVPolicy):
+    """A per-session KV budget of B tokens: the first S (``--sinks``, none unless given) and the last B − S. The
+    same residency as ``sinks``/``window``, sized by what a session may hold in all rather than by its window."""
+
+    budget_tokens: int = 0
+
+    kind: ClassVar[str] = "budget"
+    params: ClassVar[tuple[PolicyParam, ...]] = (BUDGET, replace(SINKS, required=False))
+
+    def __post_init__(self):
+        if self.budget_tokens - self.sink_tokens < self.block_size:
+            raise MetronomeError(f"--budget {self.budget_tokens} leaves {self.budget_tokens - self.sink_tokens} "
+                                 f"tokens past the {self.sink_tokens} sinks, under one block ({self.block_size})")
+        object.__setattr__(self, "window_tokens", self.budget_tokens - self.sink_tokens)
+        super().__post_init__()
+
+    @classmethod
+    def sized(cls, block_size, given, kept_for):
+        s = int(given.get("sinks") or 0)
+        return cls(block_size, sink_tokens=s, budget_tokens=int(given.get("budget") or kept_for(s)))
+
+
+def _given(params: dict) -> dict:
+    unknown = set(params) - set(policy_params())
+    if unknown:
+        raise MetronomeError(f"no KV policy takes {', '.join(sorted(unknown))} "
+                             f"(the policies' parameters: {', '.join(policy_params())})")
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def check_policy_options(kind: str, params: dict) -> None:
+    """A parameter given to a policy that does not take it is an error (a command that takes one policy)."""
+    cls = policy_class(kind)
+    extra = sorted(set(_given(params)) - {p.name for p in cls.params})
+    if extra:
+        raise MetronomeError(f"--{extra[0]} does not apply to --kv {kind}"
+                             + (f" (it takes {', '.join('--' + p.name for p in cls.params)})" if cls.params else ""))
+
+
+def make_policy(kind: str, block_size: int, **params) -> KVPolicy:
+    """Build a policy from CLI-style options (``window=368, sinks=16``; None: not given), with one-line errors for
+    bad combinations.
 
     Options a policy has no use for are ignored (``--window`` under ``unbounded``, ``--sinks`` under
-    ``window``), so one what-if grid can compare policies."""
-    if kind == "unbounded":
-        return KVPolicy("unbounded", block_size)
-    if kind in ("window", "sinks") and window_tokens is None:
-        raise MetronomeError(f"--kv {kind} needs --window TOKENS")
-    if kind == "window":
-        return KVPolicy("window", block_size, window_tokens=int(window_tokens))
-    return KVPolicy(kind, block_size, window_tokens=int(window_tokens or 0), sink_tokens=int(sink_tokens or 0))
+    ``window``), so one what-if grid can compare policies; :func:`check_policy_options` refuses them where a
+    command takes one policy."""
+    return policy_class(kind).from_params(block_size, _given(params))
+
+
+def policy_from_options(options: dict, block_size: int, default_kind: str | None = None) -> KVPolicy:
+    """The policy of an options record or summary (``{"kv": ..., "window": ..., ...}``, other keys ignored)."""
+    names = policy_params()
+    return make_policy(options.get("kv") or default_kind, block_size,
+                       **{k: v for k, v in options.items() if k in names})
+
+
+def policy_option_values(source) -> dict:
+    """The policy parameters' values of an argparse namespace or a mapping (None: not given)."""
+    get = source.get if isinstance(source, dict) else (lambda k: getattr(source, k, None))
+    return {k: get(k) for k in policy_params()}
+
+
+def given_params(source) -> tuple[tuple[str, int], ...]:
+    """The policy parameters given (not None) in an argparse namespace or a mapping, as an options record holds
+    them (hashable, in declaration order)."""
+    return tuple((k, v) for k, v in policy_option_values(source).items() if v is not None)

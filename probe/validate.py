@@ -37,7 +37,7 @@ from pathlib import Path
 
 from metronome.calibration import TokenStream
 from metronome.errors import MetronomeError
-from metronome.kv_policy import KVPolicy, make_policy
+from metronome.kv_policy import KVPolicy
 from metronome.outputs import check_out, run_dir, write_json
 
 from metronome.probe import drift
@@ -98,10 +98,8 @@ def check(opts: ValidateOptions) -> None:
         raise MetronomeError(f"--horizon must be a positive number of seconds, got {opts.horizon_s}")
     if opts.deadline_s is not None and not opts.deadline_s > 0:
         raise MetronomeError(f"--deadline must be positive seconds, got {opts.deadline_s}")
-    make_policy("window", opts.block_size, opts.window)  # a window under one block fails here
-    if opts.sinks is not None:
-        make_policy("sinks", opts.block_size, opts.window, opts.sinks)
     usable = opts.num_blocks - 1
+    # a window under one block, or sinks not under the window, fail here
     bounded = max(p.max_resident_blocks or 0 for _, p in opts.policies())
     if usable < bounded + 1:
         raise MetronomeError(f"--num-blocks {opts.num_blocks} is too small: one session under the window needs "

@@ -327,14 +327,14 @@ def write(result: Result, out_dir: str | Path, replace: bool = False) -> Path:
 
 
 # ------------------------------------------------------------------------------- from plain options
-def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "unbounded",
-                  window: int | None = None, sinks: int | None = None, sessions: int | None = None,
+def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "unbounded", sessions: int | None = None,
                   arrival_rate: float | None = None, ramp_s: float | None = None,
                   session_duration: str | float | None = None, horizon: float = 600.0, seed: int = 0,
                   deadline: float | None = None, admission: str = "none", aimd_params: str | dict | None = None,
                   num_blocks: int | None = None, rate_pattern: str | None = None,
-                  phases: str = "independent", loop: str = "driver") -> Scenario:
-    """Build a scenario from the CLI's plain values (a what-if grid point is such a dict)."""
+                  phases: str = "independent", loop: str = "driver", **policy_params) -> Scenario:
+    """Build a scenario from the CLI's plain values (a what-if grid point is such a dict); ``policy_params`` are
+    the KV policy's (``window=368, sinks=16``: :func:`metronome.kv_policy.policy_params`)."""
     from metronome import calibration as calmod
     from metronome.kv_policy import make_policy
 
@@ -343,7 +343,7 @@ def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "u
         if num_blocks <= 0:
             raise MetronomeError(f"--num-blocks must be positive, got {num_blocks}")
         cal = replace(cal, engine=replace(cal.engine, num_blocks=int(num_blocks)))
-    policy = make_policy(kv, cal.engine.block_size_tokens, window, sinks)
+    policy = make_policy(kv, cal.engine.block_size_tokens, **policy_params)
     if rate_pattern is not None:
         if sessions is not None or arrival_rate is not None:
             raise MetronomeError("give one of --sessions, --arrival-rate or --rate-pattern")

@@ -173,7 +173,7 @@ def test_a_rate_pattern_and_a_csv_share_the_segment_check(tmp_path):
 
 # ------------------------------------------------------------------------------------------ the fleet
 CAL = calmod.load("moshi-7b-h200")
-SINKS = make_policy("sinks", CAL.engine.block_size_tokens, 1760, 4)
+SINKS = make_policy("sinks", CAL.engine.block_size_tokens, window=1760, sinks=4)
 UNBOUNDED = make_policy("unbounded", CAL.engine.block_size_tokens)
 
 

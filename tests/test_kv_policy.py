@@ -129,7 +129,7 @@ def test_window_example_by_hand():
 ])
 def test_bad_policies_are_one_line_errors(kind, w, s, msg):
     with pytest.raises(MetronomeError, match=msg) as e:
-        make_policy(kind, 16, w, s)
+        make_policy(kind, 16, window=w, sinks=s)
     assert "\n" not in str(e.value)
 
 
@@ -154,7 +154,7 @@ def test_the_policy_says_how_it_is_named_served_and_selected():
     s, w, u = KVPolicy.sinks(16, 16, 368), KVPolicy.window(16, 368), KVPolicy.unbounded(16)
     assert [p.short_words() for p in (s, w, u)] == ["sinks S=16, W=368", "window W=368", "unbounded"]
     assert [p.slug() for p in (s, w, u)] == ["-sinks16-window368", "-window368", ""]
-    assert [p.cli_args() for p in (s, w, u)] == [["--kv", "sinks", "--window", "368", "--sinks", "16"],
+    assert [p.cli_args() for p in (s, w, u)] == [["--kv", "sinks", "--sinks", "16", "--window", "368"],
                                                  ["--kv", "window", "--window", "368"], ["--kv", "unbounded"]]
     assert s.engine_settings() == {"sliding_window": 368, "sinks": 16}  # the plugin
     assert w.engine_settings() == {"sliding_window": 368, "sinks": None}  # vLLM's own window
@@ -162,7 +162,7 @@ def test_the_policy_says_how_it_is_named_served_and_selected():
     assert [p.runs_plugin for p in (s, w, u)] == [True, False, False]
     for p in (s, w, u):  # the options read back into the same policy
         o = p.options()
-        assert make_policy(o["kv"], 16, o["window"], o["sinks"]) == p
+        assert make_policy(o.pop("kv"), 16, **o) == p
 
 
 def test_no_code_outside_kv_policy_branches_on_a_policy_kind():
@@ -183,3 +183,88 @@ def test_no_code_outside_kv_policy_branches_on_a_policy_kind():
                 if branch.search(line) and not line.lstrip().startswith("for "):  # a loop over policies is fine
                     found.append(f"{f.relative_to(root)}:{no}: {line.strip()}")
     assert found == [], "\n".join(found)
+
+
+# ------------------------------------------------------------------------------ policies as types: the registry
+def test_a_budget_of_b_tokens_keeps_the_sinks_and_the_last_b_minus_s():
+    """The trial policy: ``budget`` B (with optional sinks S) keeps what ``sinks(S, W = B − S)`` keeps, and with
+    no sinks what ``window(B)`` keeps, so vLLM's own window serves it then and the plugin otherwise."""
+    b, s = make_policy("budget", 16, budget=384, sinks=16), KVPolicy.sinks(16, 16, 368)
+    n = np.arange(0, 3000)
+    assert (b.resident_blocks(n) == s.resident_blocks(n)).all() and b.max_resident_blocks == 1 + 23 + 1
+    assert b.engine_settings() == {"sliding_window": 368, "sinks": 16} and b.runs_plugin
+    assert b.rebase_tokens() == 384 and b.admission_cap_blocks(64, 4096) == s.admission_cap_blocks(64, 4096)
+    w = make_policy("budget", 16, budget=368)
+    assert (w.resident_blocks(n) == KVPolicy.window(16, 368).resident_blocks(n)).all()
+    assert w.engine_settings() == {"sliding_window": 368, "sinks": None} and not w.runs_plugin
+    assert (w.describe(), w.short_words(), w.slug()) == ("budget(B=368)", "budget B=368", "-budget368")
+    assert (b.describe(), b.short_words(), b.slug()) == ("budget(B=384, S=16)", "budget B=384, S=16",
+                                                         "-budget384-sinks16")
+    assert b.cli_args() == ["--kv", "budget", "--budget", "384", "--sinks", "16"]
+    o = b.options()
+    assert make_policy(o.pop("kv"), 16, **o) == b and b != s
+
+
+@pytest.mark.parametrize("kind,params,msg", [
+    ("budget", {}, "--kv budget needs --budget"),
+    ("budget", {"budget": 40, "sinks": 32}, "leaves 8 tokens past the 32 sinks, under one block"),
+    ("window", {"window": 64, "bogus": 1}, "no KV policy takes bogus"),
+])
+def test_bad_parameters_of_a_policy_are_one_line_errors(kind, params, msg):
+    with pytest.raises(MetronomeError, match=msg) as e:
+        make_policy(kind, 16, **params)
+    assert "\n" not in str(e.value)
+
+
+def test_every_command_knows_a_registered_policy_and_its_parameters():
+    """No command has a hand-written flag per policy: ``--kv budget --budget B`` reaches the simulator's commands,
+    the probe's and the report from the registry line alone."""
+    from metronome.cli import probe_cli, sim_cli
+    from metronome.kv_policy import check_policy_options, given_params
+    from metronome.report.build import reproduce_command
+    from metronome.report.plan import ReportOptions, default_window_tokens, make_plan
+
+    p = sim_cli.build_parser()
+    for cmd in (["run", "--sessions", "4"], ["what-if", "--sessions", "4"], ["capacity"],
+                ["fleet", "--arrival-rate", "1"]):
+        args = p.parse_args([*cmd, "--kv", "budget", "--budget", "384", "--sinks", "16"])
+        assert (args.kv, args.budget, args.sinks) == ("budget", "384", "16")  # parsed as values (grids) later
+    cal, pol = sim_cli._calibration_and_policy(p.parse_args(["run", "--sessions", "4", "--kv", "budget",
+                                                             "--budget", "384", "--sinks", "16"]), "moshi-7b-h200")
+    assert pol == make_policy("budget", cal.engine.block_size_tokens, budget=384, sinks=16)
+    for sub in ("calibrate", "run"):
+        parser = probe_cli.calibrate_parser() if sub == "calibrate" else probe_cli.run_parser()
+        args = parser.parse_args(["--model", "tiny", "--out", "x", "--kv", "budget", "--budget", "160"]
+                                 + (["--horizon", "5", "--arrival-rate", "1"] if sub == "run" else []))
+        assert given_params(args) == (("budget", 160),)
+    with pytest.raises(MetronomeError, match="--budget does not apply to --kv window"):
+        check_policy_options("window", {"budget": 160})
+    # the report sizes the budget as it sizes a window when not given, and keeps what it is given
+    rp = p.parse_args(["report", "--kv", "budget", "--out", "x"])
+    options = ReportOptions(calibrations=("moshi-7b-h200",), kv=rp.kv, kv_params=given_params(rp))
+    from metronome import calibration as calmod
+
+    cal = calmod.load("moshi-7b-h200")
+    plan = make_plan("moshi-7b-h200", cal, options)
+    assert plan.policy == make_policy("budget", 16, budget=default_window_tokens(cal, 0)) and plan.window_defaulted
+    given = ReportOptions(calibrations=("moshi-7b-h200",), kv="budget", kv_params=(("budget", 400), ("sinks", 16)))
+    plan = make_plan("moshi-7b-h200", cal, given)
+    assert plan.policy.window_tokens == 384 and plan.policy.sink_tokens == 16 and not plan.window_defaulted
+    assert "--kv budget --budget 400 --sinks 16" in reproduce_command(given)
+
+
+def test_the_simulator_runs_a_budget_as_the_sinks_and_window_it_keeps():
+    """200 sessions of up to 25 blocks each, most of them past their window: a budget that kept other than the
+    S sinks and the last B − S tokens would hold other blocks in the steps and the summary."""
+    from metronome.sim import scenario as sc
+
+    kw = dict(calibration="moshi-7b-h200", sessions=200, horizon=60.0, session_duration="exp:40", seed=1,
+              num_blocks=3000)
+    a = sc.run(sc.make_scenario(kv="budget", budget=384, sinks=16, **kw))
+    b = sc.run(sc.make_scenario(kv="sinks", sinks=16, window=368, **kw))
+    assert a.summary["policy"] == "budget(B=384, S=16)"
+    assert {k: v for k, v in a.summary.items() if k not in ("policy", "wall_s")} == \
+        {k: v for k, v in b.summary.items() if k not in ("policy", "wall_s")}
+    assert a.steps.equals(b.steps)
+    last = a.steps.iloc[-1]  # the sessions still running are held to 1 sink + 23 window blocks + 1, by hand
+    assert last.running > 0 and last.resident_blocks <= last.running * (1 + 23 + 1)

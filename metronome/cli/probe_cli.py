@@ -19,7 +19,7 @@ import os
 import sys
 
 from metronome.admission import PARAMS_HELP, controller_specs
-from metronome.kv_policy import POLICY_KINDS
+from metronome.kv_policy import given_params, policy_kinds, policy_params
 from metronome.errors import MetronomeError
 from metronome.outputs import check_out
 
@@ -98,9 +98,10 @@ def _replace_option(p: argparse.ArgumentParser) -> None:
 
 def _pool_options(p: argparse.ArgumentParser) -> None:
     """The KV policy and pool options shared by calibrate and run (validate fixes its own)."""
-    p.add_argument("--kv", choices=POLICY_KINDS, default="unbounded", help="KV policy")
-    p.add_argument("--window", type=int, help="window in tokens (with --kv window or --kv sinks)")
-    p.add_argument("--sinks", type=int, help="sink tokens (with --kv sinks: the metronome sink+window vLLM plugin)")
+    p.add_argument("--kv", choices=policy_kinds(), default="unbounded", help="KV policy (a bound with sinks runs "
+                   "the metronome sink+window vLLM plugin; one without, vLLM's own sliding window)")
+    for name, param in policy_params().items():
+        p.add_argument(f"--{name}", dest=name, type=int, help=f"{param.help} (with a --kv that takes it)")
     p.add_argument("--num-blocks", type=int, help="force the pool size in blocks (vLLM num_gpu_blocks_override)")
     p.add_argument("--max-model-len", type=int, help="cap the context length")
 
@@ -168,9 +169,9 @@ def calibrate_main(argv: list[str]) -> int:
 
     opts = CalibrateOptions(
         model=args.model, out=args.out, weights=args.weights, device=args.device, dtype=args.dtype, kv=args.kv,
-        window=args.window, num_blocks=args.num_blocks, block_size=args.block_size,
+        kv_params=given_params(args), num_blocks=args.num_blocks, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        sinks=args.sinks, kv_cache_gib=args.kv_cache_gib, stream=args.stream, grid_sessions=args.grid_sessions,
+        kv_cache_gib=args.kv_cache_gib, stream=args.stream, grid_sessions=args.grid_sessions,
         grid_context=args.grid_context, decode_steps=args.decode_steps, fill_sessions=args.fill_sessions,
         fill_seconds=args.fill_seconds, paced_sessions=args.paced_sessions, paced_seconds=args.paced_seconds,
         save=args.save, resume=args.resume, replace=args.replace, progress=not args.no_progress, phases=args.phases,
@@ -359,7 +360,7 @@ def run_main(argv: list[str]) -> int:
     opts = live_run.RunOptions(
         model=args.model, out=args.out, admission=args.admission, aimd_params=args.aimd_params,
         arrival_rate=args.arrival_rate, rate_pattern=args.rate_pattern, session_duration=args.session_duration,
-        horizon_s=args.horizon, kv=args.kv, window=args.window, sinks=args.sinks, num_blocks=args.num_blocks,
+        horizon_s=args.horizon, kv=args.kv, kv_params=given_params(args), num_blocks=args.num_blocks,
         block_size=args.block_size, max_model_len=args.max_model_len, stream=args.stream, deadline_s=args.deadline,
         metrics_port=args.metrics_port, seed=args.seed, prompt_tokens=args.prompt_tokens, weights=args.weights,
         device=args.device, dtype=args.dtype, restart=args.restart, max_restarts=args.max_restarts,

@@ -17,7 +17,7 @@ from metronome import serving
 from metronome.admission import PARAMS_HELP, check_params_apply, controller_specs
 from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.errors import MetronomeError
-from metronome.kv_policy import BOUNDED_KINDS, POLICY_KINDS
+from metronome.kv_policy import bounded_kinds, policy_kinds, policy_option_values, policy_params
 from metronome.outputs import check_out, write_outputs
 from metronome.report.plan import DEFAULT_MC_RUNS, MC_EDGE_RUNS
 
@@ -26,9 +26,8 @@ DEFAULT_CALIBRATION = "moshi-7b-h200"
 # option name -> (parser of one value, help)
 SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "calibration": (str, f"preset name or calibration JSON file (default {DEFAULT_CALIBRATION})"),
-    "kv": (str, f"KV policy: {' | '.join(POLICY_KINDS)} (default unbounded)"),
-    "window": (int, "window W in tokens (with --kv window or sinks)"),
-    "sinks": (int, "sink tokens S (with --kv sinks)"),
+    "kv": (str, f"KV policy: {' | '.join(policy_kinds())} (default unbounded)"),
+    **{name: (int, f"{p.help} (with a --kv that takes it)") for name, p in policy_params().items()},
     "sessions": (int, "N sessions start at t=0 (or over --ramp seconds)"),
     "arrival_rate": (float, "Poisson session arrivals per second (needs --session-duration)"),
     "ramp_s": (float, "spread --sessions evenly over this many seconds"),
@@ -296,7 +295,7 @@ def cmd_metastability(args) -> int:
 
 
 def _calibration_and_policy(args, name: str):
-    """The calibration ``name`` (with ``--num-blocks``) and the KV policy of ``--kv/--window/--sinks``."""
+    """The calibration ``name`` (with ``--num-blocks``) and the KV policy of ``--kv`` and its parameters."""
     from metronome import calibration as calmod
     from metronome.kv_policy import make_policy
 
@@ -308,9 +307,8 @@ def _calibration_and_policy(args, name: str):
         if nb <= 0:
             raise MetronomeError(f"--num-blocks must be positive, got {nb}")
         cal = replace(cal, engine=replace(cal.engine, num_blocks=nb))
-    window = _parse_one("window", args.window) if args.window is not None else None
-    sinks = _parse_one("sinks", args.sinks) if args.sinks is not None else None
-    return cal, make_policy(args.kv or "unbounded", cal.engine.block_size_tokens, window, sinks)
+    values = {k: (_parse_one(k, v) if v is not None else None) for k, v in policy_option_values(args).items()}
+    return cal, make_policy(args.kv or "unbounded", cal.engine.block_size_tokens, **values)
 
 
 def cmd_capacity(args) -> int:
@@ -565,8 +563,9 @@ def cmd_report(args) -> int:
 
     out = out_dir(args)
     options = ReportOptions(
-        calibrations=tuple(args.calibration or [DEFAULT_CALIBRATION]), kv=args.kv, sinks=args.sinks,
-        window=args.window, session_duration=args.session_duration, deadline_s=args.deadline,
+        calibrations=tuple(args.calibration or [DEFAULT_CALIBRATION]), kv=args.kv,
+        kv_params=tuple((k, v) for k, v in policy_option_values(args).items() if v is not None),
+        session_duration=args.session_duration, deadline_s=args.deadline,
         arrival_rate=args.arrival_rate, seed=args.seed, mc_runs=args.mc_runs, mc_edge_runs=args.mc_edge_runs, live=tuple(args.live or ()),
         phases=args.phases, offered_load=args.offered_load, max_refusal=args.max_refusal,
         gpu_prices=tuple(_prices(args.gpu_price).items()))
@@ -614,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_executor_options(m)
     m.set_defaults(fn=cmd_metastability)
     cp = sub.add_parser("capacity", help="memory ceiling, deadline-bound N* and which binds")
-    for name in ("calibration", "kv", "window", "sinks", "session_duration", "num_blocks", "phases"):
+    for name in ("calibration", "kv", *policy_params(), "session_duration", "num_blocks", "phases"):
         cp.add_argument(flag(name), dest=name, default=None, help=SCENARIO_OPTIONS[name][1])
     cp.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
     cp.add_argument("--target-fraction", type=float, default=0.8, help="p99 target as a fraction of the deadline")
@@ -633,10 +632,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="capacity-planning report (report.html + report.md) for one or more calibrations")
     rp.add_argument("--calibration", action="append", default=None,
                     help="preset name or calibration JSON; repeat to compare side by side (default moshi-7b-h200)")
-    rp.add_argument("--kv", choices=BOUNDED_KINDS, default="sinks", help="the bounded policy to recommend")
-    rp.add_argument("--sinks", type=int, default=None, help="sink tokens S (default 16)")
-    rp.add_argument("--window", type=int, default=None,
-                    help="window W in tokens (default: about the last 30 s of conversation, whole blocks)")
+    rp.add_argument("--kv", choices=bounded_kinds(), default="sinks", help="the bounded policy to recommend")
+    for name, param in policy_params().items():
+        rp.add_argument(f"--{name}", dest=name, type=int, default=None,
+                        help=f"{param.help} (default: what the policy keeps for about the last 30 s of "
+                             "conversation, in whole blocks)")
     rp.add_argument("--session-duration", dest="session_duration", default="exp:300",
                     help="session length mix: SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default exp:300)")
     rp.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
@@ -675,7 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "vs autoscaled, refusals and silent frames per hour, cost")
     f.add_argument("--calibration", action="append", default=None,
                    help=f"preset name or calibration JSON; repeat to compare (default {DEFAULT_CALIBRATION})")
-    for name in ("kv", "window", "sinks", "num_blocks", "phases"):
+    for name in ("kv", *policy_params(), "num_blocks", "phases"):
         f.add_argument(flag(name), dest=name, default=None, help=SCENARIO_OPTIONS[name][1])
     f.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
     f.add_argument("--arrival-rate", dest="arrival_rate", default=None, help="offered load: constant sessions/s")

@@ -36,6 +36,7 @@ import pandas as pd
 from metronome import __version__
 from metronome import calibration as calmod
 from metronome.errors import MetronomeError
+from metronome.kv_policy import policy_option_values
 from metronome.workload import Durations
 
 from metronome.report.live import attach_simulation, check_resimulation, read_live, sim_side
@@ -288,8 +289,8 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
     fleet = _fleet_data(options, plans, caps, executor, progress) if options.offered_load is not None else None
     return _clean({
         "title": "Capacity plan: " + " vs ".join(c["name"] for c in cals),
-        "options": {"calibrations": list(options.calibrations), "kv": options.kv, "sinks": options.sinks,
-                    "window": options.window, "session_duration": options.session_duration,
+        "options": {"calibrations": list(options.calibrations), "kv": options.kv,
+                    **policy_option_values(dict(options.kv_params)), "session_duration": options.session_duration,
                     "deadline_s": options.deadline_s, "arrival_rate": options.arrival_rate, "seed": options.seed,
                     "mc_runs": options.mc_runs, "mc_edge_runs": plans[0].edge_runs,
                     "live": list(options.live), "phases": options.phases,
@@ -335,10 +336,8 @@ def reproduce_command(options: ReportOptions, out: str = "OUT") -> str:
     for c in options.calibrations:
         parts += ["--calibration", c]
     parts += ["--kv", options.kv]
-    if options.sinks is not None:
-        parts += ["--sinks", str(options.sinks)]
-    if options.window is not None:
-        parts += ["--window", str(options.window)]
+    for name, value in options.kv_params:
+        parts += [f"--{name}", str(value)]
     parts += ["--session-duration", options.session_duration]
     if options.deadline_s is not None:
         parts += ["--deadline", f"{options.deadline_s:g}"]

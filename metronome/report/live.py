@@ -44,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from metronome.errors import MetronomeError
+from metronome.kv_policy import policy_params
 from metronome.results import settled_mean
 
 LATENCIES = ("p50_frame_latency_s", "p99_frame_latency_s")
@@ -217,13 +218,12 @@ def attach_simulation(entry: dict, side: dict, calibration: str, n_star: int | N
 # ------------------------------------------------------------------------------------------ run folders
 def _policy_label(origin: str, opts: dict | None, steps: pd.DataFrame, sim_summary: dict | None, name: str) -> str:
     if opts is not None and isinstance(opts.get("kv"), str):
-        from metronome.kv_policy import make_policy
+        from metronome.kv_policy import policy_from_options
 
         try:
-            return make_policy(opts["kv"], int(opts.get("block_size") or 16), opts.get("window"),
-                               opts.get("sinks")).describe()
+            return policy_from_options(opts, int(opts.get("block_size") or 16)).describe()
         except (MetronomeError, TypeError, ValueError) as exc:
-            raise MetronomeError(f"{origin}: field 'options.kv' (with window/sinks) is not a KV policy: "
+            raise MetronomeError(f"{origin}: field 'options.kv' (with its parameters) is not a KV policy: "
                                  f"{exc}") from None
     if "run" in steps.columns and len(steps) and isinstance(steps["run"].iloc[0], str):
         return str(steps["run"].iloc[0])
@@ -285,8 +285,9 @@ def _resimulation(origin: str, obj: dict, ctl_info: dict) -> dict:
     blocks = obj.get("num_blocks", opts.get("num_blocks"))
     if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
         raise MetronomeError(f"{origin}: field 'num_blocks' must be a positive integer, got {blocks!r}")
-    kw = {"kv": _opt(origin, opts, "kv", str) or "unbounded", "window": _opt(origin, opts, "window", int),
-          "sinks": _opt(origin, opts, "sinks", int), "arrival_rate": rate, "rate_pattern": pattern,
+    kw = {"kv": _opt(origin, opts, "kv", str) or "unbounded",
+          **{name: _opt(origin, opts, name, int) for name in policy_params() if name in opts}, "arrival_rate": rate,
+          "rate_pattern": pattern,
           "session_duration": str(duration), "horizon": float(horizon), "seed": _opt(origin, opts, "seed", int) or 0,
           "deadline": deadline, "admission": _opt(origin, opts, "admission", str) or "none", "aimd_params": params,
           "num_blocks": blocks,

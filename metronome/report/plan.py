@@ -35,12 +35,11 @@ from metronome.calibration import Calibration
 from metronome import serving
 from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
-from metronome.kv_policy import BOUNDED_KINDS, KVPolicy, cdiv, check_sinks_option, make_policy, takes_sinks
+from metronome.kv_policy import KVPolicy, bounded_kinds, cdiv, check_policy_options, policy_class
 from metronome.erlang import DEFAULT_MAX_REFUSAL, check_refusal
 from metronome.workload import Arrivals, Durations
 
 DEFAULT_KV = "sinks"
-DEFAULT_SINK_TOKENS = 16
 WINDOW_CONTEXT_S = 30.0
 MIN_BOUNDED_SESSIONS = 8
 DEFAULT_SESSION_DURATION = "exp:300"
@@ -71,8 +70,7 @@ class ReportOptions:
 
     calibrations: tuple[str, ...]
     kv: str = DEFAULT_KV
-    sinks: int | None = None
-    window: int | None = None
+    kv_params: tuple[tuple[str, int], ...] = ()  # the policy's parameters as given (None: sized by the report)
     session_duration: str = DEFAULT_SESSION_DURATION
     deadline_s: float | None = None
     arrival_rate: float | None = None
@@ -102,9 +100,10 @@ class ReportOptions:
             raise MetronomeError("give at least one --calibration NAME|PATH")
         if len(self.calibrations) > 4:
             raise MetronomeError(f"a report compares at most 4 calibrations, got {len(self.calibrations)}")
-        if self.kv not in BOUNDED_KINDS:
-            raise MetronomeError(f"--kv {self.kv!r}: the report recommends a bounded policy ({' or '.join(BOUNDED_KINDS)}); "
-                                 "the unbounded one is always shown beside it")
+        if self.kv not in bounded_kinds():
+            raise MetronomeError(f"--kv {self.kv!r}: the report recommends a bounded policy "
+                                 f"({' or '.join(bounded_kinds())}); the unbounded one is always shown beside it")
+        check_policy_options(self.kv, dict(self.kv_params))
         if self.deadline_s is not None and not (self.deadline_s > 0 and math.isfinite(self.deadline_s)):
             raise MetronomeError(f"--deadline must be positive seconds, got {self.deadline_s}")
         if self.arrival_rate is not None and not (self.arrival_rate > 0 and math.isfinite(self.arrival_rate)):
@@ -318,13 +317,9 @@ def default_window_tokens(cal: Calibration, sink_tokens: int) -> int:
 
 def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
     """Resolve the defaults for one calibration (one-line errors for a bad combination)."""
-    bs = cal.engine.block_size_tokens
-    sinks = 0
-    check_sinks_option(options.kv, options.sinks)
-    if takes_sinks(options.kv):
-        sinks = DEFAULT_SINK_TOKENS if options.sinks is None else int(options.sinks)
-    window = options.window if options.window is not None else default_window_tokens(cal, sinks)
-    policy = make_policy(options.kv, bs, int(window), sinks)
+    cls, given = policy_class(options.kv), dict(options.kv_params)
+    check_policy_options(options.kv, given)
+    policy = cls.sized(cal.engine.block_size_tokens, given, lambda s: s + default_window_tokens(cal, s))
     durations = Durations.parse(options.session_duration)
     if not math.isfinite(durations.mean_s):
         raise MetronomeError(f"--session-duration {options.session_duration!r}: needs a finite mean")
@@ -336,4 +331,4 @@ def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
                 session_duration=options.session_duration,
                 deadline_s=float(options.deadline_s or cal.stream.frame_period_s), seed=options.seed,
                 mc_runs=options.mc_runs, mc_edge_runs=options.mc_edge_runs, arrival_rate=options.arrival_rate,
-                window_defaulted=options.window is None, phases=options.phases)
+                window_defaulted=not any(p.sizes and p.name in given for p in cls.params), phases=options.phases)

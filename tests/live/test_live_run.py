@@ -148,6 +148,16 @@ def test_aimd_run_outputs_and_prometheus_scrape(engine, tmp_path):
     assert on_disk["engine_silent_episodes"] == 0
 
 
+def test_a_policy_the_engine_does_not_run_is_refused(engine, tmp_path):
+    from metronome.admission import make_controller
+    from metronome.errors import MetronomeError
+    from metronome.kv_policy import KVPolicy
+    from metronome.probe.live_run import run
+
+    with pytest.raises(MetronomeError, match=r"the engine runs unbounded, not window\(W=128\)"):
+        run(engine, STREAM, [], 1.0, make_controller("none", 0.1), tmp_path, policy=KVPolicy.window(32, 128))
+
+
 # -- fault: a dead signal / a stalled engine ---------------------------------------------------------------
 class _Pausable:
     """The engine, except that between ``start`` and ``end`` (perf_counter) a step produces nothing: a stalled
@@ -228,7 +238,7 @@ def test_sigterm_clean_stop(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "metronome.cli.probe_cli", "run", "--model", "tiny", "--out", str(out),
            "--num-blocks", "64", "--stream", "0.1:14:2", "--arrival-rate", "2", "--session-duration", "30",
-           "--admission", "aimd", "--horizon", "120"]
+           "--admission", "aimd", "--horizon", "120", "--kv", "budget", "--budget", "160", "--sinks", "32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -254,3 +264,8 @@ def test_sigterm_clean_stop(tmp_path):
     sessions = pd.read_parquet(out / "sessions.parquet")
     assert (sessions[sessions.admitted].reason == "SIGTERM").any()
     assert (out / "controller.parquet").exists()
+    # the trial policy, a KV budget, reached the engine from its registry line alone: the run checks that the
+    # engine's KV spec keeps what the policy keeps (the plugin's S = 32, W = 160 - 32) before it starts, and names
+    # the run as the user named the policy, its options flat as the report reads them
+    assert {k: summary["options"][k] for k in ("kv", "budget", "sinks")} == {"kv": "budget", "budget": 160, "sinks": 32}
+    assert set(frames.run) == {"budget(B=160, S=32)"}
