@@ -63,7 +63,6 @@ def resident_tokens_of(n, bs, sink_blocks, window):
     return np.minimum(lo, sink_blocks) * bs + (n - lo * bs)
 
 
-
 @dataclass(frozen=True)
 class PolicyParam:
     """A parameter a KV policy declares: ``--NAME`` on every command that takes a policy, ``NAME`` in the options
@@ -367,7 +366,6 @@ class SinksKV(KVPolicy):
         return cls(block_size, window_tokens=w, sink_tokens=s)
 
 
-
 BUDGET = PolicyParam("budget", "budget_tokens", "KV budget B in tokens per session: its sinks and its last B - S "
                      "tokens stay resident")
 
@@ -423,10 +421,10 @@ def make_policy(kind: str, block_size: int, **params) -> KVPolicy:
     return policy_class(kind).from_params(block_size, _given(params))
 
 
-def policy_from_options(options: dict, block_size: int, default_kind: str | None = None) -> KVPolicy:
+def policy_from_options(options: dict, block_size: int) -> KVPolicy:
     """The policy of an options record or summary (``{"kv": ..., "window": ..., ...}``, other keys ignored)."""
     names = policy_params()
-    return make_policy(options.get("kv") or default_kind, block_size,
+    return make_policy(options.get("kv"), block_size,
                        **{k: v for k, v in options.items() if k in names})
 
 

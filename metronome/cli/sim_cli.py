@@ -17,7 +17,7 @@ from metronome import serving
 from metronome.admission import PARAMS_HELP, check_params_apply, controller_specs
 from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.errors import MetronomeError
-from metronome.kv_policy import bounded_kinds, policy_kinds, policy_option_values, policy_params
+from metronome.kv_policy import bounded_kinds, given_params, policy_kinds, policy_option_values, policy_params
 from metronome.outputs import check_out, write_outputs
 from metronome.report.plan import DEFAULT_MC_RUNS, MC_EDGE_RUNS
 
@@ -564,7 +564,7 @@ def cmd_report(args) -> int:
     out = out_dir(args)
     options = ReportOptions(
         calibrations=tuple(args.calibration or [DEFAULT_CALIBRATION]), kv=args.kv,
-        kv_params=tuple((k, v) for k, v in policy_option_values(args).items() if v is not None),
+        kv_params=given_params(args),
         session_duration=args.session_duration, deadline_s=args.deadline,
         arrival_rate=args.arrival_rate, seed=args.seed, mc_runs=args.mc_runs, mc_edge_runs=args.mc_edge_runs, live=tuple(args.live or ()),
         phases=args.phases, offered_load=args.offered_load, max_refusal=args.max_refusal,
