@@ -19,7 +19,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd

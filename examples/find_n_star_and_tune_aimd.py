@@ -14,7 +14,6 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 
 from metronome import calibration
 from metronome.kv_policy import KVPolicy

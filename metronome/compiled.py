@@ -14,6 +14,7 @@ import hashlib
 import inspect
 from pathlib import Path
 
+import numba as nb
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -75,3 +76,10 @@ def borrowed(typingctx, arrays):
         return context.make_tuple(builder, sig.return_type, out)
 
     return arrays(arrays), codegen
+
+
+@nb.njit(cache=True)
+def hold(owner):
+    """Nothing: a use of ``owner`` (arrays a compiled function allocated and then :func:`borrowed`) at the point up
+    to which the borrowed arrays are used. numba releases a variable after its last use, and the borrowed copies
+    do not count as one."""

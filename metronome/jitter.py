@@ -49,7 +49,9 @@ class JitterDraws:
         self.rho = float(model.jitter_shared) if self.on else 0.0
         self.rho_f = float(model.jitter_frame) if self.on else 0.0
         if self.on:
-            self._p, self._r = np.array(model.jitter, dtype=float).T
+            # contiguous: the compiled loop takes them, and a strided view would be a second type signature,
+            # compiled again (the whole loop) beside the one every other caller uses
+            self._p, self._r = (np.ascontiguousarray(c) for c in np.array(model.jitter, dtype=float).T)
         self._phi = math.exp(-float(frame_period_s) / model.jitter_tau_s) if self.rho else 0.0
         self._a = np.zeros(0)
 

@@ -334,9 +334,11 @@ def _preempt(v, cnt, status, computed, slots, held, wq, reached):
 
 
 @nb.njit(cache=True)
-def key_order(v, n):
+def key_order_in(v, n, work):
     """Positions ``0 .. n-1`` in ascending order of ``v[:n]`` (ties in position order). A step's keys (queue places,
-    tick keys) span little more than their count: a counting sort, linear; a comparison sort otherwise."""
+    tick keys) span little more than their count: a counting sort, linear, in ``work`` (at least 5n + 66 long; the
+    order is ``work[:n]``: the compiled loop sorts every step's answers, and an allocation a step cost it more than
+    the sort); a comparison sort, allocated, when they span more than 4n + 64."""
     lo = hi = v[0]
     for j in range(1, n):
         lo = min(lo, v[j])
@@ -344,17 +346,23 @@ def key_order(v, n):
     span = hi - lo + 1
     if span > 4 * n + 64:
         return np.argsort(v[:n], kind="mergesort")
-    start = np.zeros(span + 1, np.int64)
+    order, start = work[:n], work[n:n + span + 1]
+    start[:] = 0
     for j in range(n):
         start[v[j] - lo + 1] += 1
     for k in range(span):
         start[k + 1] += start[k]
-    order = np.empty(n, np.int64)
     for j in range(n):
         c = v[j] - lo
         order[start[c]] = j
         start[c] += 1
     return order
+
+
+@nb.njit(cache=True)
+def key_order(v, n):
+    """:func:`key_order_in` in an array of its own."""
+    return key_order_in(v, n, np.empty(5 * n + 66, np.int64))
 
 
 @nb.njit(cache=True)

@@ -30,13 +30,13 @@ import numpy as np
 
 from metronome import compiled, control_kernel, jitter_kernel, kv_policy, serving
 from metronome import control_kernel as ck
-from metronome.compiled import borrowed
+from metronome.compiled import borrowed, hold
 from metronome.calibration import step_inputs
 from metronome.jitter_kernel import correlated_ratio
 from metronome.sim.recorder import FRAME_BLOCK, STEP_BLOCK
 from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX, O_NEW,
                                O_PRE, O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel, abort_slot, add_slot,
-                               engine_step, gate_blocks_jit, key_order, resume_slot)
+                               engine_step, gate_blocks_jit, key_order_in, resume_slot)
 
 P_CODE = EngineModel.PAUSED_CODE
 
@@ -93,14 +93,15 @@ def _tick(f, P, ph):
 
 @nb.njit(cache=True)
 def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i,
-          nrows, in_flight):
+          nrows, in_flight, work):
     """``n`` answers (tick key, session, tokens got) become one row per tick, in tick order, all answered at
     ``now`` with ``in_flight`` sessions in flight; a late frame counts against its session (``s_late``). Both paths
-    record their rows with it (SimEngine._flush_answers). Returns the rows written so far."""
+    record their rows with it (SimEngine._flush_answers). ``work``: room to sort in (serving.key_order_in). Returns
+    the rows written so far."""
     if n == 0:
         return nrows
-    # rows are sums over a tick: the order within one does not matter (and one answer needs no sort)
-    order = np.zeros(1, np.int64) if n == 1 else key_order(keys, n)
+    # rows are sums over a tick: the order within one does not matter
+    order = key_order_in(keys, n, work)
     j = 0
     while j < n:
         key = keys[order[j]]
@@ -588,11 +589,11 @@ def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state
 
 
 @nb.njit(cache=True)
-def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
-          backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted,
-          s_frames, s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots, held, out, maxtok,
-          kseq, run, kw, wq, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend,
-          fc, fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i, new_s, n_new, cs, cp, clat, cw, ctr):
+def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame, backlog,
+          inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_frames,
+          s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run,
+          kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend, fc,
+          fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i, new_s, n_new, cs, cp, clat, cw, ctr):
     """The front end's turn at ``now`` (SimEngine._turn): the arrivals, then, if the checks pass (:func:`_turn_plan`;
     else the caller takes the rest of the turn), the departures due, the admissions and the sessions whose frames
     came due (_ticks, _answer_silent). ``fc`` holds the front end's counters. Returns (taken, frames handed over,
@@ -633,13 +634,13 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
         n_pend = _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend)
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n0)
-    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_late, fr_f, fr_tick, fr_done,
+    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done,
                       fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
     return True, n_sub, latest, nrows, n_pend, n_new
 
 
 @nb.njit(cache=True)
-def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_late, fr_f, fr_tick, fr_done, fr_lat,
+def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done, fr_lat,
               fr_i, nrows, cs, cp, clat, cw, ctr):
     """The moment's answers recorded (:func:`flush`) and, one row at a time, told to a compiled controller as
     SimEngine._flush_answers tells it. Returns the rows."""
@@ -647,7 +648,7 @@ def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_lat
         return nrows
     r0 = nrows
     nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS],
-                  s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, fc[C_NRUN] + fc[C_NWAIT])
+                  s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, fc[C_NRUN] + fc[C_NWAIT], work)
     if iconf[I_CTL] == CTL_COMPILED:
         ck.observe_rows(cs, cp, clat, cw, ctr, fr_done[r0:nrows], fr_lat[r0:nrows], fr_i[R_FRAMES][r0:nrows],
                         fr_i[R_SILENT][r0:nrows], fr_i[R_INFLIGHT][r0:nrows])
@@ -691,9 +692,9 @@ def _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend):
 
 @nb.njit(cache=True)
 def _answer_step(now, iconf, fconf, fc, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
-                 s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
-                 state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i, k, nS, new_tokens, ctx, used,
-                 cs, cp, clat, cw, ctr):
+                 s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, work, ready,
+                 run_sess, state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i, k, nS, new_tokens,
+                 ctx, used, cs, cp, clat, cw, ctr):
     """After a step that ended at ``now``: tokens to their frames, finished frames (and in lockstep the silent
     ones they held back) answered, one row per tick, and the step's row. Returns (sessions with frames still
     queued, frames still owed, frame rows). The step's row is ``k``."""
@@ -704,7 +705,7 @@ def _answer_step(now, iconf, fconf, fc, sampled, n_sam, sess_of_slot, pslot, inf
     if n_pend:
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n_done)
-    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, admitted, s_late, fr_f, fr_tick, fr_done,
+    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done,
                       fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
     _record_step(st_i, k, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, a_tok[n_done:n_ans])
     return n_ready, n_pend, nrows
@@ -748,6 +749,16 @@ def _next_wake(tick, t_next, fc, dep_t, iconf, arr_t):
 
 
 @nb.njit(cache=True)
+def _no_wake(until, now, horizon, idle, turned, fstate):
+    """An idle engine that wakes ``until`` no later than ``now`` hands the span back; one that would wake at the
+    horizon or after waits, and the run ends there (PAST_HORIZON, ``fstate[1]``). Returns (idle, turned)."""
+    if until <= now:
+        return idle, turned
+    fstate[1] = until
+    return True, PAST_HORIZON
+
+
+@nb.njit(cache=True)
 def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw,
                  wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, step_no, sframe, jit, jz, ja, jb, jp,
                  jr):
@@ -785,7 +796,8 @@ def _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, loc
     ready, n_ready = _queued_behind(live, state, inflight, backlog)
     run_sess = live if lockstep else live[:0]
     a_key, a_who, a_tok = np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), np.empty(n_answers, np.int64)
-    return start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok
+    work = np.empty(5 * n_answers + 66, np.int64)  # (flush sorts the answers in it)
+    return (start, who, tick, visit, ready, a_key, a_who, a_tok, work), ok, n_ready, run_sess
 
 
 @nb.njit(cache=True)
@@ -814,14 +826,14 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
         o_n, reached = borrowed(eng)
     cs, cp, clat, cw, ctr = borrowed(ctl)
-    sframe, peak, n_pend = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND]
+    sframe, peak, n_pend, now = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND], fstate[0]
     idle = istate[S_IDLE] != 0  # the engine waited since its last step: a frame's step then pays first_s
-    now = fstate[0]
     s0, nrows = istate[S_NSTEPS], istate[S_NROWS]  # the records are written from these rows on
     nsteps = n_new = 0
     turned = TURN_TAKEN  # the caller's turn at `now` is done
-    start, who, tick, ok, visit, ready, n_ready, run_sess, a_key, a_who, a_tok = _span_state(
-        live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, ans_cap + pend.shape[0])
+    owned, ok, n_ready, run_sess = _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep,
+                                               ans_cap + pend.shape[0])
+    start, who, tick, visit, ready, a_key, a_who, a_tok, work = borrowed(owned)  # `owned` holds them to the end (hold)
     while ok:
         if turned == TURN_CALLER:
             if (now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_f.size
@@ -831,8 +843,8 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                 now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
                 backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started,
                 admitted, s_frames, s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots,
-                held, out, maxtok, kseq, run, kw, wq, a_key, a_who, a_tok, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows,
-                run_sess, pend, n_pend, fc, fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i,
+                held, out, maxtok, kseq, run, kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i,
+                nrows, run_sess, pend, n_pend, fc, fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i,
                 new_s, n_new, cs, cp, clat, cw, ctr)
             if not taken:
                 break
@@ -843,13 +855,10 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
         turned = TURN_CALLER
         if cnt[E_RUN] + cnt[E_KW] + cnt[E_WQ] == 0:  # no work: wait for the next tick, event, departure or arrival
             until = _next_wake(tick, t_next, fc, dep_t, iconf, arr_t)
-            if until <= now:
+            if until <= now or until >= horizon:  # nothing comes, or SimPy stops the run during this wait
+                idle, turned = _no_wake(until, now, horizon, idle, turned, fstate)
                 break
-            idle = True
-            if until >= horizon:  # SimPy stops the run during this wait
-                fstate[1], turned = until, PAST_HORIZON
-                break
-            now = until
+            now, idle = until, True
             continue
         lat, turned = _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok,
                                    kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, nsteps,
@@ -863,19 +872,18 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
         step_start, now = now, now + lat
         n_ready, n_pend, nrows = _answer_step(
             now, iconf, fconf, fc, o_sam, o_n[O_SAM], sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
-            s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, ready, run_sess,
+            s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, work, ready, run_sess,
             state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i, s0 + nsteps, o_n[O_SCHED],
             o_n[O_NEW], o_n[O_CTX], o_n[O_USED], cs, cp, clat, cw, ctr)
         peak = max(peak, o_n[O_USED])
         st_t[s0 + nsteps], st_lat[s0 + nsteps] = step_start, lat
         nsteps += 1
-    istate[S_SFRAME], istate[S_PEAK], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED] = \
-        sframe, peak, nsteps, nrows, turned
-    istate[S_IDLE], istate[S_NPEND], istate[S_NNEW] = 1 if idle else 0, n_pend, n_new
-    fstate[0] = now
+    istate[S_SFRAME], istate[S_PEAK], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED], istate[S_IDLE], \
+        istate[S_NPEND], istate[S_NNEW], fstate[0] = sframe, peak, nsteps, nrows, turned, idle, n_pend, n_new, now
+    hold(owned)
 
 
 # what run_span compiles into itself from other modules: the engine step (with the residency it calls), the step
-# model's form, the jitter ratio and the admission controllers
-FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel)
+# model's form, the jitter ratio, the admission controllers and the hold on borrowed arrays
+FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, compiled)
 STEP_FORM = compiled.guard(run_span, FORM_PARTS)  # before any loop is called, so none has loaded its cache yet

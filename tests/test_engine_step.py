@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from metronome.serving import key_order
+from metronome.serving import key_order, key_order_in
 
 
 @pytest.mark.parametrize("span", [3, 40, 10_000_000], ids=["ties", "counting", "comparison"])
@@ -18,3 +18,13 @@ def test_key_order_is_a_stable_ascending_order(span):
     assert key_order(wide, wide.size).tolist() == np.argsort(wide, kind="stable").tolist()
     v = np.array([5, 3, 9, 3, 0, 0, 0])  # only the first n count
     assert key_order(v, 4).tolist() == [1, 3, 0, 2]
+
+
+def test_key_order_in_a_reused_buffer_forgets_what_the_last_sort_left():
+    # the compiled loop sorts every step's answers in one buffer (flush): whatever the last sort, or anything else,
+    # left in it must not reach the next order
+    rng = np.random.default_rng(7)
+    work = np.full(5 * 300 + 66, 3, np.int64)
+    for n in (300, 12, 1, 40, 2):
+        v = rng.integers(50, 50 + 2 * n + 3, n)
+        assert key_order_in(v, n, work).tolist() == np.argsort(v, kind="stable").tolist()

@@ -45,3 +45,24 @@ def test_each_guard_covers_every_module_whose_compiled_code_it_takes_in():
     assert _foreign_compiled_modules(serving) <= _covered((serving.resident_blocks_of, serving.resident_tokens_of))
     assert {"metronome.serving", "metronome.calibration"} <= _foreign_compiled_modules(fp)
     assert _foreign_compiled_modules(fp) <= _covered(fp.FORM_PARTS)
+
+
+def test_the_loop_is_compiled_once_with_or_without_correlated_jitter():
+    """The compiled loop is one machine-code body of some hundred kilobytes, compiled for each type signature its
+    arguments come in (about half a minute each on a cold cache): a calibration whose step jitter has slow spells
+    hands it the jitter's table, and that must come in the same types as everyone else's arrays."""
+    from dataclasses import replace
+
+    from metronome import calibration
+    from metronome.kv_policy import KVPolicy
+    from metronome.sim.scenario import Scenario, run
+    from metronome.workload import Arrivals
+
+    c = calibration.load("moshi-7b-h200")
+    spells = replace(c, step_latency=replace(
+        c.step_latency, jitter=((0.0, 0.85), (0.5, 1.0), (0.9, 1.1), (1.0, 2.0)), jitter_shared=0.6,
+        jitter_tau_s=1.0, jitter_frame=0.1))
+    for cal in (c, spells):
+        res = run(Scenario(cal, KVPolicy.sinks(16, 16, 256), Arrivals("all", sessions=20), 5.0, seed=1))
+        assert res.fast_steps > 0  # the loop ran
+    assert len(fp.run_span.signatures) == 1, fp.run_span.signatures

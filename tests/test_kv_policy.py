@@ -86,7 +86,7 @@ def test_canonical_form_preserves_residency_for_every_future(p, n, d):
 
 @given(policies(), st.integers(0, 3000))
 def test_attended_tokens_is_the_mask_size(p, n):
-    q = n  # the next query attends to the kept positions and itself
+    # the next query (position n) attends to the kept positions and itself
     assert p.attended_tokens(n) == len(kept_positions(p, n)) + 1
 
 

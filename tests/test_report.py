@@ -484,7 +484,6 @@ def test_past_n_star_is_marked_and_intervals_shown_in_the_metastability_tables(r
 def test_the_memory_ceiling_row_is_memory_and_max_num_seqs_has_its_own():
     """qwen3-omni-30b-a3b-b200: the pool holds 1,804 bounded sessions, vLLM's max_num_seqs caps them at 1,024."""
     from metronome import calibration
-    from metronome.report.answer import answer_rows
     from metronome.report.plan import ReportOptions, make_plan
 
     plan = make_plan("qwen3-omni-30b-a3b-b200", calibration.load("qwen3-omni-30b-a3b-b200"),
