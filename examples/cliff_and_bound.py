@@ -7,11 +7,13 @@ one self-contained plotly page: resident blocks, frame latency and silent frames
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from metronome.errors import run_command
 from metronome.sim.scenario import make_scenario, run
 
 
@@ -65,4 +67,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("examples/cliff_and_bound.py", main))

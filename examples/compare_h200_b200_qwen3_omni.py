@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from metronome import calibration
+from metronome.errors import run_command
 from metronome.fill_model import FillModel
 from metronome.kv_policy import KVPolicy
 from metronome.outputs import check_out
@@ -54,4 +55,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("examples/compare_h200_b200_qwen3_omni.py", main))

@@ -12,10 +12,11 @@ Moshi on one H200 (estimated preset) with sinks+window KV and a 40 ms per-frame 
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-
 from metronome import calibration
+from metronome.errors import run_command
 from metronome.kv_policy import KVPolicy
 from metronome.sim.capacity import capacity
 from metronome.sim.scenario import make_scenario, run
@@ -66,4 +67,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("examples/find_n_star_and_tune_aimd.py", main))

@@ -22,9 +22,11 @@ The same answer from the command line:
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from metronome import calibration
+from metronome.errors import run_command
 from metronome.kv_policy import KVPolicy
 from metronome.report.answer import fleet_rows, peak_words
 from metronome.sim.capacity import capacity
@@ -77,4 +79,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("examples/how_many_gpus.py", main))

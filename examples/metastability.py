@@ -9,8 +9,10 @@ beside the observed ones.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
+from metronome.errors import run_command
 from metronome.sim.montecarlo import metastability
 
 SCENARIO = dict(calibration="moshi-7b-h200", sessions=300, session_duration="exp:160", horizon=600.0)
@@ -36,4 +38,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("examples/metastability.py", main))

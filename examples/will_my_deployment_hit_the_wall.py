@@ -9,8 +9,10 @@ the failure look like? The fill model answers in microseconds; one simulated run
 """
 
 import argparse
+import sys
 
 from metronome import calibration
+from metronome.errors import run_command
 from metronome.fill_model import FillModel
 from metronome.kv_policy import KVPolicy
 from metronome.sim.scenario import make_scenario, run
@@ -58,4 +60,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("examples/will_my_deployment_hit_the_wall.py", main))

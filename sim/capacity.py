@@ -16,7 +16,6 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-
 from metronome.calibration import Calibration
 from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel

@@ -20,7 +20,7 @@ import sys
 
 from metronome.admission import PARAMS_HELP, controller_specs
 from metronome.kv_policy import given_params, policy_kinds, policy_params
-from metronome.errors import MetronomeError
+from metronome.errors import MetronomeError, run_command
 from metronome.outputs import check_out
 
 PROG = "metronome-probe"
@@ -406,11 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         command, argv = COMMANDS[argv[0]], argv[1:]
     else:
         command = calibrate_main  # the bare form `metronome-probe --model M ...` means calibrate
-    try:
-        return command(argv)
-    except MetronomeError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    return run_command(PROG, command, argv)
 
 
 if __name__ == "__main__":

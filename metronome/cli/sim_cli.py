@@ -16,7 +16,7 @@ from typing import Any, Callable
 from metronome import serving
 from metronome.admission import PARAMS_HELP, check_params_apply, controller_specs
 from metronome.erlang import DEFAULT_MAX_REFUSAL
-from metronome.errors import MetronomeError
+from metronome.errors import MetronomeError, run_command
 from metronome.kv_policy import bounded_kinds, given_params, policy_kinds, policy_option_values, policy_params
 from metronome.outputs import check_out, write_outputs
 from metronome.report.plan import DEFAULT_MC_RUNS, MC_EDGE_RUNS
@@ -729,14 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except MetronomeError as exc:
-        sys.stderr.write(f"metronome-sim: error: {exc}\n")
-        return exc.exit_code
-    except KeyboardInterrupt:
-        sys.stderr.write("metronome-sim: interrupted\n")
-        return 130
+    return run_command("metronome-sim", args.fn, args)
 
 
 if __name__ == "__main__":
