@@ -425,7 +425,8 @@ def _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, 
         if arr_t[i] >= horizon:
             continue
         in_flight = fc[C_NRUN] + fc[C_NWAIT]
-        if iconf[I_CTL] == CTL_COMPILED and not ck.may_admit(cs, cp, clat, cw, ctr, now, in_flight):
+        # (the count as a float, as every other caller gives it: one compiled form of the controller's kernel)
+        if iconf[I_CTL] == CTL_COMPILED and not ck.may_admit(cs, cp, clat, cw, ctr, now, float(in_flight)):
             state[i] = REFUSED_STATE
             s_ended[i] = now
             continue
@@ -561,7 +562,7 @@ def _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backl
         n_ans = _owed(i, inflight[i], inflight_tok[i], now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who,
                       a_tok, n_ans)
     for f in range(next_frame[i] - backlog[i], next_frame[i]):
-        n_ans = _owed(i, f, 0, now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
+        n_ans = _owed(i, f, np.int64(0), now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
     inflight[i] = -1
     backlog[i] = 0
     state[i] = ENDED_STATE
@@ -608,7 +609,7 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
         min(status.size - cnt[E_NEXT], new_i.size - n_new))
     if not taken:
         return False, 0, -1, nrows, n_pend, n_new
-    n0 = 0
+    n0 = np.int64(0)  # (not a literal: see _engine_step)
     for k in range(fc[C_DEP], k1):
         i = dep_i[k]
         if _live(state[i]):
@@ -772,7 +773,9 @@ def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slot
         return -1.0, TURN_TAKEN
     engine_step(lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam,
                 o_pau, o_n, reached)
-    first = False  # SimEngine._step: a frame starts in a step after the engine idled
+    # SimEngine._step: a frame starts in a step after the engine idled. (Not a literal False: numba would compile
+    # what it is handed to for the literal too; so the zeros below)
+    first = np.bool_(False)
     for j in range(o_n[O_SCHED]):
         if fresh[o_s[j]]:
             first = idle
