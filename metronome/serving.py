@@ -336,9 +336,9 @@ def _preempt(v, cnt, status, computed, slots, held, wq, reached):
 @nb.njit(cache=True)
 def key_order_in(v, n, work):
     """Positions ``0 .. n-1`` in ascending order of ``v[:n]`` (ties in position order). A step's keys (queue places,
-    tick keys) span little more than their count: a counting sort, linear, in ``work`` (at least 5n + 66 long; the
-    order is ``work[:n]``: the compiled loop sorts every step's answers, and an allocation a step cost it more than
-    the sort); a comparison sort, allocated, when they span more than 4n + 64."""
+    tick keys) span little more than their count: a counting sort, linear, in ``work`` (:func:`key_order_work` of
+    at least ``n``; the order is ``work[:n]``: the compiled loop sorts every step's answers, and an allocation a step
+    cost it more than the sort); a comparison sort, allocated, when they span more than 4n + 64."""
     lo = hi = v[0]
     for j in range(1, n):
         lo = min(lo, v[j])
@@ -360,9 +360,16 @@ def key_order_in(v, n, work):
 
 
 @nb.njit(cache=True)
+def key_order_work(n):
+    """Room for :func:`key_order_in` to sort up to ``n`` keys in: the order (n) and the counts of a span of up to
+    4n + 64 keys (4n + 66)."""
+    return np.empty(5 * n + 66, np.int64)
+
+
+@nb.njit(cache=True)
 def key_order(v, n):
     """:func:`key_order_in` in an array of its own."""
-    return key_order_in(v, n, np.empty(5 * n + 66, np.int64))
+    return key_order_in(v, n, key_order_work(n))
 
 
 @nb.njit(cache=True)

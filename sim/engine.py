@@ -590,7 +590,7 @@ class SimEngine:
         r0 = fr.rows
         fr.commit(fp.flush(now, n, key, who, tok, self.admitted, self.P, float(serving.phase_offset_s(1, self.P)),
                            self.deadline, _EPS, self.s_late, *self._frame_stores(), r0, self._in_flight(),
-                           np.empty(5 * n + 66, np.int64)))
+                           serving.key_order_work(n)))
         lat, nn, silent = (fr.column(c)[r0:] for c in ("latency_s", "frames", "silent"))
         if self.controller is not None:
             for lt, k, sl in zip(lat.tolist(), nn.tolist(), silent.tolist()):

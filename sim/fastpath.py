@@ -36,7 +36,7 @@ from metronome.jitter_kernel import correlated_ratio
 from metronome.sim.recorder import FRAME_BLOCK, STEP_BLOCK
 from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX, O_NEW,
                                O_PRE, O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel, abort_slot, add_slot,
-                               engine_step, gate_blocks_jit, key_order_in, resume_slot)
+                               engine_step, gate_blocks_jit, key_order_in, key_order_work, resume_slot)
 
 P_CODE = EngineModel.PAUSED_CODE
 
@@ -799,7 +799,7 @@ def _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, loc
     ready, n_ready = _queued_behind(live, state, inflight, backlog)
     run_sess = live if lockstep else live[:0]
     a_key, a_who, a_tok = np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), np.empty(n_answers, np.int64)
-    work = np.empty(5 * n_answers + 66, np.int64)  # (flush sorts the answers in it)
+    work = key_order_work(n_answers)  # (flush sorts the answers in it)
     return (start, who, tick, visit, ready, a_key, a_who, a_tok, work), ok, n_ready, run_sess
 
 
