@@ -168,6 +168,17 @@ def rebase_keep_tokens(policy: KVPolicy, max_model_len: int) -> int:
     return kept if kept is not None else max_model_len // 2
 
 
+def rebase_counts(history: int, chunk: int, out: int, keep: int, max_model_len: int) -> tuple[int, int]:
+    """A frame that does not fit rebases its session: the new request is (what it keeps of its ``history``, the
+    frame's ``chunk``), in tokens. It keeps ``keep`` tokens of its history (:func:`rebase_keep_tokens`); when even
+    that and the chunk leave no room for the ``out`` tokens (a first frame carrying a long prompt and the input
+    of the frames it waited through), the request is what a rebase keeps of all of it, as its chunk."""
+    kept = min(history, keep)
+    if frame_fits(kept + chunk + out, max_model_len):
+        return kept, chunk
+    return 0, min(kept + chunk, keep)
+
+
 # ------------------------------------------------------------------------------------------- admission
 NO_CAP = 1 << 62
 """The admission cap of full attention (none): :func:`gate_blocks` with it is plain ``cdiv(tokens, bs)``."""

@@ -70,6 +70,7 @@ _EPS = 1e-9
 # FLUSH_MIN_GAP_S before the next due work, and, for an engine that is never idle, every FLUSH_EVERY_S.
 FLUSH_EVERY_S = 1.0
 FLUSH_MIN_GAP_S = 0.005
+NAP_S = 0.05  # an idle driver wakes this often to stop or to notice a dead engine (Driver._nap)
 RUNNING, PREFILL, WAITING = "running", "prefill", "waiting"
 
 
@@ -262,8 +263,11 @@ class Driver:
             j.flush()
         self._flushed_at = self.clock()
 
-    def _record_frame(self, s: _Session, f: _Frame, now: float, censored: bool = False) -> None:
-        latency = (f.done_s - f.tick_s) if f.done_s is not None else None
+    def _record_frame(self, s: _Session, f: _Frame, now: float, censored: bool = False,
+                      left_s: float | None = None) -> None:
+        """``left_s``: the frame was never done, its session left then (its latency runs until then)."""
+        done = f.done_s if f.done_s is not None or censored else left_s
+        latency = (done - f.tick_s) if done is not None else None
         silent = serving.frame_is_silent(len(f.tokens)) and not censored
         met = f.done_s is not None and latency <= self.cfg.deadline + _EPS
         s.silent += int(silent)
@@ -359,9 +363,12 @@ class Driver:
         s.readmissions += 1
         self._event("readmit", s, now, prompt_tokens=len(prompt))
 
-    def _preempt(self, s: _Session, now: float, reason: str, held: int, event: str = "preempt") -> None:
-        """Recompute preemption at the session level: abort the request, free every block, wait again.
-        ``event="lost"``: the engine died with the session's KV (nothing to abort; readmitted as a rebase)."""
+    def _preempt(self, s: _Session, now: float, reason: str, held: int, event: str = "preempt",
+                 t_event: float | None = None) -> None:
+        """Recompute preemption at the session level: abort the request, free every block, wait again; the
+        frames it is owed are answered from ``now``. ``t_event``: the event's time, if not ``now`` (a preemption
+        after a step is dated at the step's start, as the simulator's t_sat is). ``event="lost"``: the engine
+        died with the session's KV (nothing to abort; readmitted as a rebase)."""
         if s.in_engine and event == "preempt":
             self.engine.abort(s.rid)
         s.in_engine = False
@@ -386,7 +393,8 @@ class Driver:
         self.waiting.appendleft(s)  # as vLLM (and the simulator) prepend the victim
         self._preempted = True
         self._stalled = False
-        self._event(event, s, now, reason=reason, blocks_freed=held, history_tokens=len(s.history))
+        self._event(event, s, now if t_event is None else t_event, reason=reason, blocks_freed=held,
+                    history_tokens=len(s.history))
 
     def _let_in(self, plan: SessionPlan, t_enter: float, by_rid: dict) -> None:
         """Past the gate at ``t_enter`` (its arrival, or when the gate's queue let it in): it waits for blocks
@@ -421,6 +429,7 @@ class Driver:
             if not serving.frame_fits(len(kept) + len(chunk) + st.output_tokens_per_frame, self.max_len):
                 # the chunk alone does not fit: a first frame carrying a long prompt and the input of the
                 # frames it waited through; the new request keeps what a rebase keeps of all of it
+                # (serving.rebase_counts, what the simulator counts)
                 kept, chunk = [], self._rebase_prompt(kept + chunk)
             rid = f"{s.plan.sid}.r{s.incarnation + 1}"
             self.engine.append(rid, kept + chunk, st.output_tokens_per_frame)
@@ -453,11 +462,13 @@ class Driver:
         pending = ([s.inflight] if s.inflight else []) + list(s.queue)
         pending += [f for (o, f) in self.silent_pending if o is s]
         self.silent_pending = [(o, f) for (o, f) in self.silent_pending if o is not s]
-        # frames still owed: a departed session's count once their deadline passed (the client waited in vain);
-        # when the run itself ends they are censored, as the simulator leaves a run's last frames out
+        # frames still owed: a departed session's count once their deadline passed (the client waited in vain):
+        # never done (done_s null: summary's frames_unfinished), their latency is until the session left, as the
+        # simulator's _end answers them; when the run itself ends they are censored, as the simulator leaves a
+        # run's last frames out
         run_over = reason in (EndReason.HORIZON, EndReason.STOPPED, EndReason.ENGINE_DIED)
         for f in sorted(pending, key=lambda f: f.tick_s):
-            self._record_frame(s, f, now, censored=run_over or f.tick_s + self.cfg.deadline > now)
+            self._record_frame(s, f, now, censored=run_over or f.tick_s + self.cfg.deadline > now, left_s=now)
         s.inflight, s.queue = None, deque()
         self._record("sessions", {"session": s.plan.sid, "arrival_s": s.plan.arrival_s, "admitted": s.admit_seq >= 0,
                                   "start_s": s.start_s, "end_s": now, "reason": reason, "frames": s.frames,
@@ -540,14 +551,28 @@ class Driver:
         else:
             nxt = min([serving.frame_tick(s.next_frame, period, s.phase_s) for s in self._active.values()]
                       + [s.end_s for s in self._active.values()]
-                      + ([arrivals[0].arrival_s] if arrivals else []) + [cfg.horizon_s])
+                      + ([arrivals[0].arrival_s] if arrivals else []) + [cfg.horizon_s]
+                      + ([now + self.gate.poll_s] if self.gate.queue else []))  # the gate's queue is polled
             self._preempted = False  # no step ran: the next admission check is not "right after"
             eng.check_alive()  # an engine in its own process, idle: a step would have noticed its death
-            gap = nxt - (clock() - t0)
-            if gap >= FLUSH_MIN_GAP_S:
+            if nxt - (clock() - t0) >= FLUSH_MIN_GAP_S:
                 self._flush()  # idle: the rows go to disk off the timing path (records.Journal, deferred)
-                gap = nxt - (clock() - t0)
-            self.sleep(max(0.0, min(gap, period, 0.05)))
+            self._nap(t0, nxt)
+
+    def _nap(self, t0: float, until: float) -> None:
+        """Idle until ``until`` (the next tick, departure, arrival or the horizon), waking every ``NAP_S`` only to
+        stop, to notice an engine that died or, while one restarts, to look at it again. The next turn is at the
+        next event, as in the simulator: a turn in between could admit a session the simulator admits only then
+        (after a step that preempted, the admission it skipped)."""
+        eng, clock = self.engine, self.clock
+        while self._stop_reason is None:
+            gap = until - (clock() - t0)
+            if gap <= 0:
+                return
+            self.sleep(min(gap, NAP_S))
+            if self.supervisor.down_since is not None:
+                return
+            eng.check_alive()
 
     # -- engine death ---------------------------------------------------------------------------------------
     def _engine_died(self, exc: EngineDied, now: float, by_rid: dict) -> None:
@@ -659,7 +684,7 @@ class Driver:
         for rid in info.finished:  # the engine ended a request on its own (e.g. length cap)
             if rid in by_rid:
                 self._end(by_rid[rid], now, EndReason.ENGINE_FINISHED, by_rid)
-        preempted = self._preempt_after_step(info, step_no, t_start, by_rid)
+        preempted = self._preempt_after_step(info, step_no, t_start, now, by_rid)
         stalled = info.batch == 0
         if stalled and not preempted:
             self._stalled = True
@@ -683,16 +708,18 @@ class Driver:
         if self._metrics:
             self._metrics.step(row, self.admission.limit)
 
-    def _preempt_after_step(self, info, step_no: int, t_start: float, by_rid: dict) -> list[tuple[str, str]]:
+    def _preempt_after_step(self, info, step_no: int, t_start: float, now: float,
+                            by_rid: dict) -> list[tuple[str, str]]:
         """Break vLLM's paused-session deadlock: preempt (most recently admitted first) while a session with
-        work in the engine got nothing in this step for want of blocks. Returns [(session, reason)]."""
+        work in the engine got nothing in this step for want of blocks. The step ended at ``now``: the victims'
+        frames are answered from then (the simulator's _after_step). Returns [(session, reason)]."""
         eng = self.engine
         done: list[tuple[str, str]] = []
         # 1. sessions vLLM itself preempted (a running request, vLLM's own recompute): the driver takes them
         for rid in info.preempted:
             s = by_rid.get(rid)
             if s is not None and s.in_engine:
-                self._preempt(s, t_start, "engine", 0)
+                self._preempt(s, now, "engine", 0, t_event=t_start)
                 done.append((s.plan.sid, "engine"))
         # 2. starved: work handed over before this step, not scheduled in it, and the pool cannot fit it
         starved = []
@@ -709,7 +736,7 @@ class Driver:
         reason = "pool_dry" if starved and sum(n for _, n in starved) > free else "stall"
         for v in victims:
             held = eng.blocks_of(v.rid)
-            self._preempt(v, t_start, reason, held)
+            self._preempt(v, now, reason, held, t_event=t_start)
             done.append((v.plan.sid, reason))
         return done
 

@@ -481,7 +481,7 @@ class SimEngine:
             if self.outcome == "finish":
                 self._end(i, now, EndReason.LENGTH)
                 return
-            kept = min(int(self.hist[i]), self.keep_tokens)
+            kept, chunk = serving.rebase_counts(int(self.hist[i]), chunk, self.n_out, self.keep_tokens, self.maxlen)
             self._drop_rid(i)
             self.hist[i] = kept
             self.s_rebase[i] += 1

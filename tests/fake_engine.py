@@ -34,7 +34,8 @@ What the fake adds around the model:
 * **Pool.** ``num_blocks`` is vLLM's count, its null block included: the model gets ``num_blocks - 1``.
 * **Plain requests.** ``resumable=False`` (vLLM's one-shot request): when the model pauses it, the fake
   aborts it and reports it in ``StepInfo.finished``, as vLLM finishes it.
-* **Latency.** A step takes ``step_base_s + step_token_s * new_tokens`` virtual seconds.
+* **Latency.** A step takes ``step_base_s + step_token_s * new_tokens`` virtual seconds, or what ``latency``
+  says of the model's step record (the front-end differential hands it the simulator's step model).
 * **Guards.** The fake raises :class:`FakeEngineMisuse` (an AssertionError) where real vLLM would reject the
   call or crash: an empty chunk, no token to sample, a chunk for a request that is not paused (one chunk in
   flight at a time), a request that would pass ``max_model_len``; and :class:`DriverSpins` when the driver
@@ -86,6 +87,12 @@ class FakeEngine:
     max_num_seqs: int = 64
     step_base_s: float = 0.004
     step_token_s: float = 2e-5
+    latency: object = None  # (serving.StepRecord) -> seconds, in place of the two terms above
+    watermark_blocks: int = 0
+    sleep_min_s: float = SLEEP_MIN_S  # 0: a sleep ends exactly when asked (the differential compares times)
+    # the driver a client of vLLM's own loop (probe.own_loop's view): it never sees whom a step left waiting
+    # or preempted (vLLM re-prefills a preempted request in its own queue)
+    own_loop: bool = False
     now: float = 0.0
     log: list[dict] = field(default_factory=list)
     steps: int = 0
@@ -97,7 +104,7 @@ class FakeEngine:
         assert self.policy.block_size == self.block_size
         self.limits = EngineLimits(num_blocks=self.num_blocks - 1, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, watermark_blocks=self.watermark_blocks)
         self.model = EngineModel(self.policy, self.limits)
         self._reqs: dict[str, _Req] = {}
         self._token = 0
@@ -115,7 +122,7 @@ class FakeEngine:
         return self.now
 
     def sleep(self, dt: float) -> None:
-        self.now += max(dt, 0.0) + SLEEP_MIN_S
+        self.now += max(dt, 0.0) + self.sleep_min_s
 
     # -- what the driver reads ---------------------------------------------------------------------------
     def _count(self, *statuses: str) -> int:
@@ -132,7 +139,7 @@ class FakeEngine:
         return self.model.has_work()
 
     def is_scheduled_waiting(self, rid: str) -> bool:
-        return self.model.status(rid) in (WAITING, PREEMPTED)
+        return not self.own_loop and self.model.status(rid) in (WAITING, PREEMPTED)
 
     def tokens_of(self, rid: str) -> int:
         return self.model.tokens_of(rid) if rid in self._reqs else 0
@@ -211,7 +218,7 @@ class FakeEngine:
         rec = self.model.step()
         info = StepInfo(t_start=t0, duration_s=0.0, batch=len(rec.scheduled), new_tokens=rec.new_tokens,
                         context_tokens=0, prefill_tokens=sum(n for n in rec.scheduled.values() if n > 1),
-                        preempted=sorted(rec.preempted), scheduled=dict(rec.scheduled))
+                        preempted=[] if self.own_loop else sorted(rec.preempted), scheduled=dict(rec.scheduled))
         for rid in rec.scheduled:
             info.computed[rid] = self.model.computed(rid)
             info.context_tokens += info.computed[rid]
@@ -227,7 +234,8 @@ class FakeEngine:
         self.model.check()
         for rid, r in self._reqs.items():
             assert len(r.tokens) == self.model.tokens_of(rid), (rid, len(r.tokens), self.model.tokens_of(rid))
-        info.duration_s = self.step_base_s + self.step_token_s * info.new_tokens
+        info.duration_s = (self.step_base_s + self.step_token_s * info.new_tokens if self.latency is None
+                           else float(self.latency(rec)))
         self.now += info.duration_s
         self.steps += 1
         self.log.append({"op": "step", "t": self.now, "t_start": t0, "step": self.steps,

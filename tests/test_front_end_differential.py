@@ -1,0 +1,227 @@
+"""The front end, twice: the live driver (:class:`metronome.probe.driver.Driver`) against the simulator's
+(:class:`metronome.sim.engine.SimEngine`), step by step, on the same engine model.
+
+Both front ends claim the same serving rules (frame clock, admission gate and FCFS queue, first frame, silence,
+preemption by recompute and the deadlock rule, readmission with the history, rebase or finish at the length
+limit). Here the driver runs on virtual time over ``tests/fake_engine.py``, whose every scheduling decision is
+:class:`metronome.serving.EngineModel`'s (the model proven against vLLM's own ``Scheduler``), and whose step takes
+what the simulator's step model says of that very step; the simulator runs the same workload (arrivals, durations,
+phase slots, drawn by the same functions) on the same calibration, step by step and through its compiled loop.
+What each records must then be the same: every step (its start, batch, new and context tokens, preemptions), every
+frame (its tick, when it was answered, its tokens, silent or late) and every session (admitted when, preempted and
+rebased how often, ended when and why).
+
+What is left out, and why: the step model's first-step term and jitter (the driver measures a real engine's time,
+it does not model it: here the fake's step time stands for it, the simulator's model without those two terms), and
+the last ``2·P`` before the horizon (SimPy stops the simulation mid-step at the horizon, the driver finishes the step
+it is in; what is recorded about that step and the frames it answers differs by construction).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fake_engine import FakeEngine
+from fixed_engine import fast_moshi
+
+from metronome import serving
+from metronome.calibration import TokenStream
+from metronome.errors import MetronomeError
+from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+from metronome.sim import scenario as sc_mod
+from metronome.workload import draw_phases
+
+BS = 16
+TIME_TOL = 1e-9  # both sides sum the same step times, in the same order; the driver subtracts its start (0.0)
+
+
+def calibration(*, period, n_in, n_out, prompt, blocks, maxlen, budget, seqs, watermark, slow):
+    """A small engine: the fixed Moshi step model scaled by ``slow`` (so a few sessions reach the deadline), its
+    pool, limits and stream as given, and no first-step term or jitter (see the module's docstring)."""
+    c = fast_moshi()
+    sl = c.step_latency
+    step = replace(sl, base_s=sl.base_s * slow, per_seq_s=sl.per_seq_s * slow,
+                   per_context_token_s=sl.per_context_token_s * slow * 64,
+                   per_new_token_s=sl.per_new_token_s * slow * 64, frame_first_s=0.0, jitter=(), plugin_terms=())
+    eng = replace(c.engine, block_size_tokens=BS, num_blocks=blocks + 1, reserved_blocks=1,
+                  max_num_batched_tokens=budget, max_num_seqs=seqs, watermark_blocks=watermark)
+    return replace(c, name="differential", model=replace(c.model, max_model_len_tokens=maxlen),
+                   stream=TokenStream(period, n_in, n_out, prompt), engine=eng, step_latency=step)
+
+
+def simulate(sc, fast_forward: bool):
+    return sc_mod.run(sc, fast_forward=fast_forward, check_invariants=not fast_forward)
+
+
+def drive(sc):
+    """The driver on the fake engine, over the scenario's own workload."""
+    cal, policy = sc.calibration, sc.policy
+    arrival, duration = sc_mod.workload(sc)
+    slots = draw_phases(arrival.size, sc.phases, sc.seed)
+    lat = cal.step_latency_for(policy)
+    eng = FakeEngine(num_blocks=cal.engine.usable_blocks + 1, block_size=BS,
+                     max_model_len=cal.model.max_model_len_tokens, policy=policy,
+                     max_num_batched_tokens=cal.engine.max_num_batched_tokens, max_num_seqs=cal.engine.max_num_seqs,
+                     watermark_blocks=cal.engine.watermark_blocks, sleep_min_s=0.0, own_loop=sc.loop == "vllm",
+                     latency=lambda rec: lat.step_s(int(rec.slots.size), rec.context_tokens, rec.new_tokens))
+    plans = [SessionPlan(str(i), float(arrival[i]), float(duration[i]), max(cal.stream.prompt_tokens, 1),
+                         int(slots[i])) for i in range(arrival.size)]
+    cfg = DriverConfig(stream=cal.stream, horizon_s=sc.horizon_s, deadline_s=sc.deadline, policy=policy,
+                       phases=sc.phases)
+    admission = sc.admission() if callable(sc.admission) else None
+    kw = {"admission": admission} if admission is not None else {}
+    return Driver(eng, cfg, clock=eng.clock, sleep=eng.sleep, **kw).run(plans)
+
+
+def _t(x):
+    return np.round(np.asarray(x, dtype=float), 7)
+
+
+def sim_steps(res, until):
+    s = res.steps
+    s = s[s.t_s + s.step_s < until]
+    return pd.DataFrame({"t_s": _t(s.t_s), "batch": s.batch.values, "new_tokens": s.new_tokens.values,
+                         "context_tokens": s.context_tokens.values, "preemptions": s.preemptions.values})
+
+
+def live_steps(res, until):
+    s = pd.DataFrame(res.steps)
+    s = s[s.t_end_s < until]
+    return pd.DataFrame({"t_s": _t(s.t_s), "batch": s.batch.values, "new_tokens": s.new_tokens.values,
+                         "context_tokens": s.context_tokens.values, "preemptions": s.preemptions.values})
+
+
+def sim_frames(res, until):
+    f = res.frames
+    f = f[f.tick_s + f.latency_s < until]
+    g = pd.DataFrame({"tick_s": _t(f.tick_s), "done_s": _t(f.tick_s + f.latency_s), "frames": f.frames.values,
+                      "silent": f.silent.values, "late": f.late.values, "tokens": f.tokens.values})
+    return g.groupby(["tick_s", "done_s"], as_index=False).sum().sort_values(["tick_s", "done_s"], ignore_index=True)
+
+
+def live_frames(res, until, deadline):
+    f = pd.DataFrame(res.frames)
+    f = f[~f.censored]
+    done = f.tick_s + f.latency_s.astype(float)  # (a frame its session left before it was done: done_s null)
+    f, done = f[done < until], done[done < until]
+    g = pd.DataFrame({"tick_s": _t(f.tick_s), "done_s": _t(done), "frames": 1,
+                      "silent": f.silent.astype(int).values, "late": (~f.met_deadline).astype(int).values,
+                      "tokens": f.tokens_delivered.values})
+    return g.groupby(["tick_s", "done_s"], as_index=False).sum().sort_values(["tick_s", "done_s"], ignore_index=True)
+
+
+def sim_sessions(res, until):
+    s = res.sessions
+    s = s[(s.arrival_s < until) & (s.end_reason != "")]  # (not offered: it came during the step past the horizon)
+    return pd.DataFrame({"session": s.session.astype(str), "admitted": s.admitted_s.notna(), "end_s": _t(s.ended_s),
+                         "reason": s.end_reason.astype(str), "silent_frames": s.silent_frames,
+                         "preemptions": s.preemptions, "rebases": s.rebases})
+
+
+def live_sessions(res, until):
+    s = pd.DataFrame(res.sessions)
+    s = s[s.arrival_s < until].copy()
+    for c in ("silent_frames", "preemptions", "rebases"):  # (a refused session's row has none)
+        s[c] = s[c].fillna(0).astype(int) if c in s else 0
+    return pd.DataFrame({"session": s.session.astype(str), "admitted": s.admitted.astype(bool),
+                         "end_s": _t(s.end_s), "reason": s.reason.astype(str), "silent_frames": s.silent_frames,
+                         "preemptions": s.preemptions, "rebases": s.rebases})
+
+
+def compare(sc):
+    """Drive the scenario and simulate it step by step and through the compiled loop; assert that the three
+    agree on every step, frame and session up to ``2·P`` before the horizon. Returns (the driver's result, the
+    step-by-step simulation's)."""
+    until = sc.horizon_s - 2 * sc.calibration.stream.frame_period_s
+    live = drive(sc)
+    ls, lf = live_steps(live, until), live_frames(live, until, sc.deadline)
+    lss = live_sessions(live, until).sort_values("session", ignore_index=True)
+    out = None
+    for ff in (False, True):
+        sim = simulate(sc, ff)
+        what = f"{sc.phases}, {sc.loop} loop, fast_forward={ff}"
+        pd.testing.assert_frame_equal(sim_steps(sim, until).reset_index(drop=True), ls.reset_index(drop=True),
+                                      check_dtype=False, obj=f"steps ({what})")
+        pd.testing.assert_frame_equal(sim_frames(sim, until), lf, check_dtype=False, obj=f"frames ({what})")
+        ss = sim_sessions(sim, until).sort_values("session", ignore_index=True)
+        assert ss.session.tolist() == lss.session.tolist()
+        assert ss.admitted.tolist() == lss.admitted.tolist(), f"sessions admitted ({what})"
+        # sessions that ended before the cut: how and when, and what befell them on the way
+        gone = (ss.end_s < until).values & (ss.reason != "horizon").values
+        pd.testing.assert_frame_equal(ss[gone].reset_index(drop=True), lss[gone].reset_index(drop=True),
+                                      check_dtype=False, obj=f"sessions ended before the cut ({what})")
+        out = out or sim
+    return live, out
+
+
+def random_scenario(k: int):
+    """Scenario ``k`` of the random family: every knob the front ends read, drawn so that between them the
+    scenarios reach preemption, readmission, the deadlock rule, the length limit, the token budget,
+    ``max_num_seqs``, the watermark, overload, departures and the admission controller."""
+    r = np.random.default_rng([k, 26])
+    period = float(r.choice([0.08, 0.1, 0.2]))
+    n_in, n_out, prompt = int(r.integers(1, 20)), int(r.integers(1, 8)), int(r.integers(0, 40))
+    kv = str(r.choice(["unbounded", "sinks", "window"]))
+    params = {}
+    if kv == "sinks":
+        params = {"sinks": int(r.integers(1, 40)), "window": int(r.integers(16, 100))}
+    elif kv == "window":
+        params = {"window": int(r.integers(16, 100))}
+    cal = calibration(period=period, n_in=n_in, n_out=n_out, prompt=prompt, blocks=int(r.integers(12, 80)),
+                      maxlen=int(r.choice([160, 256, 512, 4096])), budget=int(r.choice([32, 64, 128, 512])),
+                      seqs=int(r.choice([3, 6, 64])), watermark=int(r.choice([0, 0, 1, 3])),
+                      slow=float(r.choice([0.3, 1.0, 3.0, 10.0])))
+    arrivals = r.integers(3)
+    work = ({"sessions": int(r.integers(1, 10))} if arrivals == 0 else
+            {"sessions": int(r.integers(1, 10)), "session_duration": f"exp:{r.uniform(0.5, 4):.2f}"} if arrivals == 1
+            else {"arrival_rate": float(r.uniform(1, 6)), "session_duration": f"exp:{r.uniform(0.5, 4):.2f}"})
+    admission = str(r.choice(["none", "none", "static:3", "aimd"]))
+    return sc_mod.make_scenario(
+        calibration=cal, kv=kv, horizon=float(r.uniform(2, 5)), seed=k, phases=str(r.choice(serving.PHASES)),
+        loop=str(r.choice(serving.LOOPS)), deadline=float(period * r.choice([0.5, 1.0])), admission=admission, **work, **params)
+
+
+N_SCENARIOS = 240
+# what the random family must reach between its scenarios, each at least REACH times (counted by scenario)
+MUST_REACH = ("preempt:engine", "preempt:pool_dry", "preempt:stall", "readmit", "rebase", "end:departed",
+              "end:refused", "end:length", "rule:preemption", "rule:window_free", "rule:token_budget",
+              "rule:max_num_seqs", "rule:full_sequence_gate", "rule:watermark", "frames:silent", "frames:late",
+              "kv:unbounded", "kv:sinks", "kv:window", "admission:aimd", "admission:static")
+REACH = 3
+
+
+def reached(sc, live, sim) -> set[str]:
+    """What scenario ``sc`` made the two front ends do (the driver's events and sessions, the engine model's
+    rules as the simulation counted them)."""
+    out = {f"{e['event']}:{e['reason']}" if e["event"] == "preempt" else e["event"] for e in live.events}
+    out |= {f"end:{s['reason']}" for s in live.sessions}
+    out |= {f"rule:{r}" for r, n in (sim.rules_reached or {}).items() if n}
+    f = pd.DataFrame(live.frames)
+    if len(f):
+        f = f[~f.censored]
+        out |= {"frames:silent"} if f.silent.any() else set()
+        out |= {"frames:late"} if (~f.met_deadline).any() else set()
+    return out | {f"kv:{sc.policy.kind}", f"admission:{sc.admission_label.split(':')[0]}"}
+
+
+def test_the_driver_and_the_simulator_serve_alike_on_random_scenarios():
+    seen, regimes = Counter(), Counter()
+    k = n = 0
+    while n < N_SCENARIOS:
+        k += 1
+        try:
+            sc = random_scenario(k)
+        except MetronomeError:  # a pool too small for one session's first frame: not a scenario
+            continue
+        n += 1
+        live, sim = compare(sc)
+        regimes[sc.phases, sc.loop] += 1
+        seen.update(reached(sc, live, sim))
+    print(dict(regimes), dict(seen))
+    assert len(regimes) == 4 and min(regimes.values()) >= N_SCENARIOS // 8, regimes  # both phases, both loops
+    assert not [w for w in MUST_REACH if seen[w] < REACH], {w: seen[w] for w in MUST_REACH}
