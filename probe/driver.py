@@ -177,7 +177,8 @@ class _Session:
     admit_seq: int = -1
     running_since: float = 0.0  # when it last became RUNNING: frames that ticked before were not its to serve
     in_engine: bool = False  # an engine request exists (rid)
-    frames: int = 0
+    frames: int = 0  # frames that ticked (the next one's index)
+    answered: int = 0  # frames answered, not censored (the sessions table's ``frames``, as the simulator's)
     silent: int = 0
     rebases: int = 0
     preemptions: int = 0
@@ -271,6 +272,7 @@ class Driver:
         silent = serving.frame_is_silent(len(f.tokens)) and not censored
         met = f.done_s is not None and latency <= self.cfg.deadline + _EPS
         s.silent += int(silent)
+        s.answered += int(not censored)
         self._record("frames", {
             "session": s.plan.sid, "frame": f.index, "tick_s": f.tick_s, "submitted_s": f.submitted_s,
             "first_token_s": f.first_s, "done_s": f.done_s, "latency_s": latency,
@@ -471,7 +473,7 @@ class Driver:
             self._record_frame(s, f, now, censored=run_over or f.tick_s + self.cfg.deadline > now, left_s=now)
         s.inflight, s.queue = None, deque()
         self._record("sessions", {"session": s.plan.sid, "arrival_s": s.plan.arrival_s, "admitted": s.admit_seq >= 0,
-                                  "start_s": s.start_s, "end_s": now, "reason": reason, "frames": s.frames,
+                                  "start_s": s.start_s, "end_s": now, "reason": reason, "frames": s.answered,
                                   "silent_frames": s.silent, "rebases": s.rebases, "preemptions": s.preemptions,
                                   "readmissions": s.readmissions})
         by_rid.pop(s.rid, None)
@@ -504,6 +506,9 @@ class Driver:
                 self.t_stopped_s = now
             for s in list(self._active.values()):
                 self._end(s, now, self._stop_reason or EndReason.HORIZON, by_rid)
+            for plan, _ in self.gate.queue:  # still waiting at the gate: offered, never admitted (the simulator's
+                self._refused(plan, now, self._stop_reason or EndReason.HORIZON)  # finalize ends them so too)
+            self.gate.queue.clear()
         finally:
             for j in self._journals.values():
                 j.close()

@@ -24,7 +24,6 @@ from dataclasses import replace
 
 import numpy as np
 import pandas as pd
-import pytest
 
 from fake_engine import FakeEngine
 from fixed_engine import fast_moshi
@@ -119,17 +118,18 @@ def sim_sessions(res, until):
     s = res.sessions
     s = s[(s.arrival_s < until) & (s.end_reason != "")]  # (not offered: it came during the step past the horizon)
     return pd.DataFrame({"session": s.session.astype(str), "admitted": s.admitted_s.notna(), "end_s": _t(s.ended_s),
-                         "reason": s.end_reason.astype(str), "silent_frames": s.silent_frames,
+                         "reason": s.end_reason.astype(str), "frames": s.frames, "silent_frames": s.silent_frames,
                          "preemptions": s.preemptions, "rebases": s.rebases})
 
 
 def live_sessions(res, until):
     s = pd.DataFrame(res.sessions)
     s = s[s.arrival_s < until].copy()
-    for c in ("silent_frames", "preemptions", "rebases"):  # (a refused session's row has none)
+    for c in ("frames", "silent_frames", "preemptions", "rebases"):  # (a refused session's row has none)
         s[c] = s[c].fillna(0).astype(int) if c in s else 0
     return pd.DataFrame({"session": s.session.astype(str), "admitted": s.admitted.astype(bool),
-                         "end_s": _t(s.end_s), "reason": s.reason.astype(str), "silent_frames": s.silent_frames,
+                         "end_s": _t(s.end_s), "reason": s.reason.astype(str), "frames": s.frames,
+                         "silent_frames": s.silent_frames,
                          "preemptions": s.preemptions, "rebases": s.rebases})
 
 
@@ -173,17 +173,21 @@ def random_scenario(k: int):
     elif kv == "window":
         params = {"window": int(r.integers(16, 100))}
     cal = calibration(period=period, n_in=n_in, n_out=n_out, prompt=prompt, blocks=int(r.integers(12, 80)),
-                      maxlen=int(r.choice([160, 256, 512, 4096])), budget=int(r.choice([32, 64, 128, 512])),
+                      maxlen=int(r.choice([160, 256, 512, 4096])), budget=int(r.choice([16, 32, 64, 128, 512])),
                       seqs=int(r.choice([3, 6, 64])), watermark=int(r.choice([0, 0, 1, 3])),
                       slow=float(r.choice([0.3, 1.0, 3.0, 10.0])))
     arrivals = r.integers(3)
     work = ({"sessions": int(r.integers(1, 10))} if arrivals == 0 else
             {"sessions": int(r.integers(1, 10)), "session_duration": f"exp:{r.uniform(0.5, 4):.2f}"} if arrivals == 1
             else {"arrival_rate": float(r.uniform(1, 6)), "session_duration": f"exp:{r.uniform(0.5, 4):.2f}"})
-    admission = str(r.choice(["none", "none", "static:3", "aimd"]))
+    admission = str(r.choice(["none", "none", "static:3", "aimd", "aimd", "gradient"]))
+    # half the AIMD ones hold a refused session in the gate's queue (until it times out) instead of refusing it
+    queue = admission == "aimd" and r.random() < 0.5
+    aimd = {"on_refuse": "queue", "queue_timeout_s": float(r.uniform(0.2, 2.0)), "interval_s": 0.5} if queue else None
     return sc_mod.make_scenario(
         calibration=cal, kv=kv, horizon=float(r.uniform(2, 5)), seed=k, phases=str(r.choice(serving.PHASES)),
-        loop=str(r.choice(serving.LOOPS)), deadline=float(period * r.choice([0.5, 1.0])), admission=admission, **work, **params)
+        loop=str(r.choice(serving.LOOPS)), deadline=float(period * r.choice([0.5, 1.0])), admission=admission,
+        aimd_params=aimd, **work, **params)
 
 
 N_SCENARIOS = 240
@@ -191,7 +195,8 @@ N_SCENARIOS = 240
 MUST_REACH = ("preempt:engine", "preempt:pool_dry", "preempt:stall", "readmit", "rebase", "end:departed",
               "end:refused", "end:length", "rule:preemption", "rule:window_free", "rule:token_budget",
               "rule:max_num_seqs", "rule:full_sequence_gate", "rule:watermark", "frames:silent", "frames:late",
-              "kv:unbounded", "kv:sinks", "kv:window", "admission:aimd", "admission:static")
+              "kv:unbounded", "kv:sinks", "kv:window", "admission:aimd", "admission:static", "admission:gradient",
+              "gate:queue", "end:queue_timeout")
 REACH = 3
 
 
@@ -206,7 +211,9 @@ def reached(sc, live, sim) -> set[str]:
         f = f[~f.censored]
         out |= {"frames:silent"} if f.silent.any() else set()
         out |= {"frames:late"} if (~f.met_deadline).any() else set()
-    return out | {f"kv:{sc.policy.kind}", f"admission:{sc.admission_label.split(':')[0]}"}
+    queued = getattr(sc.admission() if callable(sc.admission) else None, "on_refuse", "") == "queue"
+    return out | {f"kv:{sc.policy.kind}", f"admission:{sc.admission_label.split(':')[0]}"} | (
+        {"gate:queue"} if queued else set())
 
 
 def test_the_driver_and_the_simulator_serve_alike_on_random_scenarios():
