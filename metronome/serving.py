@@ -55,7 +55,7 @@ import numpy as np
 
 from metronome import compiled
 from metronome.errors import MetronomeError
-from metronome.kv_policy import KVPolicy, cdiv, resident_blocks_of, resident_tokens_of
+from metronome.kv_policy import KVPolicy, resident_blocks_of, resident_tokens_of
 
 # ------------------------------------------------------------------------------------------ frame clock
 _TICK_EPS = 1e-9
@@ -200,13 +200,10 @@ def admission_need_blocks(policy: KVPolicy, tokens: int, cap_blocks: int | None,
 
 def blocks_to_resume(policy: KVPolicy, tokens: int, computed: int, held: int, cap_blocks: int | None) -> int:
     """Free blocks a waiting request of ``tokens`` tokens (``computed`` of them computed, ``held`` blocks held)
-    needs before vLLM schedules the rest of it: the full-sequence gate's, or the allocation's once its
-    out-of-window blocks are freed, whichever is larger, and at least one (it is starved for *something*)."""
-    slots = int(cdiv(computed, policy.block_size))
-    gate = admission_need_blocks(policy, tokens, cap_blocks, slots)
-    freed = held - int(policy.resident_blocks(computed)) if computed else 0
-    alloc = int(cdiv(tokens, policy.block_size)) - slots - freed
-    return max(gate, alloc, 1)
+    needs before vLLM schedules the rest of it (:func:`resume_need`, for ``policy``)."""
+    bs, sink_blocks, window = policy.residency()
+    return int(resume_need(tokens, computed, held, bs, NO_CAP if cap_blocks is None else cap_blocks, sink_blocks,
+                           window))
 
 
 def admit_fcfs(waiting, need, free: int) -> list:
@@ -279,6 +276,53 @@ R_PREEMPT, R_WFREE, R_BUDGET, R_SEQS, R_GATE, R_WM, R_LEN, R_LONG = range(len(RU
 _res_blocks = nb.njit(cache=True)(resident_blocks_of)
 _res_tokens = nb.njit(cache=True)(resident_tokens_of)
 gate_blocks_jit = nb.njit(cache=True)(gate_blocks)  # (the compiled loop's front end asks it too)
+
+
+@nb.njit(cache=True)
+def resume_need(tokens, computed, held, bs, cap, sink_blocks, window):
+    """Free blocks a waiting request of ``tokens`` tokens (``computed`` of them computed, ``held`` blocks held)
+    needs before vLLM schedules the rest of it: the full-sequence gate's, or the allocation's once its
+    out-of-window blocks are freed, whichever is larger, and at least one (it is starved for *something*). The one
+    statement: :func:`blocks_to_resume` asks it for a policy, the compiled loop on the engine's arrays."""
+    slots = (computed + bs - 1) // bs
+    gate = gate_blocks_jit(tokens, bs, cap, slots)
+    freed = held - _res_blocks(computed, bs, sink_blocks, window) if computed else 0
+    alloc = (tokens + bs - 1) // bs - slots - freed
+    return max(gate, alloc, 1)
+
+
+@nb.njit(cache=True)
+def deadlock_pick(need, seq, held, free, stalled, out):
+    """The deadlock rule over the sessions with a request in the engine: ``need[k]`` blocks session ``k`` is
+    starved for (0: not starved; a starved one's work was in the engine before the step and got nothing in it),
+    ``seq[k]`` its admission's sequence number, ``held[k]`` its blocks; ``free`` blocks are free and ``stalled``
+    says the step scheduled nothing while the engine had work. Writes the victims (indices into these arrays) to
+    ``out``, most recently admitted first (vLLM's own victim order), and returns how many.
+
+    Victims are taken while the starved sessions' need exceeds the free blocks (a starved victim's own need goes
+    with it), and at least one when the step stalled. Starved sessions that fit, in a step that did not stall,
+    were held back by something else (the token budget): nobody is aborted. Both front ends (the simulator's,
+    compiled or not, and the live driver's, through :func:`deadlock_victims`) decide with it."""
+    total = 0
+    starved = False
+    for k in range(need.size):
+        if need[k] > 0:
+            total += need[k]
+            starved = True
+    if not stalled and (not starved or total <= free):
+        return 0
+    order = np.argsort(-seq, kind="mergesort")
+    n = 0
+    for k in order:
+        if starved and total <= free and (n > 0 or not stalled):
+            break
+        free += held[k]
+        total -= need[k]
+        out[n] = k
+        n += 1
+        if not starved:
+            break  # a stall with no measurable need: one victim, then step again
+    return n
 
 
 @nb.njit(cache=True)
@@ -830,30 +874,20 @@ class EngineModel:
 # ------------------------------------------------------------------------- the front end's deadlock rule
 def deadlock_victims(starved: list[tuple[object, int]], in_engine: list[tuple[object, int, int]],
                      free_blocks: int, stalled: bool) -> list[object]:
-    """Sessions to abort after a step, most recently admitted first (vLLM's own victim order).
+    """Sessions to abort after a step, most recently admitted first (vLLM's own victim order): :func:`deadlock_pick`
+    over the front end's lists.
 
     ``starved``: (session, blocks it still needs) for every session whose work was in the engine before the
     step and got nothing in it. ``in_engine``: (session, admit_seq, blocks held) for every session with a
-    request in the engine. ``stalled``: the step scheduled nothing while the engine had work.
-
-    Victims are taken while the starved sessions' need exceeds the free blocks (a starved victim's own need
-    goes with it), and at least one when the step stalled. Starved sessions that fit, in a step that did
-    not stall, were held back by something else (the token budget): nobody is aborted."""
-    total = sum(n for _, n in starved)
-    if not stalled and (not starved or total <= free_blocks):
-        return []
+    request in the engine (the starved among them). ``stalled``: the step scheduled nothing while the engine
+    had work."""
     need_of = {id(s): n for s, n in starved}
-    victims = []
-    free = free_blocks
-    for s, _seq, held in sorted(in_engine, key=lambda x: -x[1]):
-        if starved and total <= free and (victims or not stalled):
-            break
-        free += held
-        total -= need_of.pop(id(s), 0)
-        victims.append(s)
-        if not starved:
-            break  # a stall with no measurable need: one victim, then step again
-    return victims
+    need = np.array([need_of.get(id(s), 0) for s, _, _ in in_engine], dtype=np.int64)
+    seq = np.array([q for _, q, _ in in_engine], dtype=np.int64)
+    held = np.array([h for _, _, h in in_engine], dtype=np.int64)
+    out = np.empty(len(in_engine), dtype=np.int64)
+    n = deadlock_pick(need, seq, held, np.int64(free_blocks), np.bool_(stalled), out)
+    return [in_engine[k][0] for k in out[:n].tolist()]
 
 
 # --------------------------------------------------------------------------------------- admission gate

@@ -95,6 +95,8 @@ class SimEngine:
     fast_steps: int
     loop_departures: int
     loop_first_frames: int
+    loop_preemptions: int
+    loop_readmissions: int
     loop_arrivals: int
     loop_refused: int
     loop_admissions: int
@@ -185,6 +187,7 @@ class SimEngine:
         self.fast_steps = 0  # steps taken in the compiled loop
         self.loop_departures = 0  # departures taken in the compiled loop
         self.loop_first_frames = 0  # sessions' first frames (new requests) handed over in the compiled loop
+        self.loop_preemptions = self.loop_readmissions = 0  # sessions it preempted and readmitted
         # arrivals the compiled loop took (those of them the gate refused) and sessions it admitted
         self.loop_arrivals = self.loop_refused = self.loop_admissions = 0
         self._last_span = SimEngine.COMPILED_STEPS  # steps the last call of the compiled loop took
@@ -245,13 +248,20 @@ class SimEngine:
             self.fresh_slot = np.concatenate([self.fresh_slot, np.zeros(grow, dtype=bool)])
 
     def _name_request(self, i: int, slot: int) -> None:
-        """Session ``i``'s first frame became request ``slot`` in the compiled loop: its id, as :meth:`_add`."""
+        """Session ``i``'s first frame or readmission became request ``slot`` in the compiled loop: its id, as
+        :meth:`_add`."""
         r = self.next_rid
         self.next_rid += 1
-        self.loop_first_frames += 1
         self.model.adopt(r, slot)
         self.rid[i] = r
         self.by_rid[r] = i
+
+    def _forget_request(self, i: int) -> None:
+        """The compiled loop aborted session ``i``'s request (a preemption): its id goes, as :meth:`_drop_rid`."""
+        r = int(self.rid[i])
+        self.model.forget(r)
+        self.by_rid.pop(r, None)
+        self.rid[i] = -1
 
     def _drop_rid(self, i: int) -> None:
         r = int(self.rid[i])
@@ -764,14 +774,15 @@ class SimEngine:
         self._fit_slots(m.status_a.size)
         n_max = self._span_steps()
         iconf, fconf, coef, istate, draws = self._compiled_config(now, sess, t_next, n_max, na_end)
-        fc, fq, dep_t, dep_i = self._front_arrays(sess.size - live.size)
+        fc, fq, dep_t, dep_i = self._front_arrays(sess.size - live.size, sess.size)
         ctl = self._controller_arrays(int(iconf[fp.I_ANSCAP]))
-        fstate = np.array([now, 0.0])
+        fstate = np.array([now, 0.0, math.nan if self.t_sat is None else self.t_sat])
         ahead = self.horizon / now if now > 0 else 1.0  # twice the rows of the run so far, to its horizon
         self.steps.reserve(n_max, int(2 * ahead * self.steps.rows))
         self.frames.reserve(4 * n_max + 4 * int(iconf[fp.I_ANSCAP]), int(2 * ahead * self.frames.rows))
         istate[fp.S_NSTEPS], istate[fp.S_NROWS] = self.steps.rows, self.frames.rows
-        new_i, new_s = (np.zeros(sess.size, dtype=np.int64) for _ in range(2))  # first frames: new requests
+        # requests the loop adds (first frames, readmissions) and aborts (preemptions), in order
+        new_i, new_s, new_k = (np.zeros(4 * sess.size + 64, dtype=np.int64) for _ in range(3))
         # lockstep: silent frames owed until their tick's running frames are done (session, frame, tokens got)
         owed = self.silent_pending
         pend = np.zeros((len(owed) + 8 * sess.size + 64, 3), dtype=np.int64)
@@ -782,10 +793,13 @@ class SimEngine:
                     self.pending_in, self.work_step, self.running_since, self.started, self.admitted,
                     self.s_tokens, self.s_frames, self.s_silent, self.s_late, self.fresh_slot, self.sess_of_slot,
                     m.arrays(), *draws, self.steps.store("t_s"), self.steps.store("step_s"), self.steps.block,
-                    *self._frame_stores(), pend, dep_t, dep_i, self.s_ended, new_i, new_s, fc, fq, self.arrival,
-                    self.duration, self.s_admitted, self.admit_seq, ctl)
-        sframe, peak, n, rows_end, turned, idle, n_pend, n_new = istate.tolist()
-        self._front_books(fc, fq, dep_t, dep_i, na0, new_i[:n_new], new_s[:n_new])
+                    *self._frame_stores(), pend, dep_t, dep_i, self.s_ended, new_i, new_s, new_k, fc, fq,
+                    self.arrival, self.duration, self.s_admitted, self.admit_seq, self.s_preempt, ctl)
+        sframe, peak, n, rows_end, turned, idle, n_pend, n_new, pre_last = istate.tolist()
+        self._front_books(fc, fq, dep_t, dep_i, na0, new_i[:n_new], new_s[:n_new], new_k[:n_new])
+        self.preempted_last = bool(pre_last)
+        if not math.isnan(fstate[fp.FS_TSAT]):
+            self.t_sat = float(fstate[fp.FS_TSAT])
         self._last_span = n
         self.idle = bool(idle)
         end = float(fstate[0])
@@ -810,9 +824,10 @@ class SimEngine:
             self.assert_invariants()
         return end, turned in (fp.TURN_TAKEN, fp.PAUSED), turned == fp.PAUSED, taken
 
-    def _front_arrays(self, n_coming: int):
+    def _front_arrays(self, n_coming: int, n_sess: int):
         """The front end's counters, its queue and the departures booked, as the compiled loop keeps them (room for
-        ``n_coming`` arrivals)."""
+        ``n_coming`` arrivals, and before the queue's head for the ``n_sess`` sessions it may see: a preempted
+        session goes back to the head, and no more can than run)."""
         from metronome.sim import fastpath as fp
 
         deps = sorted(self.departures)  # the heap's order
@@ -820,20 +835,30 @@ class SimEngine:
         dep_t, dep_i = np.zeros(nd + n_coming), np.zeros(nd + n_coming, dtype=np.int64)
         if nd:
             dep_t[:nd], dep_i[:nd] = zip(*deps)
-        fq = np.zeros(len(self.waiting) + n_coming, dtype=np.int64)
-        fq[:len(self.waiting)] = list(self.waiting)
+        head = n_sess + 1
+        fq = np.zeros(head + len(self.waiting) + n_coming, dtype=np.int64)
+        fq[head:head + len(self.waiting)] = list(self.waiting)
         fc = np.zeros(fp.N_FC, dtype=np.int64)
-        fc[[fp.C_NRUN, fp.C_NDEPS, fp.C_NWAIT, fp.C_NARR, fp.C_SEQ]] = (
-            int((self.state == RUNNING).sum()), nd, len(self.waiting), self.next_arrival, self.seq)
+        fc[[fp.C_NRUN, fp.C_NDEPS, fp.C_NWAIT, fp.C_QHEAD, fp.C_NARR, fp.C_SEQ]] = (
+            int((self.state == RUNNING).sum()), nd, len(self.waiting), head, self.next_arrival, self.seq)
         return fc, fq, dep_t, dep_i
 
-    def _front_books(self, fc, fq, dep_t, dep_i, na0: int, new_i, new_s) -> None:
-        """The front end's books after the compiled loop: its requests named (before departures: one may have
-        left), the arrivals it refused, its queue, the departures it took and those still booked."""
+    def _front_books(self, fc, fq, dep_t, dep_i, na0: int, new_i, new_s, new_k) -> None:
+        """The front end's books after the compiled loop: its requests named and forgotten, in order (before
+        departures: one may have left), the arrivals it refused, its queue, the departures it took and those still
+        booked."""
         from metronome.sim import fastpath as fp
 
-        for i, s in zip(new_i.tolist(), new_s.tolist()):
+        for i, s, k in zip(new_i.tolist(), new_s.tolist(), new_k.tolist()):
+            if k == fp.NEW_DROPPED:
+                self._forget_request(i)
+                self.loop_preemptions += 1
+                continue
             self._name_request(i, s)
+            if k == fp.NEW_FIRST:
+                self.loop_first_frames += 1
+            else:
+                self.loop_readmissions += 1
         came = np.arange(na0, int(fc[fp.C_NARR]))
         refused = came[self.state[came] == REFUSED]
         self.s_end_reason[refused] = EndReason.REFUSED
@@ -876,7 +901,7 @@ class SimEngine:
         """Whether the compiled loop may start after the turn at ``now``: (the live sessions, where it must stop
         at the latest, the arrivals it may take are those before this one), or None."""
         m = self.model
-        if (self.gate.queue or self.preempted_last or self._answers or self.stalled or not isinstance(m, EngineModel)
+        if (self.gate.queue or self._answers or self.stalled or not isinstance(m, EngineModel)
                 or (self.sees_starvation and m.cnt[serving.E_WQ])):  # (vLLM's own loop re-prefills what it preempts)
             return None
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
@@ -886,7 +911,7 @@ class SimEngine:
         if len(self.silent_pending) > 4 * live.size:  # frames owed behind a late one: copied in and out each call
             return None
         st = self.started[run]
-        if (self.slot[run[st]] < 0).any() or (self.pending_in[run] > 0).any():
+        if (self.slot[run[st]] < 0).any():
             return None
         t_next = self._next_event_time(departures=False, arrivals=not self.arrivals_in_loop)
         na_end = self.next_arrival
@@ -904,20 +929,21 @@ class SimEngine:
         engine model's own arrays; ``sess``: the sessions the loop may see)."""
         from metronome.sim import fastpath as fp
 
-        assert (fp.WAITING_STATE, fp.R_STATE, fp.ENDED_STATE, fp.REFUSED_STATE) == (WAITING, RUNNING, ENDED, REFUSED)
+        assert (fp.WAITING_STATE, fp.PREFILL_STATE, fp.R_STATE, fp.ENDED_STATE, fp.REFUSED_STATE) == (
+            WAITING, PREFILL, RUNNING, ENDED, REFUSED)
         iconf = np.zeros(fp.N_ICONF, dtype=np.int64)
         iconf[[fp.I_NIN, fp.I_NOUT, fp.I_MAXSTEPS, fp.I_PROMPT, fp.I_ANSCAP, fp.I_FLO, fp.I_LOCKSTEP, fp.I_SEES,
-               fp.I_NA_END, fp.I_CTL]] = [
+               fp.I_NA_END, fp.I_CTL, fp.I_TPF]] = [
             self.n_in, self.n_out, n_max, self.prompt, 2 * max(self.model.status_a.size, sess.size) + 64,
             self.serving_frame, int(self.lockstep), int(self.sees_starvation), na_end,
-            fp.CTL_COMPILED if self.controller is not None and self.controller.compiled else fp.CTL_AFTER]
+            fp.CTL_COMPILED if self.controller is not None and self.controller.compiled else fp.CTL_AFTER, self.tpf]
         kind, *draws, weights = self._span_draws(n_max, sess, t_next)
         pause = math.inf if not self.pause_every_s else (math.floor(now / self.pause_every_s) + 1) * self.pause_every_s
         fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, self.first_s, _EPS,
                           float(kind), self.horizon, *weights, pause])
         coef = np.array(self.lat.coefficients, dtype=np.float64)
-        istate = np.array([self.serving_frame, self.peak_used, 0, 0, 0, int(self.idle), len(self.silent_pending), 0],
-                          dtype=np.int64)
+        istate = np.array([self.serving_frame, self.peak_used, 0, 0, 0, int(self.idle), len(self.silent_pending), 0,
+                           int(self.preempted_last)], dtype=np.int64)
         return iconf, fconf, coef, istate, draws
 
     def _compiled_records(self, n: int, rows_end: int) -> None:
@@ -928,7 +954,6 @@ class SimEngine:
         st, fr = self.steps, self.frames
         if n:
             self.stalled = False
-            self.preempted_last = False
             s0 = st.rows
             st.store("free_blocks")[s0:s0 + n] = self.num_blocks - st.store("resident_blocks")[s0:s0 + n]
             st.commit(s0 + n)

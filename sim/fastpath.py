@@ -10,17 +10,21 @@ running frames, :meth:`SimEngine._answer_silent`), the engine step, the step's l
 (what :meth:`EngineModel.step` runs too). A turn visits only the phase slots whose tick came due and a step reads
 only the requests with work, so a step's cost follows its batch, not the sessions in flight.
 
-It covers the front end of a steady span and nothing else: every live session runs or waits at the front end and
-nothing re-prefills. A step may preempt, stop an admission at the token budget, ``max_num_seqs``, the gate or the
-watermark: the engine step decides it. When the front end has to react to what a step did (a step that scheduled
-nothing; with a front end that steps vLLM itself, a preemption or a request left waiting, which the deadlock rule
-looks at) the loop hands the step back *after* taking it (``STEP_TAKEN``) and the step-by-step path does the rest.
-A session's first frame becomes a new request here (SimEngine._submit: serving.add_slot; the caller names it).
-Before a turn it would take differently (the length limit, the front end's head fitting, the next arrival) it stops
-and hands back, and the step-by-step path takes it from exactly there. A running session's departure is taken
-here (SimEngine._end: its request aborted, the frames it is owed answered; each frame row carries the sessions in
-flight, which an admission controller is told); a session waiting at the front end departing is an event the loop
-stops at. ``tests/test_sim_scenarios.py`` compares the two, bit for bit.
+A step may preempt, stop an admission at the token budget, ``max_num_seqs``, the gate or the watermark: the engine
+step decides it. With a front end that steps vLLM itself (``--loop driver``) the front end then reacts here as
+SimEngine._after_step does: the requests vLLM preempted and the deadlock rule's victims (serving.deadlock_pick,
+the need serving.resume_need) lose their place, their frames owed, and go back to the head of the front end's
+queue; a later turn readmits one as a request whose prompt is its history (SimEngine._readmit), which re-prefills
+while its frames are answered silent. A step that scheduled nothing, or a reaction the span has no room for, is
+handed back *after* the step is taken (``STEP_TAKEN``) and the step-by-step path does the rest. A session's first
+frame becomes a new request here (SimEngine._submit: serving.add_slot); the caller names the requests the loop
+adds and forgets those it aborts (``new_k``).
+
+Before a turn it would take differently (the length limit, a rebase, the next arrival) it stops and hands back,
+and the step-by-step path takes it from exactly there. A departure is taken here (SimEngine._end: its request
+aborted or its place in the queue given up, the frames it is owed answered; each frame row carries the sessions in
+flight, which an admission controller is told). ``tests/test_sim_scenarios.py`` compares the two, bit for bit, and
+``tests/test_front_end_differential.py`` both with the live driver.
 """
 
 from __future__ import annotations
@@ -34,18 +38,21 @@ from metronome.compiled import borrowed, hold
 from metronome.calibration import step_inputs
 from metronome.jitter_kernel import correlated_ratio
 from metronome.sim.recorder import FRAME_BLOCK, STEP_BLOCK
-from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX, O_NEW,
-                               O_PRE, O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel, abort_slot, add_slot,
-                               engine_step, gate_blocks_jit, key_order_in, key_order_work, resume_slot)
+from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, L_SINKB,
+                               L_WINDOW, O_CTX, O_NEW, O_PRE, O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel,
+                               abort_slot, add_slot, deadlock_pick, engine_step, gate_blocks_jit, key_order_in,
+                               key_order_work, resume_need, resume_slot)
 
 P_CODE = EngineModel.PAUSED_CODE
+W_CODE, X_CODE = EngineModel.WAITING_CODE, EngineModel.PREEMPTED_CODE  # waiting: new or resumed; preempted
 
 # iconf: the front end's and the stream's constants (the engine's limits are the engine model's own, ``lim``);
 # I_SEES: the front end sees starved and preempted requests after each step (serving.sees_starvation); I_NA_END:
 # the arrivals the loop takes are those before this one (the next arrival's index: it takes none); I_CTL: how the
 # admission controller hears the answered frames (CTL_*)
-I_NIN, I_NOUT, I_MAXSTEPS, I_PROMPT, I_ANSCAP, I_FLO, I_LOCKSTEP, I_SEES, I_NA_END, I_CTL = range(10)
-N_ICONF = 10
+# I_TPF: a frame's KV tokens (a readmission must leave room for one)
+I_NIN, I_NOUT, I_MAXSTEPS, I_PROMPT, I_ANSCAP, I_FLO, I_LOCKSTEP, I_SEES, I_NA_END, I_CTL, I_TPF = range(11)
+N_ICONF = 11
 # I_CTL: no controller, or one deciding in Python (the caller hands it the frame rows after the call); a compiled
 # one (control_kernel), which this loop runs at each arrival and each frame row, as SimEngine does
 CTL_AFTER, CTL_COMPILED = 0, 1
@@ -57,7 +64,8 @@ R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_INFLIGHT = (
 (Q_BATCH, Q_NEW, Q_CTX, Q_USED, Q_OUT, Q_DONE, Q_RUNNING, Q_WAITING, Q_SILENT, Q_FREE, Q_PRE) = (
     STEP_BLOCK.index(c) for c in ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out",
                                   "frames_done", "running", "waiting", "silent_frames", "free_blocks", "preemptions"))
-WAITING_STATE, R_STATE, ENDED_STATE, REFUSED_STATE = 1, 3, 4, 5  # SimEngine's states: waiting, running, ended, refused
+# SimEngine's states: waiting, re-prefilling (readmitted), running, ended, refused
+WAITING_STATE, PREFILL_STATE, R_STATE, ENDED_STATE, REFUSED_STATE = 1, 2, 3, 4, 5
 # fconf: times and the step-latency model's real-time terms (its coefficients come as their own array, ``coef``)
 # (F_TPAUSE: the loop hands back after the first turn from then on, so a caller can look at the run, e.g. whether
 # its outcome is decided; unlike F_TNEXT it is no event, and nothing waits for it)
@@ -75,15 +83,23 @@ _join_frame = nb.njit(cache=True)(serving.join_frame)
 # took fstate[1] seconds (EngineModel.last_step says what it did), and what follows it is the caller's: the front
 # end reacts to a preemption, a request left waiting or a step that scheduled nothing, as the loop does not
 TURN_CALLER, TURN_TAKEN, PAST_HORIZON, PAUSED, STEP_TAKEN = range(5)
-# the front end's counters (``fc``, in/out): sessions running at the front end, departures taken (of ``dep_t``) and
-# booked (its length), sessions waiting at the front end (its FCFS queue: ``fq[C_QHEAD:C_QHEAD + C_NWAIT]``), the
-# next arrival, the next admission's sequence number
-C_NRUN, C_DEP, C_NDEPS, C_NWAIT, C_QHEAD, C_NARR, C_SEQ = range(7)
-N_FC = 7
+# fstate[FS_TSAT] (in/out): when a step first preempted (SimEngine.t_sat), NaN until one does
+FS_TSAT = 2
+# the front end's counters (``fc``, in/out): sessions running at the front end (re-prefilling ones included),
+# departures taken (of ``dep_t``) and booked (its length), sessions waiting at the front end (its FCFS queue:
+# ``fq[C_QHEAD:C_QHEAD + C_NWAIT]``; a preempted session goes back to its head), the next arrival, the next
+# admission's sequence number, sessions re-prefilling
+C_NRUN, C_DEP, C_NDEPS, C_NWAIT, C_QHEAD, C_NARR, C_SEQ, C_NPF = range(8)
+N_FC = 8
+# what the loop did to a session's request, in order (``new_k``, beside ``new_i``/``new_s``): a first frame or a
+# readmission became request ``new_s`` (the caller names it), or its request was aborted (preempted)
+NEW_FIRST, NEW_READMIT, NEW_DROPPED = 0, 1, 2
 # istate (in/out): what the call did (S_NNEW: the requests added); S_NSTEPS and S_NROWS come in as the rows of the
 # record arrays (st_*, fr_*: the tables' storage) to write from, S_NSTEPS goes out as the steps taken and S_NROWS as
 # the row after the last written
-S_SFRAME, S_PEAK, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND, S_NNEW = range(8)
+# S_IDLE (in/out): the engine waited since its last step (a frame's step then pays first_s); S_PRELAST (in/out): the
+# last step preempted (SimEngine.preempted_last: the next turn admits nobody)
+S_SFRAME, S_PEAK, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND, S_NNEW, S_PRELAST = range(9)
 
 
 @nb.njit(cache=True)
@@ -193,7 +209,13 @@ def _due_sessions(now, eps, tick, start, who, ready, n_ready, state, out):
 
 @nb.njit(cache=True)
 def _live(st):
-    return st == R_STATE or st == WAITING_STATE
+    return WAITING_STATE <= st <= R_STATE
+
+
+@nb.njit(cache=True)
+def _placeless(st):
+    """Waiting at the front end or re-prefilling: its frames are answered silent (SimEngine._queues)."""
+    return st == WAITING_STATE or st == PREFILL_STATE
 
 
 @nb.njit(cache=True)
@@ -220,7 +242,7 @@ def _turn_fits(now, visit, n_visit, iconf, fconf, maxlen, state, phase, next_fra
         i = visit[j]
         t = _tick(next_frame[i], P, phase[i])
         due = t <= now + eps
-        if state[i] == WAITING_STATE:  # each due frame will be answered silent
+        if _placeless(state[i]):  # each due frame will be answered silent
             k = 0
             while _tick(next_frame[i] + k, P, phase[i]) <= now + eps:
                 k += 1
@@ -234,7 +256,7 @@ def _turn_fits(now, visit, n_visit, iconf, fconf, maxlen, state, phase, next_fra
                 room -= 1
                 if started[i] or room < 0 or not _first_fits(i, iconf, maxlen, hist, pending_in):
                     return False, n_ans, room
-            elif status[s] != P_CODE or hist[i] + chunk + n_out >= maxlen:
+            elif status[s] != P_CODE or hist[i] + chunk + pending_in[i] + n_out >= maxlen:
                 return False, n_ans, room
     return True, n_ans, room
 
@@ -251,7 +273,7 @@ def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, nex
         nf, ph = next_frame[i], phase[i]
         if state[i] == ENDED_STATE:  # departed in this turn
             continue
-        if state[i] == WAITING_STATE:
+        if _placeless(state[i]):
             while _tick(next_frame[i], P, ph) <= now + eps:
                 a_key[n_ans] = next_frame[i] * PHASE_SLOTS + pslot[i]
                 a_who[n_ans] = i
@@ -294,7 +316,7 @@ def _hand_over(i, s, chunk, next_frame, backlog, inflight, inflight_tok, hist, l
 @nb.njit(cache=True)
 def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog, inflight, inflight_tok, hist,
                 last_tok, pending_in, work_step, started, fresh, sess_of_slot, cnt, status, computed, ntok, out,
-                maxtok, kseq, kw, wq, new_i, new_s, n_new):
+                maxtok, kseq, kw, wq, new_i, new_s, new_k, n_new):
     """The turn, second half: a paused session's oldest queued frame is handed to its request
     (EngineModel.append_many: serving.resume_slot), which waits in its place in the kv-holding queue; then a
     session's first frame, with its prompt, becomes a new request at the tail of ``waiting`` (SimEngine._submit:
@@ -311,8 +333,10 @@ def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog
                 new_i[n_new + n_first] = i
                 n_first += 1
                 continue
-            resume_slot(s, chunk, n_out, cnt, status, computed, ntok, out, maxtok, kw)
-            latest = max(latest, _hand_over(i, s, chunk, next_frame, backlog, inflight, inflight_tok, hist, last_tok,
+            c = chunk + pending_in[i]  # (the input of frames it missed re-prefilling goes with it)
+            pending_in[i] = 0
+            resume_slot(s, c, n_out, cnt, status, computed, ntok, out, maxtok, kw)
+            latest = max(latest, _hand_over(i, s, c, next_frame, backlog, inflight, inflight_tok, hist, last_tok,
                                             work_step, fresh, cnt[E_STEPS]))
             n_sub += 1
     firsts = new_i[n_new:n_new + n_first]
@@ -326,7 +350,7 @@ def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog
         first = _first_chunk(prompt, pending_in[i], chunk - 1)
         s = add_slot(hist[i] + first, n_out, cnt, status, ntok, maxtok, kseq, wq)
         sslot[i], sess_of_slot[s], started[i], pending_in[i] = s, i, True, 0
-        new_i[n_new], new_s[n_new] = i, s
+        new_i[n_new], new_s[n_new], new_k[n_new] = i, s, NEW_FIRST
         n_new += 1
         latest = max(latest, _hand_over(i, s, first, next_frame, backlog, inflight, inflight_tok, hist, last_tok,
                                         work_step, fresh, cnt[E_STEPS]))
@@ -352,15 +376,21 @@ def _step_latency(coef, fconf, nS, ctx, new_tokens, first, jitter, step_no, sfra
 
 
 @nb.njit(cache=True)
-def _tokens_to_frames(sampled, n_sam, n_out, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames, hist,
-                      last_tok, backlog, a_key, a_who, a_tok, ready):
-    """SimEngine._after_step: sampled tokens go to their frames; a frame with all its tokens is answered (its
-    tick key, session, tokens). Returns (tokens out, frames done, sessions with frames still queued)."""
+def _tokens_to_frames(now, sampled, n_sam, n_out, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
+                      hist, last_tok, backlog, a_key, a_who, a_tok, ready, state, running_since, fc):
+    """SimEngine._after_step: a re-prefill that sampled is done (the token starts its next chunk: the session
+    runs from now); sampled tokens go to their frames; a frame with all its tokens is answered (its tick key,
+    session, tokens). Returns (tokens out, frames done, sessions with frames still queued)."""
     tokens_out = 0
     n_done = 0
     for j in range(n_sam):
         i = sess_of_slot[sampled[j]]
-        if inflight[i] >= 0:
+        if state[i] == PREFILL_STATE:
+            state[i] = R_STATE
+            last_tok[i] = True
+            running_since[i] = now
+            fc[C_NPF] -= 1
+        elif inflight[i] >= 0:
             inflight_tok[i] += 1
             s_tokens[i] += 1
             tokens_out += 1
@@ -380,6 +410,99 @@ def _tokens_to_frames(sampled, n_sam, n_out, sess_of_slot, pslot, inflight, infl
             ready[n_ready] = i
             n_ready += 1
     return tokens_out, n_done, n_ready
+
+
+@nb.njit(cache=True)
+def _victims(lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot, sess_of_slot, state, inflight, work_step,
+             admit_seq, backlog, scr, vic):
+    """SimEngine._preempt_after_step's choice, after a step that scheduled something (a stall is the caller's):
+    the sessions whose requests the engine preempted, then the deadlock rule's victims (serving.deadlock_pick)
+    among the sessions still in the engine, the starved ones' need asked of serving.resume_need. Written to
+    ``vic`` in the order they are preempted; ``scr`` is scratch, a row per slot. Returns (how many, an upper bound
+    of the frames they will be owed: their frame in flight and those queued)."""
+    mark, who, need, seq, hl, order = scr[0], scr[1], scr[2], scr[3], scr[4], scr[5]
+    n_slots = cnt[E_NEXT]
+    mark[:n_slots] = 0
+    n_vic = 0
+    owed = 0
+    free = lim[L_NB] - cnt[E_USED]
+    for j in range(o_n[O_PRE]):  # (aborted first: its blocks, if any, are free for the rule below)
+        sl = o_pre[j]
+        i = sess_of_slot[sl]
+        mark[sl] = 2
+        vic[n_vic] = i
+        n_vic += 1
+        owed += 1 + backlog[i]
+        free += held[sl]
+    for j in range(o_n[O_SCHED]):
+        if mark[o_s[j]] == 0:
+            mark[o_s[j]] = 1
+    step_no = cnt[E_STEPS] - 1
+    k = 0
+    for sl in range(n_slots):  # every session with a request in the engine
+        if mark[sl] == 2 or status[sl] == 0:
+            continue
+        i = sess_of_slot[sl]
+        if sslot[i] != sl:
+            continue
+        n = 0
+        st = status[sl]
+        if ((inflight[i] >= 0 or state[i] == PREFILL_STATE) and work_step[i] <= step_no and mark[sl] == 0
+                and (st == W_CODE or st == X_CODE)):  # (EngineModel.waiting_of)
+            n = resume_need(ntok[sl], computed[sl], held[sl], lim[L_BS], lim[L_CAP], lim[L_SINKB], lim[L_WINDOW])
+        who[k], need[k], seq[k], hl[k] = i, n, admit_seq[i], held[sl]
+        k += 1
+    m = deadlock_pick(need[:k], seq[:k], hl[:k], free, False, order)
+    for q in range(m):
+        i = who[order[q]]
+        vic[n_vic] = i
+        n_vic += 1
+        owed += 1 + backlog[i]
+    return n_vic, owed
+
+
+@nb.njit(cache=True)
+def _preempt_session(i, iconf, fc, fq, state, sslot, pslot, next_frame, backlog, inflight, inflight_tok, hist,
+                     last_tok, pending_in, s_preempt, s_frames, s_silent, fresh, cnt, status, slots, held, run, kw, wq,
+                     a_key, a_who, a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new):
+    """SimEngine._preempt: the session's request goes (the caller forgets its id); its frame in flight is owed
+    with what it got, its queued frames silent (their input joins its history); it waits at the head of the front
+    end's queue. An owed frame is answered now, or in lockstep with its tick's running frames. Returns (answers,
+    frames owed in lockstep, the requests the caller names or forgets)."""
+    s = sslot[i]
+    abort_slot(s, cnt, status, slots, held, run, kw, wq)
+    fresh[s] = False
+    sslot[i] = -1
+    new_i[n_new], new_s[n_new], new_k[n_new] = i, s, NEW_DROPPED
+    n_new += 1
+    lockstep = iconf[I_LOCKSTEP] != 0
+    if inflight[i] >= 0:
+        hist[i] += inflight_tok[i]
+    elif last_tok[i]:
+        hist[i] += 1
+    last_tok[i] = False
+    f0 = next_frame[i] - backlog[i]
+    for q in range(-1, backlog[i]):  # its frame in flight (if any, with its tokens), then the queued ones
+        if q < 0 and inflight[i] < 0:
+            continue
+        f, tok = (inflight[i], inflight_tok[i]) if q < 0 else (f0 + q, np.int64(0))
+        if lockstep:
+            pend[n_pend, 0], pend[n_pend, 1], pend[n_pend, 2] = i, f, tok
+            n_pend += 1
+        else:
+            n_ans = _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
+    pending_in[i] += iconf[I_NIN] * backlog[i]
+    inflight[i] = -1
+    backlog[i] = 0
+    if state[i] == PREFILL_STATE:
+        fc[C_NPF] -= 1
+    state[i] = WAITING_STATE
+    s_preempt[i] += 1
+    fc[C_NRUN] -= 1
+    fc[C_QHEAD] -= 1
+    fq[fc[C_QHEAD]] = i
+    fc[C_NWAIT] += 1
+    return n_ans, n_pend, n_new
 
 
 @nb.njit(cache=True)
@@ -454,11 +577,14 @@ def _first_fits(i, iconf, maxlen, hist, pending_in):
 
 
 @nb.njit(cache=True)
-def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started, next_frame, phase, room, leaving):
+def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started, next_frame, phase, room, leaving,
+                pre_last):
     """SimEngine._admit's FCFS pass (serving.admit_fcfs), planned: how many heads of the front end's queue (less
-    those ``leaving`` before it) get the blocks vLLM's gate wants (serving.admission_need_blocks), or -1 when one
-    that does is one this loop does not take (a readmission; a first frame due now past the length limit, or
-    without room for its request)."""
+    those ``leaving`` before it) get the blocks vLLM's gate wants (serving.admission_need_blocks), none right after a
+    step that preempted (``pre_last``), or -1 when one that does is one this loop does not take (a readmission past
+    the length limit; a first frame due now past it; either without room for its request)."""
+    if pre_last:
+        return 0
     n = 0
     for q in range(fc[C_QHEAD], fc[C_QHEAD] + fc[C_NWAIT]):
         i = fq[q]
@@ -471,9 +597,11 @@ def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started,
         need = gate_blocks_jit(tok, lim[L_BS], lim[L_CAP], 0)
         if need > free:
             break
-        if started[i]:
-            return -1
-        if _tick(next_frame[i], fconf[F_P], phase[i]) <= now + fconf[F_EPS]:  # its first frame is due now
+        if started[i]:  # readmitted at once, its history its prompt (SimEngine._readmit), unless it must rebase
+            room -= 1
+            if room < 0 or hist[i] + pending_in[i] + iconf[I_TPF] >= lim[L_MAXLEN]:  # (serving.frame_fits)
+                return -1
+        elif _tick(next_frame[i], fconf[F_P], phase[i]) <= now + fconf[F_EPS]:  # its first frame is due now
             room -= 1
             if room < 0 or not _first_fits(i, iconf, lim[L_MAXLEN], hist, pending_in):
                 return -1
@@ -483,21 +611,37 @@ def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started,
 
 
 @nb.njit(cache=True)
-def _admit(now, n, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted, admitted):
+def _admit(now, n, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted, admitted, hist,
+           pending_in, started, sslot, sess_of_slot, work_step, cnt, status, ntok, maxtok, kseq, wq, new_i, new_s,
+           new_k, n_new):
     """The ``n`` heads of the front end's queue are admitted (SimEngine._admit): a new session runs from its
-    first frame's tick, which hands its prompt to the engine."""
+    first frame's tick, which hands its prompt to the engine; one that lost its place comes back as a new request
+    whose prompt is its whole history, and one token to sample (SimEngine._readmit). Returns the requests the
+    caller names so far."""
     for _ in range(n):
         i = fq[fc[C_QHEAD]]
         fc[C_QHEAD] += 1
         fc[C_NWAIT] -= 1
         admit_seq[i] = fc[C_SEQ]
         fc[C_SEQ] += 1
+        fc[C_NRUN] += 1
         if np.isnan(s_admitted[i]):
             s_admitted[i] = now
             admitted[i] = True
-        state[i] = R_STATE
-        running_since[i] = _tick(next_frame[i], P, phase[i])
-        fc[C_NRUN] += 1
+        if not started[i]:
+            state[i] = R_STATE
+            running_since[i] = _tick(next_frame[i], P, phase[i])
+            continue
+        hist[i] += pending_in[i]
+        pending_in[i] = 0
+        s = add_slot(hist[i], 1, cnt, status, ntok, maxtok, kseq, wq)
+        sslot[i], sess_of_slot[s] = s, i
+        new_i[n_new], new_s[n_new], new_k[n_new] = i, s, NEW_READMIT
+        n_new += 1
+        state[i] = PREFILL_STATE
+        fc[C_NPF] += 1
+        work_step[i] = cnt[E_STEPS]
+    return n_new
 
 
 @nb.njit(cache=True)
@@ -550,6 +694,8 @@ def _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backl
         _leave_queue(i, fc, fq)
     else:
         fc[C_NRUN] -= 1
+        if state[i] == PREFILL_STATE:
+            fc[C_NPF] -= 1
     m = 0
     for q in range(n_pend):
         if pend[q, 0] == i:
@@ -573,7 +719,7 @@ def _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backl
 @nb.njit(cache=True)
 def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog,
                inflight, hist, pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq,
-               dep_t, dep_i, n_room):
+               dep_t, dep_i, n_room, pre_last):
     """The checks of the turn at ``now``, after its arrivals: the sessions it visits, whether this loop takes the
     rest as SimEngine._turn would (_turn_fits, the departures, the admissions, room for the answers) and what it
     takes: (visited, taken, departures' end in ``dep_t``, sessions admitted)."""
@@ -583,7 +729,7 @@ def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state
     k0 = fc[C_DEP]
     k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, fc[C_NDEPS], state, sslot, held, backlog, pend, n_pend)
     n_adm = _admissions(now, iconf, fconf, lim, lim[L_NB] - (cnt[E_USED] - freed), fc, fq, hist, pending_in, started,
-                        next_frame, phase, room, dep_i[k0:k1])
+                        next_frame, phase, room, dep_i[k0:k1], pre_last)
     taken = (fits and n_adm >= 0 and owed + n_ans <= iconf[I_ANSCAP]
              and (iconf[I_LOCKSTEP] == 0 or n_pend + n_ans <= pend.shape[0]))
     return n_visit, taken, k1, n_adm
@@ -594,7 +740,8 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
           inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_frames,
           s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run,
           kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend, fc,
-          fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i, new_s, n_new, cs, cp, clat, cw, ctr):
+          fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i, new_s, new_k, n_new, pre_last, cs, cp,
+          clat, cw, ctr):
     """The front end's turn at ``now`` (SimEngine._turn): the arrivals, then, if the checks pass (:func:`_turn_plan`;
     else the caller takes the rest of the turn), the departures due, the admissions and the sessions whose frames
     came due (_ticks, _answer_silent). ``fc`` holds the front end's counters. Returns (taken, frames handed over,
@@ -606,7 +753,7 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
     n_visit, taken, k1, n_adm = _turn_plan(
         now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog, inflight, hist,
         pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq, dep_t, dep_i,
-        min(status.size - cnt[E_NEXT], new_i.size - n_new))
+        min(status.size - cnt[E_NEXT], new_i.size - n_new), pre_last)
     if not taken:
         return False, 0, -1, nrows, n_pend, n_new
     n0 = np.int64(0)  # (not a literal: see _engine_step)
@@ -620,7 +767,9 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
             if tick[sl] > now + eps:  # its slot may have no one left to tick
                 tick[sl] = _slot_tick(sl, start, who, state, next_frame, phase, P)
     fc[C_DEP] = k1
-    _admit(now, n_adm, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted, admitted)
+    n_new = _admit(now, n_adm, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted, admitted,
+                   hist, pending_in, started, sslot, sess_of_slot, work_step, cnt, status, ntok, maxtok, kseq, wq,
+                   new_i, new_s, new_k, n_new)
     lockstep = iconf[I_LOCKSTEP] != 0
     n_ans = _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot, next_frame, backlog,
                        pending_in, s_frames, s_silent, a_key, a_who, a_tok, n0)
@@ -630,7 +779,7 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
     n_sub, latest, n_new = _submit_due(visit, n_visit, 1 + n_in, n_out, iconf[I_PROMPT], sslot, next_frame, backlog,
                                        inflight, inflight_tok, hist, last_tok, pending_in, work_step, started, fresh,
                                        sess_of_slot, cnt, status, computed, ntok, out, maxtok, kseq, kw, wq, new_i,
-                                       new_s, n_new)
+                                       new_s, new_k, n_new)
     if lockstep:
         n_pend = _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend)
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
@@ -692,37 +841,50 @@ def _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend):
 
 
 @nb.njit(cache=True)
-def _answer_step(now, iconf, fconf, fc, sampled, n_sam, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
-                 s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, work, ready,
-                 run_sess, state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i, k, nS, new_tokens,
-                 ctx, used, cs, cp, clat, cw, ctr):
-    """After a step that ended at ``now``: tokens to their frames, finished frames (and in lockstep the silent
-    ones they held back) answered, one row per tick, and the step's row. Returns (sessions with frames still
-    queued, frames still owed, frame rows). The step's row is ``k``."""
-    tokens_out, n_done, n_ready = _tokens_to_frames(sampled, n_sam, iconf[I_NOUT], sess_of_slot, pslot, inflight,
-                                                    inflight_tok, s_tokens, s_frames, hist, last_tok, backlog,
-                                                    a_key, a_who, a_tok, ready)
+def _answer_step(now, step_start, iconf, fconf, fstate, fc, fq, o_sam, o_n, sess_of_slot, pslot, sslot, state, inflight,
+                 inflight_tok, s_tokens, s_frames, s_silent, s_late, s_preempt, hist, last_tok, pending_in, backlog,
+                 next_frame, running_since, admitted, fresh, cnt, status, slots, held, run, kw, wq, a_key, a_who, a_tok,
+                 work, ready, run_sess, pend, n_pend, vic, n_vic, new_i, new_s, new_k, n_new, fr_f, fr_tick, fr_done,
+                 fr_lat, fr_i, nrows, st_t, st_lat, st_i, k, lat, cs, cp, clat, cw, ctr):
+    """After a step that started at ``step_start`` and ended at ``now`` (SimEngine._after_step): tokens to their
+    frames, the ``n_vic`` sessions of ``vic`` preempted (their first one dates t_sat, ``fstate[FS_TSAT]``), the
+    finished frames and the owed ones (and in lockstep the silent ones they held back) answered, one row per tick,
+    and the step's row (``k``: it took ``lat``). Returns (sessions with frames still queued, frames still owed,
+    frame rows, the requests the caller names or forgets)."""
+    tokens_out, n_done, n_ready = _tokens_to_frames(now, o_sam, o_n[O_SAM], iconf[I_NOUT], sess_of_slot, pslot,
+                                                    inflight, inflight_tok, s_tokens, s_frames, hist, last_tok,
+                                                    backlog, a_key, a_who, a_tok, ready, state, running_since, fc)
     n_ans = n_done
+    for v in range(n_vic):
+        n_ans, n_pend, n_new = _preempt_session(vic[v], iconf, fc, fq, state, sslot, pslot, next_frame, backlog,
+                                                inflight, inflight_tok, hist, last_tok, pending_in, s_preempt, s_frames,
+                                                s_silent, fresh, cnt, status, slots, held, run, kw, wq, a_key, a_who,
+                                                a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new)
+    if n_vic and np.isnan(fstate[FS_TSAT]):
+        fstate[FS_TSAT] = step_start
     if n_pend:
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
-                                       s_silent, a_key, a_who, a_tok, n_done)
+                                       s_silent, a_key, a_who, a_tok, n_ans)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done,
                       fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
-    _record_step(st_i, k, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, a_tok[n_done:n_ans])
-    return n_ready, n_pend, nrows
+    _record_step(st_i, k, fc, o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], o_n[O_USED], tokens_out, n_ans,
+                 a_tok[n_done:n_ans], n_vic)
+    st_t[k], st_lat[k] = step_start, lat
+    return n_ready, n_pend, nrows, n_new
 
 
 @nb.njit(cache=True)
-def _record_step(st_i, k, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok):
-    """Step row ``k`` (SimEngine._after_step's): batch, tokens, context, blocks, frames answered, silent ones (the
-    caller fills the free blocks; the loop preempts nobody)."""
+def _record_step(st_i, k, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok, n_vic):
+    """Step row ``k`` (SimEngine._after_step's): batch, tokens, context, blocks, frames answered, silent ones,
+    sessions preempted, running (not re-prefilling) and waiting at the front end (the caller fills the free
+    blocks)."""
     silent = 0
     for t in silent_tok:
         if t == 0:  # serving.frame_is_silent
             silent += 1
     st_i[Q_BATCH, k], st_i[Q_NEW, k], st_i[Q_CTX, k], st_i[Q_USED, k] = nS, new_tokens, ctx, used
     st_i[Q_OUT, k], st_i[Q_DONE, k], st_i[Q_SILENT, k] = tokens_out, n_ans, silent
-    st_i[Q_RUNNING, k], st_i[Q_WAITING, k], st_i[Q_PRE, k] = fc[C_NRUN], fc[C_NWAIT], 0
+    st_i[Q_RUNNING, k], st_i[Q_WAITING, k], st_i[Q_PRE, k] = fc[C_NRUN] - fc[C_NPF], fc[C_NWAIT], n_vic
 
 
 @nb.njit(cache=True)
@@ -732,7 +894,7 @@ def _queued_behind(live, state, inflight, backlog):
     n = 0
     for j in range(live.size):
         i = live[j]
-        if inflight[i] < 0 and backlog[i] > 0 and state[i] != WAITING_STATE:
+        if inflight[i] < 0 and backlog[i] > 0 and state[i] == R_STATE:
             ready[n] = i
             n += 1
     return ready, n
@@ -750,13 +912,17 @@ def _next_wake(tick, t_next, fc, dep_t, iconf, arr_t):
 
 
 @nb.njit(cache=True)
-def _no_wake(until, now, horizon, idle, turned, fstate):
-    """An idle engine that wakes ``until`` no later than ``now`` hands the span back; one that would wake at the
-    horizon or after waits, and the run ends there (PAST_HORIZON, ``fstate[1]``). Returns (idle, turned)."""
+def _idle(now, tick, t_next, fc, dep_t, iconf, arr_t, horizon, idle, turned, fstate):
+    """An engine without work waits for its next tick, event, departure or arrival (:func:`_next_wake`); one that
+    would wake no later than ``now`` hands the span back, one that would wake at the horizon or after waits and
+    the run ends there (PAST_HORIZON, ``fstate[1]``). Returns (now, idle, turned, whether the span ends)."""
+    until = _next_wake(tick, t_next, fc, dep_t, iconf, arr_t)
     if until <= now:
-        return idle, turned
-    fstate[1] = until
-    return True, PAST_HORIZON
+        return now, idle, turned, True
+    if until >= horizon:  # SimPy stops the run during this wait
+        fstate[1] = until
+        return now, True, PAST_HORIZON, True
+    return until, True, turned, False
 
 
 @nb.njit(cache=True)
@@ -791,29 +957,49 @@ def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slot
 
 
 @nb.njit(cache=True)
-def _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, n_answers):
+def _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, n_answers, n_slots):
     """What a span keeps besides the caller's arrays: the wheel over the phase slots, the sessions a turn visits,
-    those with frames queued, the running ones (lockstep) and room for a step's ``n_answers`` answers."""
+    those with frames queued, the running ones (lockstep), room for a step's ``n_answers`` answers and, for the
+    front end's reaction to a step (:func:`_victims`), room for its victims and scratch over the ``n_slots``
+    slots."""
     start, who, tick, ok = _wheel(live, state, pslot, next_frame, phase, P)
     visit = np.empty(2 * live.size, np.int64)
     ready, n_ready = _queued_behind(live, state, inflight, backlog)
     run_sess = live if lockstep else live[:0]
     a_key, a_who, a_tok = np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), np.empty(n_answers, np.int64)
     work = key_order_work(n_answers)  # (flush sorts the answers in it)
-    return (start, who, tick, visit, ready, a_key, a_who, a_tok, work), ok, n_ready, run_sess
+    scr, vic = np.zeros((6, n_slots), np.int64), np.empty(live.size, np.int64)
+    return (start, who, tick, visit, ready, a_key, a_who, a_tok, work, scr, vic), ok, n_ready, run_sess
+
+
+@nb.njit(cache=True)
+def _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot, sess_of_slot, state,
+              inflight, work_step, admit_seq, backlog, scr, vic, n_pend, pend, n_new, new_i):
+    """After _engine_step said ``turned``: a step the front end reacts to (STEP_TAKEN) that scheduled something,
+    with a front end that steps vLLM itself, is taken on here (its victims chosen: :func:`_victims`) when the span
+    has room for the frames they will be owed and the requests they give up; the rest is the caller's (a stall, or
+    vLLM's own loop seeing nothing). Returns (the victims, TURN_CALLER, or ``turned`` as it was)."""
+    if turned != STEP_TAKEN or iconf[I_SEES] == 0 or o_n[O_SCHED] == 0:
+        return 0, turned
+    n_vic, owed = _victims(lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot, sess_of_slot, state,
+                           inflight, work_step, admit_seq, backlog, scr, vic)
+    if (o_n[O_SAM] + n_pend + owed > iconf[I_ANSCAP] or n_pend + owed > pend.shape[0]
+            or n_new + n_vic > new_i.size):
+        return 0, STEP_TAKEN
+    return n_vic, TURN_CALLER
 
 
 @nb.njit(cache=True)
 def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
              inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens,
              s_frames, s_silent, s_late, fresh, sess_of_slot, eng, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f,
-             fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, fc, fq, arr_t, dur, s_admitted,
-             admit_seq, ctl):
-    """Turns and steps from just after the caller's turn at ``fstate[0]`` until the next event, ``max_steps`` or
-    anything this loop does not restate; the state arrays (the engine model's, ``eng``, the controller's, ``ctl``)
-    are updated in place, the records written to ``st_*`` and ``fr_*``, and ``istate``/``fstate``/``fc`` say where it
-    stopped (S_TURNED). ``dep_t``/``dep_i``: departures booked, in time order; ``arr_t``/``dur``: each session's
-    arrival and duration; ``new_i``/``new_s``: each request added here (a first frame): its session and slot."""
+             fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, new_k, fc, fq, arr_t, dur,
+             s_admitted, admit_seq, s_preempt, ctl):
+    """Turns and steps from just after the caller's turn at ``fstate[0]`` until the next event, ``max_steps`` or what
+    this loop does not restate; the state arrays (the engine model's ``eng``, the controller's ``ctl``) updated in
+    place, records written to ``st_*``/``fr_*``, ``istate``/``fstate``/``fc`` saying where it stopped (S_TURNED).
+    ``dep_t``/``dep_i``: departures booked, in time order; ``arr_t``/``dur``: arrivals and durations;
+    ``new_i``/``new_s``/``new_k``: each request added (first frame, readmission) or aborted (preemption), in order."""
     P, t_next, horizon, t_pause = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON], fconf[F_TPAUSE]
     max_steps, ans_cap, lockstep = iconf[I_MAXSTEPS], iconf[I_ANSCAP], iconf[I_LOCKSTEP] != 0
     # the arguments live as long as this call: inside it they need no reference counts (compiled.borrowed), and
@@ -821,26 +1007,26 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     (iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
      inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames,
      s_silent, s_late, fresh, sess_of_slot, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done,
-     fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, fc, fq, arr_t, dur, s_admitted, admit_seq) = borrowed((
+     fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, new_k, fc, fq, arr_t, dur, s_admitted, admit_seq,
+     s_preempt) = borrowed((
         iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
         inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames,
         s_silent, s_late, fresh, sess_of_slot, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done,
-        fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, fc, fq, arr_t, dur, s_admitted, admit_seq))
+        fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, new_k, fc, fq, arr_t, dur, s_admitted, admit_seq,
+        s_preempt))
     lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
         o_n, reached = borrowed(eng)
     cs, cp, clat, cw, ctr = borrowed(ctl)
-    sframe, peak, n_pend, now = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND], fstate[0]
-    idle = istate[S_IDLE] != 0  # the engine waited since its last step: a frame's step then pays first_s
-    s0, nrows = istate[S_NSTEPS], istate[S_NROWS]  # the records are written from these rows on
-    nsteps = n_new = 0
-    turned = TURN_TAKEN  # the caller's turn at `now` is done
+    sframe, peak, n_pend, s0 = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND], istate[S_NSTEPS]
+    nrows, now, idle, pre_last = istate[S_NROWS], fstate[0], istate[S_IDLE] != 0, istate[S_PRELAST] != 0
+    nsteps, n_new, turned = 0, 0, TURN_TAKEN  # (the caller's turn at `now` is done)
     owned, ok, n_ready, run_sess = _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep,
-                                               ans_cap + pend.shape[0])
-    start, who, tick, visit, ready, a_key, a_who, a_tok, work = borrowed(owned)  # `owned` holds them to the end (hold)
+                                               ans_cap + pend.shape[0], status.size)
+    start, who, tick, visit, ready, a_key, a_who, a_tok, work, scr, vic = borrowed(owned)  # (held to the end: hold)
     while ok:
         if turned == TURN_CALLER:
             if (now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_f.size
-                    or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size):
+                    or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size or n_new + live.size + 1 > new_i.size):
                 break
             taken, n_sub, latest, nrows, n_pend, n_new = _turn(
                 now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
@@ -848,7 +1034,7 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                 admitted, s_frames, s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots,
                 held, out, maxtok, kseq, run, kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i,
                 nrows, run_sess, pend, n_pend, fc, fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i,
-                new_s, n_new, cs, cp, clat, cw, ctr)
+                new_s, new_k, n_new, pre_last, cs, cp, clat, cw, ctr)
             if not taken:
                 break
             sframe, n_ready = max(sframe, latest), 0
@@ -856,33 +1042,33 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                 turned = PAUSED
                 break
         turned = TURN_CALLER
-        if cnt[E_RUN] + cnt[E_KW] + cnt[E_WQ] == 0:  # no work: wait for the next tick, event, departure or arrival
-            until = _next_wake(tick, t_next, fc, dep_t, iconf, arr_t)
-            if until <= now or until >= horizon:  # nothing comes, or SimPy stops the run during this wait
-                idle, turned = _no_wake(until, now, horizon, idle, turned, fstate)
+        if cnt[E_RUN] + cnt[E_KW] + cnt[E_WQ] == 0:  # no work: wait (no step ran: no admission is "right after" one)
+            now, idle, turned, ends = _idle(now, tick, t_next, fc, dep_t, iconf, arr_t, horizon, idle, turned, fstate)
+            pre_last = False
+            if ends:
                 break
-            now, idle = until, True
             continue
         lat, turned = _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok,
                                    kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, nsteps,
                                    sframe, jit, jz, ja, jb, jp, jr)
-        if turned == TURN_TAKEN:  # the step-by-step path takes the step
-            break
-        idle = False
+        n_vic, turned = _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot,
+                                  sess_of_slot, state, inflight, work_step, admit_seq, backlog, scr, vic, n_pend, pend,
+                                  n_new, new_i)  # (the front end's reaction to the step, here if it can)
+        idle = idle and turned == TURN_TAKEN  # (TURN_TAKEN: the step is the step-by-step path's to take)
         if turned != TURN_CALLER:  # (SimPy stops a run during a step that outlives it; STEP_TAKEN: it took `lat`)
             fstate[1] = now + lat if turned == PAST_HORIZON else lat
             break
-        step_start, now = now, now + lat
-        n_ready, n_pend, nrows = _answer_step(
-            now, iconf, fconf, fc, o_sam, o_n[O_SAM], sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
-            s_silent, s_late, hist, last_tok, backlog, next_frame, admitted, a_key, a_who, a_tok, work, ready, run_sess,
-            state, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_i, s0 + nsteps, o_n[O_SCHED],
-            o_n[O_NEW], o_n[O_CTX], o_n[O_USED], cs, cp, clat, cw, ctr)
-        peak = max(peak, o_n[O_USED])
-        st_t[s0 + nsteps], st_lat[s0 + nsteps] = step_start, lat
-        nsteps += 1
+        step_start, now, pre_last = now, now + lat, n_vic > 0
+        n_ready, n_pend, nrows, n_new = _answer_step(
+            now, step_start, iconf, fconf, fstate, fc, fq, o_sam, o_n, sess_of_slot, pslot, sslot, state, inflight,
+            inflight_tok, s_tokens, s_frames, s_silent, s_late, s_preempt, hist, last_tok, pending_in, backlog,
+            next_frame, running_since, admitted, fresh, cnt, status, slots, held, run, kw, wq, a_key, a_who, a_tok,
+            work, ready, run_sess, pend, n_pend, vic, n_vic, new_i, new_s, new_k, n_new, fr_f, fr_tick, fr_done,
+            fr_lat, fr_i, nrows, st_t, st_lat, st_i, s0 + nsteps, lat, cs, cp, clat, cw, ctr)
+        peak, nsteps = max(peak, o_n[O_USED]), nsteps + 1
     istate[S_SFRAME], istate[S_PEAK], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED], istate[S_IDLE], \
-        istate[S_NPEND], istate[S_NNEW], fstate[0] = sframe, peak, nsteps, nrows, turned, idle, n_pend, n_new, now
+        istate[S_NPEND], istate[S_NNEW], istate[S_PRELAST], fstate[0] = sframe, peak, nsteps, nrows, turned, idle, \
+        n_pend, n_new, pre_last, now
     hold(owned)
 
 

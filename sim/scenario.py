@@ -82,6 +82,8 @@ class Result:
     fast_steps: int = 0  # engine steps computed in fast-forwarded spans (the tables do not depend on it)
     loop_departures: int = 0  # departures the compiled loop took itself (nor do they)
     loop_first_frames: int = 0  # sessions' first frames the compiled loop handed to the engine (nor do they)
+    loop_preemptions: int = 0  # sessions the compiled loop preempted and readmitted (nor do they)
+    loop_readmissions: int = 0
     loop_arrivals: int = 0  # arrivals the compiled loop took, the gate's refusals and admissions (nor do they)
     loop_refused: int = 0
     loop_admissions: int = 0
@@ -152,6 +154,7 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
     trace = controller.trace() if controller is not None and hasattr(controller, "trace") else None
     return Result(sc, summary, steps, frames, sessions, trace, fast_steps=eng.fast_steps,
                   loop_departures=eng.loop_departures, loop_first_frames=eng.loop_first_frames,
+                  loop_preemptions=eng.loop_preemptions, loop_readmissions=eng.loop_readmissions,
                   loop_arrivals=eng.loop_arrivals, loop_refused=eng.loop_refused, loop_admissions=eng.loop_admissions,
                   rules_reached=dict(getattr(eng.model, "reached", {})) or None)
 

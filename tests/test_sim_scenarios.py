@@ -194,6 +194,26 @@ def test_fast_and_step_by_step_agree_where_each_rule_decides(name, phases):
 
 
 @pytest.mark.parametrize("phases", ["aligned", "independent"])
+def test_the_compiled_loop_preempts_and_readmits_for_a_front_end_that_steps_vllm(phases):
+    """``--loop driver``: a dry pool's victims (those vLLM preempts, and the deadlock rule's) lose their place
+    and come back later as a re-prefill of their history, inside the compiled loop, bit for bit as step by
+    step. Unbounded Moshi on a 400-block pool, Poisson 3/s, exp(15 s): the pool runs dry within seconds and
+    departures keep freeing blocks for readmissions."""
+    c = calibration.load("moshi-7b-h200")
+    c = replace(c, engine=replace(c.engine, num_blocks=400))
+    sc = Scenario(c, KVPolicy.unbounded(16), Arrivals("poisson", rate_per_s=3.0), 60.0,
+                  durations=Durations("exponential", 15.0), seed=3, phases=phases)
+    slow = run(sc, fast_forward=False, check_invariants=True)
+    fast = run(sc, fast_forward=True, check_invariants=True)
+    _tables_equal(slow, fast)
+    pre = int(slow.steps.preemptions.sum())
+    assert pre > 100 and slow.loop_preemptions == 0 and slow.loop_readmissions == 0
+    # most in the loop: it hands back only what it does not take (a stall, a rebase, a span without room)
+    assert fast.loop_preemptions > pre / 3 and fast.loop_readmissions > pre / 3, (
+        pre, fast.loop_preemptions, fast.loop_readmissions)
+
+
+@pytest.mark.parametrize("phases", ["aligned", "independent"])
 def test_under_vllms_own_loop_the_compiled_loop_steps_through_preemptions(phases):
     """A client of vLLM's own loop leaves what vLLM preempts to vLLM (serving.LOOPS): the front end has nothing to
     do after such a step, so the compiled loop takes it and goes on (the engine step re-prefills the victim in
