@@ -880,9 +880,13 @@ def deadlock_victims(starved: list[tuple[object, int]], in_engine: list[tuple[ob
     ``starved``: (session, blocks it still needs) for every session whose work was in the engine before the
     step and got nothing in it. ``in_engine``: (session, admit_seq, blocks held) for every session with a
     request in the engine (the starved among them). ``stalled``: the step scheduled nothing while the engine
-    had work."""
-    need_of = {id(s): n for s, n in starved}
-    need = np.array([need_of.get(id(s), 0) for s, _, _ in in_engine], dtype=np.int64)
+    had work. Sessions are told apart by identity (the live driver's objects), or by value if they are numbers
+    (two equal ints need not be one object)."""
+    def key(s):
+        return int(s) if isinstance(s, (int, np.integer)) else id(s)
+
+    need_of = {key(s): n for s, n in starved}
+    need = np.array([need_of.get(key(s), 0) for s, _, _ in in_engine], dtype=np.int64)
     seq = np.array([q for _, q, _ in in_engine], dtype=np.int64)
     held = np.array([h for _, _, h in in_engine], dtype=np.int64)
     out = np.empty(len(in_engine), dtype=np.int64)

@@ -687,11 +687,18 @@ class SimEngine:
         stalled = not rec.slots.size and m.has_work()
         if not cand.size and not stalled:
             return out
-        starved = [(i, serving.blocks_to_resume(self.policy, m.tokens_of(int(self.rid[i])), m.computed(int(self.rid[i])),
-                                                m.blocks_of(int(self.rid[i])), self.cap_blocks)) for i in cand.tolist()]
+        # the rule on arrays (serving.deadlock_pick, as the compiled loop asks it): every session in the engine, the
+        # starved ones with the blocks they need
         inside = np.flatnonzero(self.slot >= 0)
-        in_engine = list(zip(inside.tolist(), self.admit_seq[inside].tolist(), m.held_of(self.slot[inside]).tolist()))
-        for i in serving.deadlock_victims(starved, in_engine, m.free_blocks(), stalled):
+        need = np.zeros(inside.size, dtype=np.int64)
+        for i in cand.tolist():
+            r = int(self.rid[i])
+            need[np.searchsorted(inside, i)] = serving.blocks_to_resume(self.policy, m.tokens_of(r), m.computed(r),
+                                                                         m.blocks_of(r), self.cap_blocks)
+        pick = np.empty(inside.size, dtype=np.int64)
+        n = serving.deadlock_pick(need, self.admit_seq[inside], m.held_of(self.slot[inside]).astype(np.int64),
+                                  np.int64(m.free_blocks()), np.bool_(stalled), pick)
+        for i in inside[pick[:n]].tolist():
             self._preempt(i)
             out.append(i)
         return out

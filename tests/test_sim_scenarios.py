@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metronome import calibration
+from metronome import calibration, serving
 from metronome.kv_policy import KVPolicy
 from metronome.workload import Arrivals, Durations
 from metronome.sim.scenario import Scenario, run, write
@@ -211,6 +211,29 @@ def test_the_compiled_loop_preempts_and_readmits_for_a_front_end_that_steps_vllm
     # most in the loop: it hands back only what it does not take (a stall, a rebase, a span without room)
     assert fast.loop_preemptions > pre / 3 and fast.loop_readmissions > pre / 3, (
         pre, fast.loop_preemptions, fast.loop_readmissions)
+
+
+def test_a_starved_victim_takes_its_own_need_with_it_whatever_its_number():
+    """Worked by hand: session 300, admitted last, is starved for 5 blocks and none is free; aborting it frees its 2
+    and its need goes with it, so it is the only victim. The starved list and the engine's list name it by two
+    int objects of one value, as two ``tolist`` calls do."""
+    starved = [(int("300"), 5)]
+    in_engine = [(int("300"), 1, 2), (int("299"), 0, 1)]
+    assert starved[0][0] is not in_engine[0][0]
+    assert serving.deadlock_victims(starved, in_engine, 0, False) == [300]
+
+
+def test_the_deadlock_rule_tells_sessions_apart_past_256():
+    """300 unbounded sessions on a 3,000-block pool: deadlocks among sessions numbered past 256, whose numbers as
+    Python ints are not one object each (the rule once matched a starved session to itself by ``id``, and took
+    victims beyond those it needed). The compiled loop decides on its arrays: step by step must agree."""
+    c = calibration.load("moshi-7b-h200")
+    c = replace(c, engine=replace(c.engine, num_blocks=3000))
+    sc = Scenario(c, KVPolicy.unbounded(16), Arrivals("all", sessions=300), 30.0, seed=3, phases="independent")
+    slow = run(sc, fast_forward=False, check_invariants=True)
+    fast = run(sc, fast_forward=True)
+    _tables_equal(slow, fast)
+    assert fast.loop_preemptions > 20 and slow.sessions.preemptions[slow.sessions.session > 256].sum() > 0
 
 
 @pytest.mark.parametrize("phases", ["aligned", "independent"])
