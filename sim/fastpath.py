@@ -741,12 +741,17 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
           s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run,
           kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend, fc,
           fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i, new_s, new_k, n_new, pre_last, cs, cp,
-          clat, cw, ctr):
+          clat, cw, ctr, nsteps, live):
     """The front end's turn at ``now`` (SimEngine._turn): the arrivals, then, if the checks pass (:func:`_turn_plan`;
     else the caller takes the rest of the turn), the departures due, the admissions and the sessions whose frames
-    came due (_ticks, _answer_silent). ``fc`` holds the front end's counters. Returns (taken, frames handed over,
-    the latest, rows, frames owed in lockstep, new requests so far)."""
+    came due (_ticks, _answer_silent). ``fc`` holds the front end's counters. None of it when the span ends here:
+    at its next event, after ``nsteps`` of its steps, or without room for another turn and step. Returns (taken,
+    frames handed over, the latest, rows, frames owed in lockstep, new requests so far)."""
     P, eps = fconf[F_P], fconf[F_EPS]
+    ans_cap = iconf[I_ANSCAP]
+    if (now >= fconf[F_TNEXT] or nsteps >= iconf[I_MAXSTEPS] or nrows + 2 * ans_cap > fr_f.size
+            or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size or n_new + live.size + 1 > new_i.size):
+        return False, 0, -1, nrows, n_pend, n_new
     n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
     _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick, cs,
             cp, clat, cw, ctr)
@@ -767,9 +772,10 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
             if tick[sl] > now + eps:  # its slot may have no one left to tick
                 tick[sl] = _slot_tick(sl, start, who, state, next_frame, phase, P)
     fc[C_DEP] = k1
-    n_new = _admit(now, n_adm, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted, admitted,
-                   hist, pending_in, started, sslot, sess_of_slot, work_step, cnt, status, ntok, maxtok, kseq, wq,
-                   new_i, new_s, new_k, n_new)
+    if n_adm:  # (rare: a call with all it needs costs every turn)
+        n_new = _admit(now, n_adm, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted,
+                       admitted, hist, pending_in, started, sslot, sess_of_slot, work_step, cnt, status, ntok, maxtok,
+                       kseq, wq, new_i, new_s, new_k, n_new)
     lockstep = iconf[I_LOCKSTEP] != 0
     n_ans = _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot, next_frame, backlog,
                        pending_in, s_frames, s_silent, a_key, a_who, a_tok, n0)
@@ -841,27 +847,31 @@ def _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend):
 
 
 @nb.njit(cache=True)
-def _answer_step(now, step_start, iconf, fconf, fstate, fc, fq, o_sam, o_n, sess_of_slot, pslot, sslot, state, inflight,
-                 inflight_tok, s_tokens, s_frames, s_silent, s_late, s_preempt, hist, last_tok, pending_in, backlog,
-                 next_frame, running_since, admitted, fresh, cnt, status, slots, held, run, kw, wq, a_key, a_who, a_tok,
-                 work, ready, run_sess, pend, n_pend, vic, n_vic, new_i, new_s, new_k, n_new, fr_f, fr_tick, fr_done,
-                 fr_lat, fr_i, nrows, st_t, st_lat, st_i, k, lat, cs, cp, clat, cw, ctr):
-    """After a step that started at ``step_start`` and ended at ``now`` (SimEngine._after_step): tokens to their
-    frames, the ``n_vic`` sessions of ``vic`` preempted (their first one dates t_sat, ``fstate[FS_TSAT]``), the
-    finished frames and the owed ones (and in lockstep the silent ones they held back) answered, one row per tick,
-    and the step's row (``k``: it took ``lat``). Returns (sessions with frames still queued, frames still owed,
-    frame rows, the requests the caller names or forgets)."""
-    tokens_out, n_done, n_ready = _tokens_to_frames(now, o_sam, o_n[O_SAM], iconf[I_NOUT], sess_of_slot, pslot,
-                                                    inflight, inflight_tok, s_tokens, s_frames, hist, last_tok,
-                                                    backlog, a_key, a_who, a_tok, ready, state, running_since, fc)
-    n_ans = n_done
+def _preempt_all(step_start, vic, n_vic, iconf, fstate, fc, fq, state, sslot, pslot, next_frame, backlog, inflight,
+                 inflight_tok, hist, last_tok, pending_in, s_preempt, s_frames, s_silent, fresh, cnt, status, slots,
+                 held, run, kw, wq, a_key, a_who, a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new):
+    """After the tokens of a step that started at ``step_start``, the ``n_vic`` sessions of ``vic`` preempted
+    (:func:`_preempt_session`; the first ever dates t_sat, ``fstate[FS_TSAT]``). Returns (answers, frames owed in
+    lockstep, the requests the caller names or forgets)."""
     for v in range(n_vic):
         n_ans, n_pend, n_new = _preempt_session(vic[v], iconf, fc, fq, state, sslot, pslot, next_frame, backlog,
                                                 inflight, inflight_tok, hist, last_tok, pending_in, s_preempt, s_frames,
                                                 s_silent, fresh, cnt, status, slots, held, run, kw, wq, a_key, a_who,
                                                 a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new)
-    if n_vic and np.isnan(fstate[FS_TSAT]):
+    if np.isnan(fstate[FS_TSAT]):
         fstate[FS_TSAT] = step_start
+    return n_ans, n_pend, n_new
+
+
+@nb.njit(cache=True)
+def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_out, n_vic, pslot, state, inflight,
+                 backlog, next_frame, s_frames, s_silent, s_late, admitted, a_key, a_who, a_tok, work, run_sess, pend,
+                 n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_t, st_lat, st_i, k, o_n, cs, cp, clat, cw,
+                 ctr):
+    """A step that started at ``step_start``, took ``lat`` and ended at ``now``, its tokens gone to their frames
+    (answers up to ``n_done``) and its ``n_vic`` victims preempted (their owed frames answered up to ``n_ans``):
+    in lockstep the silent frames they held back, then all answered, one row per tick, and the step's row ``k``
+    (SimEngine._after_step). Returns (frames still owed, frame rows)."""
     if n_pend:
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n_ans)
@@ -870,7 +880,7 @@ def _answer_step(now, step_start, iconf, fconf, fstate, fc, fq, o_sam, o_n, sess
     _record_step(st_i, k, fc, o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], o_n[O_USED], tokens_out, n_ans,
                  a_tok[n_done:n_ans], n_vic)
     st_t[k], st_lat[k] = step_start, lat
-    return n_ready, n_pend, nrows, n_new
+    return n_pend, nrows
 
 
 @nb.njit(cache=True)
@@ -989,6 +999,10 @@ def _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, o_s, o_pre,
     return n_vic, TURN_CALLER
 
 
+# run_span: the state arrays (the engine model's ``eng``, the controller's ``ctl``) are updated in place, records
+# written to ``st_*``/``fr_*``, and ``istate``/``fstate``/``fc`` say where it stopped (S_TURNED). ``dep_t``/``dep_i``:
+# departures booked, in time order; ``arr_t``/``dur``: arrivals and durations; ``new_i``/``new_s``/``new_k``: each
+# request added (first frame, readmission) or aborted (preemption), in order.
 @nb.njit(cache=True)
 def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
              inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens,
@@ -996,12 +1010,9 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
              fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, new_k, fc, fq, arr_t, dur,
              s_admitted, admit_seq, s_preempt, ctl):
     """Turns and steps from just after the caller's turn at ``fstate[0]`` until the next event, ``max_steps`` or what
-    this loop does not restate; the state arrays (the engine model's ``eng``, the controller's ``ctl``) updated in
-    place, records written to ``st_*``/``fr_*``, ``istate``/``fstate``/``fc`` saying where it stopped (S_TURNED).
-    ``dep_t``/``dep_i``: departures booked, in time order; ``arr_t``/``dur``: arrivals and durations;
-    ``new_i``/``new_s``/``new_k``: each request added (first frame, readmission) or aborted (preemption), in order."""
+    this loop does not restate (its arrays: the comment above)."""
     P, t_next, horizon, t_pause = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON], fconf[F_TPAUSE]
-    max_steps, ans_cap, lockstep = iconf[I_MAXSTEPS], iconf[I_ANSCAP], iconf[I_LOCKSTEP] != 0
+    ans_cap, lockstep = iconf[I_ANSCAP], iconf[I_LOCKSTEP] != 0
     # the arguments live as long as this call: inside it they need no reference counts (compiled.borrowed), and
     # the engine's arrays are unpacked once (a tuple of arrays handed to a callee costs every call)
     (iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
@@ -1025,16 +1036,13 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
     start, who, tick, visit, ready, a_key, a_who, a_tok, work, scr, vic = borrowed(owned)  # (held to the end: hold)
     while ok:
         if turned == TURN_CALLER:
-            if (now >= t_next or nsteps >= max_steps or nrows + 2 * ans_cap > fr_f.size
-                    or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size or n_new + live.size + 1 > new_i.size):
-                break
             taken, n_sub, latest, nrows, n_pend, n_new = _turn(
                 now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
                 backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started,
                 admitted, s_frames, s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots,
                 held, out, maxtok, kseq, run, kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i,
                 nrows, run_sess, pend, n_pend, fc, fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i,
-                new_s, new_k, n_new, pre_last, cs, cp, clat, cw, ctr)
+                new_s, new_k, n_new, pre_last, cs, cp, clat, cw, ctr, nsteps, live)
             if not taken:
                 break
             sframe, n_ready = max(sframe, latest), 0
@@ -1051,20 +1059,29 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
         lat, turned = _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok,
                                    kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, nsteps,
                                    sframe, jit, jz, ja, jb, jp, jr)
-        n_vic, turned = _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot,
-                                  sess_of_slot, state, inflight, work_step, admit_seq, backlog, scr, vic, n_pend, pend,
-                                  n_new, new_i)  # (the front end's reaction to the step, here if it can)
+        n_vic = 0
+        if turned == STEP_TAKEN:  # the front end reacts to the step: here, if it can
+            n_vic, turned = _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot,
+                                      sess_of_slot, state, inflight, work_step, admit_seq, backlog, scr, vic, n_pend,
+                                      pend, n_new, new_i)
         idle = idle and turned == TURN_TAKEN  # (TURN_TAKEN: the step is the step-by-step path's to take)
         if turned != TURN_CALLER:  # (SimPy stops a run during a step that outlives it; STEP_TAKEN: it took `lat`)
             fstate[1] = now + lat if turned == PAST_HORIZON else lat
             break
         step_start, now, pre_last = now, now + lat, n_vic > 0
-        n_ready, n_pend, nrows, n_new = _answer_step(
-            now, step_start, iconf, fconf, fstate, fc, fq, o_sam, o_n, sess_of_slot, pslot, sslot, state, inflight,
-            inflight_tok, s_tokens, s_frames, s_silent, s_late, s_preempt, hist, last_tok, pending_in, backlog,
-            next_frame, running_since, admitted, fresh, cnt, status, slots, held, run, kw, wq, a_key, a_who, a_tok,
-            work, ready, run_sess, pend, n_pend, vic, n_vic, new_i, new_s, new_k, n_new, fr_f, fr_tick, fr_done,
-            fr_lat, fr_i, nrows, st_t, st_lat, st_i, s0 + nsteps, lat, cs, cp, clat, cw, ctr)
+        tokens_out, n_done, n_ready = _tokens_to_frames(
+            now, o_sam, o_n[O_SAM], iconf[I_NOUT], sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
+            hist, last_tok, backlog, a_key, a_who, a_tok, ready, state, running_since, fc)
+        n_ans = n_done
+        if n_vic:
+            n_ans, n_pend, n_new = _preempt_all(
+                step_start, vic, n_vic, iconf, fstate, fc, fq, state, sslot, pslot, next_frame, backlog, inflight,
+                inflight_tok, hist, last_tok, pending_in, s_preempt, s_frames, s_silent, fresh, cnt, status, slots,
+                held, run, kw, wq, a_key, a_who, a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new)
+        n_pend, nrows = _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_out, n_vic, pslot,
+                                     state, inflight, backlog, next_frame, s_frames, s_silent, s_late, admitted, a_key,
+                                     a_who, a_tok, work, run_sess, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i,
+                                     nrows, st_t, st_lat, st_i, s0 + nsteps, o_n, cs, cp, clat, cw, ctr)
         peak, nsteps = max(peak, o_n[O_USED]), nsteps + 1
     istate[S_SFRAME], istate[S_PEAK], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED], istate[S_IDLE], \
         istate[S_NPEND], istate[S_NNEW], istate[S_PRELAST], fstate[0] = sframe, peak, nsteps, nrows, turned, idle, \
