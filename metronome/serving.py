@@ -872,6 +872,14 @@ class EngineModel:
 
 
 # ------------------------------------------------------------------------- the front end's deadlock rule
+def compile_front_end_rules() -> None:
+    """Compile the front end's rules that numba compiles (:func:`deadlock_pick`, :func:`resume_need`) now, once per
+    process: a live driver calls it before its clock starts, so that the first deadlock it meets does not stop the
+    frame clock while numba compiles (seconds on an empty cache)."""
+    deadlock_victims([], [], 0, False)
+    resume_need(1, 0, 0, 16, NO_CAP, 0, 1)
+
+
 def deadlock_victims(starved: list[tuple[object, int]], in_engine: list[tuple[object, int, int]],
                      free_blocks: int, stalled: bool) -> list[object]:
     """Sessions to abort after a step, most recently admitted first (vLLM's own victim order): :func:`deadlock_pick`

@@ -205,6 +205,7 @@ class Driver:
                  clock=time.perf_counter, sleep=time.sleep):
         self.engine, self.cfg = engine, config
         self.clock, self.sleep = clock, sleep  # injectable: tests run the driver on a fake engine's virtual time
+        serving.compile_front_end_rules()  # (before the clock starts)
         self.admission = admission if admission is not None else AdmitAll()
         self.policy = config.policy or engine.policy
         self.rng = np.random.default_rng(config.seed)
