@@ -257,11 +257,13 @@ class SimEngine:
         self.by_rid[r] = i
 
     def _forget_request(self, i: int) -> None:
-        """The compiled loop aborted session ``i``'s request (a preemption): its id goes, as :meth:`_drop_rid`."""
+        """The compiled loop aborted session ``i``'s request (it was preempted or departed), if it had one (none
+        before its first frame): its id goes, as :meth:`_drop_rid`."""
         r = int(self.rid[i])
-        self.model.forget(r)
-        self.by_rid.pop(r, None)
-        self.rid[i] = -1
+        if r >= 0:
+            self.model.forget(r)
+            self.by_rid.pop(r, None)
+            self.rid[i] = -1
 
     def _drop_rid(self, i: int) -> None:
         r = int(self.rid[i])
@@ -898,11 +900,7 @@ class SimEngine:
                 continue
             self.s_end_reason[i] = EndReason.DEPARTED
             self.loop_departures += 1
-            r = int(self.rid[i])
-            if r >= 0:  # (none before its first frame)
-                self.model.forget(r)
-                self.by_rid.pop(r, None)
-                self.rid[i] = -1
+            self._forget_request(i)
 
     def _compiled_start(self, now: float) -> tuple[np.ndarray, float, int] | None:
         """Whether the compiled loop may start after the turn at ``now``: (the live sessions, where it must stop
