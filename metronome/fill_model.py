@@ -614,7 +614,7 @@ class FillModel:
         * frames served with their tick at or after ``t_sat``;
         * the silent sessions' frames, answered at their ticks, ``(A − K)⁺`` a period;
         * the backlog of a running session that leaves or is preempted: the front end answers its due frames
-          silent at once (``SimEngine._end``, ``SimEngine._preempt``), those ticked from ``t_sat`` to now.
+          silent at once (``FrontEnd._end``, ``FrontEnd._preempt``), those ticked from ``t_sat`` to now.
 
         A frame still in a backlog at the horizon is never answered and not counted."""
         st = self.calibration.stream

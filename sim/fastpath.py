@@ -3,25 +3,25 @@
 An hour of Moshi is hundreds of thousands of steps, and under independent phases nothing repeats from one step
 to the next that numpy could take a whole span at a time. This module runs the front end's rules one step at a
 time in numba, under either phase regime: the turn (frames that came due are handed to the engine,
-:meth:`SimEngine._ticks`; a session without a place hears silence, at once or, in lockstep, with its tick's
-running frames, :meth:`SimEngine._answer_silent`), the engine step, the step's latency with its jitter draw and
-:meth:`SimEngine._after_step`'s bookkeeping and records. The engine step is not restated here: it is
+:meth:`FrontEnd._ticks`; a session without a place hears silence, at once or, in lockstep, with its tick's
+running frames, :meth:`FrontEnd._answer_silent`), the engine step, the step's latency with its jitter draw and
+:meth:`FrontEnd._after_step`'s bookkeeping and records. The engine step is not restated here: it is
 :func:`metronome.serving.engine_step`, the one statement of vLLM's step, called on the engine model's own arrays
 (what :meth:`EngineModel.step` runs too). A turn visits only the phase slots whose tick came due and a step reads
 only the requests with work, so a step's cost follows its batch, not the sessions in flight.
 
 A step may preempt, stop an admission at the token budget, ``max_num_seqs``, the gate or the watermark: the engine
 step decides it. With a front end that steps vLLM itself (``--loop driver``) the front end then reacts here as
-SimEngine._after_step does: the requests vLLM preempted and the deadlock rule's victims (serving.deadlock_pick,
+FrontEnd._after_step does: the requests vLLM preempted and the deadlock rule's victims (serving.deadlock_pick,
 the need serving.resume_need) lose their place, their frames owed, and go back to the head of the front end's
-queue; a later turn readmits one as a request whose prompt is its history (SimEngine._readmit), which re-prefills
+queue; a later turn readmits one as a request whose prompt is its history (FrontEnd._readmit), which re-prefills
 while its frames are answered silent. A step that scheduled nothing, or a reaction the span has no room for, is
 handed back *after* the step is taken (``STEP_TAKEN``) and the step-by-step path does the rest. A session's first
-frame becomes a new request here (SimEngine._submit: serving.add_slot); the caller names the requests the loop
+frame becomes a new request here (FrontEnd._submit: serving.add_slot); the caller names the requests the loop
 adds and forgets those it aborts (``new_k``).
 
 Before a turn it would take differently (the length limit, a rebase, the next arrival) it stops and hands back,
-and the step-by-step path takes it from exactly there. A departure is taken here (SimEngine._end: its request
+and the step-by-step path takes it from exactly there. A departure is taken here (FrontEnd._end: its request
 aborted or its place in the queue given up, the frames it is owed answered; each frame row carries the sessions in
 flight, which an admission controller is told). ``tests/test_sim_scenarios.py`` compares the two, bit for bit, and
 ``tests/test_front_end_differential.py`` both with the live driver.
@@ -214,7 +214,7 @@ def _live(st):
 
 @nb.njit(cache=True)
 def _placeless(st):
-    """Waiting at the front end or re-prefilling: its frames are answered silent (SimEngine._queues)."""
+    """Waiting at the front end or re-prefilling: its frames are answered silent (FrontEnd._queues)."""
     return st == WAITING_STATE or st == PREFILL_STATE
 
 
@@ -265,7 +265,7 @@ def _turn_fits(now, visit, n_visit, iconf, fconf, maxlen, state, phase, next_fra
 def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, next_frame, backlog, pending_in,
                s_frames, s_silent, a_key, a_who, a_tok, n0):
     """The turn, first half: frames that came due are queued (a running session's) or answered silent at once
-    (a session waiting at the front end: SimEngine._tick_one's quiet branch and _owe), after the ``n0`` answers
+    (a session waiting at the front end: FrontEnd._tick_one's quiet branch and _owe), after the ``n0`` answers
     already written. Returns the answers."""
     n_ans = n0
     for j in range(n_visit):
@@ -288,7 +288,7 @@ def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, nex
         if _tick(nf, P, ph) <= now + eps:
             if _tick(nf + 1, P, ph) > now + eps:
                 n_due = 1
-            else:  # an engine slower than the frame clock: SimEngine._ticks's count, exactly
+            else:  # an engine slower than the frame clock: FrontEnd._ticks's count, exactly
                 n_due = np.int64(np.floor((now + eps - ph) / P)) - nf + 1
                 if _tick(nf + n_due - 1, P, ph) > now + eps:
                     n_due -= 1
@@ -301,7 +301,7 @@ def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, nex
 
 @nb.njit(cache=True)
 def _hand_over(i, s, chunk, next_frame, backlog, inflight, inflight_tok, hist, last_tok, work_step, fresh, steps):
-    """Session ``i``'s oldest queued frame is in its request ``s`` now (SimEngine._submit's books). Returns it."""
+    """Session ``i``'s oldest queued frame is in its request ``s`` now (FrontEnd._submit's books). Returns it."""
     fresh[s] = True
     f = next_frame[i] - backlog[i]
     hist[i] += chunk
@@ -319,7 +319,7 @@ def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog
                 maxtok, kseq, kw, wq, new_i, new_s, new_k, n_new):
     """The turn, second half: a paused session's oldest queued frame is handed to its request
     (EngineModel.append_many: serving.resume_slot), which waits in its place in the kv-holding queue; then a
-    session's first frame, with its prompt, becomes a new request at the tail of ``waiting`` (SimEngine._submit:
+    session's first frame, with its prompt, becomes a new request at the tail of ``waiting`` (FrontEnd._submit:
     serving.add_slot), in session order as the step-by-step turn hands them over, and ``new_i``/``new_s`` get its
     session and slot. Returns (how many were handed over, the latest frame handed, the new requests so far)."""
     n_sub = 0
@@ -378,7 +378,7 @@ def _step_latency(coef, fconf, nS, ctx, new_tokens, first, jitter, step_no, sfra
 @nb.njit(cache=True)
 def _tokens_to_frames(now, sampled, n_sam, n_out, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
                       hist, last_tok, backlog, a_key, a_who, a_tok, ready, state, running_since, fc):
-    """SimEngine._after_step: a re-prefill that sampled is done (the token starts its next chunk: the session
+    """FrontEnd._after_step: a re-prefill that sampled is done (the token starts its next chunk: the session
     runs from now); sampled tokens go to their frames; a frame with all its tokens is answered (its tick key,
     session, tokens). Returns (tokens out, frames done, sessions with frames still queued)."""
     tokens_out = 0
@@ -415,7 +415,7 @@ def _tokens_to_frames(now, sampled, n_sam, n_out, sess_of_slot, pslot, inflight,
 @nb.njit(cache=True)
 def _victims(lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot, sess_of_slot, state, inflight, work_step,
              admit_seq, backlog, scr, vic):
-    """SimEngine._preempt_after_step's choice, after a step that scheduled something (a stall is the caller's):
+    """FrontEnd._preempt_after_step's choice, after a step that scheduled something (a stall is the caller's):
     the sessions whose requests the engine preempted, then the deadlock rule's victims (serving.deadlock_pick)
     among the sessions still in the engine, the starved ones' need asked of serving.resume_need. Written to
     ``vic`` in the order they are preempted; ``scr`` is scratch, a row per slot. Returns (how many, an upper bound
@@ -465,7 +465,7 @@ def _victims(lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot, ses
 def _preempt_session(i, iconf, fc, fq, state, sslot, pslot, next_frame, backlog, inflight, inflight_tok, hist,
                      last_tok, pending_in, s_preempt, s_frames, s_silent, fresh, cnt, status, slots, held, run, kw, wq,
                      a_key, a_who, a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new):
-    """SimEngine._preempt: the session's request goes (the caller forgets its id); its frame in flight is owed
+    """FrontEnd._preempt: the session's request goes (the caller forgets its id); its frame in flight is owed
     with what it got, its queued frames silent (their input joins its history); it waits at the head of the front
     end's queue. An owed frame is answered now, or in lockstep with its tick's running frames. Returns (answers,
     frames owed in lockstep, the requests the caller names or forgets)."""
@@ -507,13 +507,13 @@ def _preempt_session(i, iconf, fc, fq, state, sslot, pslot, next_frame, backlog,
 
 @nb.njit(cache=True)
 def _departures_due(now, dep_t, dep_i, k, n_deps, state, sslot, held, backlog, pend, n_pend):
-    """The departures due at a turn at ``now``, in SimEngine._turn's order (its heap's): where they end in
+    """The departures due at a turn at ``now``, in FrontEnd._turn's order (its heap's): where they end in
     ``dep_t``, the blocks they free and (at most) the frames they leave owed."""
     freed = 0
     owed = 0
     while k < n_deps and dep_t[k] <= now:
         i = dep_i[k]
-        if _live(state[i]):  # (a session that already ended is passed over, as SimEngine._turn does)
+        if _live(state[i]):  # (a session that already ended is passed over, as FrontEnd._turn does)
             if sslot[i] >= 0:  # (admitted, its first frame not yet due: no request yet)
                 freed += held[sslot[i]]
             owed += backlog[i] + 1
@@ -526,7 +526,7 @@ def _departures_due(now, dep_t, dep_i, k, n_deps, state, sslot, held, backlog, p
 
 @nb.njit(cache=True)
 def _book_departure(t, i, dep_t, dep_i, fc):
-    """SimEngine._enter's departure: ``(t, i)`` into the departures still to come, in the heap's order."""
+    """FrontEnd._enter's departure: ``(t, i)`` into the departures still to come, in the heap's order."""
     j = fc[C_NDEPS]
     while j > fc[C_DEP] and (dep_t[j - 1] > t or (dep_t[j - 1] == t and dep_i[j - 1] > i)):
         dep_t[j], dep_i[j] = dep_t[j - 1], dep_i[j - 1]
@@ -538,9 +538,9 @@ def _book_departure(t, i, dep_t, dep_i, fc):
 @nb.njit(cache=True)
 def _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick,
             cs, cp, clat, cw, ctr):
-    """SimEngine._turn's arrivals (those up to ``now``): each passes the gate (the controller's may_admit,
+    """FrontEnd._turn's arrivals (those up to ``now``): each passes the gate (the controller's may_admit,
     compiled) with the sessions in flight, or is refused (the caller names the reason). One let in waits at the
-    tail of the front end's queue, streams from its join frame and has its departure booked (SimEngine._enter)."""
+    tail of the front end's queue, streams from its join frame and has its departure booked (FrontEnd._enter)."""
     P, horizon = fconf[F_P], fconf[F_HORIZON]
     while fc[C_NARR] < iconf[I_NA_END] and arr_t[fc[C_NARR]] <= now:
         i = fc[C_NARR]
@@ -565,21 +565,21 @@ def _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, 
 
 @nb.njit(cache=True)
 def _first_chunk(prompt, pending, n_in):
-    """A session's first frame's tokens (SimEngine._request_tokens): the prompt, the input of its silent frames
+    """A session's first frame's tokens (FrontEnd._request_tokens): the prompt, the input of its silent frames
     and its own."""
     return prompt + pending + n_in
 
 
 @nb.njit(cache=True)
 def _first_fits(i, iconf, maxlen, hist, pending_in):
-    """Whether session ``i``'s first frame fits the length limit (SimEngine._submit: serving.frame_fits)."""
+    """Whether session ``i``'s first frame fits the length limit (FrontEnd._submit: serving.frame_fits)."""
     return hist[i] + _first_chunk(iconf[I_PROMPT], pending_in[i], iconf[I_NIN]) + iconf[I_NOUT] < maxlen
 
 
 @nb.njit(cache=True)
 def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started, next_frame, phase, room, leaving,
                 pre_last):
-    """SimEngine._admit's FCFS pass (serving.admit_fcfs), planned: how many heads of the front end's queue (less
+    """FrontEnd._admit's FCFS pass (serving.admit_fcfs), planned: how many heads of the front end's queue (less
     those ``leaving`` before it) get the blocks vLLM's gate wants (serving.admission_need_blocks), none right after a
     step that preempted (``pre_last``), or -1 when one that does is one this loop does not take (a readmission past
     the length limit; a first frame due now past it; either without room for its request)."""
@@ -597,7 +597,7 @@ def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started,
         need = gate_blocks_jit(tok, lim[L_BS], lim[L_CAP], 0)
         if need > free:
             break
-        if started[i]:  # readmitted at once, its history its prompt (SimEngine._readmit), unless it must rebase
+        if started[i]:  # readmitted at once, its history its prompt (FrontEnd._readmit), unless it must rebase
             room -= 1
             if room < 0 or hist[i] + pending_in[i] + iconf[I_TPF] >= lim[L_MAXLEN]:  # (serving.frame_fits)
                 return -1
@@ -614,9 +614,9 @@ def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started,
 def _admit(now, n, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted, admitted, hist,
            pending_in, started, sslot, sess_of_slot, work_step, cnt, status, ntok, maxtok, kseq, wq, new_i, new_s,
            new_k, n_new):
-    """The ``n`` heads of the front end's queue are admitted (SimEngine._admit): a new session runs from its
+    """The ``n`` heads of the front end's queue are admitted (FrontEnd._admit): a new session runs from its
     first frame's tick, which hands its prompt to the engine; one that lost its place comes back as a new request
-    whose prompt is its whole history, and one token to sample (SimEngine._readmit). Returns the requests the
+    whose prompt is its whole history, and one token to sample (FrontEnd._readmit). Returns the requests the
     caller names so far."""
     for _ in range(n):
         i = fq[fc[C_QHEAD]]
@@ -658,7 +658,7 @@ def _leave_queue(i, fc, fq):
 
 @nb.njit(cache=True)
 def _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans):
-    """SimEngine._answer_many of one frame: session ``i``'s frame ``f`` answered now with ``tok`` tokens (its tick
+    """FrontEnd._answer_many of one frame: session ``i``'s frame ``f`` answered now with ``tok`` tokens (its tick
     key, session and tokens appended to the answers, its counts kept). Returns the answers."""
     a_key[n_ans] = f * PHASE_SLOTS + pslot[i]  # serving.tick_key
     a_who[n_ans] = i
@@ -672,7 +672,7 @@ def _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans):
 @nb.njit(cache=True)
 def _owed(i, f, tok, now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who, a_tok, n_ans):
     """A departed session's frame ``f``, with the ``tok`` tokens it got: answered if its deadline has passed (else
-    censored), as SimEngine._end does. Returns the answers."""
+    censored), as FrontEnd._end does. Returns the answers."""
     if _tick(f, fconf[F_P], phase[i]) + fconf[F_DEADLINE] <= now + fconf[F_EPS]:
         n_ans = _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
     return n_ans
@@ -681,7 +681,7 @@ def _owed(i, f, tok, now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who,
 @nb.njit(cache=True)
 def _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backlog, inflight, inflight_tok, s_frames,
             s_silent, s_ended, fresh, cnt, status, slots, held, run, kw, wq, pend, n_pend, a_key, a_who, a_tok, n_ans):
-    """SimEngine._end of a session that departs: its request aborted (EngineModel.abort: serving.abort_slot), or
+    """FrontEnd._end of a session that departs: its request aborted (EngineModel.abort: serving.abort_slot), or
     its place in the front end's queue given up, then the frames it is owed (the lockstep's held ones, the one in
     the engine, the queued ones) answered once their deadline has passed. Returns (answers, frames still owed to
     others)."""
@@ -721,7 +721,7 @@ def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state
                inflight, hist, pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq,
                dep_t, dep_i, n_room, pre_last):
     """The checks of the turn at ``now``, after its arrivals: the sessions it visits, whether this loop takes the
-    rest as SimEngine._turn would (_turn_fits, the departures, the admissions, room for the answers) and what it
+    rest as FrontEnd._turn would (_turn_fits, the departures, the admissions, room for the answers) and what it
     takes: (visited, taken, departures' end in ``dep_t``, sessions admitted)."""
     n_visit = _due_sessions(now, fconf[F_EPS], tick, start, who, ready, n_ready, state, visit)
     fits, n_ans, room = _turn_fits(now, visit, n_visit, iconf, fconf, lim[L_MAXLEN], state, phase, next_frame, backlog,
@@ -742,7 +742,7 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
           kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend, fc,
           fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i, new_s, new_k, n_new, pre_last, cs, cp,
           clat, cw, ctr, nsteps, live):
-    """The front end's turn at ``now`` (SimEngine._turn): the arrivals, then, if the checks pass (:func:`_turn_plan`;
+    """The front end's turn at ``now`` (FrontEnd._turn): the arrivals, then, if the checks pass (:func:`_turn_plan`;
     else the caller takes the rest of the turn), the departures due, the admissions and the sessions whose frames
     came due (_ticks, _answer_silent). ``fc`` holds the front end's counters. None of it when the span ends here:
     at its next event, after ``nsteps`` of its steps, or without room for another turn and step. Returns (taken,
@@ -814,7 +814,7 @@ def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted,
 @nb.njit(cache=True)
 def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames, s_silent, a_key,
                    a_who, a_tok, n_ans):
-    """SimEngine._answer_silent (lockstep): frames owed to sessions without a place (``pend``: session, frame,
+    """FrontEnd._answer_silent (lockstep): frames owed to sessions without a place (``pend``: session, frame,
     tokens got) are answered once every running session's frame of their tick is done (``run_sess``: the sessions
     the span may see). Appends them to the answers; returns (the answers, the frames still owed)."""
     unfinished = np.iinfo(np.int64).max
@@ -839,7 +839,7 @@ def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, 
 
 @nb.njit(cache=True)
 def _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend):
-    """SimEngine._owe in lockstep: the turn's silent frames (answers ``n0`` on) wait for their tick's running frames."""
+    """FrontEnd._owe in lockstep: the turn's silent frames (answers ``n0`` on) wait for their tick's running frames."""
     for q in range(n0, n_ans):
         pend[n_pend, 0], pend[n_pend, 1], pend[n_pend, 2] = a_who[q], a_key[q] // PHASE_SLOTS, 0
         n_pend += 1
@@ -871,7 +871,7 @@ def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_o
     """A step that started at ``step_start``, took ``lat`` and ended at ``now``, its tokens gone to their frames
     (answers up to ``n_done``) and its ``n_vic`` victims preempted (their owed frames answered up to ``n_ans``):
     in lockstep the silent frames they held back, then all answered, one row per tick, and the step's row ``k``
-    (SimEngine._after_step). Returns (frames still owed, frame rows)."""
+    (FrontEnd._after_step). Returns (frames still owed, frame rows)."""
     if n_pend:
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n_ans)
@@ -885,7 +885,7 @@ def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_o
 
 @nb.njit(cache=True)
 def _record_step(st_i, k, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok, n_vic):
-    """Step row ``k`` (SimEngine._after_step's): batch, tokens, context, blocks, frames answered, silent ones,
+    """Step row ``k`` (FrontEnd._after_step's): batch, tokens, context, blocks, frames answered, silent ones,
     sessions preempted, running (not re-prefilling) and waiting at the front end (the caller fills the free
     blocks)."""
     silent = 0
@@ -958,7 +958,7 @@ def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slot
             fresh[o_s[j]] = False
     lat = _step_latency(coef, fconf, o_n[O_SCHED], o_n[O_CTX], o_n[O_NEW], first, jitter, step_no, sframe, f_lo, jit,
                         jz, ja, jb, jp, jr)
-    # SimEngine._after_step's own rules: a step that scheduled nothing stalls; a front end that steps vLLM itself
+    # FrontEnd._after_step's own rules: a step that scheduled nothing stalls; a front end that steps vLLM itself
     # takes back what it preempted, and looks at every request left waiting (serving.deadlock_victims)
     plain = o_n[O_SCHED] > 0 and (iconf[I_SEES] == 0 or (o_n[O_PRE] == 0 and cnt[E_KW] + cnt[E_WQ] == 0))
     if now + lat >= fconf[F_HORIZON]:

@@ -135,7 +135,7 @@ def test_fast_forward_reproduces_the_step_by_step_engine_exactly(preset, policy,
     fast = run(sc, fast_forward=True, check_invariants=True)
     _tables_equal(slow, fast)
     assert slow.fast_steps == 0 and fast.fast_steps > 0, "the fast path must have run"
-    if durations is not None:  # the compiled loop took departures itself (SimEngine._end), no controller counting
+    if durations is not None:  # the compiled loop took departures itself (FrontEnd._end), no controller counting
         assert fast.loop_departures > 0 and slow.loop_departures == 0
     if arrivals.kind != "all":  # sessions arriving during a span: their first frames became requests in the loop
         assert fast.loop_first_frames > 0 and slow.loop_first_frames == 0
@@ -464,7 +464,7 @@ def test_a_controller_deciding_in_python_is_fed_after_each_span(monkeypatch):
 def test_frames_due_together_for_a_session_without_a_place_are_each_ticked(monkeypatch, phases):
     """Past the cliff an engine step outlasts several frame periods, so a waiting or re-prefilling session has
     several frames come due at one turn. ``_tick_each`` takes them in one call; this replays each call as
-    :meth:`SimEngine._tick_one` frame by frame, session by session, on the state before it, and the two must
+    :meth:`FrontEnd._tick_one` frame by frame, session by session, on the state before it, and the two must
     leave the same frame clocks, backlog, input owed and answers owed. In lockstep those answers wait in a list
     for their tick's running frames, and leave it only by being answered."""
     from metronome.sim.engine import SimEngine

@@ -1,0 +1,593 @@
+"""The serving front end: a session's life on the serving side, on counts, over an engine in slots.
+
+The rules of a session's life between its client and the engine are written here once, on arrays over sessions
+(one entry per session, in arrival order): the frame clock, the admission gate and its queue, the front end's
+FCFS queue for blocks, the first frame and its prompt, silence, the rebase at ``max_model_len``, the deadlock
+rule after each step and the frames owed. Who runs in a step, what a session needs to be admitted, who is
+preempted and where it goes are asked of :mod:`metronome.serving`, which
+``tests/live/test_scheduler_differential.py`` checks step by step against vLLM's own scheduler.
+
+Core: no clock and no engine of its own. The caller keeps the time (it calls :meth:`FrontEnd._turn` at each event
+and :meth:`FrontEnd._after_step` after each step) and passes the engine, anything with
+:class:`metronome.serving.EngineModel`'s interface in slots (the engine model itself, or vLLM's own scheduler in
+the differential test). The records are the caller's (:meth:`FrontEnd._flush_answers`,
+:meth:`FrontEnd._record_step`): the simulator (:class:`metronome.sim.engine.SimEngine`) keeps one row per tick.
+
+A frame's life:
+
+1. **The frame clock.** Frame ``f`` of session ``i`` ticks at ``f·P + φ_i`` (``serving.frame_tick``; ``P`` =
+   the stream's frame period). Under ``aligned`` phases every ``φ_i`` is 0 and the engine serves the sessions
+   in lockstep; under ``independent`` phases each has its own (``workload.draw_phases``) and the engine steps
+   back to back while any request has work, each step batching the frames that arrived before it. A session
+   that arrives at ``t`` streams from frame ``serving.join_frame(t, P, φ_i)``.
+2. **The front end.** An arrival passes the admission gate (controller, queue, timeout), then waits in the
+   front end's FCFS queue until the engine has the blocks vLLM's admission gate wants
+   (``serving.admission_need_blocks``), never in the turn right after a step that preempted. At its tick a
+   running session appends its frame (the token sampled last, the input of any silent frames, the frame's
+   input) to its request, or is rebased/finished when the frame would reach ``max_model_len``.
+3. **After a step.** Sampled tokens go to their frames; a frame with all its tokens is answered. Requests the
+   engine preempted, and the victims of the deadlock rule (``serving.deadlock_pick``), lose their place: their
+   request is aborted and they go back to the head of the front end's queue, to be readmitted as a new request
+   whose prompt is their whole history.
+4. **Silence.** A waiting or re-prefilling session's frame is answered empty, on time; its input joins the
+   history. In lockstep it is answered when every running session's frame of its tick is done; with
+   independent phases the front end answers it at once (:meth:`FrontEnd._owe`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+
+import numpy as np
+
+from metronome import serving
+from metronome.kv_policy import KVPolicy
+from metronome.serving import EndReason, EngineLimits
+
+# front-end states of a session
+NOT_ARRIVED, WAITING, PREFILL, RUNNING, ENDED, REFUSED, QUEUED = 0, 1, 2, 3, 4, 5, 6
+_EPS = 1e-12
+
+
+class FrontEnd:
+    # one entry per session, in arrival order (set by _init_sessions): the front end's state of each
+    state: np.ndarray  # NOT_ARRIVED .. QUEUED
+    rid: np.ndarray  # the session's engine request (-1: none)
+    slot: np.ndarray  # its request's slot in the engine model
+    hist: np.ndarray  # tokens of its history (what a readmission re-prefills)
+    last_tok: np.ndarray  # a sampled token not yet in the engine (re-fed next frame)
+    pending_in: np.ndarray  # input of silent frames, not yet in the engine
+    started: np.ndarray  # its first frame (with the prompt) went to the engine
+    next_frame: np.ndarray  # the next tick it has not yet seen
+    backlog: np.ndarray  # due frames not yet submitted (one frame in flight at a time)
+    inflight: np.ndarray  # the frame in the engine (-1: none)
+    inflight_tok: np.ndarray  # tokens that frame has got
+    admit_seq: np.ndarray
+    work_step: np.ndarray  # step count when its work was handed to the engine
+    running_since: np.ndarray
+    # ... and its results
+    s_frames: np.ndarray
+    s_silent: np.ndarray
+    s_late: np.ndarray
+    s_tokens: np.ndarray
+    s_preempt: np.ndarray
+    s_rebase: np.ndarray
+    s_admitted: np.ndarray
+    admitted: np.ndarray  # s_admitted is set (what the compiled loop reads, kept rather than derived per call)
+    s_ended: np.ndarray
+    s_end_reason: np.ndarray
+    # one entry per engine slot
+    sess_of_slot: np.ndarray
+    fresh_slot: np.ndarray  # a frame submitted and not yet scheduled (first-step term)
+
+    def __init__(self, model, policy: KVPolicy, limits: EngineLimits, stream, arrival_s: np.ndarray,
+                 duration_s: np.ndarray, horizon_s: float, deadline_s: float, controller=None,
+                 phase_slot: np.ndarray | None = None, phases: str = "aligned", loop: str = "driver",
+                 check_invariants: bool = False):
+        """``model``: the engine in slots; ``stream``: the frame shape (:class:`metronome.calibration.TokenStream`);
+        ``loop``: ``serving.LOOPS``, whose loop steps the engine (does the front end see starved and preempted
+        sessions after each step?)."""
+        self.model, self.policy, self.limits = model, policy, limits
+        self.horizon = float(horizon_s)
+        self.deadline = float(deadline_s)
+        self.controller = controller
+        self.gate = serving.AdmissionGate(controller)
+        self.check_invariants = check_invariants
+        self.P = stream.frame_period_s
+        self.n_in, self.n_out = stream.input_tokens_per_frame, stream.output_tokens_per_frame
+        self.tpf = stream.kv_tokens_per_frame
+        self.prompt = max(stream.prompt_tokens, 1)  # vLLM rejects an empty chunk
+        self.maxlen = limits.max_model_len
+        self.num_blocks = limits.num_blocks
+        self.cap_blocks = policy.admission_cap_blocks(limits.in_flight_tokens, self.maxlen)
+        self.outcome = serving.length_outcome(policy)
+        self.keep_tokens = serving.rebase_keep_tokens(policy, self.maxlen)
+
+        order = np.argsort(arrival_s, kind="stable")
+        self.arrival = np.asarray(arrival_s, dtype=np.float64)[order]
+        self.duration = np.asarray(duration_s, dtype=np.float64)[order]
+        M = len(self.arrival)
+        # each session's phase (serving.PHASE_SLOTS per period): its frame f ticks at f·P + phase
+        self.pslot = (np.zeros(M, dtype=np.int64) if phase_slot is None
+                      else np.asarray(phase_slot, dtype=np.int64)[order])
+        self.phase = serving.phase_offset_s(self.pslot, self.P)
+        serving.check_phases(phases)
+        self.sees_starvation = serving.sees_starvation(loop)
+        self.lockstep = phases == "aligned"
+        if self.lockstep and self.pslot.any():
+            raise ValueError("aligned phases: every session's phase is 0")
+        self._init_sessions(M)
+
+        self.waiting: deque[int] = deque()  # the front end's FCFS queue (admitted by the gate, not in the engine)
+        self.by_rid: dict[int, int] = {}
+        self.next_rid = 0
+        self.next_arrival = 0
+        self.departures: list[tuple[float, int]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.preempted_last = False  # the last step preempted: admit nobody in the next turn
+        self.stalled = False  # the last step scheduled nothing and freed nothing: wait for an event
+        self.serving_frame = 0  # the latest frame handed to the engine: the frame a step is taken on (jitter)
+        # rows (session, frame, tokens got) answered with the lockstep, kept as arrays: past the cliff hundreds of
+        # thousands are owed at once, and a list of tuples turned into an array every step was most of a run
+        self._pend_chunks: list[np.ndarray] = []
+        self._answers: list[tuple] = []  # (tick keys, sessions, tokens got) answered at the current moment
+        self.t_sat: float | None = None
+        self.peak_used = 0
+
+    # ----------------------------------------------------------------------------------- the caller's records
+    def _flush_answers(self, now: float) -> tuple[int, int]:
+        """Record the frames answered at ``now`` (``self._answers``, then empty) and feed the controller; returns
+        (frames, silent)."""
+        raise NotImplementedError
+
+    def _record_step(self, start: float, lat: float, rec, used: int, tokens_out: int, preemptions: int) -> None:
+        """Record the step that started at ``start`` and took ``lat`` (``rec``: the engine's record; ``used``:
+        blocks held after it), after its answers (:meth:`_after_step`)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------------- sessions and their requests
+    def _init_sessions(self, M: int) -> None:
+        """The per-session arrays (declared on the class) for ``M`` sessions, and the per-slot ones."""
+        self.state = np.zeros(M, dtype=np.int8)
+        self.rid, self.slot, self.inflight, self.admit_seq = (np.full(M, -1, dtype=np.int64) for _ in range(4))
+        self.hist, self.pending_in, self.next_frame, self.backlog, self.inflight_tok, self.work_step = (
+            np.zeros(M, dtype=np.int64) for _ in range(6))
+        self.last_tok, self.started = np.zeros(M, dtype=bool), np.zeros(M, dtype=bool)
+        self.running_since = np.zeros(M)
+        self.s_frames, self.s_silent, self.s_late, self.s_tokens, self.s_preempt, self.s_rebase = (
+            np.zeros(M, dtype=np.int64) for _ in range(6))
+        self.s_admitted, self.s_ended = np.full(M, np.nan), np.full(M, np.nan)
+        self.admitted = np.zeros(M, dtype=bool)
+        self.s_end_reason = np.full(M, "", dtype=object)
+        self.sess_of_slot = np.full(64, -1, dtype=np.int64)
+        self.fresh_slot = np.zeros(64, dtype=bool)
+
+    def _in_flight(self) -> int:
+        """Sessions the front end has let in (waiting for blocks, prefilling or running)."""
+        return int(((self.state >= WAITING) & (self.state <= RUNNING)).sum())
+
+    def _next_event_time(self, departures: bool = True, arrivals: bool = True) -> float:
+        t = self.horizon
+        if self.next_arrival < len(self.arrival) and arrivals:
+            t = min(t, self.arrival[self.next_arrival])
+        if self.departures and departures:
+            t = min(t, self.departures[0][0])
+        if self.gate.queue:
+            t = min(t, self.now + self.gate.poll_s)
+        return t
+
+    def _add(self, i: int, prompt_tokens: int, max_tokens: int) -> int:
+        """A new engine request for session ``i``: its whole prompt, ``max_tokens`` to sample."""
+        r = self.next_rid
+        self.next_rid += 1
+        slot = self.model.add(r, prompt_tokens, max_tokens)
+        self._fit_slots(slot + 1)
+        self.rid[i], self.slot[i] = r, slot
+        self.by_rid[r] = i
+        self.sess_of_slot[slot] = i
+        return slot
+
+    def _fit_slots(self, n: int) -> None:
+        """The per-slot arrays at least ``n`` long (the engine model's grow as requests are added)."""
+        if self.sess_of_slot.size < n:
+            grow = max(n, 2 * self.sess_of_slot.size) - self.sess_of_slot.size  # (doubling: adds one at a time)
+            self.sess_of_slot = np.concatenate([self.sess_of_slot, np.full(grow, -1)])
+            self.fresh_slot = np.concatenate([self.fresh_slot, np.zeros(grow, dtype=bool)])
+
+    def _drop_rid(self, i: int) -> None:
+        r = int(self.rid[i])
+        if r >= 0:
+            if self.model.status(r) is not None:
+                self.model.abort(r)
+            self.by_rid.pop(r, None)
+            self.fresh_slot[self.slot[i]] = False
+            self.rid[i] = self.slot[i] = -1
+
+    # ----------------------------------------------------------------------------------------------- the turn
+    def _next_tick(self) -> float:
+        live = (self.state >= WAITING) & (self.state <= RUNNING)
+        if not live.any():
+            return math.inf
+        return float(serving.frame_tick(self.next_frame[live], self.P, self.phase[live]).min())
+
+    def _turn(self, now: float) -> None:
+        """Arrivals, the gate's queue, departures, admission, due frames, silent answers (the driver's turn)."""
+        while self.next_arrival < len(self.arrival) and self.arrival[self.next_arrival] <= now:
+            i = self.next_arrival
+            self.next_arrival += 1
+            if self.arrival[i] >= self.horizon:
+                continue
+            decision = self.gate.offer(i, self.arrival[i], now, self._in_flight())
+            if decision == "admit":
+                self._enter(i, float(self.arrival[i]))
+            elif decision == "queue":
+                self.state[i] = QUEUED
+            else:
+                self._refuse(i, now, EndReason.REFUSED)
+        if self.gate.queue:
+            admitted, timed_out = self.gate.retry(now, self._in_flight)
+            for i in timed_out:
+                self._refuse(i, now, EndReason.QUEUE_TIMEOUT)
+            for i in admitted:
+                self._enter(i, now)
+        while self.departures and self.departures[0][0] <= now:
+            t, i = heapq.heappop(self.departures)
+            if WAITING <= self.state[i] <= RUNNING:
+                self._end(i, now, EndReason.DEPARTED)
+        self._admit(now)
+        self._ticks(now)
+        self._answer_silent(now)
+        self._flush_answers(now)
+
+    def _refuse(self, i: int, now: float, reason: str) -> None:
+        self.state[i] = REFUSED
+        self.s_end_reason[i], self.s_ended[i] = reason, now
+
+    def _enter(self, i: int, t_enter: float) -> None:
+        """Past the gate (at its arrival, or when the gate's queue let it in): the session waits in the front
+        end's queue, streams from the first tick at or after ``t_enter`` and leaves ``duration`` after it."""
+        self.state[i] = WAITING
+        self.next_frame[i] = serving.join_frame(t_enter, self.P, float(self.phase[i]))
+        self.waiting.append(i)
+        heapq.heappush(self.departures, (t_enter + self.duration[i], i))
+
+    def _request_tokens(self, i: int) -> int:
+        """Tokens the session's request will carry when (re)admitted: its first frame, or its history."""
+        if not self.started[i]:
+            return self.prompt + int(self.pending_in[i]) + self.n_in
+        return int(self.hist[i] + self.pending_in[i])
+
+    def _admission_need(self, i: int) -> int:
+        return serving.admission_need_blocks(self.policy, self._request_tokens(i), self.cap_blocks)
+
+    def _admit(self, now: float) -> None:
+        if self.preempted_last:
+            return
+        for i in serving.admit_fcfs(self.waiting, self._admission_need, self.model.free_blocks()):
+            self.admit_seq[i] = self.seq
+            self.seq += 1
+            if np.isnan(self.s_admitted[i]):
+                self.s_admitted[i] = now
+                self.admitted[i] = True
+            if not self.started[i]:
+                # a new session: its first frame (prompt + input) is its prefill, submitted at its tick
+                self.state[i] = RUNNING
+                self.running_since[i] = serving.frame_tick(self.next_frame[i], self.P, self.phase[i])
+                continue
+            self._readmit(i, now)
+
+    def _readmit(self, i: int, now: float) -> None:
+        """A session that lost its place comes back as a new request whose prompt is its whole history."""
+        prompt = int(self.hist[i] + self.pending_in[i])
+        self.pending_in[i] = 0
+        if not serving.frame_fits(prompt + self.tpf, self.maxlen):
+            if self.outcome == "finish":
+                self.hist[i] = prompt
+                self._end(i, now, EndReason.LENGTH)
+                return
+            prompt = min(prompt, self.keep_tokens)
+            self.s_rebase[i] += 1
+        self.hist[i] = prompt
+        self._add(i, prompt, 1)  # its one sampled token starts the next chunk
+        self.state[i] = PREFILL
+        self.work_step[i] = self.model.steps
+
+    def _ticks(self, now: float) -> None:
+        """Frames that came due: running sessions queue them (and submit one); the others hear silence."""
+        live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
+        tick = serving.frame_tick
+        P = self.P
+        due = live[tick(self.next_frame[live], P, self.phase[live]) <= now + _EPS]
+        if due.size:
+            ph = self.phase[due]
+            one = tick(self.next_frame[due] + 1, P, ph) > now + _EPS  # exactly one frame came due (the usual)
+            many = due[~one]
+            if many.size:  # an engine slower than the frame clock: a running session queues them all
+                nf, ph = self.next_frame[many], self.phase[many]
+                n_due = np.floor((now + _EPS - ph) / P).astype(np.int64) - nf + 1
+                # the division may round across a tick: settle on the tick test itself (f·P + φ <= now)
+                n_due -= tick(nf + n_due - 1, P, ph) > now + _EPS
+                n_due += tick(nf + n_due, P, ph) <= now + _EPS
+                queued = self._queues(many, nf)
+                q = many[queued]
+                self.backlog[q] += n_due[queued]
+                self.next_frame[q] += n_due[queued]
+                self._tick_each(many[~queued], n_due[~queued])
+            self._tick_one(due[one])
+        submit = live[(self.state[live] == RUNNING) & (self.inflight[live] < 0) & (self.backlog[live] > 0)]
+        if submit.size:
+            self._submit_many(submit, now)
+
+    def _tick_one(self, idx: np.ndarray) -> None:
+        """Frame ``next_frame`` of sessions ``idx`` is due: a running session's is queued, the others' is silent."""
+        f = self.next_frame[idx].copy()
+        self.next_frame[idx] += 1
+        run = self._queues(idx, f)
+        self.backlog[idx[run]] += 1
+        quiet = idx[~run]
+        if quiet.size:
+            self.pending_in[quiet] += self.n_in
+            self._owe(quiet, f[~run], np.zeros(quiet.size, dtype=np.int64))
+
+    def _queues(self, idx: np.ndarray, f: np.ndarray) -> np.ndarray:
+        """Whether frame ``f`` of session ``idx`` is queued for the engine (the session runs, and the frame is not
+        before its place in it) rather than heard as silence."""
+        return (self.state[idx] == RUNNING) & (serving.frame_tick(f, self.P, self.phase[idx])
+                                               >= self.running_since[idx] - _EPS)
+
+    def _tick_each(self, idx: np.ndarray, n_due: np.ndarray) -> None:
+        """Sessions ``idx`` have ``n_due`` frames each come due at once (a session waiting or re-prefilling while
+        the engine is slower than the frame clock): :meth:`_tick_one` for each frame, session by session in
+        order, in one call (past the cliff hundreds of sessions wait, and one call per frame was most of a run)."""
+        if not idx.size:
+            return
+        start = np.cumsum(n_due) - n_due
+        who = np.repeat(idx, n_due)
+        f = np.repeat(self.next_frame[idx], n_due) + np.arange(who.size) - np.repeat(start, n_due)
+        self.next_frame[idx] += n_due
+        run = self._queues(who, f)
+        np.add.at(self.backlog, who[run], 1)
+        quiet = ~run
+        np.add.at(self.pending_in, who[quiet], self.n_in)
+        self._owe(who[quiet], f[quiet], np.zeros(int(quiet.sum()), dtype=np.int64))
+
+    def _submit_many(self, idx: np.ndarray, now: float) -> None:
+        """Hand each session's oldest due frame to the engine. Sessions paused in the engine whose frame fits
+        go at once (one append each, as arrays); the others (a first frame, a rebase, the length limit) one by
+        one, in session order, as the driver does."""
+        chunk = 1 + self.pending_in[idx] + self.n_in
+        simple = (self.started[idx] & (self.slot[idx] >= 0)
+                  & serving.frame_fits(self.hist[idx] + chunk + self.n_out, self.maxlen))
+        fast, slow = idx[simple], idx[~simple]
+        if fast.size:
+            sl = self.slot[fast]
+            self.model.append_many(sl, chunk[simple], self.n_out)
+            self.fresh_slot[sl] = True
+            f = self.next_frame[fast] - self.backlog[fast]
+            self.hist[fast] += chunk[simple]
+            self.pending_in[fast] = 0
+            self.last_tok[fast] = False
+            self.backlog[fast] -= 1
+            self.inflight[fast], self.inflight_tok[fast] = f, 0
+            self.serving_frame = max(self.serving_frame, int(f.max()))
+            self.work_step[fast] = self.model.steps
+            self.stalled = False
+        for i in slow.tolist():
+            self._submit(i, now)
+
+    def _submit(self, i: int, now: float) -> None:
+        """Hand the oldest due frame to the engine (rebased or finished at the length limit)."""
+        f = int(self.next_frame[i] - self.backlog[i])
+        chunk = (1 if self.started[i] else self.prompt) + int(self.pending_in[i]) + self.n_in
+        if not serving.frame_fits(int(self.hist[i]) + chunk + self.n_out, self.maxlen):
+            if self.outcome == "finish":
+                self._end(i, now, EndReason.LENGTH)
+                return
+            kept, chunk = serving.rebase_counts(int(self.hist[i]), chunk, self.n_out, self.keep_tokens, self.maxlen)
+            self._drop_rid(i)
+            self.hist[i] = kept
+            self.s_rebase[i] += 1
+        if self.slot[i] < 0:
+            sl = self._add(i, int(self.hist[i]) + chunk, self.n_out)
+        else:
+            sl = int(self.slot[i])
+            self.model.append(int(self.rid[i]), chunk, self.n_out)
+        self.fresh_slot[sl] = True
+        self.hist[i] += chunk
+        self.started[i] = True
+        self.pending_in[i] = 0
+        self.last_tok[i] = False
+        self.backlog[i] -= 1
+        self.inflight[i], self.inflight_tok[i] = f, 0
+        self.serving_frame = max(self.serving_frame, f)
+        self.work_step[i] = self.model.steps
+        self.stalled = False
+
+    def _end(self, i: int, now: float, reason: str) -> None:
+        self._drop_rid(i)
+        self.stalled = False
+        if self.state[i] == WAITING and i in self.waiting:
+            self.waiting.remove(i)
+        # frames still owed: answered (silent or short) once their deadline has passed, else censored
+        pend = self.silent_pending
+        mine = pend[:, 0] == i
+        owed = [(f, tok) for f, tok in pend[mine, 1:].tolist()]
+        if mine.any():
+            left = pend[~mine]
+            self._pend_chunks = [left] if left.size else []
+        if self.inflight[i] >= 0:
+            owed.append((int(self.inflight[i]), int(self.inflight_tok[i])))
+        # an overloaded session ends with hundreds of frames queued: answered in one call, not one by one
+        first_q = int(self.next_frame[i] - self.backlog[i])
+        f = np.concatenate([np.array([x[0] for x in owed], dtype=np.int64),
+                            np.arange(first_q, int(self.next_frame[i]), dtype=np.int64)])
+        tok = np.concatenate([np.array([x[1] for x in owed], dtype=np.int64), np.zeros(f.size - len(owed), np.int64)])
+        due = serving.frame_tick(f, self.P, self.phase[i]) + self.deadline <= now + _EPS
+        if due.any():
+            self._answer_many(np.full(int(due.sum()), i), f[due], tok[due])
+        self.inflight[i], self.backlog[i] = -1, 0
+        self.state[i] = ENDED
+        self.s_ended[i], self.s_end_reason[i] = now, reason
+
+    # ------------------------------------------------------------------------------------------------ answers
+    def _answer_many(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
+        """Count sessions ``idx``'s frames ``f`` as answered now with ``tokens`` tokens each (0: silent); they are
+        recorded, one row per tick, when the moment's answers are flushed."""
+        np.add.at(self.s_frames, idx, 1)  # (a departing session is answered several frames at once)
+        np.add.at(self.s_silent, idx[serving.frame_is_silent(tokens)], 1)
+        self._answers.append((serving.tick_key(np.asarray(f, np.int64), self.pslot[idx]), idx, tokens))
+
+    def buffered_answers(self) -> int:
+        """Frames answered at the current moment and not yet recorded."""
+        return sum(a[0].size for a in self._answers)
+
+    def _owe(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
+        """Frames of sessions without a place (waiting, re-prefilling, just preempted), answered short or empty.
+        In lockstep they are answered with their tick's running frames (:meth:`_answer_silent`); a front end
+        serving clients on their own clocks answers them at once."""
+        if self.lockstep:
+            if idx.size:
+                self._pend_chunks.append(np.stack([idx, f, tokens], axis=1).astype(np.int64, copy=False))
+        elif idx.size:
+            self._answer_many(idx, f, tokens)
+
+    @property
+    def silent_pending(self) -> np.ndarray:
+        """The frames owed in lockstep, one row (session, frame, tokens got) each, oldest first."""
+        ch = self._pend_chunks
+        if not ch:
+            return np.zeros((0, 3), dtype=np.int64)
+        if len(ch) > 1:
+            self._pend_chunks = ch = [np.concatenate(ch)]
+        return ch[0]
+
+    def _answer_silent(self, now: float) -> None:
+        """Lockstep: silent frames are answered once every running session's frame of their tick is done."""
+        if not self._pend_chunks:
+            return
+        # lockstep only (every phase 0): a tick is its frame index
+        run = np.flatnonzero(self.state == RUNNING)
+        never = np.iinfo(np.int64).max
+        owed = np.where(self.inflight[run] >= 0, self.inflight[run],
+                        np.where(self.backlog[run] > 0, self.next_frame[run] - self.backlog[run], never))
+        unfinished = int(owed.min()) if owed.size else np.iinfo(np.int64).max
+        pend = self.silent_pending
+        now_ = pend[:, 1] < unfinished
+        if now_.any():
+            self._answer_many(pend[now_, 0], pend[now_, 1], pend[now_, 2])
+            left = pend[~now_]
+            self._pend_chunks = [left] if left.size else []
+
+    # ------------------------------------------------------------------------------------------- after a step
+    def _after_step(self, start: float, lat: float, rec) -> None:
+        """The step that started at ``start`` and took ``lat`` ended now (``rec``: the engine's record of it):
+        its tokens to their frames, the finished frames answered, the engine's preemptions and the deadlock rule's
+        victims taken, the silent frames answered, then the records."""
+        now = self.now
+        step_no = self.model.steps - 1
+        sam = self.sess_of_slot[rec.sampled_slots]
+        st = self.state[sam]
+        pre = sam[st == PREFILL]  # the re-prefill is done: the sampled token starts the next chunk
+        inf = sam[(st == RUNNING) & (self.inflight[sam] >= 0)]
+        self.state[pre] = RUNNING
+        self.last_tok[pre] = True
+        self.running_since[pre] = now
+        tokens_out = int(inf.size)
+        self.inflight_tok[inf] += 1
+        self.s_tokens[inf] += 1
+        done = inf[self.inflight_tok[inf] >= self.n_out]
+        if done.size:
+            self.hist[done] += self.n_out - 1  # vLLM keeps every sampled token but the last
+            self.last_tok[done] = True
+            self._answer_many(done, self.inflight[done], self.inflight_tok[done])
+            self.inflight[done] = -1
+        used = self.model.used
+        victims = self._preempt_after_step(rec, step_no)
+        if victims and self.t_sat is None:
+            self.t_sat = start
+        self.preempted_last = bool(victims)
+        if not rec.slots.size and not victims:
+            self.stalled = True
+        self.peak_used = max(self.peak_used, used)
+        self._answer_silent(now)
+        self._record_step(start, lat, rec, used, tokens_out, len(victims))
+        if self.check_invariants:
+            self.assert_invariants()
+
+    def _preempt_after_step(self, rec, step_no: int) -> list[int]:
+        """The engine's own preemptions, then the deadlock rule's victims: each loses its place."""
+        out = []
+        for r in (rec.preempted if self.sees_starvation else ()):  # else vLLM re-prefills it in its own queue
+            i = self.by_rid.get(r)
+            if i is not None:
+                self._preempt(i)
+                out.append(i)
+        m = self.model
+        # starved: work handed over before this step, not scheduled in it, waiting in the engine
+        cand = np.flatnonzero((self.slot >= 0) & ((self.inflight >= 0) | (self.state == PREFILL))
+                              & (self.work_step <= step_no)) if self.sees_starvation else np.zeros(0, np.int64)
+        if cand.size:
+            scheduled = np.zeros(self.sess_of_slot.size, dtype=bool)
+            scheduled[rec.slots] = True
+            sl = self.slot[cand]
+            cand = cand[~scheduled[sl] & m.waiting_of(sl)]
+        stalled = not rec.slots.size and m.has_work()
+        if not cand.size and not stalled:
+            return out
+        # the rule on arrays (serving.deadlock_pick, as the compiled loop asks it): every session in the engine, the
+        # starved ones with the blocks they need
+        inside = np.flatnonzero(self.slot >= 0)
+        need = np.zeros(inside.size, dtype=np.int64)
+        for i in cand.tolist():
+            r = int(self.rid[i])
+            need[np.searchsorted(inside, i)] = serving.blocks_to_resume(self.policy, m.tokens_of(r), m.computed(r),
+                                                                         m.blocks_of(r), self.cap_blocks)
+        pick = np.empty(inside.size, dtype=np.int64)
+        n = serving.deadlock_pick(need, self.admit_seq[inside], m.held_of(self.slot[inside]).astype(np.int64),
+                                  np.int64(m.free_blocks()), np.bool_(stalled), pick)
+        for i in inside[pick[:n]].tolist():
+            self._preempt(i)
+            out.append(i)
+        return out
+
+    def _preempt(self, i: int) -> None:
+        """Recompute preemption at the session level: the request goes, the session waits at the queue's head."""
+        self._drop_rid(i)
+        if self.inflight[i] >= 0:  # its frame is answered with its tick's lockstep, with what it got
+            tok = int(self.inflight_tok[i])
+            self.hist[i] += tok
+            self._owe(np.array([i]), self.inflight[i:i + 1].copy(), np.array([tok]))
+            self.inflight[i] = -1
+        elif self.last_tok[i]:
+            self.hist[i] += 1
+        self.last_tok[i] = False
+        first_q = int(self.next_frame[i] - self.backlog[i])
+        owed = np.arange(first_q, int(self.next_frame[i]), dtype=np.int64)  # due frames never submitted: silent
+        self.pending_in[i] += self.n_in * owed.size
+        self._owe(np.full(owed.size, i), owed, np.zeros(owed.size, dtype=np.int64))
+        self.backlog[i] = 0
+        self.state[i] = WAITING
+        self.s_preempt[i] += 1
+        self.waiting.appendleft(i)
+        self.stalled = False
+
+    # -------------------------------------------------------------------------------------------------- books
+    def assert_invariants(self):
+        """Pool accounting: used = Σ held, 0 <= used <= pool, every session within its policy's bound."""
+        self.model.check()
+        if self.cap_blocks is not None:
+            held = int(self.model.held_of(self.slot[self.slot >= 0]).max(initial=0))
+            assert held <= self.cap_blocks, f"a session holds {held} > {self.cap_blocks} blocks (the admission cap)"
+        assert (self.s_late <= self.s_frames).all() and (self.s_silent <= self.s_frames).all(), \
+            "a session has more late or silent frames than frames answered"
+        outside = (self.state != PREFILL) & (self.state != RUNNING)
+        assert not (self.rid[outside] >= 0).any(), "a session outside the engine holds a request"
+
+    def finalize(self):
+        """Close the books at the horizon: sessions still in the engine end with reason 'horizon'."""
+        live = np.flatnonzero(((self.state >= WAITING) & (self.state <= RUNNING)) | (self.state == QUEUED))
+        self.s_ended[live] = min(self.now, self.horizon)
+        self.s_end_reason[live] = EndReason.HORIZON
