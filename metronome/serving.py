@@ -162,10 +162,23 @@ def length_outcome(policy: KVPolicy, cap: str | None = None) -> str:
     return cap
 
 
-def rebase_keep_tokens(policy: KVPolicy, max_model_len: int) -> int:
-    """Tokens a rebased session keeps: S sinks + W window under the bound, half the context otherwise."""
+def rebase_keep_tokens(policy: KVPolicy, max_model_len: int, unbounded: int | None = None) -> int:
+    """Tokens a rebased session keeps: S sinks + W window under the bound; otherwise ``unbounded`` (a live run's
+    choice), else half the context."""
     kept = policy.rebase_tokens()
-    return kept if kept is not None else max_model_len // 2
+    if kept is not None:
+        return kept
+    return unbounded if unbounded else max_model_len // 2
+
+
+def rebase_ids(policy: KVPolicy, tokens: list[int], keep: int) -> list[int]:
+    """What a rebased session keeps of its token ids ``tokens``: ``keep`` of them (:func:`rebase_keep_tokens`), its
+    sinks first (the policy's S, none unbounded) and then its last tokens, so that under the bound the new
+    request's sinks are the conversation's own."""
+    if len(tokens) <= keep:
+        return list(tokens)
+    s = min(policy.sink_tokens, keep)
+    return list(tokens[:s]) + list(tokens[len(tokens) - (keep - s):])
 
 
 def rebase_counts(history: int, chunk: int, out: int, keep: int, max_model_len: int) -> tuple[int, int]:
@@ -177,6 +190,17 @@ def rebase_counts(history: int, chunk: int, out: int, keep: int, max_model_len: 
     if frame_fits(kept + chunk + out, max_model_len):
         return kept, chunk
     return 0, min(kept + chunk, keep)
+
+
+def rebase_request_ids(policy: KVPolicy, history: list[int], chunk: list[int], out: int, keep: int,
+                       max_model_len: int) -> tuple[list[int], list[int]]:
+    """:func:`rebase_counts` on token ids (a live session's): (the history's ids the new request keeps, its chunk's
+    ids), each what :func:`rebase_ids` keeps; the counts decide."""
+    n_kept, n_chunk = rebase_counts(len(history), len(chunk), out, keep, max_model_len)
+    kept = rebase_ids(policy, history, keep)
+    if n_kept == len(kept) and n_chunk == len(chunk):
+        return kept, list(chunk)
+    return [], rebase_ids(policy, kept + list(chunk), keep)
 
 
 # ------------------------------------------------------------------------------------------- admission

@@ -211,7 +211,7 @@ class Driver:
         self.rng = np.random.default_rng(config.seed)
         self.max_len = engine.max_model_len
         self.outcome = serving.length_outcome(self.policy, config.cap)
-        self.rebase_keep = config.rebase_tokens or serving.rebase_keep_tokens(self.policy, self.max_len)
+        self.rebase_keep = serving.rebase_keep_tokens(self.policy, self.max_len, unbounded=config.rebase_tokens)
         # vLLM's admission cap for this policy: one batch of tokens in flight (the probe schedules synchronously)
         self.cap_blocks = self.policy.admission_cap_blocks(engine.max_num_batched_tokens, self.max_len)
         self.gate = serving.AdmissionGate(self.admission)
@@ -305,7 +305,7 @@ class Driver:
         if not s.history and s.last_token is None:  # a new session: its first frame carries the prompt
             tokens += max(s.plan.prompt_tokens, 1) + self.cfg.stream.input_tokens_per_frame
         elif s.rebase_next:  # its KV died with the engine: it comes back as a rebase
-            tokens = min(tokens, serving.rebase_keep_tokens(self.policy, self.max_len))
+            tokens = min(tokens, self.rebase_keep)
         return tokens
 
     def _admission_need(self, s: _Session) -> int:
@@ -327,14 +327,8 @@ class Driver:
             self._readmit(s, now, by_rid)
 
     def _rebase_prompt(self, tokens: list[int]) -> list[int]:
-        """What a session keeps when it restarts near max_model_len (``serving.rebase_keep_tokens`` of them).
-        Under the bound: its S sink tokens plus its last W tokens, so the new request's sinks are the
-        conversation's own. Unbounded: its last tokens."""
-        p = self.policy
-        if p.bounded:
-            keep_s, keep_w = p.sink_tokens, p.window_tokens
-            return list(tokens) if len(tokens) <= keep_s + keep_w else tokens[:keep_s] + tokens[-keep_w:]
-        return tokens[-self.rebase_keep:] if self.rebase_keep else []
+        """What a session keeps of its token ids when it restarts near max_model_len (``serving.rebase_ids``)."""
+        return serving.rebase_ids(self.policy, tokens, self.rebase_keep)
 
     def _readmit(self, s: _Session, now: float, by_rid: dict) -> None:
         """A preempted session comes back as a new request whose prompt is its whole token history."""
@@ -428,12 +422,10 @@ class Driver:
                 return False
             # rebase: a new request whose prompt is the last tokens of the history plus this frame
             self.engine.abort(s.rid)
-            kept = self._rebase_prompt(s.history)
-            if not serving.frame_fits(len(kept) + len(chunk) + st.output_tokens_per_frame, self.max_len):
-                # the chunk alone does not fit: a first frame carrying a long prompt and the input of the
-                # frames it waited through; the new request keeps what a rebase keeps of all of it
-                # (serving.rebase_counts, what the simulator counts)
-                kept, chunk = [], self._rebase_prompt(kept + chunk)
+            # (what it keeps, and the frame's chunk; a first frame carrying a long prompt and the input of the
+            # frames it waited through keeps what a rebase keeps of all of it: the simulator's rebase_counts)
+            kept, chunk = serving.rebase_request_ids(self.policy, s.history, chunk, st.output_tokens_per_frame,
+                                                     self.rebase_keep, self.max_len)
             rid = f"{s.plan.sid}.r{s.incarnation + 1}"
             self.engine.append(rid, kept + chunk, st.output_tokens_per_frame)
             s.rebases += 1

@@ -268,3 +268,27 @@ def test_the_simulator_runs_a_budget_as_the_sinks_and_window_it_keeps():
     assert a.steps.equals(b.steps)
     last = a.steps.iloc[-1]  # the sessions still running are held to 1 sink + 23 window blocks + 1, by hand
     assert last.running > 0 and last.resident_blocks <= last.running * (1 + 23 + 1)
+
+
+def test_a_rebase_keeps_the_sinks_and_the_last_tokens_by_hand():
+    """What a rebased session keeps of its token ids (serving.rebase_ids, rebase_request_ids), by hand: ids 0..99,
+    block 16. Sinks S=16, W=32: keep 48, ids 0..15 then 68..99. A window of 32: the last 32. Unbounded keeping 10:
+    the last 10. A history of 20 fits whole. When the kept history and the chunk leave no room for the output
+    (max_model_len 64: 48 + 10 + 2 >= 64), the new request is what a rebase keeps of all of it, as its chunk."""
+    from metronome import serving
+
+    ids = list(range(100))
+    sinks, window, unb = KVPolicy.sinks(16, 16, 32), KVPolicy.window(16, 32), KVPolicy.unbounded(16)
+    assert serving.rebase_ids(sinks, ids, 48) == list(range(16)) + list(range(68, 100))
+    assert serving.rebase_ids(window, ids, 32) == list(range(68, 100))
+    assert serving.rebase_ids(unb, ids, 10) == list(range(90, 100))
+    assert serving.rebase_ids(sinks, ids[:20], 48) == list(range(20))
+    chunk = list(range(100, 110))
+    kept, ch = serving.rebase_request_ids(sinks, ids, chunk, 2, 48, 128)  # 48 + 10 + 2 < 128: fits
+    assert kept == list(range(16)) + list(range(68, 100)) and ch == chunk
+    kept, ch = serving.rebase_request_ids(sinks, ids, chunk, 2, 48, 64)  # 48 + 10 + 2 = 60 < 64: fits
+    assert kept == list(range(16)) + list(range(68, 100)) and ch == chunk
+    kept, ch = serving.rebase_request_ids(sinks, ids, chunk, 2, 48, 60)  # 60 >= 60: all of it, rebased
+    assert kept == [] and ch == list(range(16)) + list(range(78, 100)) + chunk
+    assert serving.rebase_keep_tokens(unb, 1000) == 500 and serving.rebase_keep_tokens(unb, 1000, unbounded=16) == 16
+    assert serving.rebase_keep_tokens(sinks, 1000, unbounded=16) == 48
