@@ -262,11 +262,11 @@ def _turn_fits(now, visit, n_visit, iconf, fconf, maxlen, state, phase, next_fra
 
 
 @nb.njit(cache=True)
-def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, next_frame, backlog, pending_in,
-               s_frames, s_silent, a_key, a_who, a_tok, n0):
-    """The turn, first half: frames that came due are queued (a running session's) or answered silent at once
-    (a session waiting at the front end: FrontEnd._tick_one's quiet branch and _owe), after the ``n0`` answers
-    already written. Returns the answers."""
+def _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot, next_frame, backlog, pending_in,
+               s_frames, s_silent, a_key, a_who, a_tok, n0, pend, n_pend):
+    """The turn, first half: frames that came due are queued (a running session's) or owed silent (a session
+    waiting at the front end: FrontEnd._tick_one's quiet branch and _owe), after the ``n0`` answers already
+    written. Returns (the answers, frames owed in lockstep)."""
     n_ans = n0
     for j in range(n_visit):
         i = visit[j]
@@ -275,15 +275,10 @@ def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, nex
             continue
         if _placeless(state[i]):
             while _tick(next_frame[i], P, ph) <= now + eps:
-                a_key[n_ans] = next_frame[i] * PHASE_SLOTS + pslot[i]
-                a_who[n_ans] = i
-                a_tok[n_ans] = 0
-                n_ans += 1
+                n_ans, n_pend = _owe(i, next_frame[i], np.int64(0), lockstep, pslot, s_frames, s_silent, a_key, a_who,
+                                     a_tok, n_ans, pend, n_pend)
                 next_frame[i] += 1
                 pending_in[i] += n_in
-                if not held:  # answered now (in lockstep: when :func:`_answer_silent` answers it)
-                    s_frames[i] += 1
-                    s_silent[i] += 1
             continue
         if _tick(nf, P, ph) <= now + eps:
             if _tick(nf + 1, P, ph) > now + eps:
@@ -296,7 +291,7 @@ def _queue_due(now, visit, n_visit, P, eps, n_in, held, state, phase, pslot, nex
                     n_due += 1
             backlog[i] += n_due
             next_frame[i] += n_due
-    return n_ans
+    return n_ans, n_pend
 
 
 @nb.njit(cache=True)
@@ -486,11 +481,7 @@ def _preempt_session(i, iconf, fc, fq, state, sslot, pslot, next_frame, backlog,
         if q < 0 and inflight[i] < 0:
             continue
         f, tok = (inflight[i], inflight_tok[i]) if q < 0 else (f0 + q, np.int64(0))
-        if lockstep:
-            pend[n_pend, 0], pend[n_pend, 1], pend[n_pend, 2] = i, f, tok
-            n_pend += 1
-        else:
-            n_ans = _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
+        n_ans, n_pend = _owe(i, f, tok, lockstep, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans, pend, n_pend)
     pending_in[i] += iconf[I_NIN] * backlog[i]
     inflight[i] = -1
     backlog[i] = 0
@@ -670,6 +661,17 @@ def _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans):
 
 
 @nb.njit(cache=True)
+def _owe(i, f, tok, lockstep, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans, pend, n_pend):
+    """FrontEnd._owe of one frame: session ``i``'s frame ``f``, owed with the ``tok`` tokens it got while it has no
+    place, is answered now or, in lockstep, waits for its tick's running frames (:func:`_answer_silent`). Returns
+    (answers, frames owed in lockstep)."""
+    if lockstep:  # (a tick in lockstep is its frame index: every phase is 0)
+        pend[n_pend, 0], pend[n_pend, 1], pend[n_pend, 2] = i, f, tok
+        return n_ans, n_pend + 1
+    return _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans), n_pend
+
+
+@nb.njit(cache=True)
 def _owed(i, f, tok, now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who, a_tok, n_ans):
     """A departed session's frame ``f``, with the ``tok`` tokens it got: answered if its deadline has passed (else
     censored), as FrontEnd._end does. Returns the answers."""
@@ -777,8 +779,8 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
                        admitted, hist, pending_in, started, sslot, sess_of_slot, work_step, cnt, status, ntok, maxtok,
                        kseq, wq, new_i, new_s, new_k, n_new)
     lockstep = iconf[I_LOCKSTEP] != 0
-    n_ans = _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot, next_frame, backlog,
-                       pending_in, s_frames, s_silent, a_key, a_who, a_tok, n0)
+    n_ans, n_pend = _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot, next_frame, backlog,
+                               pending_in, s_frames, s_silent, a_key, a_who, a_tok, n0, pend, n_pend)
     for k in range(PHASE_SLOTS):
         if tick[k] <= now + eps:  # the slot's sessions moved on together
             tick[k] = _slot_tick(k, start, who, state, next_frame, phase, P)
@@ -787,7 +789,6 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
                                        sess_of_slot, cnt, status, computed, ntok, out, maxtok, kseq, kw, wq, new_i,
                                        new_s, new_k, n_new)
     if lockstep:
-        n_pend = _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend)
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n0)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done,
@@ -835,15 +836,6 @@ def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, 
             pend[m, 0], pend[m, 1], pend[m, 2] = i, f, pend[q, 2]
             m += 1
     return n_ans, m
-
-
-@nb.njit(cache=True)
-def _owe_silent(n0, n_ans, a_key, a_who, pend, n_pend):
-    """FrontEnd._owe in lockstep: the turn's silent frames (answers ``n0`` on) wait for their tick's running frames."""
-    for q in range(n0, n_ans):
-        pend[n_pend, 0], pend[n_pend, 1], pend[n_pend, 2] = a_who[q], a_key[q] // PHASE_SLOTS, 0
-        n_pend += 1
-    return n_pend
 
 
 @nb.njit(cache=True)
