@@ -274,7 +274,8 @@ def test_a_rebase_keeps_the_sinks_and_the_last_tokens_by_hand():
     """What a rebased session keeps of its token ids (serving.rebase_ids, rebase_request_ids), by hand: ids 0..99,
     block 16. Sinks S=16, W=32: keep 48, ids 0..15 then 68..99. A window of 32: the last 32. Unbounded keeping 10:
     the last 10. A history of 20 fits whole. When the kept history and the chunk leave no room for the output
-    (max_model_len 64: 48 + 10 + 2 >= 64), the new request is what a rebase keeps of all of it, as its chunk."""
+    (max_model_len 60: 48 + 10 + 2 >= 60; 64 still fits), the new request is what a rebase keeps of all of it, as its
+    chunk."""
     from metronome import serving
 
     ids = list(range(100))
