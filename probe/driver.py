@@ -56,8 +56,8 @@ from metronome.kv_policy import KVPolicy
 from metronome import serving
 from metronome.serving import EndReason, admit_fcfs
 from metronome.probe.engine import DrivenEngine
+from metronome.probe.live_sink import LiveSink
 from metronome.probe.metrics import LiveMetrics
-from metronome.probe.records import Journal
 from metronome.probe.remote import EngineDied
 from metronome.probe.summary import summarize
 from metronome.probe.supervise import Supervisor
@@ -66,9 +66,8 @@ PHASES = "aligned"  # serving.PHASES: the regime a live run uses unless told oth
 # whatever simulates a live run (validate, the report's --live, the AIMD bench) simulates the run's regime
 
 _EPS = 1e-9
-# Journals are written off the timing path (records.Journal, deferred): when the engine is idle with at least
-# FLUSH_MIN_GAP_S before the next due work, and, for an engine that is never idle, every FLUSH_EVERY_S.
-FLUSH_EVERY_S = 1.0
+# Journals are written off the timing path (live_sink): when the engine is idle with at least FLUSH_MIN_GAP_S
+# before the next due work, and, for an engine that is never idle, every live_sink.FLUSH_EVERY_S.
 FLUSH_MIN_GAP_S = 0.005
 NAP_S = 0.05  # an idle driver wakes this often to stop or to notice a dead engine (Driver._nap)
 RUNNING, PREFILL, WAITING = "running", "prefill", "waiting"
@@ -215,33 +214,25 @@ class Driver:
         # vLLM's admission cap for this policy: one batch of tokens in flight (the probe schedules synchronously)
         self.cap_blocks = self.policy.admission_cap_blocks(engine.max_num_batched_tokens, self.max_len)
         self.gate = serving.AdmissionGate(self.admission)
-        self.out_dir = Path(out_dir) if out_dir is not None else None
-        # retain=False (with out_dir): rows go only to the journals while the run lasts, so a long run's memory
-        # stays flat; they are read back from the journals once it ends (for the summary and the RunResult)
-        self.retain = retain or self.out_dir is None
-        self._journals = {}
-        self._metrics = LiveMetrics(config.prometheus_port) if config.prometheus_port else None
+        metrics = LiveMetrics(config.prometheus_port) if config.prometheus_port else None
+        self.sink = LiveSink(config.run, out_dir, retain=retain, metrics=metrics)
         # True after a step that scheduled nothing and left nothing the driver could preempt: stepping again
         # would spin, so the driver waits for its next event instead.
         self._stalled = False
         self._preempted = False  # the last step (or the check after it) preempted: admit nobody before the next
         self._seq = 0
         self._nsteps = 0
-        self._flushed_at = 0.0  # when the journals were last written (the run's clock)
         self._stop_reason: str | None = None  # set by stop() (e.g. from a SIGTERM handler): a clean stop
         silence_s = config.silence_s if config.silence_s is not None else float(self.admission.interval_s)
-        self.supervisor = Supervisor(engine, self._record, silence_s=silence_s, restart=config.restart,
-                                     max_restarts=config.max_restarts, metrics=self._metrics, notify=notify)
+        self.supervisor = Supervisor(engine, self.sink.record, silence_s=silence_s, restart=config.restart,
+                                     max_restarts=config.max_restarts, metrics=metrics, notify=notify)
         self.t_stopped_s: float | None = None
         self._active: dict[str, _Session] = {}  # by session id
         self.waiting: deque[_Session] = deque()  # admitted by the controller, waiting for blocks (FCFS)
         self.silent_pending: list[tuple[_Session, _Frame]] = []  # answered with their tick's lockstep
         self._lockstep = serving.check_phases(config.phases) == "aligned"
-        self.frames: list[dict] = []
-        self.steps: list[dict] = []
-        self.sessions: list[dict] = []
-        self.events: list[dict] = []
-        self._tables = {"frames": self.frames, "steps": self.steps, "sessions": self.sessions, "events": self.events}
+        self.frames, self.steps, self.sessions, self.events = (self.sink.tables[t] for t in
+                                                               ("frames", "steps", "sessions", "events"))
 
     def stop(self, reason: str = EndReason.STOPPED) -> None:
         """Ask the run to stop cleanly at its next loop turn (safe from a signal handler): every session is
@@ -249,21 +240,9 @@ class Driver:
         if self._stop_reason is None:
             self._stop_reason = reason
 
-    # -- records ---------------------------------------------------------------------------------------
-    def _record(self, table: str, row: dict) -> None:
-        row = {"run": self.cfg.run, **row}
-        if self.retain:
-            self._tables[table].append(row)
-        if self.out_dir is not None:
-            if table not in self._journals:
-                self._journals[table] = Journal(self.out_dir, table, deferred=True)
-            self._journals[table].append(row)
-
+    # -- records (the rows' content; the sink keeps them) -------------------------------------------
     def _flush(self) -> None:
-        """Write the journals' pending rows: when the engine is idle, and at least every FLUSH_EVERY_S."""
-        for j in self._journals.values():
-            j.flush()
-        self._flushed_at = self.clock()
+        self.sink.flush(self.clock())
 
     def _record_frame(self, s: _Session, f: _Frame, now: float, censored: bool = False,
                       left_s: float | None = None) -> None:
@@ -274,23 +253,21 @@ class Driver:
         met = f.done_s is not None and latency <= self.cfg.deadline + _EPS
         s.silent += int(silent)
         s.answered += int(not censored)
-        self._record("frames", {
+        self.sink.frame({
             "session": s.plan.sid, "frame": f.index, "tick_s": f.tick_s, "submitted_s": f.submitted_s,
             "first_token_s": f.first_s, "done_s": f.done_s, "latency_s": latency,
             "tokens_expected": self.cfg.stream.output_tokens_per_frame, "tokens_delivered": len(f.tokens),
             "tokens_by_deadline": f.by_deadline, "silent": silent, "silent_by_deadline": f.by_deadline == 0,
             "met_deadline": met, "censored": censored, "state": f.state, "period_s": self.cfg.stream.frame_period_s,
             "rebased": f.rebased,
-        })
+        }, None if censored else (latency if latency is not None else now - f.tick_s))
         if not censored:
             observed = latency if latency is not None else now - f.tick_s
             self.admission.advance(now, len(self._active))  # the controller closes its intervals here
             self.admission.observe(now, observed, frames=1, silent=int(silent))
-            if self._metrics:
-                self._metrics.frame(observed, silent)
 
     def _event(self, kind: str, s: _Session, t: float, **extra) -> None:
-        self._record("events", {"t_s": t, "event": kind, "session": s.plan.sid, "rid": s.rid, **extra})
+        self.sink.record("events", {"t_s": t, "event": kind, "session": s.plan.sid, "rid": s.rid, **extra})
 
     # -- sessions --------------------------------------------------------------------------------------
     def _tokens(self, n: int) -> list[int]:
@@ -406,7 +383,7 @@ class Driver:
         self.waiting.append(s)
 
     def _refused(self, plan: SessionPlan, now: float, reason: str) -> None:
-        self._record("sessions", {"session": plan.sid, "arrival_s": plan.arrival_s, "admitted": False,
+        self.sink.record("sessions", {"session": plan.sid, "arrival_s": plan.arrival_s, "admitted": False,
                                   "end_s": now, "reason": reason})
 
     def _submit(self, s: _Session, f: _Frame, now: float, by_rid: dict) -> bool:
@@ -465,7 +442,7 @@ class Driver:
         for f in sorted(pending, key=lambda f: f.tick_s):
             self._record_frame(s, f, now, censored=run_over or f.tick_s + self.cfg.deadline > now, left_s=now)
         s.inflight, s.queue = None, deque()
-        self._record("sessions", {"session": s.plan.sid, "arrival_s": s.plan.arrival_s, "admitted": s.admit_seq >= 0,
+        self.sink.record("sessions", {"session": s.plan.sid, "arrival_s": s.plan.arrival_s, "admitted": s.admit_seq >= 0,
                                   "start_s": s.start_s, "end_s": now, "reason": reason, "frames": s.answered,
                                   "silent_frames": s.silent, "rebases": s.rebases, "preemptions": s.preemptions,
                                   "readmissions": s.readmissions})
@@ -480,14 +457,14 @@ class Driver:
         clock = self.clock
         t0 = clock()
         self.supervisor.started()
-        self._flushed_at = t0
+        self.sink.flush(t0)  # (the clock of every flush: the journals' next write is due a second from here)
         try:
             while True:
                 now = clock() - t0
                 if now >= cfg.horizon_s or self._stop_reason is not None:
                     break
-                if now + t0 - self._flushed_at >= FLUSH_EVERY_S:  # an engine that is never idle still gets
-                    self._flush()                                   # its rows on disk within a second
+                if self.sink.flush_due(now + t0):  # an engine that is never idle still gets its rows on disk
+                    self._flush()
                 try:
                     self._turn(now, t0, arrivals, by_rid)
                 except EngineDied as exc:
@@ -503,13 +480,7 @@ class Driver:
                 self._refused(plan, now, self._stop_reason or EndReason.HORIZON)  # finalize ends them so too)
             self.gate.queue.clear()
         finally:
-            for j in self._journals.values():
-                j.close()
-            if self._metrics:
-                self._metrics.close()
-        if not self.retain:  # the rows went only to the journals: read them back
-            for table, j in self._journals.items():
-                self._tables[table].extend(j.read_own())
+            self.sink.close()  # (without retain, the rows went only to the journals: read back here)
         summary = summarize(self.frames, self.steps, self.sessions, eng.num_blocks, self.events)
         summary.update({
             "stopped": self._stop_reason is not None, "stop_reason": self._stop_reason, "t_stopped_s": self.t_stopped_s,
@@ -526,8 +497,7 @@ class Driver:
         while arrivals and arrivals[0].arrival_s <= now:
             plan = arrivals.popleft()
             decision = self.gate.offer(plan, plan.arrival_s, now, len(self._active))
-            if self._metrics:
-                self._metrics.admission(self.admission, decision == "admit")
+            self.sink.admission(self.admission, decision == "admit")
             if decision == "admit":
                 self._let_in(plan, plan.arrival_s, by_rid)
             elif decision == "refuse":
@@ -702,9 +672,7 @@ class Driver:
                "sessions": len(self._active), "sessions_waiting": len(self.waiting),
                "sessions_prefill": sum(1 for s in self._active.values() if s.state == PREFILL),
                "held_tokens": sum(eng.computed_tokens(s.rid) for s in self._active.values() if s.in_engine)}
-        self._record("steps", row)
-        if self._metrics:
-            self._metrics.step(row, self.admission.limit)
+        self.sink.step(row, self.admission.limit)
 
     def _preempt_after_step(self, info, step_no: int, t_start: float, now: float,
                             by_rid: dict) -> list[tuple[str, str]]:
