@@ -61,6 +61,7 @@ from metronome.probe.metrics import LiveMetrics
 from metronome.probe.remote import EngineDied
 from metronome.probe.summary import summarize
 from metronome.probe.supervise import Supervisor
+from metronome.probe.token_book import TokenBook
 
 PHASES = "aligned"  # serving.PHASES: the regime a live run uses unless told otherwise (DriverConfig.phases);
 # whatever simulates a live run (validate, the report's --live, the AIMD bench) simulates the run's regime
@@ -167,9 +168,7 @@ class _Session:
     rid: str  # current engine request id (changes on readmission and rebase)
     next_frame: int  # global frame index of the next tick
     state: str = WAITING
-    history: list[int] = field(default_factory=list)  # token ids the session's request holds or was given
-    last_token: int | None = None  # sampled last, not in the engine's history: re-fed with the next chunk
-    pending_input: list[int] = field(default_factory=list)  # input of silent frames, not yet in the engine
+    tokens: TokenBook = field(default_factory=TokenBook)  # its ids: history, waiting input, the last sampled
     queue: deque = field(default_factory=deque)  # due frames not yet submitted
     inflight: _Frame | None = None
     work_step: int = -1  # engine step count when its current chunk or prefill was handed to the engine
@@ -278,8 +277,8 @@ class Driver:
 
     def _request_tokens(self, s: _Session) -> int:
         """Tokens the session's request will carry when (re)admitted: its first frame, or its whole history."""
-        tokens = len(s.history) + len(s.pending_input) + (1 if s.last_token is not None else 0)
-        if not s.history and s.last_token is None:  # a new session: its first frame carries the prompt
+        tokens = len(s.tokens)
+        if s.tokens.new:  # a new session: its first frame carries the prompt
             tokens += max(s.plan.prompt_tokens, 1) + self.cfg.stream.input_tokens_per_frame
         elif s.rebase_next:  # its KV died with the engine: it comes back as a rebase
             tokens = min(tokens, self.rebase_keep)
@@ -295,7 +294,7 @@ class Driver:
             return
         for s in admit_fcfs(self.waiting, self._admission_need, self._free()):
             s.admit_seq, self._seq = self._seq, self._seq + 1
-            if not s.history and s.last_token is None:
+            if s.tokens.new:
                 s.rebase_next = False  # nothing was lost: it never reached the engine
                 s.state = RUNNING  # a new session: its first frame (prompt + input) is its prefill
                 s.running_since = serving.frame_tick(s.next_frame, self.cfg.stream.frame_period_s,
@@ -310,8 +309,7 @@ class Driver:
     def _readmit(self, s: _Session, now: float, by_rid: dict) -> None:
         """A preempted session comes back as a new request whose prompt is its whole token history."""
         st = self.cfg.stream
-        prompt = s.history + s.pending_input
-        s.pending_input = []
+        prompt = s.tokens.take_prompt()
         if s.rebase_next:  # the engine died with its KV: it comes back the way a rebase does (S+W / last tokens)
             s.rebase_next = False
             prompt = self._rebase_prompt(prompt)
@@ -319,13 +317,13 @@ class Driver:
             self._event("rebase", s, now, prompt_tokens=len(prompt), kept_tokens=len(prompt), reason="engine_restart")
         if not serving.frame_fits(len(prompt) + st.kv_tokens_per_frame, self.max_len):
             if self.outcome == "finish":
-                s.history = prompt
+                s.tokens.restarted(prompt)
                 self._end(s, now, EndReason.LENGTH, by_rid)
                 return
             prompt = self._rebase_prompt(prompt)
             s.rebases += 1
             self._event("rebase", s, now, prompt_tokens=len(prompt), kept_tokens=len(prompt), reason="max_model_len")
-        s.history = list(prompt)
+        s.tokens.restarted(prompt)
         s.incarnation += 1
         by_rid.pop(s.rid, None)
         s.rid = f"{s.plan.sid}.p{s.incarnation}"
@@ -346,18 +344,14 @@ class Driver:
         if s.in_engine and event == "preempt":
             self.engine.abort(s.rid)
         s.in_engine = False
+        s.tokens.preempted(s.inflight.tokens if s.inflight is not None else None)
         if s.inflight is not None:  # its frame is answered with its tick's lockstep, with what it got
-            f = s.inflight
-            s.history.extend(f.tokens)
-            self._owe(s, f, now)
+            self._owe(s, s.inflight, now)
             s.inflight = None
-        elif s.last_token is not None:
-            s.history.append(s.last_token)
-        s.last_token = None
         while s.queue:  # due frames never submitted: silent, their input joins the history
             f = s.queue.popleft()
             f.state = WAITING
-            s.pending_input.extend(self._tokens(self.cfg.stream.input_tokens_per_frame))
+            s.tokens.silent(self._tokens(self.cfg.stream.input_tokens_per_frame))
             self._owe(s, f, now)
         s.state = WAITING
         if event == "preempt":
@@ -368,7 +362,7 @@ class Driver:
         self._preempted = True
         self._stalled = False
         self._event(event, s, now if t_event is None else t_event, reason=reason, blocks_freed=held,
-                    history_tokens=len(s.history))
+                    history_tokens=len(s.tokens.history))
 
     def _let_in(self, plan: SessionPlan, t_enter: float, by_rid: dict) -> None:
         """Past the gate at ``t_enter`` (its arrival, or when the gate's queue let it in): it waits for blocks
@@ -384,25 +378,23 @@ class Driver:
 
     def _refused(self, plan: SessionPlan, now: float, reason: str) -> None:
         self.sink.record("sessions", {"session": plan.sid, "arrival_s": plan.arrival_s, "admitted": False,
-                                  "end_s": now, "reason": reason})
+                                      "end_s": now, "reason": reason})
 
     def _submit(self, s: _Session, f: _Frame, now: float, by_rid: dict) -> bool:
         """Append frame ``f`` to the session's request; False if the session had to finish at max_model_len."""
         st = self.cfg.stream
-        first = s.last_token is None
-        chunk = (self._tokens(max(s.plan.prompt_tokens, 1)) if first else [s.last_token])
-        chunk += s.pending_input + self._tokens(st.input_tokens_per_frame)
+        chunk = s.tokens.chunk(s.plan.prompt_tokens, st.input_tokens_per_frame, self._tokens)
         # vLLM does not enforce max_model_len across chunks and dies if a session passes it,
         # so the driver caps the history itself.
-        if not serving.frame_fits(len(s.history) + len(chunk) + st.output_tokens_per_frame, self.max_len):
+        if not serving.frame_fits(len(s.tokens.history) + len(chunk) + st.output_tokens_per_frame, self.max_len):
             if self.outcome == "finish":
                 return False
             # rebase: a new request whose prompt is the last tokens of the history plus this frame
             self.engine.abort(s.rid)
             # (what it keeps, and the frame's chunk; a first frame carrying a long prompt and the input of the
             # frames it waited through keeps what a rebase keeps of all of it: the simulator's rebase_counts)
-            kept, chunk = serving.rebase_request_ids(self.policy, s.history, chunk, st.output_tokens_per_frame,
-                                                     self.rebase_keep, self.max_len)
+            kept, chunk = serving.rebase_request_ids(self.policy, s.tokens.history, chunk,
+                                                     st.output_tokens_per_frame, self.rebase_keep, self.max_len)
             rid = f"{s.plan.sid}.r{s.incarnation + 1}"
             self.engine.append(rid, kept + chunk, st.output_tokens_per_frame)
             s.rebases += 1
@@ -410,14 +402,12 @@ class Driver:
             by_rid.pop(s.rid, None)
             s.rid = rid
             by_rid[s.rid] = s
-            chunk = kept + chunk
-            s.history = []
+            s.tokens.restarted(kept + chunk)
             f.rebased = True
-            self._event("rebase", s, now, prompt_tokens=len(chunk), kept_tokens=len(kept))
+            self._event("rebase", s, now, prompt_tokens=len(kept) + len(chunk), kept_tokens=len(kept))
         else:
             self.engine.append(s.rid, chunk, st.output_tokens_per_frame)
-        s.pending_input = []
-        s.history.extend(chunk)
+            s.tokens.sent(chunk)
         s.in_engine = True
         s.work_step = self._nsteps
         f.submitted_s = now
@@ -442,10 +432,10 @@ class Driver:
         for f in sorted(pending, key=lambda f: f.tick_s):
             self._record_frame(s, f, now, censored=run_over or f.tick_s + self.cfg.deadline > now, left_s=now)
         s.inflight, s.queue = None, deque()
-        self.sink.record("sessions", {"session": s.plan.sid, "arrival_s": s.plan.arrival_s, "admitted": s.admit_seq >= 0,
-                                  "start_s": s.start_s, "end_s": now, "reason": reason, "frames": s.answered,
-                                  "silent_frames": s.silent, "rebases": s.rebases, "preemptions": s.preemptions,
-                                  "readmissions": s.readmissions})
+        self.sink.record("sessions", {
+            "session": s.plan.sid, "arrival_s": s.plan.arrival_s, "admitted": s.admit_seq >= 0, "start_s": s.start_s,
+            "end_s": now, "reason": reason, "frames": s.answered, "silent_frames": s.silent, "rebases": s.rebases,
+            "preemptions": s.preemptions, "readmissions": s.readmissions})
         by_rid.pop(s.rid, None)
         self._active.pop(s.plan.sid, None)
 
@@ -570,7 +560,7 @@ class Driver:
                 if state == RUNNING:
                     s.queue.append(f)
                 else:
-                    s.pending_input.extend(self._tokens(n_in))
+                    s.tokens.silent(self._tokens(n_in))
                     self._owe(s, f, now)
             if s.state == RUNNING and s.inflight is None and s.queue:
                 self._stalled = False  # new input may unblock the engine
@@ -628,7 +618,7 @@ class Driver:
             if toks:
                 self.supervisor.token(now)
             if s.state == PREFILL:  # the re-prefill is done: the sampled token starts the next chunk
-                s.last_token = toks[-1]
+                s.tokens.prefilled(toks[-1])
                 s.state = RUNNING
                 s.running_since = now
                 self._event("prefilled", s, now, computed_tokens=info.computed.get(rid, 0),
@@ -644,8 +634,7 @@ class Driver:
                 f.by_deadline += len(toks)
             if len(f.tokens) >= out_n:
                 # vLLM keeps every sampled token in the history but the last; that one is re-fed next frame
-                s.history.extend(f.tokens[:-1])
-                s.last_token = f.tokens[-1]
+                s.tokens.sampled(f.tokens)
                 f.done_s = now
                 s.inflight = None
                 self._record_frame(s, f, now)

@@ -240,7 +240,7 @@ class FakeEngine:
         self.steps += 1
         self.log.append({"op": "step", "t": self.now, "t_start": t0, "step": self.steps,
                          "scheduled": dict(rec.scheduled), "preempted": list(rec.preempted),
-                         "admitted": list(rec.admitted),
+                         "admitted": list(rec.admitted), "sampled": {r: t[0] for r, t in info.outputs.items()},
                          "free": self.model.free_blocks()})
         return info
 
@@ -363,3 +363,66 @@ class FakeRemoteEngine(FakeEngine):
             return 0
         self._alive_or_raise()
         return super().computed_tokens(rid)
+
+
+def rebased_readmissions(events: list[dict]) -> set[str]:
+    """The rids of readmissions that came back rebased (the driver's ``rebase`` event at the same moment)."""
+    rebased = {(e["session"], e["t_s"]) for e in events if e["event"] == "rebase"}
+    return {e["rid"] for e in events if e["event"] == "readmit" and (e["session"], e["t_s"]) in rebased}
+
+
+def token_id_errors(eng: FakeEngine, sink_tokens: int = 0,
+                    rebased: set[str] = frozenset()) -> tuple[list[str], dict[str, int]]:
+    """Replay the fake's log and check the token ids the driver handed it against what the engine held
+    (vLLM's rules for a streaming request, and the session's own history). Returns what broke them, and how
+    many of each check ran (``refeed``, ``readmit``, ``rebase``), so a test can tell that it checked something:
+
+    * every chunk appended to a paused request starts with the token that request sampled last (vLLM dropped
+      it from the history; the caller must re-feed exactly that one);
+    * a readmitted request (``sid.pN``) after an abort starts with everything the aborted request held, in
+      order, the tokens it sampled included: nothing lost, nothing reordered, at a preemption;
+    * a rebased request (``sid.rN``, or a readmission in ``rebased``: :func:`rebased_readmissions`) keeps the
+      previous request's first ``sink_tokens`` ids and then a run of its last ids ending at the token it sampled
+      last (when it keeps that one), as ``serving.rebase_ids`` says.
+    """
+    held: dict[str, list[int]] = {}  # by rid: what the engine holds, replayed
+    gone: dict[str, list[int]] = {}  # by session: what its last aborted request held
+    current: dict[str, str] = {}  # by session: its live rid
+    errors: list[str] = []
+    checked = {"refeed": 0, "readmit": 0, "rebase": 0}
+    for e in eng.log:
+        if e["op"] == "step":
+            for rid, tok in e.get("sampled", {}).items():
+                held[rid].append(tok)
+        elif e["op"] == "abort" and e["known"]:
+            sid = e["rid"].split(".")[0]
+            if held[e["rid"]] != e["held_tokens"]:
+                errors.append(f"replay of {e['rid']} differs from what the engine held")
+            gone[sid] = held.pop(e["rid"])
+            current.pop(sid, None)
+        elif e["op"] == "append":
+            rid, toks = e["rid"], e["tokens"]
+            sid, _, kind = rid.partition(".")
+            if not e["new"]:
+                checked["refeed"] += 1
+                if toks[0] != held[rid][-1]:
+                    errors.append(f"{rid}: chunk starts with {toks[0]}, not the sampled {held[rid][-1]}")
+                held[rid] = held[rid][:-1] + list(toks)
+                continue
+            prev = gone.pop(sid, None) if sid not in current else held.get(current[sid])
+            if kind.startswith("p") and prev is not None and sid not in current and rid not in rebased:
+                checked["readmit"] += 1
+                if toks[:len(prev)] != prev:
+                    errors.append(f"{rid}: readmission prompt does not start with the {len(prev)} ids it held")
+            elif ((kind.startswith("r") or rid in rebased) and prev is not None
+                  and prev[-1] in toks[sink_tokens:]):
+                s = min(sink_tokens, len(prev))
+                # (where the re-fed token sits: input ids are random and may repeat it, so any place that makes
+                # the ids before it a run of the last ones will do)
+                checked["rebase"] += 1
+                ends = [p + 1 for p in range(s, len(toks)) if toks[p] == prev[-1]]
+                if toks[:s] != prev[:s] or not any(prev[len(prev) - (p - s):] == toks[s:p] for p in ends):
+                    errors.append(f"{rid}: rebase kept {toks[:ends[0]]}, not the sinks and a run of the last ids")
+            held[rid] = list(toks)
+            current[sid] = rid
+    return errors, checked

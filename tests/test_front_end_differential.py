@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, rebased_readmissions, token_id_errors
 from fixed_engine import fast_moshi
 
 from metronome import serving
@@ -74,7 +74,11 @@ def drive(sc):
                        phases=sc.phases)
     admission = sc.admission() if callable(sc.admission) else None
     kw = {"admission": admission} if admission is not None else {}
-    return Driver(eng, cfg, clock=eng.clock, sleep=eng.sleep, **kw).run(plans)
+    res = Driver(eng, cfg, clock=eng.clock, sleep=eng.sleep, **kw).run(plans)
+    # the ids it handed the engine, as vLLM holds them (the counts are what the comparison below checks)
+    errors, res.token_checks = token_id_errors(eng, policy.sink_tokens, rebased_readmissions(res.events))
+    assert not errors, errors[:3]
+    return res
 
 
 def _t(x):
@@ -217,7 +221,7 @@ def reached(sc, live, sim) -> set[str]:
 
 
 def test_the_driver_and_the_simulator_serve_alike_on_random_scenarios():
-    seen, regimes = Counter(), Counter()
+    seen, regimes, ids = Counter(), Counter(), Counter()
     k = n = 0
     while n < N_SCENARIOS:
         k += 1
@@ -229,6 +233,8 @@ def test_the_driver_and_the_simulator_serve_alike_on_random_scenarios():
         live, sim = compare(sc)
         regimes[sc.phases, sc.loop] += 1
         seen.update(reached(sc, live, sim))
-    print(dict(regimes), dict(seen))
+        ids.update(live.token_checks)
+    print(dict(regimes), dict(seen), dict(ids))
     assert len(regimes) == 4 and min(regimes.values()) >= N_SCENARIOS // 8, regimes  # both phases, both loops
     assert not [w for w in MUST_REACH if seen[w] < REACH], {w: seen[w] for w in MUST_REACH}
+    assert min(ids[c] for c in ("refeed", "readmit", "rebase")) >= REACH, ids  # the token ids were checked
