@@ -414,17 +414,20 @@ def _preempt(v, cnt, status, computed, slots, held, wq, reached):
 
 @nb.njit(cache=True)
 def key_order_in(v, n, work):
-    """Positions ``0 .. n-1`` in ascending order of ``v[:n]`` (ties in position order). A step's keys (queue places,
+    """Positions ``0 .. n-1`` in ascending order of ``v[:n]`` (ties in position order), written to ``work[:n]``. A step's keys (queue places,
     tick keys) span little more than their count: a counting sort, linear, in ``work`` (:func:`key_order_work` of
     at least ``n``; the order is ``work[:n]``: the compiled loop sorts every step's answers, and an allocation a step
-    cost it more than the sort); a comparison sort, allocated, when they span more than 4n + 64."""
+    cost it more than the sort); a merge sort, in the same room, when they span more than 4n + 64. Nothing is
+    allocated, and nothing returned (numba's code without reference counting returns no view): the compiled loop's
+    turn runs without them."""
     lo = hi = v[0]
     for j in range(1, n):
         lo = min(lo, v[j])
         hi = max(hi, v[j])
     span = hi - lo + 1
     if span > 4 * n + 64:
-        return np.argsort(v[:n], kind="mergesort")
+        _merge_order(v, n, work)
+        return
     order, start = work[:n], work[n:n + span + 1]
     start[:] = 0
     for j in range(n):
@@ -435,7 +438,39 @@ def key_order_in(v, n, work):
         c = v[j] - lo
         order[start[c]] = j
         start[c] += 1
-    return order
+
+
+@nb.njit(cache=True)
+def _merge_order(v, n, work):
+    """:func:`key_order_in` for keys spread wide: a bottom-up merge sort of positions (stable, as numpy's
+    ``argsort(kind="mergesort")``), the order in ``work[:n]``, ``work[n:2n]`` its scratch."""
+    order, tmp = work[:n], work[n:2 * n]
+    for j in range(n):
+        order[j] = j
+    width = 1
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            mid, hi = min(lo + width, n), min(lo + 2 * width, n)
+            a, b, k = lo, mid, lo
+            while a < mid and b < hi:
+                if v[order[b]] < v[order[a]]:  # (strictly: a tie keeps the earlier position first)
+                    tmp[k] = order[b]
+                    b += 1
+                else:
+                    tmp[k] = order[a]
+                    a += 1
+                k += 1
+            while a < mid:
+                tmp[k] = order[a]
+                a += 1
+                k += 1
+            while b < hi:
+                tmp[k] = order[b]
+                b += 1
+                k += 1
+        for j in range(n):
+            order[j] = tmp[j]
+        width *= 2
 
 
 @nb.njit(cache=True)
@@ -448,7 +483,9 @@ def key_order_work(n):
 @nb.njit(cache=True)
 def key_order(v, n):
     """:func:`key_order_in` in an array of its own."""
-    return key_order_in(v, n, key_order_work(n))
+    work = key_order_work(n)
+    key_order_in(v, n, work)
+    return work[:n]
 
 
 @nb.njit(cache=True)

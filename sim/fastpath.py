@@ -117,7 +117,8 @@ def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f,
     if n == 0:
         return nrows
     # rows are sums over a tick: the order within one does not matter
-    order = key_order_in(keys, n, work)
+    key_order_in(keys, n, work)
+    order = work[:n]
     j = 0
     while j < n:
         key = keys[order[j]]
@@ -309,6 +310,19 @@ def _hand_over(i, s, chunk, next_frame, backlog, inflight, inflight_tok, hist, l
 
 
 @nb.njit(cache=True)
+def _sort_in_place(a):
+    """Sort the few ints of ``a`` (a turn's first frames) by insertion: numba's sort allocates, and the turn is
+    compiled without numba's reference counting (``_turn``), so nothing it calls may allocate."""
+    for j in range(1, a.size):
+        x = a[j]
+        k = j - 1
+        while k >= 0 and a[k] > x:
+            a[k + 1] = a[k]
+            k -= 1
+        a[k + 1] = x
+
+
+@nb.njit(cache=True)
 def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog, inflight, inflight_tok, hist,
                 last_tok, pending_in, work_step, started, fresh, sess_of_slot, cnt, status, computed, ntok, out,
                 maxtok, kseq, kw, wq, new_i, new_s, new_k, n_new):
@@ -335,7 +349,7 @@ def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog
                                             work_step, fresh, cnt[E_STEPS]))
             n_sub += 1
     firsts = new_i[n_new:n_new + n_first]
-    firsts.sort()
+    _sort_in_place(firsts)
     last = -1  # (the kept ones are written back over those already read)
     for a in range(n_first):
         i = firsts[a]
@@ -737,7 +751,10 @@ def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state
     return n_visit, taken, k1, n_adm
 
 
-@nb.njit(cache=True)
+# Without numba's reference counting: the turn handed on the loop's arrays (borrowed, without an owner) at some 330
+# increments and decrements, no-ops but calls all the same, ~10 % of a run. So nothing it calls may allocate or
+# return a view (its sorts work in buffers the span owns: _sort_in_place, serving.key_order_in).
+@nb.njit(cache=True, _nrt=False)
 def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame, backlog,
           inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_frames,
           s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run,

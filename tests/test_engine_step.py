@@ -22,10 +22,11 @@ def test_key_order_is_a_stable_ascending_order(span):
 
 def test_key_order_in_a_reused_buffer_forgets_what_the_last_sort_left():
     # the compiled loop sorts every step's answers in one buffer (flush): whatever the last sort, or anything else,
-    # left in it must not reach the next order
+    # left in it must not reach the next order (counting and merge sorts alternate here: both sort in the buffer)
     rng = np.random.default_rng(7)
     work = key_order_work(300)
     work[:] = 3
-    for n in (300, 12, 1, 40, 2):
-        v = rng.integers(50, 50 + 2 * n + 3, n)
-        assert key_order_in(v, n, work).tolist() == np.argsort(v, kind="stable").tolist()
+    for k, n in enumerate((300, 12, 1, 40, 2, 300, 64)):
+        v = rng.integers(50, 50 + (2 * n + 3 if k % 2 else 10**6), n)
+        key_order_in(v, n, work)
+        assert work[:n].tolist() == np.argsort(v, kind="stable").tolist()
