@@ -78,6 +78,13 @@ def borrowed(typingctx, arrays):
     return arrays(arrays), codegen
 
 
+# The compiled loop's turn runs without numba's reference counting (sim/fastpath.py, _turn), and numba compiles a
+# callee it first meets inside a function with that function's flags (the caller's config stack). So every compiled
+# function the turn may reach in another module, and every one that allocates, is made with this: it keeps the
+# counting whichever caller compiles it first, and is the same code in every path (with numba's cache empty too).
+counted = nb.njit(cache=True, _nrt=True)
+
+
 @nb.njit(cache=True)
 def hold(owner):
     """Nothing: a use of ``owner`` (arrays a compiled function allocated and then :func:`borrowed`) at the point up

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import math
 
-import numba as nb
-# (every compiled function here keeps numba's reference counting explicitly: the compiled loop's turn runs
-# without it, and a callee first compiled inside the turn would otherwise inherit that: sim/fastpath.py, _turn)
 import numpy as np
+
+from metronome import compiled
 
 # a controller's kind (cp[CP_KIND]): what decides at an interval's end
 K_PYTHON, K_NONE, K_STATIC, K_AIMD, K_GRADIENT = range(5)
@@ -52,7 +51,7 @@ D_INCREASE, D_DECREASE, D_DRAINING, D_HOLD, D_DEAD = range(5)
 REL_EPS = 1e-9
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def percentile_sorted(v, cum, q):
     """The weighted nearest-rank percentile of values ``v`` in ascending order, ``cum`` their cumulative weights
     (all > 0), ``q`` in (0, 100]: the smallest value whose cumulative weight reaches ``q/100`` of the total. The
@@ -62,13 +61,13 @@ def percentile_sorted(v, cum, q):
     return v[min(i, v.size - 1)]
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def percentile_threshold(total, q):
     """The cumulative weight the ``q``-th percentile's value is the first to reach, of a total weight ``total``."""
     return q * total / 100.0 - REL_EPS * total
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def percentile_whole(v, w, q):
     """:func:`percentiles_whole` at one ``q``."""
     qs = np.empty(1)
@@ -76,7 +75,7 @@ def percentile_whole(v, w, q):
     return percentiles_whole(v, w, qs)[0]
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def percentiles_whole(v, w, qs):
     """:func:`percentile_sorted` at each of ``qs`` of ``v`` whose weights ``w`` are whole numbers (>= 0, a total
     above 0 and below 2**53: every sum of them is exact; no value NaN), without sorting: the value each
@@ -127,7 +126,7 @@ def percentiles_whole(v, w, qs):
     return out
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def whole_weights(v, w):
     """What :func:`percentiles_whole` may take, in one pass: 1 when every weight is a finite whole number >= 0,
     their total is above 0 and below 2**53, and no value is NaN; 0 when they are fine but not that (fractions, a
@@ -146,7 +145,7 @@ def whole_weights(v, w):
     return 1 if whole and total < 2.0 ** 53 else 0
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def limit_of(cs, cp):
     """The concurrency limit in sessions (``none``: no limit, +inf)."""
     kind = cp[CP_KIND]
@@ -157,13 +156,13 @@ def limit_of(cs, cp):
     return math.floor(cs[CS_LIMIT] + 1e-9)
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _due(cs, cp, now):
     """Has the open interval ended by ``now``?"""
     return (now - cs[CS_T0]) / cp[CP_INTERVAL] >= cs[CS_K] + 1 - REL_EPS
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def intervals_due(cs, cp, now):
     """How many intervals a call at ``now`` would close (what ``tr`` must have room for)."""
     if np.isnan(cs[CS_T0]):
@@ -175,7 +174,7 @@ def intervals_due(cs, cp, now):
     return n
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def close_one(cs, cp, lat, w, in_flight):
     """The open interval's figures at its end: (end, peak in flight, percentile or NaN, frames, silent)."""
     end = cs[CS_T0] + (cs[CS_K] + 1) * cp[CP_INTERVAL]
@@ -185,7 +184,7 @@ def close_one(cs, cp, lat, w, in_flight):
     return end, peak, p, cs[CS_FRAMES], cs[CS_SILENT]
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def next_interval(cs, in_flight):
     """Open the next interval: nothing observed yet; what is in flight now was in flight when it began."""
     cs[CS_K] += 1
@@ -195,7 +194,7 @@ def next_interval(cs, in_flight):
     cs[CS_PEAK] = in_flight
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def record(cs, tr, end, limit, peak, p, frames, silent, decision):
     """A closed interval's row in the trace."""
     r = int(cs[CS_NTRACE])
@@ -206,7 +205,7 @@ def record(cs, tr, end, limit, peak, p, frames, silent, decision):
     cs[CS_NTRACE] = r + 1
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def close_through(cs, cp, lat, w, tr, now, in_flight):
     """Close every interval that ended at or before ``now``, each with one decision (a compiled kind's); the
     first call anchors the grid."""
@@ -220,7 +219,7 @@ def close_through(cs, cp, lat, w, tr, now, in_flight):
         next_interval(cs, in_flight)
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def advance(cs, cp, lat, w, tr, now, in_flight):
     """Close every interval that ended at or before ``now`` (``in_flight`` sessions in flight now)."""
     cs[CS_LAST] = in_flight
@@ -228,7 +227,7 @@ def advance(cs, cp, lat, w, tr, now, in_flight):
     cs[CS_PEAK] = max(cs[CS_PEAK], in_flight)
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def take_frames(cs, cp, lat, w, latency, frames, silent):
     """``frames`` frames answered with ``latency``, ``silent`` of them empty, into the open interval: silent
     frames only count; the others are one latency sample of weight ``frames - silent``. A frame clears a dead
@@ -247,7 +246,7 @@ def take_frames(cs, cp, lat, w, latency, frames, silent):
     cs[CS_DEAD_RUN] = 0.0
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def observe(cs, cp, lat, w, tr, now, latency, frames, silent):
     """Frames answered at ``now``: the intervals ended by then close (with the last in-flight count reported),
     then the frames join the open one."""
@@ -255,7 +254,7 @@ def observe(cs, cp, lat, w, tr, now, latency, frames, silent):
     take_frames(cs, cp, lat, w, latency, frames, silent)
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def may_admit(cs, cp, lat, w, tr, now, in_flight):
     """Advance to ``now``, then: may one more session start with ``in_flight`` in flight? (``none``: always.)"""
     advance(cs, cp, lat, w, tr, now, in_flight)
@@ -265,7 +264,7 @@ def may_admit(cs, cp, lat, w, tr, now, in_flight):
 
 
 # ------------------------------------------------------------------------------------------------ decisions
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def decide(cs, cp, in_flight, p, frames, silent):
     """Judge one closed interval (its peak in flight, percentile, frames, silent frames); may change the limit;
     returns a D_* decision. ``none`` and ``static`` hold."""
@@ -277,7 +276,7 @@ def decide(cs, cp, in_flight, p, frames, silent):
     return D_HOLD
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _no_frames(cs, cp, in_flight):
     """An interval without a single frame: with sessions in flight it counts toward a dead signal
     (``dead_intervals`` in a row refuse everything); with none, it clears it (cold start must admit)."""
@@ -291,7 +290,7 @@ def _no_frames(cs, cp, in_flight):
     return D_DEAD if cs[CS_DEAD] != 0.0 else D_HOLD
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _congested(cp, p, frames, silent):
     """Absolute congestion: too many silent frames, or the latency percentile over the target."""
     if silent / frames > cp[CP_SILENT_TOL]:
@@ -299,12 +298,12 @@ def _congested(cp, p, frames, silent):
     return not np.isnan(p) and p > cp[CP_TARGET]
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _clamp(cp, x):
     return min(cp[CP_MAX], max(cp[CP_MIN], x))
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _aimd(cs, cp, in_flight, p, frames, silent):
     """AIMD (:class:`metronome.admission.AIMDController` says why each rule is as it is)."""
     if frames == 0:
@@ -322,7 +321,7 @@ def _aimd(cs, cp, in_flight, p, frames, silent):
     return D_HOLD
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _update_long(cs, cp, short):
     """Gradient's baseline: a plain mean over the warm-up, then an EMA that follows a rise ``drift`` times as
     fast as a fall; Netflix's recovery rule; never past target / tolerance."""
@@ -338,7 +337,7 @@ def _update_long(cs, cp, short):
     cs[CS_LONG] = min(cs[CS_LONG], cp[CP_TARGET] / cp[CP_RTT])
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _gradient(cs, cp, in_flight, p, frames, silent):
     """Gradient2 (:class:`metronome.admission.GradientController` says why each rule is as it is)."""
     if frames == 0:
@@ -369,7 +368,7 @@ def _gradient(cs, cp, in_flight, p, frames, silent):
     return D_HOLD
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def observe_rows(cs, cp, lat, w, tr, now, latency, frames, silent, in_flight):
     """Row by row: ``advance(now, in_flight)`` then ``observe(now, latency, frames, silent)`` (a front end
     answering its frames a moment at a time)."""

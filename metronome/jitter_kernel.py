@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import math
 
-import numba as nb
-# (every compiled function here keeps numba's reference counting explicitly: the compiled loop's turn runs
-# without it, and a callee first compiled inside the turn would otherwise inherit that: sim/fastpath.py, _turn)
 import numpy as np
+
+from metronome import compiled
 
 _SQRT1_2 = 0.7071067811865476
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def ndtr(y):
     """The standard normal CDF at ``y``: scipy.special.ndtr's branches (erf near 0, erfc in the tails)."""
     x = y * _SQRT1_2
@@ -30,7 +29,7 @@ def ndtr(y):
     return 1.0 - t if x > 0 else t
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def interp(x, p, r):
     """np.interp at one point ``x`` through the points ``(p, r)``, ``p`` rising: its arithmetic, exactly."""
     n = p.size
@@ -49,7 +48,7 @@ def interp(x, p, r):
     return slope * (x - p[lo]) + r[lo]
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def correlated_ratio(z, shared, own, w_z, w_shared, w_own, p, r):
     """One step's ratio: its own score ``z``, its frame's ``shared`` (AR(1)) and ``own`` parts, weighted
     (:meth:`JitterDraws.weights`), through the normal CDF to the jitter table ``(p, r)``."""
@@ -61,7 +60,7 @@ def correlated_ratio(z, shared, own, w_z, w_shared, w_own, p, r):
     return interp(ndtr(y), p, r)
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def correlated_ratios(z, shared, own, w_z, w_shared, w_own, p, r):
     """:func:`correlated_ratio` over arrays of steps."""
     out = np.empty(z.size)

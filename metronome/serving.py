@@ -50,9 +50,6 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-import numba as nb
-# (every compiled function here keeps numba's reference counting explicitly: the compiled loop's turn runs
-# without it, and a callee first compiled inside the turn would otherwise inherit that: sim/fastpath.py, _turn)
 import numpy as np
 
 from metronome import compiled
@@ -299,12 +296,12 @@ RULES = ("preemption", "window_free", "token_budget", "max_num_seqs", "full_sequ
          "length_limit", "long_prefill")
 R_PREEMPT, R_WFREE, R_BUDGET, R_SEQS, R_GATE, R_WM, R_LEN, R_LONG = range(len(RULES))
 
-_res_blocks = nb.njit(cache=True, _nrt=True)(resident_blocks_of)
-_res_tokens = nb.njit(cache=True, _nrt=True)(resident_tokens_of)
-gate_blocks_jit = nb.njit(cache=True, _nrt=True)(gate_blocks)  # (the compiled loop's front end asks it too)
+_res_blocks = compiled.counted(resident_blocks_of)
+_res_tokens = compiled.counted(resident_tokens_of)
+gate_blocks_jit = compiled.counted(gate_blocks)  # (the compiled loop's front end asks it too)
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def resume_need(tokens, computed, held, bs, cap, sink_blocks, window):
     """Free blocks a waiting request of ``tokens`` tokens (``computed`` of them computed, ``held`` blocks held)
     needs before vLLM schedules the rest of it: the full-sequence gate's, or the allocation's once its
@@ -317,7 +314,7 @@ def resume_need(tokens, computed, held, bs, cap, sink_blocks, window):
     return max(gate, alloc, 1)
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def deadlock_pick(need, seq, held, free, stalled, out):
     """The deadlock rule over the sessions with a request in the engine: ``need[k]`` blocks session ``k`` is
     starved for (0: not starved; a starved one's work was in the engine before the step and got nothing in it),
@@ -351,7 +348,7 @@ def deadlock_pick(need, seq, held, free, stalled, out):
     return n
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _chunk(s, budget, thr, ntok, computed, reached):
     """Tokens request ``s`` is scheduled from ``budget``: what it has left, at most the long-prefill threshold."""
     k = ntok[s] - computed[s]
@@ -364,7 +361,7 @@ def _chunk(s, budget, thr, ntok, computed, reached):
     return k
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
     """``KVCacheManager.allocate_slots(s, k)``: True and the blocks taken, or False and nothing taken (the frees
     stay). Admitting a waiting request, the full-sequence gate and the watermark (once anything runs) come first;
@@ -398,7 +395,7 @@ def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
     return True
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _preempt(v, cnt, status, computed, slots, held, wq, reached):
     """Recompute preemption of ``v``: all its blocks freed, nothing computed, at the head of ``waiting`` (its
     sampled tokens stay)."""
@@ -414,7 +411,7 @@ def _preempt(v, cnt, status, computed, slots, held, wq, reached):
     reached[R_PREEMPT] += 1
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def key_order_in(v, n, work):
     """Positions ``0 .. n-1`` in ascending order of ``v[:n]`` (ties in position order), written to ``work[:n]``.
 
@@ -443,7 +440,7 @@ def key_order_in(v, n, work):
         start[c] += 1
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _merge_order(v, n, work):
     """:func:`key_order_in` for keys spread wide: a bottom-up merge sort of positions (stable, as numpy's
     ``argsort(kind="mergesort")``), the order in ``work[:n]``, ``work[n:2n]`` its scratch."""
@@ -476,14 +473,14 @@ def _merge_order(v, n, work):
         width *= 2
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def key_order_work(n):
     """Room for :func:`key_order_in` to sort up to ``n`` keys in: the order (n) and the counts of a span of up to
     4n + 64 keys (4n + 66)."""
     return np.empty(5 * n + 66, np.int64)
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def key_order(v, n):
     """:func:`key_order_in` in an array of its own."""
     work = key_order_work(n)
@@ -491,7 +488,7 @@ def key_order(v, n):
     return work[:n]
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _kv_order(kw, n, kseq):
     """The kv-holding queue's waiting entries in queue order (their places ``kseq``): insertion sort when they are
     few or nearly in order, a sort of their places when many come out of order (past N* every session's frame
@@ -519,7 +516,7 @@ def _kv_order(kw, n, kseq):
         kw[b + 1] = s
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _running_pass(lim, cnt, status, computed, ntok, slots, held, run, wq, thr, o_s, o_k, o_pre, o_n, reached):
     """The running requests in order, each its chunk (within the budget and below max_model_len); when the pool
     is dry the last running request is preempted and the allocation retried, and a request that would preempt
@@ -557,7 +554,7 @@ def _running_pass(lim, cnt, status, computed, ntok, slots, held, run, wq, thr, o
     return budget
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _waiting_pass(budget, lim, cnt, status, computed, ntok, slots, held, kseq, run, kw, wq, thr, o_s, o_k, o_n,
                   reached):
     """vLLM's waiting pass: the kv-holding queue in order (its paused entries skipped in place), then ``waiting``,
@@ -596,7 +593,7 @@ def _waiting_pass(budget, lim, cnt, status, computed, ntok, slots, held, kseq, r
     cnt[E_WQ] = _pop_front(wq, cnt[E_WQ], q)
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _pop_front(queue, n, k):
     """``queue[:n]`` without its first ``k`` (in place, no allocation: this runs every step); the new length."""
     if k:
@@ -605,7 +602,7 @@ def _pop_front(queue, n, k):
     return n - k
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_k, o_sam, o_pau, o_n):
     """The model runs: each scheduled request computes its tokens; one whose tokens are all computed samples one;
     one that reached its frame's max_tokens pauses and joins the kv-holding queue's tail, in schedule order."""
@@ -637,7 +634,7 @@ def _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_
     o_n[O_SAM], o_n[O_PAUSE], o_n[O_NEW], o_n[O_CTX] = n_sam, n_pau, new, ctx
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def engine_step(lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam,
                 o_pau, o_n, reached):
     """One ``Scheduler.schedule()`` and the model run after it, on the engine's arrays (the layout above): the
@@ -655,7 +652,7 @@ def engine_step(lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq
     cnt[E_STEPS] += 1
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _drop(arr, n, x):
     """``arr[:n]`` without ``x``, in order; returns the new length."""
     m = 0
@@ -666,7 +663,7 @@ def _drop(arr, n, x):
     return m
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def abort_slot(s, cnt, status, slots, held, run, kw, wq):
     """Abort request ``s`` (``EngineModel.abort``; the compiled loop's departures call it too): its blocks go back,
     and it leaves whichever list or queue holds it."""
@@ -687,7 +684,7 @@ def abort_slot(s, cnt, status, slots, held, run, kw, wq):
             cnt[E_WQ] = _drop(wq, cnt[E_WQ], s)
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def add_slot(prompt_tokens, max_tokens, cnt, status, ntok, maxtok, kseq, wq):
     """A new request (``EngineModel.add``; the compiled loop adds a session's first frame with it too): the next
     slot, waiting at the tail of ``waiting``. Returns the slot."""
@@ -699,7 +696,7 @@ def add_slot(prompt_tokens, max_tokens, cnt, status, ntok, maxtok, kseq, wq):
     return s
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def resume_slot(s, chunk, max_tokens, cnt, status, computed, ntok, out, maxtok, kw):
     """The next frame's input for paused request ``s`` (``EngineModel.append``): vLLM drops the token it sampled
     last (not computed; the caller re-feeds it inside ``chunk``) and the request waits again, in its place in the
@@ -713,7 +710,7 @@ def resume_slot(s, chunk, max_tokens, cnt, status, computed, ntok, out, maxtok, 
     cnt[E_KW] += 1
 
 
-@nb.njit(cache=True, _nrt=True)
+@compiled.counted
 def _resume_many(slots_, chunks, max_tokens, cnt, status, computed, ntok, out, maxtok, kw):
     for j in range(slots_.size):
         resume_slot(slots_[j], chunks[j], max_tokens, cnt, status, computed, ntok, out, maxtok, kw)

@@ -252,6 +252,7 @@ class Driver:
         met = f.done_s is not None and latency <= self.cfg.deadline + _EPS
         s.silent += int(silent)
         s.answered += int(not censored)
+        observed = None if censored else (latency if latency is not None else now - f.tick_s)  # what it counts for
         self.sink.frame({
             "session": s.plan.sid, "frame": f.index, "tick_s": f.tick_s, "submitted_s": f.submitted_s,
             "first_token_s": f.first_s, "done_s": f.done_s, "latency_s": latency,
@@ -259,9 +260,8 @@ class Driver:
             "tokens_by_deadline": f.by_deadline, "silent": silent, "silent_by_deadline": f.by_deadline == 0,
             "met_deadline": met, "censored": censored, "state": f.state, "period_s": self.cfg.stream.frame_period_s,
             "rebased": f.rebased,
-        }, None if censored else (latency if latency is not None else now - f.tick_s))
+        }, observed)
         if not censored:
-            observed = latency if latency is not None else now - f.tick_s
             self.admission.advance(now, len(self._active))  # the controller closes its intervals here
             self.admission.observe(now, observed, frames=1, silent=int(silent))
 

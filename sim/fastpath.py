@@ -156,7 +156,7 @@ def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f,
     return nrows
 
 
-@nb.njit(cache=True, _nrt=True)  # (it allocates: never compiled without reference counting)
+@compiled.counted  # (it allocates)
 def _wheel(live, state, pslot, next_frame, phase, P):
     """The sessions by phase slot (slot k's: ``who[start[k]:start[k + 1]]``) and each slot's next tick: the live
     ones, and those yet to arrive in the span (they tick once they arrive, :func:`_arrive`).
@@ -753,10 +753,8 @@ def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state
 
 # Without numba's reference counting: the turn handed on the loop's arrays (borrowed, without an owner) at some 330
 # increments and decrements, no-ops but calls all the same, ~10 % of a run. So nothing it calls may allocate or
-# return a view (its sorts work in buffers the span owns: _sort_in_place, serving.key_order_in). numba compiles a
-# callee first met inside it with its flags, so every compiled function that allocates says `_nrt=True` itself
-# (all of serving's, control_kernel's and jitter_kernel's, and this module's that do): a fresh cache then compiles
-# the same code whichever caller comes first.
+# return a view (its sorts work in buffers the span owns: _sort_in_place, serving.key_order_in); what allocates, and
+# everything it reaches in other modules, is made with compiled.counted, which keeps the counting.
 @nb.njit(cache=True, _nrt=False)
 def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame, backlog,
           inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_frames,
@@ -909,7 +907,7 @@ def _record_step(st_i, k, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, sile
     st_i[Q_RUNNING, k], st_i[Q_WAITING, k], st_i[Q_PRE, k] = fc[C_NRUN] - fc[C_NPF], fc[C_NWAIT], n_vic
 
 
-@nb.njit(cache=True, _nrt=True)  # (it allocates: never compiled without reference counting)
+@compiled.counted  # (it allocates)
 def _queued_behind(live, state, inflight, backlog):
     """Running sessions with frames queued and none in the engine (a step-by-step turn leaves none)."""
     ready = np.empty(live.size, np.int64)
@@ -978,7 +976,7 @@ def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slot
     return lat, TURN_CALLER if plain else STEP_TAKEN
 
 
-@nb.njit(cache=True, _nrt=True)  # (it allocates: never compiled without reference counting)
+@compiled.counted  # (it allocates)
 def _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, n_answers, n_slots):
     """What a span keeps besides the caller's arrays: the wheel over the phase slots, the sessions a turn visits,
     those with frames queued, the running ones (lockstep), room for a step's ``n_answers`` answers and, for the

@@ -409,8 +409,9 @@ def token_id_errors(eng: FakeEngine, sink_tokens: int = 0,
                     errors.append(f"{rid}: chunk starts with {toks[0]}, not the sampled {held[rid][-1]}")
                 held[rid] = held[rid][:-1] + list(toks)
                 continue
-            prev = gone.pop(sid, None) if sid not in current else held.get(current[sid])
-            if kind.startswith("p") and prev is not None and sid not in current and rid not in rebased:
+            aborted = sid not in current  # (a request lost with its engine was never aborted)
+            prev = gone.pop(sid, None) if aborted else held.get(current[sid])
+            if kind.startswith("p") and prev is not None and aborted and rid not in rebased:
                 checked["readmit"] += 1
                 if toks[:len(prev)] != prev:
                     errors.append(f"{rid}: readmission prompt does not start with the {len(prev)} ids it held")
