@@ -179,11 +179,12 @@ class FrontEnd:
             t = min(t, self.now + self.gate.poll_s)
         return t
 
-    def _add(self, i: int, prompt_tokens: int, max_tokens: int) -> int:
-        """A new engine request for session ``i``: its whole prompt, ``max_tokens`` to sample."""
+    def _add(self, i: int, prompt_tokens: int, max_tokens: int, origin: serving.Origin) -> int:
+        """A new engine request for session ``i``: its whole prompt, ``max_tokens`` to sample; ``origin`` says what
+        it is (an engine of token ids builds them from it)."""
         r = self.next_rid
         self.next_rid += 1
-        slot = self.model.add(r, prompt_tokens, max_tokens)
+        slot = self.model.add(r, prompt_tokens, max_tokens, origin=origin)
         self._fit_slots(slot + 1)
         self.rid[i], self.slot[i] = r, slot
         self.by_rid[r] = i
@@ -281,7 +282,9 @@ class FrontEnd:
 
     def _readmit(self, i: int, now: float) -> None:
         """A session that lost its place comes back as a new request whose prompt is its whole history."""
-        prompt = int(self.hist[i] + self.pending_in[i])
+        history = int(self.hist[i])
+        prompt = history + int(self.pending_in[i])
+        origin = serving.Origin(i, "readmit", history, prompt)
         self.pending_in[i] = 0
         if not serving.frame_fits(prompt + self.tpf, self.maxlen):
             if self.outcome == "finish":
@@ -291,7 +294,7 @@ class FrontEnd:
             prompt = min(prompt, self.keep_tokens)
             self.s_rebase[i] += 1
         self.hist[i] = prompt
-        self._add(i, prompt, 1)  # its one sampled token starts the next chunk
+        self._add(i, prompt, 1, origin)  # its one sampled token starts the next chunk
         self.state[i] = PREFILL
         self.work_step[i] = self.model.steps
 
@@ -382,16 +385,18 @@ class FrontEnd:
         """Hand the oldest due frame to the engine (rebased or finished at the length limit)."""
         f = int(self.next_frame[i] - self.backlog[i])
         chunk = (1 if self.started[i] else self.prompt) + int(self.pending_in[i]) + self.n_in
+        origin = serving.Origin(i, "first", 0, chunk)
         if not serving.frame_fits(int(self.hist[i]) + chunk + self.n_out, self.maxlen):
             if self.outcome == "finish":
                 self._end(i, now, EndReason.LENGTH)
                 return
+            origin = serving.Origin(i, "rebase", int(self.hist[i]), chunk)
             kept, chunk = serving.rebase_counts(int(self.hist[i]), chunk, self.n_out, self.keep_tokens, self.maxlen)
             self._drop_rid(i)
             self.hist[i] = kept
             self.s_rebase[i] += 1
         if self.slot[i] < 0:
-            sl = self._add(i, int(self.hist[i]) + chunk, self.n_out)
+            sl = self._add(i, int(self.hist[i]) + chunk, self.n_out, origin)
         else:
             sl = int(self.slot[i])
             self.model.append(int(self.rid[i]), chunk, self.n_out)
@@ -408,6 +413,7 @@ class FrontEnd:
 
     def _end(self, i: int, now: float, reason: str) -> None:
         self._drop_rid(i)
+        self.model.session_ended(i)
         self.stalled = False
         if self.state[i] == WAITING and i in self.waiting:
             self.waiting.remove(i)

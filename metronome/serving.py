@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -754,6 +755,24 @@ class StepRecord:
         return int(self.tokens.sum())
 
 
+class Origin(NamedTuple):
+    """What a new request is, as the front end hands it to its engine (:meth:`EngineModel.add`). The model counts
+    tokens and ignores it; an engine of token ids (``metronome.probe.slot_engine``, a live session's vLLM requests)
+    builds the request's ids from it and checks that its ids and the front end's counts agree.
+
+    ``session``: the front end's session; ``kind``: ``"first"`` (its first frame: prompt and input), ``"readmit"``
+    (a restart after its request was aborted: the ids that request held, then the input of the frames it heard as
+    silence) or ``"rebase"`` (its frame did not fit ``max_model_len``: what the policy keeps of the history, then the
+    frame's chunk, the re-fed token first); ``history``: the tokens of the session's history the request is built
+    from (for a rebase, before the token sampled last); ``tokens``: the request's tokens before any rebase cut them
+    down (for a rebase, the frame's chunk)."""
+
+    session: int
+    kind: str
+    history: int
+    tokens: int
+
+
 class EngineModel:
     """vLLM v1's scheduler and KV cache manager for streaming sessions, at block granularity.
 
@@ -817,7 +836,9 @@ class EngineModel:
         return dict(zip(RULES, self.reached_a.tolist()))
 
     # -- the engine interface ------------------------------------------------------------------------
-    def add(self, rid, prompt_tokens: int, max_tokens: int) -> int:
+    def add(self, rid, prompt_tokens: int, max_tokens: int, origin: Origin | None = None) -> int:
+        """A new request of ``prompt_tokens`` tokens, to sample ``max_tokens`` (``origin``: see :class:`Origin`);
+        returns its slot."""
         if rid in self._slot_of:
             raise MetronomeError(f"request {rid!r} already exists")
         if prompt_tokens < 1 or max_tokens < 1:
@@ -850,6 +871,10 @@ class EngineModel:
     def abort(self, rid) -> None:
         abort_slot(self._slot_of.pop(rid), self.cnt, self.status_a, self.slots_a, self.held_a, self.run_a,
                    self.kw_a, self.wq_a)
+
+    def session_ended(self, session: int) -> None:
+        """The front end's ``session`` is over: nothing will restart from its requests. The model keeps nothing by
+        session; an engine of token ids forgets the ids it kept for a restart."""
 
     def forget(self, rid) -> None:
         """Forget request ``rid``, whose slot the simulator's compiled loop has already aborted in the arrays

@@ -92,7 +92,7 @@ class VllmBackend(Recorded):
     def _slots(self, rids) -> np.ndarray:
         return np.array([self.slot_of[r] for r in rids], dtype=np.int64)
 
-    def add(self, rid, prompt_tokens, max_tokens):
+    def add(self, rid, prompt_tokens, max_tokens, origin=None):
         self.h.add(str(rid), prompt_tokens, max_tokens)
         self.slot_of[rid] = len(self.rid_of)
         self.rid_of.append(rid)
@@ -108,6 +108,9 @@ class VllmBackend(Recorded):
 
     def abort(self, rid):
         self.h.abort(str(rid))
+
+    def session_ended(self, session):
+        pass
 
     def status(self, rid):
         r = self.h.scheduler.requests.get(str(rid))

@@ -1,0 +1,186 @@
+"""A driven engine in slots: what the front end asks of an engine, answered over vLLM's request ids and token ids.
+
+:class:`metronome.front_end.FrontEnd` decides on counts and talks to its engine in slots, with
+:class:`metronome.serving.EngineModel`'s interface (``add``, ``append``, ``append_many``, ``abort``, ``step`` ->
+:class:`metronome.serving.StepRecord`, ``free_blocks``, ``waiting_of``, ...). A live engine
+(:class:`metronome.probe.engine.DrivenEngine`: vLLM in process, on its own loop, or the tests' fake) takes request
+ids and token ids. :class:`SlotEngine` stands between them:
+
+* **Slots and names.** Each request the front end adds gets the next slot (slots are never reused) and a name
+  vLLM sees: ``s<i>`` for session ``i``'s first request, ``s<i>.p<n>`` for a readmission, ``s<i>.r<n>`` for a
+  rebase (a readmission the length limit cut down included), ``n`` counting the session's requests.
+* **Token ids.** It keeps the ids each live request holds, exactly as vLLM holds them (the prompt, each chunk after
+  vLLM dropped the re-fed token, every sampled id), and the ids of each session's last aborted request, so that
+  a new request can be built from what the old one held (:class:`metronome.serving.Origin` says which new request
+  it is). Fresh ids (a prompt, a frame's input, the input of frames heard as silence) come from ``fresh(session,
+  n)``: drawn at random by the load generator, a client's own by a server. A rebase keeps the ids
+  :func:`metronome.serving.rebase_request_ids` says, the count rule's own statement on ids.
+* **Checks.** Every new request's ids must number what the front end counted, and be built from a history as
+  long as the front end's; :meth:`SlotEngine.check` compares every live request's ids with the engine's token
+  count. A front end whose counts drift from the engine fails there, not in a wrong prompt sent to vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from metronome import serving
+from metronome.errors import MetronomeError
+from metronome.kv_policy import KVPolicy
+from metronome.serving import EngineLimits, Origin, StepRecord
+
+_LIVE = "live"  # status of a request the engine holds (the front end only asks whether it holds one)
+
+
+class SlotEngine:
+    """``engine`` (a :class:`metronome.probe.engine.DrivenEngine`) in slots, for ``FrontEnd``. ``keep_tokens``:
+    what a rebase keeps (``serving.rebase_keep_tokens``); ``fresh(session, n)``: ``n`` new input ids."""
+
+    def __init__(self, engine, policy: KVPolicy, limits: EngineLimits, keep_tokens: int,
+                 fresh: Callable[[int, int], list[int]]):
+        self.engine, self.policy, self.limits = engine, policy, limits
+        self.keep = int(keep_tokens)
+        self.fresh = fresh
+        self.rid_of: list = []  # slot -> the front end's request id
+        self.name_of: list[str] = []  # slot -> the engine's request id
+        self.session_of: list[int] = []  # slot -> the front end's session
+        self._slot_of: dict = {}  # live request id -> slot
+        self._slot_by_name: dict[str, int] = {}  # live engine request id -> slot
+        self.held: dict[int, list[int]] = {}  # live slot -> the ids its request holds
+        self.gone: dict[int, list[int]] = {}  # session -> the ids its last aborted request held
+        self.requests: dict[int, int] = {}  # session -> requests it has had
+        self.steps = 0
+        self.used = 0  # blocks held after the last step
+        self.last_info = None  # the engine's report of the last step (a live front end reads its times, its ids)
+
+    # -- new requests ------------------------------------------------------------------------------------
+    def _ids(self, prompt_tokens: int, max_tokens: int, o: Origin) -> tuple[list[int], str]:
+        """The ids of ``o``'s new request and the letter of its name."""
+        i = o.session
+        prev = self.gone.pop(i, [])
+        if o.kind == "first":
+            if prev:
+                raise MetronomeError(f"session {i}: a first request after one was aborted")
+            ids, tag = self.fresh(i, o.tokens), ""
+        elif o.kind == "readmit":  # everything the aborted request held, then the input heard as silence
+            if len(prev) != o.history:
+                raise MetronomeError(f"session {i}: readmitted with a history of {o.history} tokens; its request "
+                                     f"held {len(prev)}")
+            ids, tag = prev + self.fresh(i, o.tokens - o.history), "p"
+            if prompt_tokens < len(ids):  # past max_model_len: what a rebase keeps of it
+                ids, tag = serving.rebase_ids(self.policy, ids, self.keep), "r"
+        elif o.kind == "rebase":  # the history before the token sampled last, then the chunk re-feeding that token
+            history, head = (prev[:-1], prev[-1:]) if prev else ([], [])
+            if len(history) != o.history:
+                raise MetronomeError(f"session {i}: rebased with a history of {o.history} tokens; its request "
+                                     f"held {len(history)} before the token it sampled last")
+            chunk = head + self.fresh(i, o.tokens - len(head))
+            kept, chunk = serving.rebase_request_ids(self.policy, history, chunk, max_tokens, self.keep,
+                                                     self.limits.max_model_len)
+            ids, tag = kept + chunk, "r"
+        else:
+            raise MetronomeError(f"unknown kind of request {o.kind!r}")
+        if len(ids) != prompt_tokens:
+            raise MetronomeError(f"session {i}: a {o.kind} request of {len(ids)} ids where the front end counted "
+                                 f"{prompt_tokens}")
+        return ids, tag
+
+    def add(self, rid, prompt_tokens: int, max_tokens: int, origin: Origin | None = None) -> int:
+        if origin is None:
+            raise MetronomeError("a live engine needs each request's origin to build its token ids")
+        ids, tag = self._ids(prompt_tokens, max_tokens, origin)
+        i = origin.session
+        n = self.requests.get(i, 0)
+        self.requests[i] = n + 1
+        name = f"s{i}" if not n and not tag else f"s{i}.{tag or 'p'}{n}"
+        self.engine.append(name, ids, max_tokens)
+        s = len(self.rid_of)
+        self.rid_of.append(rid)
+        self.name_of.append(name)
+        self.session_of.append(i)
+        self._slot_of[rid] = s
+        self._slot_by_name[name] = s
+        self.held[s] = list(ids)
+        return s
+
+    # -- the next frame, and the end of a request ------------------------------------------------------------
+    def append(self, rid, chunk_tokens: int, max_tokens: int) -> None:
+        """The next frame's ``chunk_tokens`` for a paused request: the token it sampled last (vLLM dropped it from
+        the request: it is re-fed), then fresh input."""
+        s = self._slot_of[rid]
+        held = self.held[s]
+        ids = held[-1:] + self.fresh(self.session_of[s], chunk_tokens - 1)
+        self.engine.append(self.name_of[s], ids, max_tokens)
+        held[-1:] = ids
+
+    def append_many(self, slots: np.ndarray, chunk_tokens, max_tokens: int) -> None:
+        for s, k in zip(slots.tolist(), np.broadcast_to(chunk_tokens, slots.shape).tolist()):
+            self.append(self.rid_of[s], k, max_tokens)
+
+    def abort(self, rid) -> None:
+        """Abort request ``rid``; its ids are kept for the session's next request (a readmission or a rebase starts
+        from them) until the session ends."""
+        s = self._slot_of.pop(rid)
+        name = self.name_of[s]
+        del self._slot_by_name[name]
+        self.engine.abort(name)
+        self.gone[self.session_of[s]] = self.held.pop(s)
+
+    def session_ended(self, session: int) -> None:
+        self.gone.pop(session, None)
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def step(self) -> StepRecord:
+        info = self.engine.step()
+        self.steps += 1
+        self.last_info = info
+        if info.finished:
+            raise MetronomeError(f"the engine finished {info.finished} on its own: a streaming request only pauses")
+        by = self._slot_by_name
+        slots = np.array([by[n] for n in info.scheduled], dtype=np.int64)
+        sampled = []
+        for n, toks in info.outputs.items():
+            s = by[n]
+            self.held[s].extend(toks)
+            sampled.append(s)
+        self.used = self.engine.pool().used_blocks
+        rec = StepRecord(slots, np.array(list(info.scheduled.values()), dtype=np.int64),
+                         preempted=[self.rid_of[by[n]] for n in info.preempted], used_blocks=self.used,
+                         sampled_slots=np.array(sampled, dtype=np.int64), rid_of=self.rid_of)
+        # the context the step model prices: what the policy keeps of each scheduled request after the step
+        computed = np.array([info.computed[n] for n in info.scheduled], dtype=np.int64)
+        rec.context_tokens = int(self.policy.resident_tokens(computed).sum())
+        return rec
+
+    # -- what the front end reads ------------------------------------------------------------------------
+    def status(self, rid) -> str | None:
+        return _LIVE if rid in self._slot_of else None
+
+    def free_blocks(self) -> int:
+        return self.engine.pool().free_blocks
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def tokens_of(self, rid) -> int:
+        return self.engine.tokens_of(self.name_of[self._slot_of[rid]])
+
+    def computed(self, rid) -> int:
+        return self.engine.computed_tokens(self.name_of[self._slot_of[rid]])
+
+    def blocks_of(self, rid) -> int:
+        return self.engine.blocks_of(self.name_of[self._slot_of[rid]])
+
+    def held_of(self, slots: np.ndarray) -> np.ndarray:
+        return np.array([self.engine.blocks_of(self.name_of[s]) for s in slots.tolist()], dtype=np.int64)
+
+    def waiting_of(self, slots: np.ndarray) -> np.ndarray:
+        return np.array([self.engine.is_scheduled_waiting(self.name_of[s]) for s in slots.tolist()], dtype=bool)
+
+    def check(self) -> None:
+        """Every live request's ids are as many as the engine's tokens (vLLM keeps its own books)."""
+        for s, ids in self.held.items():
+            n = self.engine.tokens_of(self.name_of[s])
+            assert len(ids) == n, f"{self.name_of[s]}: {len(ids)} ids kept, the engine holds {n} tokens"
