@@ -422,16 +422,19 @@ def _tokens_to_frames(now, sampled, n_sam, n_out, sess_of_slot, pslot, inflight,
 
 
 @nb.njit(cache=True)
-def _victims(lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot, sess_of_slot, state, inflight, work_step,
-             admit_seq, backlog, scr, vic):
+def _victims(lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n, sslot, sess_of_slot, state, inflight,
+             work_step, admit_seq, backlog, scr, vic):
     """FrontEnd._preempt_after_step's choice, after a step that scheduled something (a stall is the caller's):
     the sessions whose requests the engine preempted, then the deadlock rule's victims (serving.deadlock_pick)
     among the sessions still in the engine, the starved ones' need asked of serving.resume_need. Written to
-    ``vic`` in the order they are preempted; ``scr`` is scratch, a row per slot. Returns (how many, an upper bound
-    of the frames they will be owed: their frame in flight and those queued)."""
+    ``vic`` in the order they are preempted; ``scr`` is scratch, a row per slot, its marks all 0 between calls.
+    Returns (how many, an upper bound of the frames they will be owed: their frame in flight and those queued).
+
+    A starved request waits in the engine (EngineModel.waiting_of), so it is in the kv-holding or the waiting
+    queue: the starved ones' need is summed over those two queues, and only when it exceeds the free blocks (the
+    rule takes victims) are the slots scanned for every session in the engine. Past N* a step leaves requests
+    waiting every time, and a scan of every slot the run ever used, each step, was the loop's cost."""
     mark, who, need, seq, hl, order = scr[0], scr[1], scr[2], scr[3], scr[4], scr[5]
-    n_slots = cnt[E_NEXT]
-    mark[:n_slots] = 0
     n_vic = 0
     owed = 0
     free = lim[L_NB] - cnt[E_USED]
@@ -447,27 +450,49 @@ def _victims(lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot, ses
         if mark[o_s[j]] == 0:
             mark[o_s[j]] = 1
     step_no = cnt[E_STEPS] - 1
-    k = 0
-    for sl in range(n_slots):  # every session with a request in the engine
-        if mark[sl] == 2 or status[sl] == 0:
-            continue
-        i = sess_of_slot[sl]
-        if sslot[i] != sl:
-            continue
-        n = 0
-        st = status[sl]
-        if ((inflight[i] >= 0 or state[i] == PREFILL_STATE) and work_step[i] <= step_no and mark[sl] == 0
-                and (st == W_CODE or st == X_CODE)):  # (EngineModel.waiting_of)
-            n = resume_need(ntok[sl], computed[sl], held[sl], lim[L_BS], lim[L_CAP], lim[L_SINKB], lim[L_WINDOW])
-        who[k], need[k], seq[k], hl[k] = i, n, admit_seq[i], held[sl]
-        k += 1
-    m = deadlock_pick(need[:k], seq[:k], hl[:k], free, False, order)
-    for q in range(m):
-        i = who[order[q]]
-        vic[n_vic] = i
-        n_vic += 1
-        owed += 1 + backlog[i]
+    total = 0
+    n_kw = cnt[E_KW]
+    for q in range(n_kw + cnt[E_WQ]):
+        sl = kw[q] if q < n_kw else wq[q - n_kw]
+        if mark[sl] == 0:
+            total += _starved_need(sl, lim, status, computed, ntok, held, sslot, sess_of_slot, state, inflight,
+                                   work_step, step_no)
+    if total > free:
+        k = 0
+        for sl in range(cnt[E_NEXT]):  # every session with a request in the engine
+            if mark[sl] == 2 or status[sl] == 0:
+                continue
+            i = sess_of_slot[sl]
+            if sslot[i] != sl:
+                continue
+            n = 0 if mark[sl] else _starved_need(sl, lim, status, computed, ntok, held, sslot, sess_of_slot, state,
+                                                 inflight, work_step, step_no)
+            who[k], need[k], seq[k], hl[k] = i, n, admit_seq[i], held[sl]
+            k += 1
+        m = deadlock_pick(need[:k], seq[:k], hl[:k], free, False, order)
+        for q in range(m):
+            i = who[order[q]]
+            vic[n_vic] = i
+            n_vic += 1
+            owed += 1 + backlog[i]
+    for j in range(o_n[O_PRE]):  # (the marks back to 0, without touching every slot)
+        mark[o_pre[j]] = 0
+    for j in range(o_n[O_SCHED]):
+        mark[o_s[j]] = 0
     return n_vic, owed
+
+
+@nb.njit(cache=True)
+def _starved_need(sl, lim, status, computed, ntok, held, sslot, sess_of_slot, state, inflight, work_step, step_no):
+    """Blocks request ``sl`` is starved for (serving.resume_need), 0 if it is not starved: its session's work (a
+    frame, or a re-prefill) was handed over before the step, and it waits in the engine (EngineModel.waiting_of).
+    The caller has ruled out a request scheduled or preempted in the step."""
+    i = sess_of_slot[sl]
+    st = status[sl]
+    if (sslot[i] == sl and (inflight[i] >= 0 or state[i] == PREFILL_STATE) and work_step[i] <= step_no
+            and (st == W_CODE or st == X_CODE)):
+        return resume_need(ntok[sl], computed[sl], held[sl], lim[L_BS], lim[L_CAP], lim[L_SINKB], lim[L_WINDOW])
+    return 0
 
 
 @nb.njit(cache=True)
@@ -993,16 +1018,16 @@ def _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, loc
 
 
 @nb.njit(cache=True)
-def _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot, sess_of_slot, state,
-              inflight, work_step, admit_seq, backlog, scr, vic, n_pend, pend, n_new, new_i):
+def _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n, sslot, sess_of_slot,
+              state, inflight, work_step, admit_seq, backlog, scr, vic, n_pend, pend, n_new, new_i):
     """After _engine_step said ``turned``: a step the front end reacts to (STEP_TAKEN) that scheduled something,
     with a front end that steps vLLM itself, is taken on here (its victims chosen: :func:`_victims`) when the span
     has room for the frames they will be owed and the requests they give up; the rest is the caller's (a stall, or
     vLLM's own loop seeing nothing). Returns (the victims, TURN_CALLER, or ``turned`` as it was)."""
     if turned != STEP_TAKEN or iconf[I_SEES] == 0 or o_n[O_SCHED] == 0:
         return 0, turned
-    n_vic, owed = _victims(lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot, sess_of_slot, state,
-                           inflight, work_step, admit_seq, backlog, scr, vic)
+    n_vic, owed = _victims(lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n, sslot, sess_of_slot,
+                           state, inflight, work_step, admit_seq, backlog, scr, vic)
     if (o_n[O_SAM] + n_pend + owed > iconf[I_ANSCAP] or n_pend + owed > pend.shape[0]
             or n_new + n_vic > new_i.size):
         return 0, STEP_TAKEN
@@ -1071,9 +1096,9 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                                    sframe, jit, jz, ja, jb, jp, jr)
         n_vic = 0
         if turned == STEP_TAKEN:  # the front end reacts to the step: here, if it can
-            n_vic, turned = _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, o_s, o_pre, o_n, sslot,
-                                      sess_of_slot, state, inflight, work_step, admit_seq, backlog, scr, vic, n_pend,
-                                      pend, n_new, new_i)
+            n_vic, turned = _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n,
+                                      sslot, sess_of_slot, state, inflight, work_step, admit_seq, backlog, scr, vic,
+                                      n_pend, pend, n_new, new_i)
         idle = idle and turned == TURN_TAKEN  # (TURN_TAKEN: the step is the step-by-step path's to take)
         if turned != TURN_CALLER:  # (SimPy stops a run during a step that outlives it; STEP_TAKEN: it took `lat`)
             fstate[1] = now + lat if turned == PAST_HORIZON else lat
