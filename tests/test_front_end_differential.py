@@ -194,6 +194,19 @@ def random_scenario(k: int):
         aimd_params=aimd, **work, **params)
 
 
+def random_scenarios(n: int):
+    """The first ``n`` scenarios of the random family, as (k, scenario)."""
+    k = found = 0
+    while found < n:
+        k += 1
+        try:
+            sc = random_scenario(k)
+        except MetronomeError:  # a pool too small for one session's first frame: not a scenario
+            continue
+        found += 1
+        yield k, sc
+
+
 N_SCENARIOS = 240
 # what the random family must reach between its scenarios, each at least REACH times (counted by scenario)
 MUST_REACH = ("preempt:engine", "preempt:pool_dry", "preempt:stall", "readmit", "rebase", "end:departed",
@@ -222,14 +235,7 @@ def reached(sc, live, sim) -> set[str]:
 
 def test_the_driver_and_the_simulator_serve_alike_on_random_scenarios():
     seen, regimes, ids = Counter(), Counter(), Counter()
-    k = n = 0
-    while n < N_SCENARIOS:
-        k += 1
-        try:
-            sc = random_scenario(k)
-        except MetronomeError:  # a pool too small for one session's first frame: not a scenario
-            continue
-        n += 1
+    for _, sc in random_scenarios(N_SCENARIOS):
         live, sim = compare(sc)
         regimes[sc.phases, sc.loop] += 1
         seen.update(reached(sc, live, sim))
