@@ -208,6 +208,17 @@ class FrontEnd:
             self.rid[i] = self.slot[i] = -1
 
     # ----------------------------------------------------------------------------------------------- the turn
+    def _steps_now(self) -> bool:
+        """Whether the engine is stepped now: it has work, and its last step did not stall on it (scheduled nothing
+        and freed nothing: stepping again would spin until an event changes something)."""
+        return self.model.has_work() and not self.stalled
+
+    def _idle_until(self) -> float:
+        """No step now: the front end waits for its next event (a tick, an arrival, a departure, the gate's poll,
+        the horizon), and the turn at it is not "right after" a step, so it may admit. Returns when that is."""
+        self.preempted_last = False
+        return min(self._next_tick(), self._next_event_time())
+
     def _next_tick(self) -> float:
         live = (self.state >= WAITING) & (self.state <= RUNNING)
         if not live.any():

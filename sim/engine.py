@@ -144,7 +144,7 @@ class SimEngine(FrontEnd):
                             turned = paused = False
                         continue
             turned = paused = False
-            if self.model.has_work() and not self.stalled:
+            if self._steps_now():
                 start = self.now
                 lat, rec = self._step(start)
                 end = start + lat
@@ -152,9 +152,8 @@ class SimEngine(FrontEnd):
                 self.now = end
                 self._after_step(start, lat, rec)
             else:
-                self.preempted_last = False  # no step ran: the next admission is not "right after" one
                 self.idle = True
-                until = min(self._next_tick(), self._next_event_time())
+                until = self._idle_until()
                 if until <= self.now:  # nothing left to wait for (a stalled engine with no event): give up time
                     until = self.horizon
                 yield env.timeout(max(0.0, until - env.now))
