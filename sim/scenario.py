@@ -43,6 +43,9 @@ class Scenario:
     admission_label: str = "none"
     phases: str = "independent"  # serving.PHASES: each client on its own clock, or all in lockstep
     loop: str = "driver"  # serving.LOOPS: the front end steps vLLM, or is a client of vLLM's own loop
+    # the step jitter's own seed (None: ``seed``): the same workload and phases with another draw of the engine's
+    # jitter, as validate asks how far one draw's latency lands from another's
+    jitter_seed: int | None = None
 
     def __post_init__(self):
         serving.check_phases(self.phases)
@@ -54,7 +57,8 @@ class Scenario:
         if self.policy.block_size != self.calibration.engine.block_size_tokens:
             raise MetronomeError("the KV policy's block size differs from the calibration's")
         fm = FillModel(self.calibration, self.policy, self.phases)
-        one = self.policy.resident_blocks(self.calibration.stream.prompt_tokens + self.calibration.stream.kv_tokens_per_frame)
+        st = self.calibration.stream
+        one = self.policy.resident_blocks(st.prompt_tokens + st.kv_tokens_per_frame)
         if fm.usable_blocks < int(one):
             raise MetronomeError(
                 f"the pool ({fm.usable_blocks} usable blocks) is too small for one session's first frame")
@@ -112,7 +116,8 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
     controller = sc.admission() if callable(sc.admission) else None
     eng = SimEngine(env, sc.calibration, sc.policy, arrival, duration, sc.horizon_s, sc.deadline,
                     controller=controller, fast_forward=fast_forward, check_invariants=check_invariants,
-                    seed=sc.seed, phase_slot=draw_phases(arrival.size, sc.phases, sc.seed), phases=sc.phases,
+                    seed=sc.seed if sc.jitter_seed is None else sc.jitter_seed,
+                    phase_slot=draw_phases(arrival.size, sc.phases, sc.seed), phases=sc.phases,
                     loop=sc.loop, **({"engine_model": engine_model} if engine_model is not None else {}))
     eng.start()
     stopped = None
