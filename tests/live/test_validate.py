@@ -173,12 +173,16 @@ def test_outputs_and_table(validated):
         assert (out / policy / "sim" / "summary.json").is_file()
         p = summary["policies"][policy]
         for k in ("p50_frame_latency_s", "p99_frame_latency_s"):
-            assert set(p[k]) == {"live", "simulated", "relative_error", "simulated_scaled",
-                                 "relative_error_scaled"} and p[k]["live"] > 0
+            assert set(p[k]) == {"live", "simulated", "relative_error", "simulated_scaled", "relative_error_scaled",
+                                 "simulated_over_seeds", "live_within_seed_range"} and p[k]["live"] > 0
+            # the simulator's range over draws of its jitter holds its own first draw, the one compared
+            rng = p[k]["simulated_over_seeds"]
+            assert rng["min"] <= p[k]["simulated"] <= rng["max"] and rng["seeds"] == 20, rng
+            assert p[k]["live_within_seed_range"] == (rng["min"] <= p[k]["live"] <= rng["max"])
         assert set(p["silent_frame_fraction"]) == {"live", "simulated"}
     assert (out / "calibration" / "calibration.json").is_file()
     assert summary["policies"]["unbounded"]["cliff_simulated"]  # the simulator sees the same cliff
-    assert "t_sat live" in res.stdout and "unbounded" in res.stdout
+    assert "t_sat live" in res.stdout and "unbounded" in res.stdout and "p99 sim range ms" in res.stdout
     # the report's reader accepts it
     from metronome.report.live import read_live
 
