@@ -396,17 +396,18 @@ class FrontEnd:
         """Hand the oldest due frame to the engine (rebased or finished at the length limit)."""
         f = int(self.next_frame[i] - self.backlog[i])
         chunk = (1 if self.started[i] else self.prompt) + int(self.pending_in[i]) + self.n_in
-        origin = serving.Origin(i, "first", 0, chunk)
+        rebase = None
         if not serving.frame_fits(int(self.hist[i]) + chunk + self.n_out, self.maxlen):
             if self.outcome == "finish":
                 self._end(i, now, EndReason.LENGTH)
                 return
-            origin = serving.Origin(i, "rebase", int(self.hist[i]), chunk)
+            rebase = serving.Origin(i, "rebase", int(self.hist[i]), chunk)
             kept, chunk = serving.rebase_counts(int(self.hist[i]), chunk, self.n_out, self.keep_tokens, self.maxlen)
             self._drop_rid(i)
             self.hist[i] = kept
             self.s_rebase[i] += 1
         if self.slot[i] < 0:
+            origin = rebase if rebase is not None else serving.Origin(i, "first", 0, chunk)
             sl = self._add(i, int(self.hist[i]) + chunk, self.n_out, origin)
         else:
             sl = int(self.slot[i])

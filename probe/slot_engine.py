@@ -52,7 +52,6 @@ class SlotEngine:
         self.gone: dict[int, list[int]] = {}  # session -> the ids its last aborted request held
         self.requests: dict[int, int] = {}  # session -> requests it has had
         self.steps = 0
-        self.used = 0  # blocks held after the last step
         self.last_info = None  # the engine's report of the last step (a live front end reads its times, its ids)
 
     # -- new requests ------------------------------------------------------------------------------------
@@ -145,7 +144,6 @@ class SlotEngine:
             s = by[n]
             self.held[s].extend(toks)
             sampled.append(s)
-        self.used = self.engine.pool().used_blocks
         rec = StepRecord(slots, np.array(list(info.scheduled.values()), dtype=np.int64),
                          preempted=[self.rid_of[by[n]] for n in info.preempted], used_blocks=self.used,
                          sampled_slots=np.array(sampled, dtype=np.int64), rid_of=self.rid_of)
@@ -155,6 +153,11 @@ class SlotEngine:
         return rec
 
     # -- what the front end reads ------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        """Blocks held now (as ``EngineModel.used``: an abort since the last step shows)."""
+        return self.engine.pool().used_blocks
+
     def status(self, rid) -> str | None:
         return _LIVE if rid in self._slot_of else None
 
