@@ -60,6 +60,8 @@ class FrontEnd:
     last_tok: np.ndarray  # a sampled token not yet in the engine (re-fed next frame)
     pending_in: np.ndarray  # input of silent frames, not yet in the engine
     started: np.ndarray  # its first frame (with the prompt) went to the engine
+    prompt_of: np.ndarray  # the prompt its first frame carries
+    rebase_next: np.ndarray  # its KV was lost with the engine: its readmission is a rebase
     next_frame: np.ndarray  # the next tick it has not yet seen
     backlog: np.ndarray  # due frames not yet submitted (one frame in flight at a time)
     inflight: np.ndarray  # the frame in the engine (-1: none)
@@ -85,10 +87,12 @@ class FrontEnd:
     def __init__(self, model, policy: KVPolicy, limits: EngineLimits, stream, arrival_s: np.ndarray,
                  duration_s: np.ndarray, horizon_s: float, deadline_s: float, controller=None,
                  phase_slot: np.ndarray | None = None, phases: str = "aligned", loop: str = "driver",
-                 check_invariants: bool = False):
+                 check_invariants: bool = False, prompt_tokens: np.ndarray | None = None, cap: str | None = None,
+                 rebase_tokens: int | None = None):
         """``model``: the engine in slots; ``stream``: the frame shape (:class:`metronome.calibration.TokenStream`);
         ``loop``: ``serving.LOOPS``, whose loop steps the engine (does the front end see starved and preempted
-        sessions after each step?)."""
+        sessions after each step?); ``prompt_tokens``: each session's first-frame prompt, when not the stream's;
+        ``cap``, ``rebase_tokens``: at the length limit (``serving.length_outcome``, ``rebase_keep_tokens``)."""
         self.model, self.policy, self.limits = model, policy, limits
         self.horizon = float(horizon_s)
         self.deadline = float(deadline_s)
@@ -102,8 +106,8 @@ class FrontEnd:
         self.maxlen = limits.max_model_len
         self.num_blocks = limits.num_blocks
         self.cap_blocks = policy.admission_cap_blocks(limits.in_flight_tokens, self.maxlen)
-        self.outcome = serving.length_outcome(policy)
-        self.keep_tokens = serving.rebase_keep_tokens(policy, self.maxlen)
+        self.outcome = serving.length_outcome(policy, cap)
+        self.keep_tokens = serving.rebase_keep_tokens(policy, self.maxlen, unbounded=rebase_tokens)
 
         order = np.argsort(arrival_s, kind="stable")
         self.arrival = np.asarray(arrival_s, dtype=np.float64)[order]
@@ -119,6 +123,8 @@ class FrontEnd:
         if self.lockstep and self.pslot.any():
             raise ValueError("aligned phases: every session's phase is 0")
         self._init_sessions(M)
+        if prompt_tokens is not None:  # (vLLM rejects an empty chunk)
+            self.prompt_of[:] = np.maximum(np.asarray(prompt_tokens, dtype=np.int64)[order], 1)
 
         self.waiting: deque[int] = deque()  # the front end's FCFS queue (admitted by the gate, not in the engine)
         self.by_rid: dict[int, int] = {}
@@ -148,6 +154,26 @@ class FrontEnd:
         blocks held after it), after its answers (:meth:`_after_step`)."""
         raise NotImplementedError
 
+    # What only a live front end records (no-ops here): metronome.probe.driver's rows of each frame and event.
+    def _event(self, kind: str, i: int, t: float, **extra) -> None:
+        """Session ``i``'s ``kind`` (preempt, lost, readmit, rebase, prefilled) at ``t``."""
+
+    def _offered(self, i: int, decision: str) -> None:
+        """Session ``i`` was offered to the admission gate, which said ``decision``."""
+
+    def _submitted(self, idx, f, rebased: bool) -> None:
+        """Frames ``f`` of sessions ``idx`` went to the engine now (``rebased``: the frame restarted its session)."""
+
+    def _silenced(self, idx: np.ndarray, f: np.ndarray, state) -> None:
+        """Frames ``f`` of sessions ``idx`` will be answered silent: ``state`` at their tick (None: the sessions'
+        state now, a running one's tick before its place being a re-prefill's)."""
+
+    def _tokens_in(self, pre: np.ndarray, inf: np.ndarray) -> None:
+        """A step ended now: sessions ``pre`` finished their re-prefill, ``inf``'s frames got a token each."""
+
+    def _censored(self, i: int, f: np.ndarray, tokens: np.ndarray) -> None:
+        """Session ``i`` ended with frames ``f`` owed and not yet due (or the run ended): never answered."""
+
     # ---------------------------------------------------------------------------- sessions and their requests
     def _init_sessions(self, M: int) -> None:
         """The per-session arrays (declared on the class) for ``M`` sessions, and the per-slot ones."""
@@ -155,7 +181,8 @@ class FrontEnd:
         self.rid, self.slot, self.inflight, self.admit_seq = (np.full(M, -1, dtype=np.int64) for _ in range(4))
         self.hist, self.pending_in, self.next_frame, self.backlog, self.inflight_tok, self.work_step = (
             np.zeros(M, dtype=np.int64) for _ in range(6))
-        self.last_tok, self.started = np.zeros(M, dtype=bool), np.zeros(M, dtype=bool)
+        self.last_tok, self.started, self.rebase_next = (np.zeros(M, dtype=bool) for _ in range(3))
+        self.prompt_of = np.full(M, self.prompt, dtype=np.int64)
         self.running_since = np.zeros(M)
         self.s_frames, self.s_silent, self.s_late, self.s_tokens, self.s_preempt, self.s_rebase = (
             np.zeros(M, dtype=np.int64) for _ in range(6))
@@ -233,6 +260,7 @@ class FrontEnd:
             if self.arrival[i] >= self.horizon:
                 continue
             decision = self.gate.offer(i, self.arrival[i], now, self._in_flight())
+            self._offered(i, decision)
             if decision == "admit":
                 self._enter(i, float(self.arrival[i]))
             elif decision == "queue":
@@ -246,9 +274,10 @@ class FrontEnd:
             for i in admitted:
                 self._enter(i, now)
         while self.departures and self.departures[0][0] <= now:
-            t, i = heapq.heappop(self.departures)
-            if WAITING <= self.state[i] <= RUNNING:
+            i = self.departures[0][1]
+            if WAITING <= self.state[i] <= RUNNING:  # (taken off only once ended: a dying engine may interrupt)
                 self._end(i, now, EndReason.DEPARTED)
+            heapq.heappop(self.departures)
         self._admit(now)
         self._ticks(now)
         self._answer_silent(now)
@@ -267,10 +296,12 @@ class FrontEnd:
         heapq.heappush(self.departures, (t_enter + self.duration[i], i))
 
     def _request_tokens(self, i: int) -> int:
-        """Tokens the session's request will carry when (re)admitted: its first frame, or its history."""
+        """Tokens the session's request will carry when (re)admitted: its first frame, or its history (what a
+        rebase keeps of it, when its KV was lost with the engine)."""
         if not self.started[i]:
-            return self.prompt + int(self.pending_in[i]) + self.n_in
-        return int(self.hist[i] + self.pending_in[i])
+            return int(self.prompt_of[i] + self.pending_in[i]) + self.n_in
+        n = int(self.hist[i] + self.pending_in[i])
+        return min(n, self.keep_tokens) if self.rebase_next[i] else n
 
     def _admission_need(self, i: int) -> int:
         return serving.admission_need_blocks(self.policy, self._request_tokens(i), self.cap_blocks)
@@ -286,28 +317,39 @@ class FrontEnd:
                 self.admitted[i] = True
             if not self.started[i]:
                 # a new session: its first frame (prompt + input) is its prefill, submitted at its tick
+                self.rebase_next[i] = False  # (nothing was lost: it never reached an engine)
                 self.state[i] = RUNNING
                 self.running_since[i] = serving.frame_tick(self.next_frame[i], self.P, self.phase[i])
                 continue
             self._readmit(i, now)
 
     def _readmit(self, i: int, now: float) -> None:
-        """A session that lost its place comes back as a new request whose prompt is its whole history."""
+        """A session that lost its place comes back as a new request whose prompt is its whole history, or what a
+        rebase keeps of it (its KV lost with the engine, or the history past the length limit). Nothing changes
+        before the engine took the request (an engine that dies meanwhile finds the session as it was)."""
         history = int(self.hist[i])
         prompt = history + int(self.pending_in[i])
         origin = serving.Origin(i, "readmit", history, prompt)
-        self.pending_in[i] = 0
+        rebases = 0
+        if self.rebase_next[i]:
+            prompt = min(prompt, self.keep_tokens)
+            rebases += 1
+            self._event("rebase", i, now, prompt_tokens=prompt, kept_tokens=prompt, reason="engine_restart")
         if not serving.frame_fits(prompt + self.tpf, self.maxlen):
             if self.outcome == "finish":
-                self.hist[i] = prompt
+                self.hist[i], self.pending_in[i], self.rebase_next[i] = prompt, 0, False
+                self.s_rebase[i] += rebases
                 self._end(i, now, EndReason.LENGTH)
                 return
             prompt = min(prompt, self.keep_tokens)
-            self.s_rebase[i] += 1
-        self.hist[i] = prompt
+            rebases += 1
+            self._event("rebase", i, now, prompt_tokens=prompt, kept_tokens=prompt, reason="max_model_len")
         self._add(i, prompt, 1, origin)  # its one sampled token starts the next chunk
+        self.hist[i], self.pending_in[i], self.rebase_next[i] = prompt, 0, False
+        self.s_rebase[i] += rebases
         self.state[i] = PREFILL
         self.work_step[i] = self.model.steps
+        self._event("readmit", i, now, prompt_tokens=prompt)
 
     def _ticks(self, now: float) -> None:
         """Frames that came due: running sessions queue them (and submit one); the others hear silence."""
@@ -344,6 +386,7 @@ class FrontEnd:
         quiet = idx[~run]
         if quiet.size:
             self.pending_in[quiet] += self.n_in
+            self._silenced(quiet, f[~run], None)
             self._owe(quiet, f[~run], np.zeros(quiet.size, dtype=np.int64))
 
     def _queues(self, idx: np.ndarray, f: np.ndarray) -> np.ndarray:
@@ -366,6 +409,7 @@ class FrontEnd:
         np.add.at(self.backlog, who[run], 1)
         quiet = ~run
         np.add.at(self.pending_in, who[quiet], self.n_in)
+        self._silenced(who[quiet], f[quiet], None)
         self._owe(who[quiet], f[quiet], np.zeros(int(quiet.sum()), dtype=np.int64))
 
     def _submit_many(self, idx: np.ndarray, now: float) -> None:
@@ -389,26 +433,30 @@ class FrontEnd:
             self.serving_frame = max(self.serving_frame, int(f.max()))
             self.work_step[fast] = self.model.steps
             self.stalled = False
+            self._submitted(fast, f, False)
         for i in slow.tolist():
             self._submit(i, now)
 
     def _submit(self, i: int, now: float) -> None:
         """Hand the oldest due frame to the engine (rebased or finished at the length limit)."""
         f = int(self.next_frame[i] - self.backlog[i])
-        chunk = (1 if self.started[i] else self.prompt) + int(self.pending_in[i]) + self.n_in
-        rebase = None
-        if not serving.frame_fits(int(self.hist[i]) + chunk + self.n_out, self.maxlen):
+        chunk = (1 if self.started[i] else int(self.prompt_of[i])) + int(self.pending_in[i]) + self.n_in
+        rebased = not serving.frame_fits(int(self.hist[i]) + chunk + self.n_out, self.maxlen)
+        # (the engine takes the request before anything changes here: an engine that dies meanwhile finds the
+        # session as it was)
+        if rebased:
             if self.outcome == "finish":
                 self._end(i, now, EndReason.LENGTH)
                 return
-            rebase = serving.Origin(i, "rebase", int(self.hist[i]), chunk)
+            origin = serving.Origin(i, "rebase", int(self.hist[i]), chunk)
             kept, chunk = serving.rebase_counts(int(self.hist[i]), chunk, self.n_out, self.keep_tokens, self.maxlen)
             self._drop_rid(i)
+            sl = self._add(i, kept + chunk, self.n_out, origin)
             self.hist[i] = kept
             self.s_rebase[i] += 1
-        if self.slot[i] < 0:
-            origin = rebase if rebase is not None else serving.Origin(i, "first", 0, chunk)
-            sl = self._add(i, int(self.hist[i]) + chunk, self.n_out, origin)
+            self._event("rebase", i, now, prompt_tokens=kept + chunk, kept_tokens=kept)
+        elif self.slot[i] < 0:
+            sl = self._add(i, int(self.hist[i]) + chunk, self.n_out, serving.Origin(i, "first", 0, chunk))
         else:
             sl = int(self.slot[i])
             self.model.append(int(self.rid[i]), chunk, self.n_out)
@@ -422,6 +470,7 @@ class FrontEnd:
         self.serving_frame = max(self.serving_frame, f)
         self.work_step[i] = self.model.steps
         self.stalled = False
+        self._submitted((i,), (f,), rebased)
 
     def _end(self, i: int, now: float, reason: str) -> None:
         self._drop_rid(i)
@@ -444,8 +493,12 @@ class FrontEnd:
                             np.arange(first_q, int(self.next_frame[i]), dtype=np.int64)])
         tok = np.concatenate([np.array([x[1] for x in owed], dtype=np.int64), np.zeros(f.size - len(owed), np.int64)])
         due = serving.frame_tick(f, self.P, self.phase[i]) + self.deadline <= now + _EPS
+        if reason in serving.RUN_OVER:  # the run's last frames are left out, as finalize leaves them
+            due[:] = False
         if due.any():
             self._answer_many(np.full(int(due.sum()), i), f[due], tok[due])
+        if not due.all():
+            self._censored(i, f[~due], tok[~due])
         self.inflight[i], self.backlog[i] = -1, 0
         self.state[i] = ENDED
         self.s_ended[i], self.s_end_reason[i] = now, reason
@@ -513,6 +566,7 @@ class FrontEnd:
         self.state[pre] = RUNNING
         self.last_tok[pre] = True
         self.running_since[pre] = now
+        self._tokens_in(pre, inf)
         tokens_out = int(inf.size)
         self.inflight_tok[inf] += 1
         self.s_tokens[inf] += 1
@@ -523,11 +577,11 @@ class FrontEnd:
             self._answer_many(done, self.inflight[done], self.inflight_tok[done])
             self.inflight[done] = -1
         used = self.model.used
-        victims = self._preempt_after_step(rec, step_no)
+        victims = self._preempt_after_step(rec, step_no, start)
         if victims and self.t_sat is None:
             self.t_sat = start
         self.preempted_last = bool(victims)
-        if not rec.slots.size and not victims:
+        if not rec.batch and not victims:
             self.stalled = True
         self.peak_used = max(self.peak_used, used)
         self._answer_silent(now)
@@ -535,13 +589,14 @@ class FrontEnd:
         if self.check_invariants:
             self.assert_invariants()
 
-    def _preempt_after_step(self, rec, step_no: int) -> list[int]:
-        """The engine's own preemptions, then the deadlock rule's victims: each loses its place."""
+    def _preempt_after_step(self, rec, step_no: int, start: float) -> list[int]:
+        """The engine's own preemptions, then the deadlock rule's victims: each loses its place (dated at the
+        step's start, as t_sat is)."""
         out = []
         for r in (rec.preempted if self.sees_starvation else ()):  # else vLLM re-prefills it in its own queue
             i = self.by_rid.get(r)
             if i is not None:
-                self._preempt(i)
+                self._preempt(i, "engine", start)
                 out.append(i)
         m = self.model
         # starved: work handed over before this step, not scheduled in it, waiting in the engine
@@ -552,7 +607,7 @@ class FrontEnd:
             scheduled[rec.slots] = True
             sl = self.slot[cand]
             cand = cand[~scheduled[sl] & m.waiting_of(sl)]
-        stalled = not rec.slots.size and m.has_work()
+        stalled = not rec.batch and m.has_work()
         if not cand.size and not stalled:
             return out
         # the rule on arrays (serving.deadlock_pick, as the compiled loop asks it): every session in the engine, the
@@ -564,15 +619,32 @@ class FrontEnd:
             need[np.searchsorted(inside, i)] = serving.blocks_to_resume(self.policy, m.tokens_of(r), m.computed(r),
                                                                          m.blocks_of(r), self.cap_blocks)
         pick = np.empty(inside.size, dtype=np.int64)
+        free = m.free_blocks()
         n = serving.deadlock_pick(need, self.admit_seq[inside], m.held_of(self.slot[inside]).astype(np.int64),
-                                  np.int64(m.free_blocks()), np.bool_(stalled), pick)
+                                  np.int64(free), np.bool_(stalled), pick)
+        # why: the starved sessions need more than is free, or the step scheduled nothing at all
+        reason = "pool_dry" if cand.size and int(need.sum()) > free else "stall"
         for i in inside[pick[:n]].tolist():
-            self._preempt(i)
+            self._preempt(i, reason, start)
             out.append(i)
         return out
 
-    def _preempt(self, i: int) -> None:
-        """Recompute preemption at the session level: the request goes, the session waits at the queue's head."""
+    def _lose_all(self, now: float) -> int:
+        """The engine died, and every session's KV with it: each session it held (or was handing a request when
+        it died) loses its place without an abort and goes back to the head of the queue, the oldest admitted
+        first, to come back as a rebase. Returns how many."""
+        self.model.lost()
+        live = (self.state >= WAITING) & (self.state <= RUNNING)
+        live[list(self.waiting)] = False
+        lost = np.flatnonzero(live)
+        for i in lost[np.argsort(self.admit_seq[lost], kind="stable")][::-1].tolist():
+            self._preempt(i, "engine_died", now, lost=True)
+        self.preempted_last = False
+        return int(lost.size)
+
+    def _preempt(self, i: int, reason: str, t: float, lost: bool = False) -> None:
+        """Recompute preemption at the session level: the request goes, the session waits at the queue's head
+        (``reason``: ``engine``, ``pool_dry``, ``stall``; ``t``: when). ``lost``: the engine died with its KV."""
         self._drop_rid(i)
         if self.inflight[i] >= 0:  # its frame is answered with its tick's lockstep, with what it got
             tok = int(self.inflight_tok[i])
@@ -585,12 +657,18 @@ class FrontEnd:
         first_q = int(self.next_frame[i] - self.backlog[i])
         owed = np.arange(first_q, int(self.next_frame[i]), dtype=np.int64)  # due frames never submitted: silent
         self.pending_in[i] += self.n_in * owed.size
+        if owed.size:
+            self._silenced(np.full(owed.size, i), owed, WAITING)
         self._owe(np.full(owed.size, i), owed, np.zeros(owed.size, dtype=np.int64))
         self.backlog[i] = 0
         self.state[i] = WAITING
-        self.s_preempt[i] += 1
+        if lost:
+            self.rebase_next[i] = True
+        else:
+            self.s_preempt[i] += 1
         self.waiting.appendleft(i)
         self.stalled = False
+        self._event("lost" if lost else "preempt", i, t, reason=reason, history_tokens=int(self.hist[i]))
 
     # -------------------------------------------------------------------------------------------------- books
     def assert_invariants(self):

@@ -33,7 +33,7 @@ beside vLLM.
 not a preemption candidate, so when the pool runs dry at a frame boundary every resumed session waits for
 blocks that only a paused one could free, and the engine stalls (0 running, N waiting, 0 free). The live
 driver breaks it the way a serving front end has to, and the simulator models exactly that
-(:func:`deadlock_victims`): after a step that left a session with work unscheduled for want of blocks
+(:func:`deadlock_pick`, which :class:`metronome.front_end.FrontEnd` asks for both): after a step that left a session with work unscheduled for want of blocks
 (or scheduled nothing at all), it aborts the **most recently admitted** session, puts it at the head of
 its own waiting queue, and later readmits it as a **new request whose prompt is its whole history**.
 
@@ -115,6 +115,11 @@ def tick_key(frame, slot):
     return frame * PHASE_SLOTS + slot
 
 
+def tick_frame(key, slot):
+    """The frame of tick ``key`` (:func:`tick_key`) of a session in phase slot ``slot``."""
+    return (key - slot) // PHASE_SLOTS
+
+
 def join_frame(arrival_s: float, period_s: float, phase_s: float = 0.0) -> int:
     """The first frame a session that arrives at ``arrival_s`` streams: the first ``f`` with
     ``f·P + φ >= t`` (an arrival exactly on a tick streams that tick's frame)."""
@@ -136,6 +141,10 @@ class EndReason:
 
     ALL = (DEPARTED, LENGTH, HORIZON, REFUSED, QUEUE_TIMEOUT, ENGINE_FINISHED, STOPPED, ENGINE_DIED)
     NOT_ADMITTED = (REFUSED, QUEUE_TIMEOUT)
+
+
+# a session ended by the run's own end: the frames it is owed are left out (censored), never answered
+RUN_OVER = (EndReason.HORIZON, EndReason.STOPPED, EndReason.ENGINE_DIED)
 
 
 # -------------------------------------------------------------------------------------- length limit
@@ -326,7 +335,7 @@ def deadlock_pick(need, seq, held, free, stalled, out):
     Victims are taken while the starved sessions' need exceeds the free blocks (a starved victim's own need goes
     with it), and at least one when the step stalled. Starved sessions that fit, in a step that did not stall,
     were held back by something else (the token budget): nobody is aborted. Both front ends (the simulator's,
-    compiled or not, and the live driver's, through :func:`deadlock_victims`) decide with it."""
+    compiled or not, and the live driver, which is the same front end) decide with it."""
     total = 0
     starved = False
     for k in range(need.size):
@@ -737,6 +746,14 @@ class StepRecord:
     paused_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     rid_of: list = field(default_factory=list, repr=False)
     context_tokens: int = 0  # resident after the step, summed over the scheduled requests
+    # requests the engine says it scheduled, when it names fewer in ``slots`` (a client of vLLM's own loop learns
+    # only which requests sampled); -1: ``slots`` names them all
+    engine_batch: int = -1
+
+    @property
+    def batch(self) -> int:
+        """Requests the step scheduled (0: it scheduled nothing, a stall when the engine had work)."""
+        return self.engine_batch if self.engine_batch >= 0 else int(self.slots.size)
 
     @property
     def scheduled(self) -> dict:
@@ -962,30 +979,9 @@ def compile_front_end_rules() -> None:
     """Compile the front end's rules that numba compiles (:func:`deadlock_pick`, :func:`resume_need`) now, once per
     process: a live driver calls it before its clock starts, so that the first deadlock it meets does not stop the
     frame clock while numba compiles (seconds on an empty cache)."""
-    deadlock_victims([], [], 0, False)
+    none = np.zeros(0, dtype=np.int64)
+    deadlock_pick(none, none, none, np.int64(0), np.bool_(False), none.copy())
     resume_need(1, 0, 0, 16, NO_CAP, 0, 1)
-
-
-def deadlock_victims(starved: list[tuple[object, int]], in_engine: list[tuple[object, int, int]],
-                     free_blocks: int, stalled: bool) -> list[object]:
-    """Sessions to abort after a step, most recently admitted first (vLLM's own victim order): :func:`deadlock_pick`
-    over the front end's lists.
-
-    ``starved``: (session, blocks it still needs) for every session whose work was in the engine before the
-    step and got nothing in it. ``in_engine``: (session, admit_seq, blocks held) for every session with a
-    request in the engine (the starved among them). ``stalled``: the step scheduled nothing while the engine
-    had work. Sessions are told apart by identity (the live driver's objects), or by value if they are numbers
-    (two equal ints need not be one object)."""
-    def key(s):
-        return int(s) if isinstance(s, (int, np.integer)) else id(s)
-
-    need_of = {key(s): n for s, n in starved}
-    need = np.array([need_of.get(key(s), 0) for s, _, _ in in_engine], dtype=np.int64)
-    seq = np.array([q for _, q, _ in in_engine], dtype=np.int64)
-    held = np.array([h for _, _, h in in_engine], dtype=np.int64)
-    out = np.empty(len(in_engine), dtype=np.int64)
-    n = deadlock_pick(need, seq, held, np.int64(free_blocks), np.bool_(stalled), out)
-    return [in_engine[k][0] for k in out[:n].tolist()]
 
 
 # --------------------------------------------------------------------------------------- admission gate

@@ -21,7 +21,7 @@ rules, but it cannot step the engine or read its scheduler: it sees only what a 
   (:meth:`is_scheduled_waiting` is always False), and a preemption of a running request, which vLLM
   reports only with that request's next output (it re-prefills it on its own: the session's frames are
   late, then resume). So the deadlock rule fires on what is visible: a reported step that scheduled nothing
-  while requests had work (``serving.deadlock_victims`` with no starved sessions: the most recently admitted
+  while requests had work (``serving.deadlock_pick`` with no starved sessions: the most recently admitted
   session is aborted and readmitted later with its history). The simulator models this front end with
   ``loop="vllm"`` (``metronome.serving.LOOPS``).
 """

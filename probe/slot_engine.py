@@ -7,14 +7,17 @@
 ids and token ids. :class:`SlotEngine` stands between them:
 
 * **Slots and names.** Each request the front end adds gets the next slot (slots are never reused) and a name
-  vLLM sees: ``s<i>`` for session ``i``'s first request, ``s<i>.p<n>`` for a readmission, ``s<i>.r<n>`` for a
-  rebase (a readmission the length limit cut down included), ``n`` counting the session's requests.
+  vLLM sees: the session's label (``s<i>`` unless told) for its first request, ``<label>.p<n>`` for a
+  readmission, ``<label>.r<n>`` for a rebase (a readmission the length limit cut down included), ``n`` counting
+  the session's requests.
 * **Token ids.** It keeps the ids each live request holds, exactly as vLLM holds them (the prompt, each chunk after
   vLLM dropped the re-fed token, every sampled id), and the ids of each session's last aborted request, so that
   a new request can be built from what the old one held (:class:`metronome.serving.Origin` says which new request
   it is). Fresh ids (a prompt, a frame's input, the input of frames heard as silence) come from ``fresh(session,
   n)``: drawn at random by the load generator, a client's own by a server. A rebase keeps the ids
   :func:`metronome.serving.rebase_request_ids` says, the count rule's own statement on ids.
+* **Engine death.** Nothing is half done when the engine dies inside a call: each call changes its books only once
+  the engine took it, and :meth:`SlotEngine.lost` keeps every live request's ids for the session's next request.
 * **Checks.** Every new request's ids must number what the front end counted, and be built from a history as
   long as the front end's; :meth:`SlotEngine.check` compares every live request's ids with the engine's token
   count. A front end whose counts drift from the engine fails there, not in a wrong prompt sent to vLLM.
@@ -39,10 +42,14 @@ class SlotEngine:
     what a rebase keeps (``serving.rebase_keep_tokens``); ``fresh(session, n)``: ``n`` new input ids."""
 
     def __init__(self, engine, policy: KVPolicy, limits: EngineLimits, keep_tokens: int,
-                 fresh: Callable[[int, int], list[int]]):
+                 fresh: Callable[[int, int], list[int]], label: Callable[[int], str] | None = None):
         self.engine, self.policy, self.limits = engine, policy, limits
         self.keep = int(keep_tokens)
         self.fresh = fresh
+        self.label = label if label is not None else "s{}".format
+        self.current: dict[int, str] = {}  # session -> the name of its latest request
+        self.last_freed = 0  # blocks the last aborted request held
+        self.finished: list[int] = []  # sessions whose request the engine ended on its own in the last step
         self.rid_of: list = []  # slot -> the front end's request id
         self.name_of: list[str] = []  # slot -> the engine's request id
         self.session_of: list[int] = []  # slot -> the front end's session
@@ -58,7 +65,7 @@ class SlotEngine:
     def _ids(self, prompt_tokens: int, max_tokens: int, o: Origin) -> tuple[list[int], str]:
         """The ids of ``o``'s new request and the letter of its name."""
         i = o.session
-        prev = self.gone.pop(i, [])
+        prev = self.gone.get(i, [])
         if o.kind == "first":
             if prev:
                 raise MetronomeError(f"session {i}: a first request after one was aborted")
@@ -92,9 +99,11 @@ class SlotEngine:
         ids, tag = self._ids(prompt_tokens, max_tokens, origin)
         i = origin.session
         n = self.requests.get(i, 0)
-        self.requests[i] = n + 1
-        name = f"s{i}" if not n and not tag else f"s{i}.{tag or 'p'}{n}"
+        name = self.label(i) if not n and not tag else f"{self.label(i)}.{tag or 'p'}{n}"
         self.engine.append(name, ids, max_tokens)
+        self.requests[i] = n + 1
+        self.gone.pop(i, None)
+        self.current[i] = name
         s = len(self.rid_of)
         self.rid_of.append(rid)
         self.name_of.append(name)
@@ -115,38 +124,63 @@ class SlotEngine:
         held[-1:] = ids
 
     def append_many(self, slots: np.ndarray, chunk_tokens, max_tokens: int) -> None:
-        for s, k in zip(slots.tolist(), np.broadcast_to(chunk_tokens, slots.shape).tolist()):
-            self.append(self.rid_of[s], k, max_tokens)
+        """:meth:`append` for each slot; if the engine dies part way, the books are as before the call."""
+        done = []
+        try:
+            for s, k in zip(slots.tolist(), np.broadcast_to(chunk_tokens, slots.shape).tolist()):
+                last = self.held[s][-1:]
+                self.append(self.rid_of[s], k, max_tokens)
+                done.append((s, last, k))
+        except BaseException:
+            for s, last, k in done:
+                self.held[s][-k:] = last  # the chunk (the re-fed token, then its input) back to the token alone
+            raise
 
     def abort(self, rid) -> None:
         """Abort request ``rid``; its ids are kept for the session's next request (a readmission or a rebase starts
         from them) until the session ends."""
-        s = self._slot_of.pop(rid)
+        s = self._slot_of[rid]
         name = self.name_of[s]
-        del self._slot_by_name[name]
+        freed = self.engine.blocks_of(name)
         self.engine.abort(name)
+        self.last_freed = freed
+        del self._slot_of[rid], self._slot_by_name[name]
         self.gone[self.session_of[s]] = self.held.pop(s)
+
+    def lost(self) -> None:
+        """The engine died with every request: each live request's ids are kept for its session's next request,
+        as an abort's are, and nothing is aborted."""
+        for s, ids in self.held.items():
+            self.gone[self.session_of[s]] = ids
+        self.held, self._slot_of, self._slot_by_name = {}, {}, {}
+        self.last_freed = 0
 
     def session_ended(self, session: int) -> None:
         self.gone.pop(session, None)
 
     # -- one step ------------------------------------------------------------------------------------------
-    def step(self) -> StepRecord:
+    def step(self) -> StepRecord | None:
+        """One engine step; None when an engine on its own loop has reported none yet. A request the engine ended on
+        its own (a streaming request only pauses, but vLLM ends one at its own length cap) is still the front end's
+        to end: its session is in :attr:`finished`."""
         info = self.engine.step()
+        if info is None:
+            return None
         self.steps += 1
         self.last_info = info
-        if info.finished:
-            raise MetronomeError(f"the engine finished {info.finished} on its own: a streaming request only pauses")
         by = self._slot_by_name
+        self.finished = [self.session_of[by[n]] for n in info.finished if n in by]
         slots = np.array([by[n] for n in info.scheduled], dtype=np.int64)
         sampled = []
         for n, toks in info.outputs.items():
-            s = by[n]
-            self.held[s].extend(toks)
-            sampled.append(s)
+            if toks:
+                s = by[n]
+                self.held[s].extend(toks)
+                sampled.append(s)
         rec = StepRecord(slots, np.array(list(info.scheduled.values()), dtype=np.int64),
                          preempted=[self.rid_of[by[n]] for n in info.preempted], used_blocks=self.used,
-                         sampled_slots=np.array(sampled, dtype=np.int64), rid_of=self.rid_of)
+                         sampled_slots=np.array(sampled, dtype=np.int64), rid_of=self.rid_of,
+                         engine_batch=info.batch)
         # the context the step model prices: what the policy keeps of each scheduled request after the step
         computed = np.array([info.computed[n] for n in info.scheduled], dtype=np.int64)
         rec.context_tokens = int(self.policy.resident_tokens(computed).sum())
@@ -181,6 +215,14 @@ class SlotEngine:
 
     def waiting_of(self, slots: np.ndarray) -> np.ndarray:
         return np.array([self.engine.is_scheduled_waiting(self.name_of[s]) for s in slots.tolist()], dtype=bool)
+
+    def name(self, session: int) -> str:
+        """The name of session ``session``'s latest request (its label before it had one)."""
+        return self.current.get(session, self.label(session))
+
+    def held_tokens(self) -> int:
+        """Tokens the engine has computed for the live requests."""
+        return sum(self.engine.computed_tokens(self.name_of[s]) for s in self.held)
 
     def check(self) -> None:
         """Every live request's ids are as many as the engine's tokens (vLLM keeps its own books)."""

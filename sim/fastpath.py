@@ -994,7 +994,7 @@ def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slot
     lat = _step_latency(coef, fconf, o_n[O_SCHED], o_n[O_CTX], o_n[O_NEW], first, jitter, step_no, sframe, f_lo, jit,
                         jz, ja, jb, jp, jr)
     # FrontEnd._after_step's own rules: a step that scheduled nothing stalls; a front end that steps vLLM itself
-    # takes back what it preempted, and looks at every request left waiting (serving.deadlock_victims)
+    # takes back what it preempted, and looks at every request left waiting (serving.deadlock_pick)
     plain = o_n[O_SCHED] > 0 and (iconf[I_SEES] == 0 or (o_n[O_PRE] == 0 and cnt[E_KW] + cnt[E_WQ] == 0))
     if now + lat >= fconf[F_HORIZON]:
         return lat, PAST_HORIZON

@@ -213,14 +213,12 @@ def test_the_compiled_loop_preempts_and_readmits_for_a_front_end_that_steps_vllm
         pre, fast.loop_preemptions, fast.loop_readmissions)
 
 
-def test_a_starved_victim_takes_its_own_need_with_it_whatever_its_number():
-    """Worked by hand: session 300, admitted last, is starved for 5 blocks and none is free; aborting it frees its 2
-    and its need goes with it, so it is the only victim. The starved list and the engine's list name it by two
-    int objects of one value, as two ``tolist`` calls do."""
-    starved = [(int("300"), 5)]
-    in_engine = [(int("300"), 1, 2), (int("299"), 0, 1)]
-    assert starved[0][0] is not in_engine[0][0]
-    assert serving.deadlock_victims(starved, in_engine, 0, False) == [300]
+def test_a_starved_victim_takes_its_own_need_with_it():
+    """Worked by hand: the session admitted last (sequence 1) is starved for 5 blocks and none is free; aborting it
+    frees its 2 and its need goes with it, so it is the only victim, though 2 < 5."""
+    out = np.empty(2, dtype=np.int64)
+    n = serving.deadlock_pick(np.array([5, 0]), np.array([1, 0]), np.array([2, 1]), np.int64(0), np.bool_(False), out)
+    assert out[:n].tolist() == [0]
 
 
 def test_the_deadlock_rule_tells_sessions_apart_past_256():
