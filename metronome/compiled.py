@@ -12,11 +12,28 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import sys
 from pathlib import Path
 
 import numba as nb
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+
+def give_llvmlite_a_dict() -> None:
+    """llvmlite's library wrapper (loaded with numba) answers any attribute name with a C function, ``__dict__``
+    included, so ``vars()`` of it is no dict, and code that scans every loaded module's attributes fails: vLLM
+    0.32's CPU worker does (``vars(x).get("kernel")``), and an engine started in a process that loaded numba did
+    not start. Its ``__dict__`` is made a real, empty one (the wrapper's own cache of looked-up names)."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    fntab = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(fntab, dict) and not isinstance(fntab.get("__dict__"), dict):  # a lookup may have cached a C one
+        fntab["__dict__"] = {}
+
+
+# at import: every process that loads numba through metronome, a spawned one (vLLM's engine and workers import the
+# parent's main module again, and with it numba) included
+give_llvmlite_a_dict()
 
 
 def form_of(parts) -> str:

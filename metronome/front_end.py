@@ -125,6 +125,7 @@ class FrontEnd:
         self._init_sessions(M)
         if prompt_tokens is not None:  # (vLLM rejects an empty chunk)
             self.prompt_of[:] = np.maximum(np.asarray(prompt_tokens, dtype=np.int64)[order], 1)
+        self.offered = M  # sessions known: those given, and those offered since (offer)
 
         self.waiting: deque[int] = deque()  # the front end's FCFS queue (admitted by the gate, not in the engine)
         self.by_rid: dict[int, int] = {}
@@ -174,23 +175,56 @@ class FrontEnd:
     def _censored(self, i: int, f: np.ndarray, tokens: np.ndarray) -> None:
         """Session ``i`` ended with frames ``f`` owed and not yet due (or the run ended): never answered."""
 
+    HEARS_TICKS = False  # whether _ticked is called (a server takes each frame's input at its tick)
+
+    def _ticked(self, idx: np.ndarray, f: np.ndarray) -> None:
+        """Frames ``f`` of sessions ``idx`` came due, in each session's order of frames."""
+
     # ---------------------------------------------------------------------------- sessions and their requests
+    def _session_arrays(self, M: int) -> dict[str, np.ndarray]:
+        """Fresh per-session arrays (declared on the class) for ``M`` sessions, by name: what
+        :meth:`_init_sessions` sets and :meth:`offer` grows (a subclass adds its own)."""
+        d = {"state": np.zeros(M, dtype=np.int8), "prompt_of": np.full(M, self.prompt, dtype=np.int64),
+             "running_since": np.zeros(M), "s_admitted": np.full(M, np.nan), "s_ended": np.full(M, np.nan),
+             "s_end_reason": np.full(M, "", dtype=object)}
+        d.update({k: np.full(M, -1, dtype=np.int64) for k in ("rid", "slot", "inflight", "admit_seq")})
+        d.update({k: np.zeros(M, dtype=np.int64) for k in (
+            "hist", "pending_in", "next_frame", "backlog", "inflight_tok", "work_step",
+            "s_frames", "s_silent", "s_late", "s_tokens", "s_preempt", "s_rebase")})
+        d.update({k: np.zeros(M, dtype=bool) for k in ("last_tok", "started", "rebase_next", "admitted")})
+        return d
+
     def _init_sessions(self, M: int) -> None:
-        """The per-session arrays (declared on the class) for ``M`` sessions, and the per-slot ones."""
-        self.state = np.zeros(M, dtype=np.int8)
-        self.rid, self.slot, self.inflight, self.admit_seq = (np.full(M, -1, dtype=np.int64) for _ in range(4))
-        self.hist, self.pending_in, self.next_frame, self.backlog, self.inflight_tok, self.work_step = (
-            np.zeros(M, dtype=np.int64) for _ in range(6))
-        self.last_tok, self.started, self.rebase_next = (np.zeros(M, dtype=bool) for _ in range(3))
-        self.prompt_of = np.full(M, self.prompt, dtype=np.int64)
-        self.running_since = np.zeros(M)
-        self.s_frames, self.s_silent, self.s_late, self.s_tokens, self.s_preempt, self.s_rebase = (
-            np.zeros(M, dtype=np.int64) for _ in range(6))
-        self.s_admitted, self.s_ended = np.full(M, np.nan), np.full(M, np.nan)
-        self.admitted = np.zeros(M, dtype=bool)
-        self.s_end_reason = np.full(M, "", dtype=object)
+        """The per-session arrays for ``M`` sessions, and the per-slot ones."""
+        for name, a in self._session_arrays(M).items():
+            setattr(self, name, a)
         self.sess_of_slot = np.full(64, -1, dtype=np.int64)
         self.fresh_slot = np.zeros(64, dtype=bool)
+
+    def offer(self, t: float, duration_s: float = math.inf, phase_slot: int = 0) -> int:
+        """A session that arrives unannounced at ``t`` (not before the last one offered), as a server's clients do:
+        the gate decides on it at the next turn. Returns its index."""
+        i = self.offered
+        if i and t < self.arrival[i - 1]:
+            raise ValueError(f"a session offered at {t} s, before the last one ({self.arrival[i - 1]} s)")
+        if self.lockstep and phase_slot:
+            raise ValueError("aligned phases: every session's phase is 0")
+        if i == self.arrival.size:
+            self._grow(max(16, 2 * i))
+        self.arrival[i], self.duration[i], self.pslot[i] = t, duration_s, phase_slot
+        self.phase[i] = serving.phase_offset_s(phase_slot, self.P)
+        self.offered += 1
+        return i
+
+    def _grow(self, M: int) -> None:
+        """Room for ``M`` sessions; the room not yet offered arrives never (at infinity)."""
+        extra = M - self.arrival.size
+        for name, a in self._session_arrays(extra).items():
+            setattr(self, name, np.concatenate([getattr(self, name), a]))
+        self.arrival = np.concatenate([self.arrival, np.full(extra, np.inf)])
+        self.duration = np.concatenate([self.duration, np.full(extra, np.inf)])
+        self.pslot = np.concatenate([self.pslot, np.zeros(extra, dtype=np.int64)])
+        self.phase = np.concatenate([self.phase, np.zeros(extra)])
 
     def _in_flight(self) -> int:
         """Sessions the front end has let in (waiting for blocks, prefilling or running)."""
@@ -369,6 +403,9 @@ class FrontEnd:
                 n_due += tick(nf + n_due, P, ph) <= now + _EPS
                 queued = self._queues(many, nf)
                 q = many[queued]
+                if self.HEARS_TICKS and q.size:
+                    nq = n_due[queued]
+                    self._ticked(np.repeat(q, nq), np.repeat(nf[queued] - np.cumsum(nq) + nq, nq) + np.arange(nq.sum()))
                 self.backlog[q] += n_due[queued]
                 self.next_frame[q] += n_due[queued]
                 self._tick_each(many[~queued], n_due[~queued])
@@ -381,6 +418,8 @@ class FrontEnd:
         """Frame ``next_frame`` of sessions ``idx`` is due: a running session's is queued, the others' is silent."""
         f = self.next_frame[idx].copy()
         self.next_frame[idx] += 1
+        if self.HEARS_TICKS and idx.size:
+            self._ticked(idx, f)
         run = self._queues(idx, f)
         self.backlog[idx[run]] += 1
         quiet = idx[~run]
@@ -405,6 +444,8 @@ class FrontEnd:
         who = np.repeat(idx, n_due)
         f = np.repeat(self.next_frame[idx], n_due) + np.arange(who.size) - np.repeat(start, n_due)
         self.next_frame[idx] += n_due
+        if self.HEARS_TICKS:
+            self._ticked(who, f)
         run = self._queues(who, f)
         np.add.at(self.backlog, who[run], 1)
         quiet = ~run

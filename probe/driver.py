@@ -147,15 +147,16 @@ class Driver(FrontEnd):
     rows it records through :class:`metronome.probe.live_sink.LiveSink`: one per frame, with what the engine did
     for it (submitted, first token, tokens by the deadline), one per step, session and event."""
 
-    # set for each run (run(plans)): per session, in arrival order
-    plans: list[SessionPlan]
+    plans: list[SessionPlan]  # set for each run (run(plans)), in arrival order
+    # per session (FrontEnd._session_arrays)
     join: np.ndarray  # its first frame (the frame rows count from it)
     start_s: np.ndarray  # when it passed the gate
     readmits: np.ndarray
 
     def __init__(self, engine: DrivenEngine, config: DriverConfig, admission: AdmissionController | None = None,
                  out_dir: str | Path | None = None, notify=None, retain: bool = True,
-                 clock=time.perf_counter, sleep=time.sleep):
+                 clock=time.perf_counter, sleep=time.sleep, metrics: LiveMetrics | None = None):
+        """``metrics``: the Prometheus export to update (default: one on ``config.prometheus_port``, if set)."""
         self.engine, self.cfg = engine, config
         self.clock, self.sleep = clock, sleep  # injectable: tests run the driver on a fake engine's virtual time
         serving.compile_front_end_rules()  # (before the clock starts)
@@ -168,16 +169,17 @@ class Driver(FrontEnd):
                                    max_model_len=engine.max_model_len)
         keep = serving.rebase_keep_tokens(self.policy, engine.max_model_len, unbounded=config.rebase_tokens)
         self.plans = []
-        self.slots = SlotEngine(engine, self.policy, self.limits, keep, lambda i, n: self._tokens(n),
-                                label=lambda i: self.plans[i].sid)
-        metrics = LiveMetrics(config.prometheus_port) if config.prometheus_port else None
+        self.slots = SlotEngine(engine, self.policy, self.limits, keep, self._fresh, label=self._label)
+        if metrics is None and config.prometheus_port:
+            metrics = LiveMetrics(config.prometheus_port)
         self.sink = LiveSink(config.run, out_dir, retain=retain, metrics=metrics)
         self._stop_reason: str | None = None  # set by stop() (e.g. from a SIGTERM handler): a clean stop
         silence_s = config.silence_s if config.silence_s is not None else float(self.admission.interval_s)
         self.supervisor = Supervisor(engine, self.sink.record, silence_s=silence_s, restart=config.restart,
                                      max_restarts=config.max_restarts, metrics=metrics, notify=notify)
         self.t_stopped_s: float | None = None
-        # per frame in the engine, by (session, frame): [submitted, first token, tokens by the deadline, rebased]
+        # per frame in the engine, by (session, frame): [submitted, first token, tokens by the deadline, rebased,
+        # the ids it got]
         self._book: dict[tuple[int, int], list] = {}
         self._silent_state: dict[tuple[int, int], str] = {}  # a frame to be answered silent: the state at its tick
         self._leaving = False  # the answers being recorded are a departing session's frames never done
@@ -194,11 +196,31 @@ class Driver(FrontEnd):
     def _tokens(self, n: int) -> list[int]:
         return self.rng.integers(10, self.cfg.vocab_size, size=n).tolist()
 
+    def _fresh(self, i: int, n: int) -> list[int]:
+        """Session ``i``'s next ``n`` input ids (the load generator's: drawn at random)."""
+        return self._tokens(n)
+
+    def _label(self, i: int) -> str:
+        return self.plans[i].sid
+
+    def _session_arrays(self, M: int) -> dict[str, np.ndarray]:
+        return {**super()._session_arrays(M), "join": np.zeros(M, dtype=np.int64), "start_s": np.full(M, np.nan),
+                "readmits": np.zeros(M, dtype=np.int64)}
+
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self, plans: list[SessionPlan]) -> RunResult:
-        cfg, eng, clock = self.cfg, self.engine, self.clock
+        self._serve(plans)
+        summary = summarize(self.frames, self.steps, self.sessions, self.engine.num_blocks, self.events)
+        summary.update({
+            "stopped": self._stop_reason is not None, "stop_reason": self._stop_reason, "t_stopped_s": self.t_stopped_s,
+            **self.supervisor.summary(),
+        })
+        return RunResult(self.frames, self.steps, self.sessions, summary, self.events)
+
+    def _serve(self, plans: list[SessionPlan]) -> None:
+        """The run: until the horizon or a stop, then every session still in is ended, and the records closed."""
+        cfg, clock = self.cfg, self.clock
         self.plans = sorted(plans, key=lambda p: p.arrival_s)
-        M = len(self.plans)
         FrontEnd.__init__(self, self.slots, self.policy, self.limits, cfg.stream,
                           np.array([p.arrival_s for p in self.plans], dtype=np.float64),
                           np.array([p.duration_s for p in self.plans], dtype=np.float64), cfg.horizon_s,
@@ -206,8 +228,6 @@ class Driver(FrontEnd):
                           phase_slot=np.array([p.phase_slot for p in self.plans], dtype=np.int64),
                           phases=cfg.phases, prompt_tokens=np.array([p.prompt_tokens for p in self.plans]),
                           cap=cfg.cap, rebase_tokens=cfg.rebase_tokens)
-        self.join, self.readmits = np.zeros(M, dtype=np.int64), np.zeros(M, dtype=np.int64)
-        self.start_s = np.full(M, np.nan)
         t0 = clock()
         self.supervisor.started()
         self.sink.flush(t0)  # (the clock of every flush: the journals' next write is due a second from here)
@@ -235,12 +255,6 @@ class Driver(FrontEnd):
             self.gate.queue.clear()
         finally:
             self.sink.close()  # (without retain, the rows went only to the journals: read back here)
-        summary = summarize(self.frames, self.steps, self.sessions, eng.num_blocks, self.events)
-        summary.update({
-            "stopped": self._stop_reason is not None, "stop_reason": self._stop_reason, "t_stopped_s": self.t_stopped_s,
-            **self.supervisor.summary(),
-        })
-        return RunResult(self.frames, self.steps, self.sessions, summary, self.events)
 
     def _live_turn(self, now: float, t0: float) -> None:
         """One turn: the front end's (arrivals, ends, admission, due frames), then one engine step or a nap."""
@@ -269,9 +283,13 @@ class Driver(FrontEnd):
             if gap <= 0:
                 return
             self.sleep(min(gap, NAP_S))
-            if self.supervisor.down_since is not None:
+            if self.supervisor.down_since is not None or self._interrupted():
                 return
             eng.check_alive()
+
+    def _interrupted(self) -> bool:
+        """Something the next turn must see came in while napping (a server's clients: its inbox)."""
+        return False
 
     def _step(self, t0: float) -> None:
         t_start = self.clock() - t0
@@ -331,23 +349,28 @@ class Driver(FrontEnd):
         tick = float(serving.frame_tick(f, self.P, self.phase[i]))
         book = self._book.pop((i, f), None)
         state = self._silent_state.pop((i, f), RUNNING_S)
-        submitted, first, by_deadline, rebased = book if book is not None else (None, None, 0, False)
+        submitted, first, by_deadline, rebased, ids = book if book is not None else (None, None, 0, False, [])
         done = None if censored or self._leaving else now
         latency = None if censored else now - tick
         silent = serving.frame_is_silent(tokens) and not censored
-        self.sink.frame({
-            "session": self.plans[i].sid, "frame": f - int(self.join[i]), "tick_s": tick, "submitted_s": submitted,
+        row = {
+            "session": self._label(i), "frame": f - int(self.join[i]), "tick_s": tick, "submitted_s": submitted,
             "first_token_s": first, "done_s": done, "latency_s": latency,
             "tokens_expected": self.n_out, "tokens_delivered": tokens, "tokens_by_deadline": by_deadline,
             "silent": silent, "silent_by_deadline": by_deadline == 0,
             "met_deadline": done is not None and latency <= self.deadline + _EPS, "censored": censored,
             "state": RUNNING_S if book is not None else state, "period_s": self.P, "rebased": rebased,
-        }, latency)
+        }
+        self.sink.frame(row, latency)
+        self._deliver(i, f, row, ids)
         return latency, silent
+
+    def _deliver(self, i: int, f: int, row: dict, ids: list[int]) -> None:
+        """Session ``i``'s frame ``f`` is recorded (``row``), with the ids it got: a server sends it to its client."""
 
     def _submitted(self, idx, f, rebased: bool) -> None:
         for i, fr in zip(np.asarray(idx).tolist(), np.asarray(f).tolist()):
-            self._book[(i, fr)] = [self.now, None, 0, rebased]
+            self._book[(i, fr)] = [self.now, None, 0, rebased, []]
 
     def _silenced(self, idx: np.ndarray, f: np.ndarray, state) -> None:
         for i, fr in zip(idx.tolist(), f.tolist()):
@@ -363,6 +386,7 @@ class Driver(FrontEnd):
         for i in inf.tolist():
             f = int(self.inflight[i])
             b = self._book[(i, f)]
+            b[4].append(self.slots.held[int(self.slot[i])][-1])
             if b[1] is None:
                 b[1] = now
             if now - float(serving.frame_tick(f, self.P, self.phase[i])) <= self.deadline:
@@ -372,23 +396,25 @@ class Driver(FrontEnd):
         if kind == "readmit":
             self.readmits[i] += 1
         elif kind == "preempt":
-            self._step_victims.append(self.plans[i].sid)
+            self._step_victims.append(self._label(i))
             extra["blocks_freed"] = self.slots.last_freed
         elif kind == "lost":
             extra["blocks_freed"] = 0
-        self.sink.record("events", {"t_s": t, "event": kind, "session": self.plans[i].sid,
+        self.sink.record("events", {"t_s": t, "event": kind, "session": self._label(i),
                                     "rid": self.slots.name(i), **extra})
 
     def _offered(self, i: int, decision: str) -> None:
-        self.sink.admission(self.admission, decision == "admit")
+        self.sink.admission(self.admission)
 
     def _enter(self, i: int, t_enter: float) -> None:
         super()._enter(i, t_enter)
         self.join[i], self.start_s[i] = self.next_frame[i], t_enter
+        self.sink.entered()
 
     def _refuse(self, i: int, now: float, reason: str) -> None:
         super()._refuse(i, now, reason)
-        self.sink.record("sessions", {"session": self.plans[i].sid, "arrival_s": self.plans[i].arrival_s,
+        self.sink.refused(reason)
+        self.sink.record("sessions", {"session": self._label(i), "arrival_s": float(self.arrival[i]),
                                       "admitted": False, "end_s": now, "reason": reason})
 
     def _end(self, i: int, now: float, reason: str) -> None:
@@ -398,7 +424,7 @@ class Driver(FrontEnd):
         self._flush_answers(now)
         self._leaving = False
         self.sink.record("sessions", {
-            "session": self.plans[i].sid, "arrival_s": self.plans[i].arrival_s, "admitted": bool(self.admitted[i]),
+            "session": self._label(i), "arrival_s": float(self.arrival[i]), "admitted": bool(self.admitted[i]),
             "start_s": float(self.start_s[i]), "end_s": now, "reason": reason, "frames": int(self.s_frames[i]),
             "silent_frames": int(self.s_silent[i]), "rebases": int(self.s_rebase[i]),
             "preemptions": int(self.s_preempt[i]), "readmissions": int(self.readmits[i])})

@@ -62,17 +62,13 @@ def _prepare_env(device: str) -> None:
 
 
 def let_vllm_scan_modules() -> None:
-    """Make every loaded module safe for vLLM's kernel scan; call before an engine starts in this process.
+    """Make every loaded module safe for vLLM's kernel scan; call before an engine starts in this process
+    (:func:`metronome.compiled.give_llvmlite_a_dict`, which importing numba through metronome also applies: a
+    lookup since may have cached a C function again)."""
+    if "llvmlite.binding.ffi" in sys.modules:
+        from metronome.compiled import give_llvmlite_a_dict
 
-    vLLM 0.32's CPU worker rebinds Triton kernels by reading ``vars(x).get("kernel")`` for every attribute of
-    every loaded module that has a ``__dict__``. llvmlite's library wrapper (loaded with numba, which the
-    simulator's compiled loop uses) answers any attribute name with a C function, ``__dict__`` included, so once
-    the simulator has run in a process an in-process engine failed to start. Its ``__dict__`` is made a real,
-    empty one (the wrapper's own cache of looked-up names)."""
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    fntab = getattr(getattr(ffi, "lib", None), "_fntab", None)
-    if isinstance(fntab, dict) and not isinstance(fntab.get("__dict__"), dict):  # a lookup may have cached a C one
-        fntab["__dict__"] = {}
+        give_llvmlite_a_dict()
 
 
 @dataclass(frozen=True)

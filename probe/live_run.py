@@ -75,15 +75,16 @@ class Checked:
     make_controller: object  # () -> controller
 
 
-def check_port(port: int) -> None:
-    """Fail with one line if the metrics port cannot be bound (checked before the engine starts)."""
+def check_port(port: int, flag: str = "--metrics-port", host: str = "0.0.0.0") -> None:
+    """Fail with one line if ``port`` (given as ``flag``) cannot be bound (checked before the engine starts)."""
     if not 0 < port < 65536:
-        raise MetronomeError(f"--metrics-port must be in 1..65535, got {port}")
+        raise MetronomeError(f"{flag} must be in 1..65535, got {port}")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server that binds it later does
         try:
-            s.bind(("0.0.0.0", port))
+            s.bind((host, port))
         except OSError as exc:
-            raise MetronomeError(f"--metrics-port {port} is not available ({exc.strerror or exc})") from None
+            raise MetronomeError(f"{flag} {port} is not available ({exc.strerror or exc})") from None
 
 
 def check(opts: RunOptions) -> Checked:

@@ -23,14 +23,14 @@ FLUSH_EVERY_S = 1.0  # an engine that is never idle still gets its rows on disk 
 
 
 class LiveSink:
-    """The records of one live run. ``retain=False`` (with ``out_dir``): rows go only to the journals while the
+    """The records of one live run. ``retain=False``: rows go only to the journals (with ``out_dir``) while the
     run lasts, so a long run's memory stays flat; :meth:`close` reads them back for the summary."""
 
     def __init__(self, run: str, out_dir: str | Path | None = None, retain: bool = True,
                  metrics: LiveMetrics | None = None):
         self.run = run
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.retain = retain or self.out_dir is None
+        self.retain = retain  # (neither retained nor journaled: the rows only reach the metrics, as a server's)
         self.metrics = metrics
         self.tables: dict[str, list[dict]] = {t: [] for t in TABLES}
         self._journals: dict[str, Journal] = {}
@@ -49,7 +49,7 @@ class LiveSink:
         """A frame's row; ``observed_s``: the latency it counts for (None: censored, not exported)."""
         self.record("frames", row)
         if self.metrics and observed_s is not None:
-            self.metrics.frame(observed_s, row["silent"])
+            self.metrics.frame(observed_s, row["silent"], row["met_deadline"])
 
     def step(self, row: dict, limit: int | None) -> None:
         """A step's row, exported with the admission limit that held during it."""
@@ -57,9 +57,17 @@ class LiveSink:
         if self.metrics:
             self.metrics.step(row, limit)
 
-    def admission(self, controller, admitted: bool) -> None:
+    def admission(self, controller) -> None:
         if self.metrics:
-            self.metrics.admission(controller, admitted)
+            self.metrics.admission(controller)
+
+    def entered(self) -> None:
+        if self.metrics:
+            self.metrics.entered()
+
+    def refused(self, reason: str) -> None:
+        if self.metrics:
+            self.metrics.refused_for(reason)
 
     def flush_due(self, now: float) -> bool:
         """A second passed since the last flush (``now`` on the clock :meth:`flush` was given)."""

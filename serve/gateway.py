@@ -1,0 +1,253 @@
+"""The gateway's engine side: the live driver's front end, serving sessions that arrive over the network.
+
+:class:`Gateway` is :class:`metronome.probe.driver.Driver` (the core's front end on the wall clock, over the engine
+in slots) on a thread of its own, with sessions that arrive unannounced. The web app (:mod:`metronome.serve.app`)
+posts each client's arrival and departure to the gateway's inbox and queues its input frames; the gateway's turn
+takes them, and the front end's rules decide everything else (the admission gate and its queue, the frame clock,
+silence, preemption, the rebase at ``max_model_len``). Each answered frame goes back to its client's send queue
+on the app's event loop. Nothing here decides how a session is served.
+
+**Input.** A session's frame clock ticks on its own phase (the phase of its arrival: its first frame is due at
+once). At each tick the gateway takes the client's oldest queued input frame, or the silence token if there is
+none, so a frame answered is the answer to at most one input frame (``input``: the client's frame number, or null).
+The ids wait in the session's order of ticks until the front end sends them to the engine (``SlotEngine``'s
+``fresh``), which is in that same order.
+
+**Accounting.** Every input frame a client sent is answered (a ``response.frame`` that names it) or counted
+(``Client.counted``, by reason: the input queue was full, the send queue was full, or the session ended first),
+so that sent = answered + counted per session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+from collections import deque
+
+import numpy as np
+
+from metronome import serving
+from metronome.front_end import QUEUED, RUNNING, WAITING
+from metronome.probe.driver import Driver, DriverConfig
+from metronome.serving import EndReason
+
+INPUT_QUEUE_FRAMES = 32  # input frames a client may have waiting for their ticks; more are refused and counted
+SEND_QUEUE_FRAMES = 64  # answers waiting for a slow client; more are counted, never buffered
+DROP_REASONS = ("input_queue_full", "send_queue_full", "session_ended")
+
+
+class Client:
+    """One WebSocket client as both threads see it. Fields without a lock are touched on the app's event loop only;
+    the gateway thread reaches the client through ``loop.call_soon_threadsafe``."""
+
+    def __init__(self, sid: str, loop: asyncio.AbstractEventLoop):
+        self.sid, self.loop = sid, loop
+        self.decision: asyncio.Future = loop.create_future()  # "admit", or why it was refused
+        self.inputs: queue.Queue = queue.Queue(maxsize=INPUT_QUEUE_FRAMES)  # (frame number, ids), for the ticks
+        self.out: asyncio.Queue = asyncio.Queue()  # messages to send: answers (bounded by hand) and control
+        self.sent_in = 0  # input frames the client sent (its next frame number)
+        self.answered = 0  # answers naming an input frame, sent
+        self.counted = {r: 0 for r in DROP_REASONS}
+        self.ended: str | None = None  # the server ended the session (why)
+        self.index = -1  # the front end's session (set by the gateway thread)
+        self._gateway_done = self._socket_done = False
+        self.final = asyncio.Event()  # set once the accounting is closed (both sides are done)
+
+    # -- on the event loop ----------------------------------------------------------------------------------
+    def decide(self, verdict: str) -> None:
+        if not self.decision.done():
+            self.decision.set_result(verdict)
+
+    def frame(self, message: dict) -> None:
+        """An answer to send; one that names an input frame is counted instead when the client is too slow."""
+        if self.out.qsize() >= SEND_QUEUE_FRAMES:
+            if message["input"] is not None:
+                self.counted["send_queue_full"] += 1
+            return
+        self.out.put_nowait(message)
+
+    def lost(self, n: int) -> None:
+        """``n`` input frames will never be answered: the session ended before their answers."""
+        self.counted["session_ended"] += n
+
+    def end(self, reason: str) -> None:
+        """The server ended the session (a stop, the engine): the sender closes the socket."""
+        self.ended = reason
+        self.out.put_nowait(("close", 1001 if reason == EndReason.STOPPED else 1011))
+
+    def gateway_done(self, _=None) -> None:
+        """The gateway ended the session: it takes no more input and answers no more frames."""
+        self._gateway_done = True
+        self._settle()
+
+    def socket_done(self) -> None:
+        """The socket is closed: nothing more is received or sent."""
+        self._socket_done = True
+        self._settle()
+
+    def _settle(self) -> None:
+        """Both sides done: what was sent and is neither answered nor counted yet never will be (input its ticks
+        did not take, answers the socket did not send)."""
+        if not (self._gateway_done and self._socket_done) or self.final.is_set():
+            return
+        left = self.inputs.qsize()
+        while not self.out.empty():
+            m = self.out.get_nowait()
+            left += isinstance(m, dict) and m.get("type") == "response.frame" and m["input"] is not None
+        self.counted["session_ended"] += left
+        self.final.set()
+
+    @property
+    def accounts(self) -> dict:
+        """sent = answered + counted, once :attr:`final` is set."""
+        return {"session": self.sid, "sent": self.sent_in, "answered": self.answered,
+                "counted": sum(self.counted.values()), **{f"counted_{k}": v for k, v in self.counted.items()}}
+
+
+class Gateway(Driver):
+    """The front end serving network clients; :meth:`serve` is its thread's body."""
+
+    HEARS_TICKS = True
+
+    def __init__(self, engine, config: DriverConfig, admission=None, out_dir=None, metrics=None,
+                 silence_token: int = 0, notify=None):
+        self._wake = threading.Event()
+        self._inbox: deque = deque()
+        super().__init__(engine, config, admission=admission, out_dir=out_dir, retain=False, notify=notify,
+                         sleep=self._wait, metrics=metrics)
+        self.silence = [int(silence_token)] * config.stream.input_tokens_per_frame
+        self.silence_token = int(silence_token)
+        self.clients: dict[int, Client] = {}  # by front-end session
+        self.labels: list[str] = []  # per front-end session: its client's id
+        self._ids: dict[int, deque] = {}  # per session: the ids its ticks took, until sent
+        self._input_of: dict[tuple[int, int], int] = {}  # (session, frame) -> the client's input frame number
+        self.t0 = 0.0  # the gateway's clock starts here (perf_counter)
+
+    # -- the app's side (any thread) -----------------------------------------------------------------------------
+    def open(self, client: Client) -> None:
+        """A client wants in: the gate decides at the gateway's next turn (``client.decision``)."""
+        self._post(("open", client))
+
+    def close(self, client: Client) -> None:
+        """The client left (or was closed): its session ends, its request is aborted in the engine."""
+        self._post(("close", client))
+
+    def stop(self, reason: str = EndReason.STOPPED) -> None:
+        super().stop(reason)
+        self._wake.set()
+
+    def _post(self, item) -> None:
+        self._inbox.append(item)
+        self._wake.set()
+
+    def _wait(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+    def _interrupted(self) -> bool:
+        return bool(self._inbox)
+
+    # -- the gateway's thread ----------------------------------------------------------------------------------
+    @property
+    def serving(self) -> bool:
+        """Taking sessions: not stopped (the engine may have died for good)."""
+        return self._stop_reason is None
+
+    def serve(self) -> None:
+        """Serve until :meth:`stop`: then every session still in is ended (``stopped``) and its client closed."""
+        self._serve([])
+
+    def _label(self, i: int) -> str:
+        return self.labels[i]
+
+    def _live_turn(self, now: float, t0: float) -> None:
+        self.t0 = t0
+        while self._inbox:
+            kind, client = self._inbox.popleft()
+            (self._arrive if kind == "open" else self._leave)(client, now)
+        if self.sink.metrics is not None:
+            self.sink.metrics.sessions(self._in_flight())
+        super()._live_turn(now, t0)
+
+    def _arrive(self, client: Client, now: float) -> None:
+        # its own clock: the phase slot of its arrival (rounded up), so its first frame is due at once
+        P = self.P
+        slot = int(math.ceil((now % P) / P * serving.PHASE_SLOTS - 1e-9)) % serving.PHASE_SLOTS
+        i = self.offer(now, phase_slot=slot)
+        self.labels.append(client.sid)
+        client.index = i
+        self.clients[i] = client
+        self._ids[i] = deque()
+
+    def _leave(self, client: Client, now: float) -> None:
+        i = client.index
+        if i < 0 or i not in self.clients:
+            return
+        if self.state[i] == QUEUED:
+            self.gate.queue = deque((s, t) for s, t in self.gate.queue if s != i)
+            self._refuse(i, now, EndReason.DEPARTED)
+        elif WAITING <= self.state[i] <= RUNNING:
+            self._end(i, now, EndReason.DEPARTED)
+
+    def _enter(self, i: int, t_enter: float) -> None:
+        super()._enter(i, t_enter)
+        self._ids[i].extend([self.silence_token] * int(self.prompt_of[i]))  # the first frame's prompt
+        self._tell(i, "decide", "admit")
+
+    def _refuse(self, i: int, now: float, reason: str) -> None:
+        super()._refuse(i, now, reason)
+        self._tell(i, "decide", reason)
+        self._tell(i, "gateway_done", None)
+        self._forget(i)
+
+    def _ticked(self, idx: np.ndarray, f: np.ndarray) -> None:
+        for i, fr in zip(idx.tolist(), f.tolist()):
+            try:
+                seq, ids = self.clients[i].inputs.get_nowait()
+            except queue.Empty:
+                seq, ids = None, self.silence
+            self._ids[i].extend(ids)
+            if seq is not None:
+                self._input_of[(i, fr)] = seq
+
+    def _fresh(self, i: int, n: int) -> list[int]:
+        q = self._ids[i]
+        if len(q) < n:  # the ticks took every id the front end counts: a shortfall is a bug, not a client's doing
+            raise RuntimeError(f"session {i}: {n} input ids wanted, {len(q)} taken by its ticks")
+        return [q.popleft() for _ in range(n)]
+
+    def _deliver(self, i: int, f: int, row: dict, ids: list[int]) -> None:
+        seq = self._input_of.pop((i, f), None)
+        if i not in self.clients:
+            return
+        if row["censored"]:
+            if seq is not None:
+                self._tell(i, "lost", 1)
+            return
+        latency = row["latency_s"]
+        self._tell(i, "frame", {"type": "response.frame", "frame": row["frame"], "input": seq, "token_ids": ids,
+                                "text": None, "silent": row["silent"], "late": not row["met_deadline"],
+                                "latency_ms": None if latency is None else round(latency * 1e3, 3)})
+
+    def _end(self, i: int, now: float, reason: str) -> None:
+        super()._end(i, now, reason)
+        if i in self.clients:
+            left = [k for k in self._input_of if k[0] == i]  # ticked, never answered (ended before their deadline)
+            for k in left:
+                del self._input_of[k]
+            if left:
+                self._tell(i, "lost", len(left))
+            if reason != EndReason.DEPARTED:
+                self._tell(i, "end", reason)
+            self._tell(i, "gateway_done", None)
+            self._forget(i)
+
+    def _forget(self, i: int) -> None:
+        self.clients.pop(i, None)
+        self._ids.pop(i, None)
+
+    def _tell(self, i: int, what: str, arg) -> None:
+        c = self.clients[i]
+        c.loop.call_soon_threadsafe(getattr(c, what), arg)

@@ -1,0 +1,178 @@
+"""The gateway's own rules (metronome.serve.gateway) on the fake engine, on the wall clock, no network: which
+clients the gate lets in, whose input ids reach the engine in which order, and the accounts that say every input
+frame a client sent was answered or counted. The network side is tests/live/test_serve.py's (real clients, vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+from fake_engine import FakeEngine
+
+from metronome.admission import StaticCap
+from metronome.calibration import TokenStream
+from metronome.probe.driver import DriverConfig
+from metronome.serve.gateway import INPUT_QUEUE_FRAMES, Client, Gateway
+
+STREAM = TokenStream(0.05, 4, 2)
+P, N_IN = STREAM.frame_period_s, STREAM.input_tokens_per_frame
+A_IDS, B_IDS = 2000, 3000
+
+
+def _gateway(eng, cap=2):
+    cfg = DriverConfig(stream=STREAM, horizon_s=math.inf, phases="independent", deadline_s=P)
+    gw = Gateway(eng, cfg, admission=StaticCap(cap), silence_token=1)
+    th = threading.Thread(target=gw.serve, daemon=True)
+    th.start()
+    return gw, th
+
+
+def _drain(c: Client) -> list:
+    out = []
+    while not c.out.empty():
+        out.append(c.out.get_nowait())
+    return out
+
+
+async def _run(frames: int):
+    loop = asyncio.get_running_loop()
+    eng = FakeEngine(num_blocks=128, block_size=16)
+    gw, th = _gateway(eng)
+    clients = [Client(f"c{k}", loop) for k in range(3)]
+    for c in clients:
+        gw.open(c)
+    verdicts = [await asyncio.wait_for(c.decision, 5) for c in clients]
+    a, b = clients[:2]
+    got = {a.sid: [], b.sid: []}
+    for k in range(frames):  # one input frame per period each: ids base + 10·frame + j (the fake samples < 1000)
+        for c, base in ((a, A_IDS), (b, B_IDS)):
+            c.inputs.put_nowait((k, [base + 10 * k + j for j in range(N_IN)]))
+            c.sent_in += 1
+        await asyncio.sleep(P)
+        for c in (a, b):
+            got[c.sid] += _drain(c)
+    for _ in range(INPUT_QUEUE_FRAMES + 5):  # a floods its queue: the overflow is the app's to count
+        try:
+            a.inputs.put_nowait((a.sent_in, [999] * N_IN))
+        except Exception:
+            a.counted["input_queue_full"] += 1
+        a.sent_in += 1
+    for c in (a, b):
+        gw.close(c)
+        c.socket_done()
+    await asyncio.wait_for(asyncio.gather(a.final.wait(), b.final.wait()), 5)
+    gw.stop()
+    await loop.run_in_executor(None, th.join, 5)
+    return eng, verdicts, got, (a, b), clients[2]
+
+
+def test_the_gate_admits_two_and_each_input_frame_is_answered_once_or_counted():
+    eng, verdicts, got, (a, b), third = asyncio.run(_run(40))
+    assert verdicts == ["admit", "admit", "refused"]
+    assert third.index >= 0 and not third.final.is_set()  # offered, refused, never a session with accounts
+    for c in (a, b):
+        frames = [m for m in got[c.sid] if isinstance(m, dict) and m["type"] == "response.frame"]
+        inputs = [m["input"] for m in frames if m["input"] is not None]
+        assert inputs == sorted(set(inputs)), inputs  # each once, in order
+        assert len(inputs) >= 30  # the fake engine keeps up: most of the 40 are answered before the close
+        assert [m["frame"] for m in frames] == list(range(len(frames)))  # its own clock, frame after frame
+        c.answered = len(inputs)  # (the app's sender counts what it sends; here, what reached the queue)
+        acc = c.accounts
+        assert acc["sent"] == acc["answered"] + acc["counted"], acc
+    assert a.counted["input_queue_full"] == 5 and a.counted["session_ended"] >= INPUT_QUEUE_FRAMES
+
+
+def test_the_engine_gets_each_clients_ids_in_the_order_of_its_ticks():
+    eng, _, _, (a, b), _ = asyncio.run(_run(20))
+    for c, base in ((a, A_IDS), (b, B_IDS)):
+        sent = [t for e in eng.appends() if e["rid"].split(".")[0] == c.sid for t in e["tokens"]]
+        theirs = [t for t in sent if t >= 1000]
+        # only its own ids, in the order it sent them: its frames from its first, each whole and in order
+        frames = sorted({(t - base) // 10 for t in theirs})
+        assert theirs == [base + 10 * k + j for k in frames for j in range(N_IN)], theirs
+        assert frames == list(range(len(frames))) and len(frames) >= 10
+        assert sent[0] == 1  # the first frame's prompt: the silence token (no client input goes in front of it)
+    # each session's request was aborted when its client left: the pool is empty again
+    assert eng.pool().used_blocks == 0
+
+
+class _Held(FakeEngine):
+    """The fake engine, whose steps wait while ``go`` is clear: the test holds a frame in the engine."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.go = threading.Event()
+        self.go.set()
+
+    def step(self):
+        self.go.wait(10)
+        return super().step()
+
+
+def test_a_frame_in_the_engine_when_its_client_leaves_is_counted():
+    """The client's frame 5 is in the engine (submitted, its step held) when the client leaves; its deadline (10 s)
+    has not passed, so it is never answered: the gateway counts it for the client (sent = answered + counted)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        eng = _Held(num_blocks=128, block_size=16)
+        cfg = DriverConfig(stream=STREAM, horizon_s=math.inf, phases="independent", deadline_s=10.0)
+        gw = Gateway(eng, cfg, admission=StaticCap(1), silence_token=1)
+        th = threading.Thread(target=gw.serve, daemon=True)
+        th.start()
+        c = Client("c", loop)
+        gw.open(c)
+        assert await asyncio.wait_for(c.decision, 5) == "admit"
+        for k in range(5):
+            c.inputs.put_nowait((k, [A_IDS + k] * N_IN))
+            c.sent_in += 1
+            await asyncio.sleep(P)
+        await asyncio.sleep(2 * P)
+        sent = _drain(c)  # as the app's sender does: what it sent that names an input frame is answered
+        c.answered = sum(isinstance(m, dict) and m.get("input") is not None for m in sent)
+        eng.go.clear()
+        c.inputs.put_nowait((5, [A_IDS + 5] * N_IN))
+        c.sent_in += 1
+        for _ in range(200):  # until frame 5's chunk reached the engine (its step now held)
+            if any(A_IDS + 5 in e["tokens"] for e in eng.appends()):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("frame 5 never reached the engine")
+        gw.close(c)
+        await asyncio.sleep(0.05)
+        c.socket_done()
+        eng.go.set()
+        await asyncio.wait_for(c.final.wait(), 5)
+        gw.stop()
+        await loop.run_in_executor(None, th.join, 5)
+        return c, _drain(c)
+
+    c, left = asyncio.run(main())
+    assert c.answered == 5 and not left  # frames 0-4 answered before; nothing of frame 5 was sent
+    assert c.counted == {"input_queue_full": 0, "send_queue_full": 0, "session_ended": 1}
+    assert c.sent_in == c.answered + sum(c.counted.values())
+
+
+def test_sessions_that_arrive_at_run_time_grow_the_front_end():
+    """40 clients at once (the front end starts with none and makes room as they come: 16, then 32, then 64): the
+    gate (static:30) admits the first 30 in order and refuses the rest, and each admitted one is served."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        eng = FakeEngine(num_blocks=1024, block_size=16)
+        gw, th = _gateway(eng, cap=30)
+        clients = [Client(f"c{k}", loop) for k in range(40)]
+        for c in clients:
+            gw.open(c)
+        verdicts = [await asyncio.wait_for(c.decision, 5) for c in clients]
+        await asyncio.sleep(4 * P)
+        served = [any(isinstance(m, dict) and m.get("type") == "response.frame" for m in _drain(c)) for c in clients]
+        gw.stop()
+        await loop.run_in_executor(None, th.join, 5)
+        return verdicts, served, gw
+
+    verdicts, served, gw = asyncio.run(main())
+    assert verdicts == ["admit"] * 30 + ["refused"] * 10
+    assert served == [True] * 30 + [False] * 10
+    assert gw.arrival.size == 64 and gw.offered == 40
