@@ -20,11 +20,19 @@ import threading
 from pathlib import Path
 
 from metronome.admission import PARAMS_HELP, controller_specs
-from metronome.cli.probe_cli import _check_vllm, _Parser, _pool_options, _stream
+from metronome.cli.probe_cli import _check_vllm, _pool_options, _stream
 from metronome.errors import MetronomeError, run_command
 from metronome.kv_policy import given_params
 
 PROG = "metronome-serve"
+
+
+class _Parser(argparse.ArgumentParser):
+    """One line and exit 2 for a bad flag, like every other CLI (not the probe's parser: a server writes no records
+    unless --out says where)."""
+
+    def error(self, message):
+        raise MetronomeError(message)
 
 
 def parser() -> argparse.ArgumentParser:

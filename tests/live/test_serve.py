@@ -77,8 +77,12 @@ def server(tmp_path_factory):
         proc.kill()
         pytest.fail("metronome-serve was not ready in 300 s")
     yield Server(port, out, proc)
-    if proc.poll() is None:
-        proc.kill()
+    if proc.poll() is None:  # (a test failed before the drain's: drain it, so that vLLM's processes go with it)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=DRAIN_S + 60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
     log.close()
 
 
