@@ -51,6 +51,11 @@ NOT_ARRIVED, WAITING, PREFILL, RUNNING, ENDED, REFUSED, QUEUED = 0, 1, 2, 3, 4, 
 _EPS = 1e-12
 
 
+def _each_frame(idx: np.ndarray, first: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Session by session, ``n[k]`` frames of session ``idx[k]`` from frame ``first[k]``: (sessions, frames)."""
+    return np.repeat(idx, n), np.repeat(first - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+
+
 class FrontEnd:
     # one entry per session, in arrival order (set by _init_sessions): the front end's state of each
     state: np.ndarray  # NOT_ARRIVED .. QUEUED
@@ -404,8 +409,7 @@ class FrontEnd:
                 queued = self._queues(many, nf)
                 q = many[queued]
                 if self.HEARS_TICKS and q.size:
-                    nq = n_due[queued]
-                    self._ticked(np.repeat(q, nq), np.repeat(nf[queued] - np.cumsum(nq) + nq, nq) + np.arange(nq.sum()))
+                    self._ticked(*_each_frame(q, nf[queued], n_due[queued]))
                 self.backlog[q] += n_due[queued]
                 self.next_frame[q] += n_due[queued]
                 self._tick_each(many[~queued], n_due[~queued])
@@ -424,9 +428,10 @@ class FrontEnd:
         self.backlog[idx[run]] += 1
         quiet = idx[~run]
         if quiet.size:
+            fq = f[~run]
             self.pending_in[quiet] += self.n_in
-            self._silenced(quiet, f[~run], None)
-            self._owe(quiet, f[~run], np.zeros(quiet.size, dtype=np.int64))
+            self._silenced(quiet, fq, None)
+            self._owe(quiet, fq, np.zeros(quiet.size, dtype=np.int64))
 
     def _queues(self, idx: np.ndarray, f: np.ndarray) -> np.ndarray:
         """Whether frame ``f`` of session ``idx`` is queued for the engine (the session runs, and the frame is not
@@ -440,18 +445,17 @@ class FrontEnd:
         order, in one call (past the cliff hundreds of sessions wait, and one call per frame was most of a run)."""
         if not idx.size:
             return
-        start = np.cumsum(n_due) - n_due
-        who = np.repeat(idx, n_due)
-        f = np.repeat(self.next_frame[idx], n_due) + np.arange(who.size) - np.repeat(start, n_due)
+        who, f = _each_frame(idx, self.next_frame[idx], n_due)
         self.next_frame[idx] += n_due
         if self.HEARS_TICKS:
             self._ticked(who, f)
         run = self._queues(who, f)
         np.add.at(self.backlog, who[run], 1)
         quiet = ~run
-        np.add.at(self.pending_in, who[quiet], self.n_in)
-        self._silenced(who[quiet], f[quiet], None)
-        self._owe(who[quiet], f[quiet], np.zeros(int(quiet.sum()), dtype=np.int64))
+        wq, fq = who[quiet], f[quiet]
+        np.add.at(self.pending_in, wq, self.n_in)
+        self._silenced(wq, fq, None)
+        self._owe(wq, fq, np.zeros(wq.size, dtype=np.int64))
 
     def _submit_many(self, idx: np.ndarray, now: float) -> None:
         """Hand each session's oldest due frame to the engine. Sessions paused in the engine whose frame fits

@@ -33,9 +33,10 @@ beside vLLM.
 not a preemption candidate, so when the pool runs dry at a frame boundary every resumed session waits for
 blocks that only a paused one could free, and the engine stalls (0 running, N waiting, 0 free). The live
 driver breaks it the way a serving front end has to, and the simulator models exactly that
-(:func:`deadlock_pick`, which :class:`metronome.front_end.FrontEnd` asks for both): after a step that left a session with work unscheduled for want of blocks
-(or scheduled nothing at all), it aborts the **most recently admitted** session, puts it at the head of
-its own waiting queue, and later readmits it as a **new request whose prompt is its whole history**.
+(:func:`deadlock_pick`, which :class:`metronome.front_end.FrontEnd` asks for both): after a step that left a
+session with work unscheduled for want of blocks (or scheduled nothing at all), it aborts the **most recently
+admitted** session, puts it at the head of its own waiting queue, and later readmits it as a **new request whose
+prompt is its whole history**.
 
 The other rules of a session's life are here too: the frame clock (:func:`join_frame`), what a frame may
 reach before ``max_model_len`` (:func:`frame_fits`) and what happens then (:func:`length_outcome`), what

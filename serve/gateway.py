@@ -232,13 +232,8 @@ class Gateway(Driver):
                                 "latency_ms": None if latency is None else round(latency * 1e3, 3)})
 
     def _end(self, i: int, now: float, reason: str) -> None:
-        super()._end(i, now, reason)
+        super()._end(i, now, reason)  # (every frame it was owed is answered or censored there: _deliver)
         if i in self.clients:
-            left = [k for k in self._input_of if k[0] == i]  # ticked, never answered (ended before their deadline)
-            for k in left:
-                del self._input_of[k]
-            if left:
-                self._tell(i, "lost", len(left))
             if reason != EndReason.DEPARTED:
                 self._tell(i, "end", reason)
             self._tell(i, "gateway_done", None)
