@@ -75,13 +75,93 @@ def percentile_whole(v, w, q):
     return percentiles_whole(v, w, qs)[0]
 
 
+# From this many samples on, a percentile is bracketed by a sample first (:func:`rank_in_bracket`): a run's
+# millions of frame rows are then read twice and not swapped about; a controller's interval stays below it.
+BRACKET_MIN = 1 << 16
+BRACKET_SAMPLE = 1 << 14  # about this many rows are sampled to bracket a rank
+
+
+@compiled.counted
+def whole_rank(total, q):
+    """The 0-based rank, among samples repeated by whole weights totalling ``total``, of the ``q``-th
+    percentile's value: the nearest rank of :func:`percentile_threshold`."""
+    return min(max(math.ceil(percentile_threshold(total, q)) - 1, 0), total - 1)
+
+
 @compiled.counted
 def percentiles_whole(v, w, qs):
     """:func:`percentile_sorted` at each of ``qs`` of ``v`` whose weights ``w`` are whole numbers (>= 0, a total
     above 0 and below 2**53: every sum of them is exact; no value NaN), without sorting: the value each
-    percentile's rank falls on among the samples repeated by weight, found by a weighted quickselect (expected
-    linear time: a run's frames are millions of rows). The ranks are taken in ascending order, each searching
-    only what lies at or above the one before."""
+    percentile's rank falls on among the samples repeated by weight. Many samples: each rank bracketed by a sample
+    (:func:`rank_in_bracket`); few, or a bracket that missed: :func:`select_whole`."""
+    if v.size < BRACKET_MIN:
+        return select_whole(v, w, qs)
+    total = 0.0
+    for x in w:
+        total += x
+    out = np.empty(qs.size)
+    for idx in range(qs.size):
+        x = rank_in_bracket(v, w, whole_rank(total, qs[idx]), total)
+        if math.isnan(x):
+            x = select_whole(v, w, qs[idx:idx + 1])[0]
+        out[idx] = x
+    return out
+
+
+@compiled.counted
+def rank_in_bracket(v, w, rank, total):
+    """The value at 0-based ``rank`` among ``v`` repeated by whole weights ``w`` (total ``total``; no value NaN):
+    a strided sample of the rows, sorted, brackets the rank with a wide margin; one pass weighs what lies below
+    the bracket and takes what lies in it, and only that is sorted. NaN when the rank is
+    not in the bracket (a sample that misrepresents the rows; the caller selects instead): exact either way."""
+    n = v.size
+    stride = max(1, n // BRACKET_SAMPLE)
+    sv, sw = v[::stride].copy(), w[::stride]
+    order = np.argsort(sv)
+    s_total = 0.0
+    for x in sw:
+        s_total += x
+    if s_total <= 0.0:
+        return np.nan
+    m = sv.size
+    frac = rank / total
+    # the bracket: the sampled share at the rank, ± several of its standard errors and a few samples more
+    margin = 4.0 * math.sqrt(max(frac * (1.0 - frac), 1.0 / m) / m) + 4.0 / m
+    lo_w, hi_w = (frac - margin) * s_total, (frac + margin) * s_total
+    lo, hi = -np.inf, np.inf
+    cum = 0.0
+    for j in order:
+        cum += sw[j]
+        if lo_w > 0.0 and lo == -np.inf and cum >= lo_w:
+            lo = sv[j]
+        if hi_w < s_total and cum >= hi_w:
+            hi = sv[j]
+            break
+    below, inside, k = 0.0, 0.0, 0
+    bv, bw = np.empty(n), np.empty(n)  # (not written past what the bracket holds: a few times n/sample)
+    for i in range(n):  # without branches: around a median they would be mispredicted half the time
+        x, y = v[i], w[i]
+        b = x < lo
+        c = (not b) and x <= hi
+        below += y * b
+        inside += y * c
+        bv[k], bw[k] = x, y
+        k += c
+    if not (below <= rank < below + inside):
+        return np.nan
+    bv, bw = bv[:k], bw[:k]
+    cum = below
+    for j in np.argsort(bv):
+        cum += bw[j]
+        if cum > rank:
+            return bv[j]
+    return np.nan  # (unreachable: the bracket holds the rank)
+
+
+@compiled.counted
+def select_whole(v, w, qs):
+    """:func:`percentiles_whole` by a weighted quickselect (expected linear time, no sort). The ranks are taken
+    in ascending order, each searching only what lies at or above the one before."""
     total = 0.0
     for x in w:
         total += x
@@ -89,12 +169,11 @@ def percentiles_whole(v, w, qs):
     a, b = v.copy(), w.copy()
     lo, base = 0, 0.0  # everything before lo is below what is left to find, and weighs base
     for idx in np.argsort(qs):
-        rank = min(max(math.ceil(percentile_threshold(total, qs[idx])) - 1, 0), total - 1)  # 0-based, repeated
-        rank -= base
+        rank = whole_rank(total, qs[idx]) - base
         hi = v.size
         while True:
             if lo >= hi:  # (cannot happen while the ranks are within the total: a bug, not a slow search)
-                raise AssertionError("percentiles_whole: a rank fell outside the samples")
+                raise AssertionError("select_whole: a rank fell outside the samples")
             p = a[lo + (hi - lo) // 2]
             # three ways: [lo, i) below the pivot, [i, j) equal, [j, hi) above
             i, j, k = lo, lo, hi

@@ -216,3 +216,37 @@ def test_collapse_probability_invariants():
     ceiling = fb.memory_ceiling()
     assert fb.p_collapse_fixed(ceiling, Durations("fixed", 1e6), 300.0) == 0.0
     assert fb.p_collapse_fixed(ceiling + 1, Durations("fixed", 1e6), 300.0) == 1.0
+
+
+def test_poisson_clock_is_its_definition(monkeypatch):
+    """The mean-field clock of Poisson arrivals (FillModel._poisson_clock, its cohorts compiled) against its
+    definition, written out by brute force on a short grid: at each point the cohorts alive (rate × survival at
+    their age × the grid step), each holding the resident tokens of the frames served to it, where a cohort that
+    arrived at s has been served min over r in [s, t] of (r − s)/P + V(t) − V(r) frames (one queue per session,
+    behind the clock while overloaded) and at most V(t) − s/P (frames served in the order of their ticks: one that
+    arrives while the engine is behind the stream's clock waits for it to catch up), and V grows by
+    dt / T(alive, mean context). Moshi at 1.5 sessions/s
+    lasting exp(300 s) is overloaded within a minute (about 450 alive against an N* near 120), so the minimum is
+    not the trivial one. Tolerance: the compiled sums run in another order than numpy's (1e-9 relative)."""
+    monkeypatch.setattr(FillModel, "POISSON_CLOCK_POINTS", 61)
+    cal = calibration.load("moshi-7b-h200")
+    bs = cal.engine.block_size_tokens
+    for policy in (KVPolicy.unbounded(bs), KVPolicy.sinks(bs, 16, 368)):
+        fm = FillModel(cal, policy, "independent")
+        rate, dur = 4.0, Durations("exponential", 300.0)
+        grid, V = fm._poisson_clock(rate, dur, 600.0)
+        st = cal.stream
+        P, tpf, prompt = st.frame_period_s, st.kv_tokens_per_frame, st.prompt_tokens
+        dt = np.diff(grid, prepend=0.0)
+        want = np.zeros(grid.size)
+        for i in range(1, grid.size):
+            t = i - 1
+            served = [max(min(min((grid[r] - grid[j]) / P + want[t] - want[r] for r in range(j, t + 1)),
+                              want[t] - grid[j] / P), 0.0) for j in range(i)]
+            n = np.minimum(np.floor(prompt + tpf * np.array(served)), fm.max_tokens).astype(np.int64)
+            w = rate * dur.survival(grid[t] - grid[:i]) * dt[1:i + 1]
+            alive = w.sum()
+            T = fm.frame_service_s(int(round(alive)), int(w @ policy.resident_tokens(n) / alive)) if alive >= 1 else 0
+            want[i] = want[i - 1] + dt[i] / max(float(T), 1e-12)
+        assert want[-1] < grid[-1] / P * 0.9  # overloaded: the engine served fewer frames than the stream's clock
+        np.testing.assert_allclose(V, want, rtol=1e-9)
