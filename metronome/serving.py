@@ -139,8 +139,11 @@ class EndReason:
     ENGINE_FINISHED = "engine_finished"  # the engine ended the request on its own (live only)
     STOPPED = "stopped"  # the run was stopped (Ctrl-C, SIGTERM; live only)
     ENGINE_DIED = "engine_died"  # the engine died and was not restarted (live only)
+    CLOSED = "closed"  # the server closed it, or its socket broke (a client of metronome-serve only)
+    UNREACHED = "unreached"  # no session began: the server did not answer, or refused it for another reason than
+    # admission (a client of metronome-serve only)
 
-    ALL = (DEPARTED, LENGTH, HORIZON, REFUSED, QUEUE_TIMEOUT, ENGINE_FINISHED, STOPPED, ENGINE_DIED)
+    ALL = (DEPARTED, LENGTH, HORIZON, REFUSED, QUEUE_TIMEOUT, ENGINE_FINISHED, STOPPED, ENGINE_DIED, CLOSED, UNREACHED)
     NOT_ADMITTED = (REFUSED, QUEUE_TIMEOUT)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import socket
 import time
@@ -62,6 +63,9 @@ class RunOptions:
     phases: str = "aligned"  # serving.PHASES: sessions in lockstep, or each on its own seeded phase
     loop: str = "driver"  # serving.LOOPS: the driver steps the engine, or vLLM's own loop does (probe.own_loop)
     replace: bool = False  # write into a temporary folder that replaces out only once the run ends
+    target: str | None = None  # ws://HOST:PORT: the sessions are clients of that metronome-serve (probe.ws_client)
+    api_key: str | None = None  # the server's bearer token (--target)
+    poll_s: float = 1.0  # how often the server's /metrics is read (--target)
 
 
 @dataclass
@@ -93,6 +97,19 @@ def check(opts: RunOptions) -> Checked:
 
     check_out(opts.out, opts.replace)
     serving.check_phases(opts.phases)
+    if opts.target is not None:
+        from metronome.probe.ws_client import endpoints
+
+        endpoints(opts.target)
+        # the server runs the engine and decides admission: what only an engine in this process takes is refused
+        given = [flag for flag, v in (("--admission", opts.admission != "none"), ("--aimd-params", opts.aimd_params),
+                                      ("--restart", opts.restart), ("--metrics-port", opts.metrics_port is not None),
+                                      ("--loop", opts.loop != "driver"), ("--num-blocks", opts.num_blocks is not None))
+                 if v]
+        if given:
+            raise MetronomeError(f"{given[0]} is the server's with --target (metronome-serve takes it)")
+        if not (opts.poll_s > 0 and math.isfinite(opts.poll_s)):
+            raise MetronomeError(f"--poll must be positive seconds, got {opts.poll_s}")
     if serving.check_loop(opts.loop) == "vllm" and opts.restart:
         raise MetronomeError("--restart needs --loop driver (the engine is restarted from the driver's process)")
     from metronome import admission as adm
@@ -166,7 +183,8 @@ def write_outputs(out: Path, driver, controller, summary: dict, extra: dict) -> 
     limits = [r["limit"] for r in rows if r["limit"] is not None]
     summary = {**summary, **extra,
                "controller": {"name": getattr(controller, "name", type(controller).__name__),
-                              "params": _params_of(controller), "intervals": len(rows), "final_limit": limits[-1] if limits else None,
+                              "params": _params_of(controller), "intervals": len(rows),
+                              "final_limit": limits[-1] if limits else None,
                               "max_limit": max(limits) if limits else None,
                               "dead_intervals": sum(r["dead"] for r in rows),
                               "cuts": sum(r["decision"] == "decrease" for r in rows),
@@ -223,6 +241,8 @@ def run(engine, stream, plans, horizon_s: float, controller, out_dir, *, deadlin
 def main(opts: RunOptions, echo=print, err=print) -> int:
     """The CLI body: check, start the engine, run with SIGTERM/SIGINT as a clean stop, report one line."""
     checked = check(opts)
+    if opts.target is not None:
+        return main_target(opts, checked, echo, err)
     from metronome.probe.calibrate import CalibrateOptions, engine_config
     from metronome.probe.remote import RemoteEngine
 
@@ -311,6 +331,92 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
         signum = stop_box.get("signal", (signal.SIGTERM, "SIGTERM"))[0]
         err(f"metronome-probe: stopped by {s['stop_reason']} at {s['t_stopped_s']:.1f} s; {line}")
         return 128 + int(signum)
+    echo(line)
+    return 0
+
+
+def main_target(opts: RunOptions, checked: Checked, echo=print, err=print) -> int:
+    """``--target``: the same sessions as WebSocket clients of a server (:mod:`metronome.probe.ws_client`); the
+    same outputs, written when the run ends, stopped (SIGTERM, Ctrl-C: exit 128 + the signal) or not."""
+    import asyncio
+
+    import pandas as pd
+
+    from metronome.probe import ws_client
+
+    out = Path(opts.out)
+    plans = make_plans(checked.arrivals, checked.durations, opts.horizon_s, opts.seed, opts.prompt_tokens,
+                       opts.phases)
+    ws_client.check_reachable(opts.target)  # before any folder is made
+    made = not out.exists()
+    got: dict = {}
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        def on_signal(sig):
+            got.setdefault("signal", sig)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            return await ws_client.run_target(opts.target, plans, opts.horizon_s, api_key=opts.api_key,
+                                              seed=opts.seed, poll_s=opts.poll_s, stop=stop)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    with run_dir(out, opts.replace) as work:
+        res = asyncio.run(go())
+        if res.errors.get("unauthorized") and not any(r["admitted"] for r in res.sessions):
+            if made and not opts.replace:
+                shutil.rmtree(out, ignore_errors=True)
+            raise MetronomeError(f"--target {opts.target}: the server answered 401 to every session (give --api-key "
+                                 "or set METRONOME_API_KEY)")
+        if "signal" in got:
+            res.stopped = signal.Signals(got["signal"]).name
+            res.t_stopped_s = round(res.wall_s, 3)
+        summary = ws_client.summary_of(res, opts.horizon_s)
+        info = res.info or {}
+        server = info.get("server") or {}
+        options = {"horizon_s": opts.horizon_s, "arrival_rate": opts.arrival_rate, "rate_pattern": opts.rate_pattern,
+                   "session_duration": opts.session_duration, "seed": opts.seed, "phases": opts.phases,
+                   "prompt_tokens": opts.prompt_tokens, "target": opts.target,
+                   # what the server runs, as it said in session.created (the report re-simulates with these)
+                   **{k: v for k, v in server.items() if k not in ("num_blocks",)}}
+        if info:
+            options["deadline_s"] = info.get("deadline_s")
+            options["stream"] = {"period_s": info["frame_period_s"], "in": info["input_tokens_per_frame"],
+                                 "out": info["output_tokens_per_frame"]}
+        polls = pd.DataFrame(res.polls, columns=["t_s", "sessions", *ws_client.METRIC_NAMES])
+        pd.DataFrame(res.frames).to_parquet(work / "frames.parquet", index=False)
+        pd.DataFrame(res.sessions).to_parquet(work / "sessions.parquet", index=False)
+        polls[["t_s", "sessions"]].to_parquet(work / "steps.parquet", index=False)
+        ctl = pd.DataFrame({"t_s": polls["t_s"], "limit": polls["limit"], "in_flight": polls["active"],
+                            "p_latency_s": polls["p99"]})
+        ctl.to_parquet(work / "controller.parquet", index=False)
+        limits = [x for x in ctl["limit"].tolist() if x is not None and math.isfinite(x)]
+        summary.update({
+            "sessions_planned": len(plans), "wall_s": round(res.wall_s, 3), "loop": "server",
+            "target": opts.target, "options": options, "engine": server.get("engine"),
+            "arrivals": checked.arrivals.describe(), "durations": checked.durations.describe(),
+            "num_blocks": server.get("num_blocks"), "stopped": res.stopped is not None,
+            "stop_reason": res.stopped, "t_stopped_s": res.t_stopped_s,
+            "controller": {"name": server.get("admission", "server"), "params": None, "intervals": len(ctl),
+                           "final_limit": limits[-1] if limits else None,
+                           "max_limit": max(limits) if limits else None, "source": "the server's /metrics"}})
+        (work / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    s = summary
+    line = (f"{s['frames']} frames, {s['sessions_admitted']} sessions admitted, {s['sessions_refused']} refused "
+            f"by {opts.target}; p50 {_ms(s['p50_frame_latency_s'])} p99 {_ms(s['p99_frame_latency_s'])} (the "
+            f"server's), round trip p99 {_ms(s['client']['p99_round_trip_s'])}; silent "
+            f"{s['silent_frame_fraction']:.3f}; inputs answered {s['client']['inputs_answered']}/"
+            f"{s['client']['frames_sent']}; summary: {out / 'summary.json'}")
+    if res.stopped:
+        err(f"metronome-probe: stopped by {res.stopped} at {res.t_stopped_s:.1f} s; {line}")
+        return 128 + int(got["signal"])
     echo(line)
     return 0
 

@@ -65,6 +65,30 @@ class LiveMetrics:
         self._recent_silent = deque(maxlen=RECENT_FRAMES)
         self.server, self.thread = (start_http_server(port, registry=r) if port is not None else None) or (None, None)
 
+    def status(self) -> dict:
+        """The figures a server's status page shows (metronome.serve.status), read back from the series, so they
+        are what ``/metrics`` says and, like it, carry no session content. ``admission_limit``: None when there is
+        no limit; ``p50_ms``/``p99_ms``: None before the first non-silent frame."""
+
+        def value(metric, suffix: str = "") -> float:
+            return sum(s.value for fam in metric.collect() for s in fam.samples if s.name == fam.name + suffix)
+
+        refused = {}
+        for fam in self.refused.collect():
+            for s in fam.samples:
+                if s.name == fam.name + "_total":
+                    refused[s.labels["reason"]] = int(s.value)
+        limit = value(self.limit)
+        seen = bool(self._recent)  # (the gauges read 0 before any frame: that is no latency, not a fast one)
+        return {"sessions_active": int(value(self.active)),
+                "admission_limit": None if math.isinf(limit) else int(limit),
+                "p99_ms": round(value(self.p99) * 1e3, 3) if seen else None,
+                "p50_ms": round(value(self.p50) * 1e3, 3) if seen else None,
+                "refused": sum(refused.values()), "refused_by_reason": refused,
+                "admitted": int(value(self.admitted, "_total")), "frames": int(value(self.frames, "_total")),
+                "silent_rate": value(self.silent_rate), "kv_pool_usage": value(self.usage),
+                "engine_up": bool(value(self.engine_up))}
+
     def close(self) -> None:
         if self.server is not None:
             self.server.shutdown()

@@ -11,9 +11,9 @@ rules, but it cannot step the engine or read its scheduler: it sees only what a 
   with ``enable_logging_iteration_details``, the step's batch and token counts). They are read where
   ``AsyncLLM``'s output handler pulls them (``engine_core.get_output_async``), so :meth:`step` returns
   one reported step at a time, stamped with when it reached the client and timed as the client sees it
-  (from the previous report, or from the first work sent after it, to its own report). :meth:`step` returns ``None`` when no
-  step was reported within ``POLL_S``: the driver then attends to its clock (due ticks go to the engine at
-  once, as a server's would) and asks again.
+  (from the previous report, or from the first work sent after it, to its own report). :meth:`step` returns
+  ``None`` when no step was reported within ``POLL_S``: the driver then attends to its clock (due ticks go to
+  the engine at once, as a server's would) and asks again.
 * **The pool**, from the last reported ``kv_cache_usage`` (``free = (1 - usage) · (num_blocks - 1)``: vLLM
   counts usage without its null block), less the blocks of requests started that have not run yet (the
   reported usage cannot hold them). Per-request counts (tokens, blocks) are the client's own bookkeeping.
@@ -117,7 +117,8 @@ class OwnLoopEngine:
 
         class _Quiet(StatLoggerBase):
             """A stat logger that logs nothing: its presence turns vLLM's stats on (log_stats) without the
-            default loggers, which would print every step once iteration details are on."""
+            default loggers, which would print every step once iteration details are on. (vLLM's
+            ``StatLoggerManager`` still adds its ``PrometheusStatLogger``: see :meth:`metrics_registry`.)"""
 
             def __init__(self, vllm_config, engine_index=0):
                 pass
@@ -128,7 +129,8 @@ class OwnLoopEngine:
             def log_engine_initialized(self):
                 pass
 
-        self._SP, self._TP, self._SI, self._DELTA = SamplingParams, TokensPrompt, StreamingInput, RequestOutputKind.DELTA
+        self._SP, self._TP, self._SI = SamplingParams, TokensPrompt, StreamingInput
+        self._DELTA = RequestOutputKind.DELTA
         args = _engine_args(self.config)
         args["disable_log_stats"] = True  # the quiet logger above turns stats on
         args["enable_logging_iteration_details"] = True  # each step's duration and token counts
@@ -174,6 +176,9 @@ class OwnLoopEngine:
             k, self._seq = self._seq, self._seq + 1
             if stats is not None:
                 self._stats = stats
+            # Tokens of a request this client aborted are not its anymore: vLLM may report a step of it after the
+            # abort, named by its external id, or by its internal one once vLLM dropped its state.
+            tokens = {rid: toks for rid, toks in tokens.items() if rid in self._sent}
             for rid, toks in tokens.items():
                 self._got[rid] = self._got.get(rid, 0) + len(toks)
                 if rid in self._owed:
@@ -288,6 +293,10 @@ class OwnLoopEngine:
                 k, info = self._reports.popleft()
                 if info.batch == 0 and k <= self._quiet_until:
                     continue  # a stall reported before the driver's last abort took effect: stale
+                for rid in [r for r in info.scheduled if r not in self._sent]:  # aborted since it was reported
+                    del info.scheduled[rid]
+                    info.computed.pop(rid, None)
+                    info.outputs.pop(rid, None)
                 return info
         self.check_alive()
         return None
@@ -355,6 +364,20 @@ class OwnLoopEngine:
         for p in getattr(procs, "processes", ()) or ():
             return p.pid
         return None
+
+    def metrics_registry(self):
+        """The Prometheus registry vLLM's own series (``vllm:*``) are in, or None if vLLM keeps none.
+
+        With stats on, ``AsyncLLM``'s ``StatLoggerManager`` adds a ``PrometheusStatLogger`` beside the custom
+        loggers (the quiet one above) and feeds it every step's ``SchedulerStats`` in its output handler, on this
+        client's loop thread: the EngineCore process only sends the stats. It registers its series in
+        prometheus_client's default ``REGISTRY``, in this process. (``vllm serve`` sets up the multiprocess
+        collector only for several API server processes; this is one.)"""
+        from prometheus_client import REGISTRY
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+        loggers = getattr(getattr(self.llm, "logger_manager", None), "stat_loggers", None) or ()
+        return REGISTRY if any(isinstance(x, PrometheusStatLogger) for x in loggers) else None
 
     def describe(self) -> str:
         return f"{self.dist} {self.version} (AsyncLLM, EngineCore in its own process)"

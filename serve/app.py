@@ -10,7 +10,10 @@ and the session goes on; a message over the size cap closes that socket with 100
 ``ws_max_size``).
 
 ``/health`` answers while the process lives, ``/ready`` only while sessions are taken (not while the engine starts
-or the server drains), ``/metrics`` is Prometheus' text (the gateway's series; no session content).
+or the server drains), ``/metrics`` is Prometheus' text (the gateway's series, then vLLM's own ``vllm:*`` series and
+the process's; no session content). ``/`` is a status page drawn from ``/status.json`` (:mod:`metronome.serve.status`:
+the last ten minutes of sessions, the admission limit and the p99 frame latency). Like vLLM's server, only the
+WebSocket asks for ``--api-key``: the operations routes carry no session content and stay open to probes and scrapers.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import itertools
 import json
 import math
 import queue
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, WebSocket
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.websockets import WebSocketDisconnect
 
+from metronome.serve import status as status_page
 from metronome.serve.gateway import Client, Gateway
 
 ERROR_TYPES = {"invalid_request_error", "server_error"}
@@ -44,8 +49,13 @@ class ServeState:
     draining: bool = False
     clients: set = field(default_factory=set)
     metrics: object | None = None  # LiveMetrics
+    engine_registry: object | None = None  # the registry vLLM's own series are in (the CLI's, once it started)
+    status: status_page.StatusHistory = field(default_factory=status_page.StatusHistory)
     accounts: list = field(default_factory=list)  # one row per ended session: sent = answered + counted
     on_account: object | None = None  # called with each row (the CLI journals them)
+    # what the server runs, told each session in session.created (a client that plans or re-simulates the same
+    # workload needs it: metronome-probe run --target): the admission spec, the KV policy's options, the pool
+    server: dict = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     @property
@@ -57,7 +67,8 @@ class ServeState:
         st = c.stream
         return {"frame_period_s": st.frame_period_s, "deadline_s": c.deadline,
                 "input_tokens_per_frame": st.input_tokens_per_frame,
-                "output_tokens_per_frame": st.output_tokens_per_frame, "vocab_size": self.vocab_size}
+                "output_tokens_per_frame": st.output_tokens_per_frame, "vocab_size": self.vocab_size,
+                "server": self.server}
 
 
 def error_event(code: str, message: str, type_: str = "invalid_request_error") -> dict:
@@ -65,11 +76,32 @@ def error_event(code: str, message: str, type_: str = "invalid_request_error") -
 
 
 def make_app(state: ServeState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app):
+        """The status page's sampler runs while the app does (uvicorn's lifespan, or a TestClient's ``with``)."""
+        task = asyncio.create_task(state.status.run(state))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+
     # (FastAPI reads the handlers' annotations by name: WebSocket must be a module global)
-    app = FastAPI(title="metronome-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="metronome-serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    @app.get("/")
+    async def page():
+        return HTMLResponse(status_page.PAGE)
+
+    @app.get("/status.json")
+    async def status():
+        return JSONResponse(state.status.report(state), headers={"Cache-Control": "no-store"})
 
     @app.get("/health")
     async def health():
+        if state.gateway is not None and state.gateway.error is not None:  # alive, but serving nobody: restart it
+            return JSONResponse({"status": "error"}, status_code=503)  # (why: the server's log, not a probe's)
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -84,7 +116,12 @@ def make_app(state: ServeState) -> FastAPI:
 
         if state.metrics is None:
             return PlainTextResponse("", status_code=503)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Two registries, one text: the exposition format is a sequence of families, and the names cannot clash
+        # (the gateway's are metronome_*, vLLM's vllm:*, and prometheus_client's own process_* and python_*).
+        body = generate_latest(state.metrics.registry)
+        if state.engine_registry is not None:
+            body += generate_latest(state.engine_registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def deny(ws: WebSocket, status: int, code: str, message: str, reason: str | None) -> None:
         """Refuse the upgrade; ``reason``: counted here (the gate's refusals are counted where it decides)."""
@@ -198,9 +235,10 @@ def _handle(state: ServeState, client: Client, text: str) -> None:
         if not isinstance(asked, dict):
             client.out.put_nowait(error_event("invalid_value", "session.update needs a 'session' object"))
             return
-        bad = [k for k, v in asked.items() if k not in info or k == "vocab_size" or not _same(v, info[k])]
+        fixed = ("vocab_size", "server")
+        bad = [k for k, v in asked.items() if k not in info or k in fixed or not _same(v, info[k])]
         if bad:
-            shape = ", ".join(f"{k}={info[k]}" for k in info if k != "vocab_size")
+            shape = ", ".join(f"{k}={info[k]}" for k in info if k not in fixed)
             client.out.put_nowait(error_event("invalid_value", f"this server serves one stream ({shape}); cannot "
                                               f"set {', '.join(sorted(map(str, bad)))}"))
             return

@@ -36,6 +36,7 @@ from metronome.serving import EndReason
 INPUT_QUEUE_FRAMES = 32  # input frames a client may have waiting for their ticks; more are refused and counted
 SEND_QUEUE_FRAMES = 64  # answers waiting for a slow client; more are counted, never buffered
 DROP_REASONS = ("input_queue_full", "send_queue_full", "session_ended")
+GATEWAY_ERROR = "gateway_error"  # why sessions end, and the server stops, when the gateway itself fails
 
 
 class Client:
@@ -124,6 +125,7 @@ class Gateway(Driver):
         self._ids: dict[int, deque] = {}  # per session: the ids its ticks took, until sent
         self._input_of: dict[tuple[int, int], int] = {}  # (session, frame) -> the client's input frame number
         self.t0 = 0.0  # the gateway's clock starts here (perf_counter)
+        self.error: str | None = None  # why the gateway itself failed (serve), if it did
 
     # -- the app's side (any thread) -----------------------------------------------------------------------------
     def open(self, client: Client) -> None:
@@ -156,8 +158,27 @@ class Gateway(Driver):
         return self._stop_reason is None
 
     def serve(self) -> None:
-        """Serve until :meth:`stop`: then every session still in is ended (``stopped``) and its client closed."""
-        self._serve([])
+        """Serve until :meth:`stop`: then every session still in is ended (``stopped``) and its client closed.
+
+        A failure of the gateway itself (a bug: the engine's death is the front end's to handle) ends it too: the
+        server stops taking sessions and says why (:attr:`error`; ``/ready`` and ``/health`` fail, so an
+        orchestrator restarts it), every client is told (refused at the gate, or closed with 1011) and its
+        accounts settle. The exception is raised again, for the thread's log."""
+        try:
+            self._serve([])
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._stop_reason = GATEWAY_ERROR
+            for i in list(self.clients):
+                self._tell(i, "decide", GATEWAY_ERROR)  # (a client still at the gate: refused)
+                self._tell(i, "end", GATEWAY_ERROR)
+                self._tell(i, "gateway_done", None)
+                self._forget(i)
+            while self._inbox:  # clients that came after the last turn
+                kind, client = self._inbox.popleft()
+                if kind == "open":
+                    client.loop.call_soon_threadsafe(client.decide, GATEWAY_ERROR)
+            raise
 
     def _label(self, i: int) -> str:
         return self.labels[i]

@@ -9,6 +9,7 @@ import asyncio
 import math
 import threading
 
+import pytest
 from fake_engine import FakeEngine
 
 from metronome.admission import StaticCap
@@ -176,3 +177,57 @@ def test_sessions_that_arrive_at_run_time_grow_the_front_end():
     assert verdicts == ["admit"] * 30 + ["refused"] * 10
     assert served == [True] * 30 + [False] * 10
     assert gw.arrival.size == 64 and gw.offered == 40
+
+
+class _Broken(FakeEngine):
+    """The fake engine, whose steps raise once ``broken`` is set: a failure of the gateway's own code path (not an
+    engine that died, which the front end handles)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.broken = threading.Event()
+
+    def step(self):
+        if self.broken.is_set():
+            raise KeyError("a bug")
+        return super().step()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (raised again, for the log)
+def test_a_gateway_that_fails_stops_serving_says_so_and_closes_every_client():
+    """The gateway's thread fails mid-session: it stops taking sessions (``serving`` false: /ready fails) and
+    says why (``error``: /health fails), the admitted client is closed with 1011 and its accounts settle, and a
+    the app then refuses anyone else at the door (its /ready check)."""
+    from fastapi.testclient import TestClient
+
+    from metronome.serve.app import ServeState, make_app
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        eng = _Broken(num_blocks=128, block_size=16)
+        gw, th = _gateway(eng)
+        c = Client("c", loop)
+        gw.open(c)
+        assert await asyncio.wait_for(c.decision, 5) == "admit"
+        c.inputs.put_nowait((0, [A_IDS] * N_IN))
+        c.sent_in += 1
+        await asyncio.sleep(3 * P)
+        eng.broken.set()
+        await loop.run_in_executor(None, th.join, 5)
+        assert not th.is_alive() and not gw.serving and gw.error == "KeyError: 'a bug'"
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if c.ended is not None:
+                break
+        sent = _drain(c)
+        assert ("close", 1011) in sent and c.ended == "gateway_error"
+        c.answered = sum(isinstance(m, dict) and m.get("input") is not None for m in sent)
+        c.socket_done()
+        await asyncio.wait_for(c.final.wait(), 5)
+        acc = c.accounts
+        assert acc["sent"] == acc["answered"] + acc["counted"], acc
+        return gw
+
+    gw = asyncio.run(main())
+    with TestClient(make_app(ServeState(gateway=gw))) as http:
+        assert http.get("/ready").status_code == 503 and http.get("/health").status_code == 503

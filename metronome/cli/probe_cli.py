@@ -74,11 +74,11 @@ def default_out(command: str, model: str, device: str | None) -> str:
     return f"runs/{'calibrate' if command == PROG else command}-{name}-{device}"
 
 
-def _model_options(p: argparse.ArgumentParser, out_help: str) -> None:
+def _model_options(p: argparse.ArgumentParser, out_help: str, model_required: bool = True) -> None:
     """The engine options every live command shares: which model, where its output goes, how it runs."""
     from metronome.probe.models import WEIGHTS_KINDS, model_names
 
-    p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
+    p.add_argument("--model", required=model_required, help=f"{' | '.join(model_names())} | a checkpoint directory")
     p.add_argument("--out", metavar="DIR", help=out_help + "; refused if it already holds results (default: "
                    "runs/COMMAND-MODEL-DEVICE)")
     _replace_option(p)
@@ -326,11 +326,21 @@ def validate_main(argv: list[str]) -> int:
     return 0
 
 
-def run_parser() -> argparse.ArgumentParser:
+def run_parser(target: bool = False) -> argparse.ArgumentParser:
     p = _Parser(prog=f"{PROG} run", description="Drive arriving sessions live against the engine through the "
-                "simulator's admission controller; writes per-frame Parquet, DIR/controller.parquet (the controller's "
-                "trace) and DIR/summary.json. SIGTERM or Ctrl-C stops cleanly and keeps what ran.")
-    _model_options(p, "output directory")
+                "simulator's admission controller (or, with --target, as WebSocket clients of a metronome-serve); "
+                "writes per-frame Parquet, DIR/controller.parquet (the controller's trace) and DIR/summary.json. "
+                "SIGTERM or Ctrl-C stops cleanly and keeps what ran.")
+    _model_options(p, "output directory", model_required=not target)
+    p.add_argument("--target", metavar="ws://HOST:PORT", help="run the sessions as WebSocket clients of this "
+                   "metronome-serve instead of an engine here (the server admits, and runs the model and its pool)")
+    p.add_argument("--api-key", default=os.environ.get("METRONOME_API_KEY"),
+                   help="with --target: the server's bearer token (default: $METRONOME_API_KEY)")
+    p.add_argument("--poll", type=float, default=1.0, metavar="S",
+                   help="with --target: read the server's /metrics every S seconds (default 1)")
+    p.add_argument("--calibration", metavar="NAME|FILE", help="with --target: also simulate the same workload "
+                   "with this calibration of the server's engine, into DIR/sim/ (what metronome-sim report --live "
+                   "puts beside the run)")
     _pool_options(p)
     p.add_argument("--admission", default="none", metavar="|".join(controller_specs()))
     p.add_argument("--aimd-params", metavar="FILE", help=PARAMS_HELP)
@@ -354,8 +364,22 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def run_main(argv: list[str]) -> int:
-    args = run_parser().parse_args(argv)
+    target = any(a == "--target" or a.startswith("--target=") for a in argv)
+    args = run_parser(target).parse_args(argv)
     from metronome.probe import live_run
+
+    if target:
+        if args.model is not None:
+            raise MetronomeError("--model is the server's with --target (metronome-serve runs it)")
+        if args.out is None:
+            args.out = "runs/run-target"
+    elif args.calibration is not None:
+        raise MetronomeError("--calibration needs --target (an in-process run is compared by metronome-sim report "
+                             "--live, which re-simulates it)")
+    if args.calibration is not None:
+        from metronome import calibration as cal_mod
+
+        calibration = cal_mod.load(args.calibration)  # a bad calibration fails here, before the run
 
     opts = live_run.RunOptions(
         model=args.model, out=args.out, admission=args.admission, aimd_params=args.aimd_params,
@@ -364,12 +388,37 @@ def run_main(argv: list[str]) -> int:
         block_size=args.block_size, max_model_len=args.max_model_len, stream=args.stream, deadline_s=args.deadline,
         metrics_port=args.metrics_port, seed=args.seed, prompt_tokens=args.prompt_tokens, weights=args.weights,
         device=args.device, dtype=args.dtype, restart=args.restart, max_restarts=args.max_restarts,
-        phases=args.phases, loop=args.loop, replace=args.replace)
+        phases=args.phases, loop=args.loop, replace=args.replace, target=args.target, api_key=args.api_key,
+        poll_s=args.poll)
     live_run.check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
+    if target:
+        rc = live_run.main(opts, echo=print, err=lambda m: print(m, file=sys.stderr))
+        if rc == 0 and args.calibration is not None:
+            _simulate_beside(opts.out, calibration)
+        return rc
     _check_vllm()
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return live_run.main(opts, echo=print, err=lambda m: print(m, file=sys.stderr))
+
+
+def _simulate_beside(out: str, calibration) -> None:
+    """The simulator's run of a finished run's workload (what the server said it runs, the same seed), written to
+    ``out/sim/``: the scenario is the one ``metronome-sim report --live`` would re-simulate (one statement of it,
+    :mod:`metronome.report.live`)."""
+    from pathlib import Path
+
+    from metronome.report.live import check_resimulation, read_live
+    from metronome.sim.scenario import make_scenario, run, write
+
+    live = read_live(out)
+    check_resimulation(live, calibration)
+    (entry,) = live["runs"].values()
+    res = run(make_scenario(calibration, **entry["scenario"]["options"]))
+    write(res, Path(out) / "sim")
+    s = res.summary
+    print(f"simulated with {calibration.name}: {s['sessions_admitted']} sessions admitted, p99 "
+          f"{s['p99_frame_latency_s'] * 1e3:.1f} ms, silent {s['silent_frame_fraction']:.3f}; {Path(out) / 'sim'}")
 
 
 COMMANDS = {"calibrate": calibrate_main, "quality": quality_main, "validate": validate_main, "run": run_main,

