@@ -56,6 +56,9 @@ class ServeState:
     # what the server runs, told each session in session.created (a client that plans or re-simulates the same
     # workload needs it: metronome-probe run --target): the admission spec, the KV policy's options, the pool
     server: dict = field(default_factory=dict)
+    # the model's tokenizer (a Hugging Face one, from the checkpoint), or None: a model without one takes token ids
+    # only (input_text.append is refused) and answers without text
+    tokenizer: object | None = None
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     @property
@@ -68,7 +71,7 @@ class ServeState:
         return {"frame_period_s": st.frame_period_s, "deadline_s": c.deadline,
                 "input_tokens_per_frame": st.input_tokens_per_frame,
                 "output_tokens_per_frame": st.output_tokens_per_frame, "vocab_size": self.vocab_size,
-                "server": self.server}
+                "text": self.tokenizer is not None, "server": self.server}
 
 
 def error_event(code: str, message: str, type_: str = "invalid_request_error") -> dict:
@@ -149,7 +152,7 @@ def make_app(state: ServeState) -> FastAPI:
             return
         await ws.accept()
         state.clients.add(client)
-        sender = asyncio.create_task(_send(ws, client))
+        sender = asyncio.create_task(_send(ws, client, state.tokenizer))
         try:
             await ws.send_text(json.dumps({"type": "session.created",
                                            "session": {"id": client.sid, **state.session_info()}}))
@@ -175,14 +178,18 @@ def make_app(state: ServeState) -> FastAPI:
     return app
 
 
-async def _send(ws, client: Client) -> None:
-    """The client's send queue, in order; a close request closes the socket (the drain, a server-side end)."""
+async def _send(ws, client: Client, tokenizer=None) -> None:
+    """The client's send queue, in order; a close request closes the socket (the drain, a server-side end). With a
+    tokenizer, each frame's tokens are decoded here, on the app's loop, not in the gateway's turn: a frame's text is
+    its tokens alone (a character split across two frames shows as a replacement character in each)."""
     try:
         while True:
             m = await client.out.get()
             if isinstance(m, tuple):
                 await ws.close(code=m[1])
                 return
+            if tokenizer is not None and m.get("type") == "response.frame" and m["token_ids"]:
+                m["text"] = tokenizer.decode(m["token_ids"])
             await ws.send_text(json.dumps(m))
             if m.get("type") == "response.frame" and m["input"] is not None:
                 client.answered += 1
@@ -205,37 +212,28 @@ def _handle(state: ServeState, client: Client, text: str) -> None:
     info = state.session_info()
     if kind == "input_tokens.append":
         ids = ev.get("token_ids")
-        n = info["input_tokens_per_frame"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             client.out.put_nowait(error_event("invalid_value", "token_ids must be a list of integers"))
-            return
-        if len(ids) > n:
-            client.out.put_nowait(error_event("frame_too_long", f"a frame carries at most {n} tokens, got {len(ids)}"))
             return
         if any(not 0 <= t < state.vocab_size for t in ids):
             client.out.put_nowait(error_event("invalid_value", f"token ids must be in [0, {state.vocab_size})"))
             return
-        ids = ids + [state.gateway.silence_token] * (n - len(ids))  # a short frame is padded with silence
-        seq = client.sent_in
-        client.sent_in += 1
-        if client.ended is not None:
-            client.counted["session_ended"] += 1
-            return
-        try:
-            client.inputs.put_nowait((seq, ids))
-        except queue.Full:
-            client.counted["input_queue_full"] += 1
-            client.out.put_nowait(error_event("input_queue_full", f"frame {seq}: more input frames waiting than "
-                                              f"{client.inputs.maxsize}; this one is dropped"))
+        _input_frame(state, client, ids, "tokens")
     elif kind == "input_text.append":
-        client.out.put_nowait(error_event("unsupported", "this server's model runs without a tokenizer: send "
-                                          "input_tokens.append"))
+        text = ev.get("text")
+        if state.tokenizer is None:
+            client.out.put_nowait(error_event("unsupported", "this server's model runs without a tokenizer: send "
+                                              "input_tokens.append"))
+        elif not isinstance(text, str):
+            client.out.put_nowait(error_event("invalid_value", "text must be a string"))
+        else:
+            _input_frame(state, client, state.tokenizer.encode(text, add_special_tokens=False), "tokens of text")
     elif kind == "session.update":
         asked = ev.get("session")
         if not isinstance(asked, dict):
             client.out.put_nowait(error_event("invalid_value", "session.update needs a 'session' object"))
             return
-        fixed = ("vocab_size", "server")
+        fixed = ("vocab_size", "text", "server")
         bad = [k for k, v in asked.items() if k not in info or k in fixed or not _same(v, info[k])]
         if bad:
             shape = ", ".join(f"{k}={info[k]}" for k in info if k not in fixed)
@@ -245,6 +243,28 @@ def _handle(state: ServeState, client: Client, text: str) -> None:
         client.out.put_nowait({"type": "session.updated", "session": {"id": client.sid, **info}})
     else:
         client.out.put_nowait(error_event("unknown_event", f"unknown event type {kind!r}"))
+
+
+def _input_frame(state: ServeState, client: Client, ids: list[int], what: str) -> None:
+    """One input frame of ``ids`` (a client's token ids, or its text's) for the gateway's queue: at most a frame's
+    tokens, a short frame padded with silence; every frame the client sent is queued, or counted and said why."""
+    n = state.session_info()["input_tokens_per_frame"]
+    if len(ids) > n:
+        client.out.put_nowait(error_event("frame_too_long", f"a frame carries at most {n} tokens, got {len(ids)} "
+                                          f"{what}"))
+        return
+    ids = list(ids) + [state.gateway.silence_token] * (n - len(ids))
+    seq = client.sent_in
+    client.sent_in += 1
+    if client.ended is not None:
+        client.counted["session_ended"] += 1
+        return
+    try:
+        client.inputs.put_nowait((seq, ids))
+    except queue.Full:
+        client.counted["input_queue_full"] += 1
+        client.out.put_nowait(error_event("input_queue_full", f"frame {seq}: more input frames waiting than "
+                                          f"{client.inputs.maxsize}; this one is dropped"))
 
 
 def _same(a, b) -> bool:

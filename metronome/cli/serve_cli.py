@@ -110,6 +110,18 @@ def _vocab_size(path: str, default: int) -> int:
         return default
 
 
+def _tokenizer(path: str):
+    """The checkpoint's Hugging Face tokenizer, or None when it has none (``tiny``): text in and out needs one."""
+    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:  # noqa: BLE001 (a tokenizer that does not load: the server takes token ids only)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_command(PROG, _main, list(sys.argv[1:] if argv is None else argv))
 
@@ -149,7 +161,8 @@ def _main(argv: list[str]) -> int:
     metrics.admission(controller)  # the limit from the start (else 0 until the first session or step)
     state = ServeState(api_key=args.api_key, drain_timeout_s=args.drain_timeout,
                        retry_after_s=max(1, math.ceil(float(controller.interval_s))),
-                       vocab_size=_vocab_size(resolved.path, DriverConfig.vocab_size), metrics=metrics)
+                       vocab_size=_vocab_size(resolved.path, DriverConfig.vocab_size), metrics=metrics,
+                       tokenizer=_tokenizer(resolved.path))
     lock = threading.Lock()
     if out is not None:
         def journal(row: dict) -> None:
