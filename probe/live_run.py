@@ -378,7 +378,7 @@ def main_target(opts: RunOptions, checked: Checked, echo=print, err=print) -> in
         if "signal" in got:
             res.stopped = signal.Signals(got["signal"]).name
             res.t_stopped_s = round(res.wall_s, 3)
-        summary = ws_client.summary_of(res, opts.horizon_s)
+        summary = ws_client.summary_of(res)
         info = res.info or {}
         server = info.get("server") or {}
         options = {"horizon_s": opts.horizon_s, "arrival_rate": opts.arrival_rate, "rate_pattern": opts.rate_pattern,

@@ -246,7 +246,7 @@ def check_reachable(target: str) -> None:
         raise MetronomeError(f"--target: cannot reach {metrics_url.rsplit('/', 1)[0]} ({exc})") from None
 
 
-def summary_of(res: TargetRun, horizon_s: float) -> dict:
+def summary_of(res: TargetRun) -> dict:
     """The in-process run's summary keys from what the clients saw (:func:`metronome.probe.summary.summarize`),
     then the client's own figures."""
     from metronome.probe.summary import summarize
