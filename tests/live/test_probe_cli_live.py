@@ -107,3 +107,16 @@ def test_engine_that_fails_to_start_is_one_line(tmp_path, probe):
     res = probe("--model", "tiny", "--num-blocks", "2", "--out", str(tmp_path / "o"), timeout=300)
     assert res.returncode == 2
     assert res.stderr.count("\n") == 1 and "engine failed to start" in res.stderr
+
+
+def test_run_on_vllms_own_loop_from_the_cli(tmp_path, probe):
+    """``metronome-probe run --loop vllm`` as a user types it: vLLM spawns its EngineCore and workers, which import
+    the CLI's main module again and numba with it; numba's llvmlite wrapper then broke vLLM's module scan in the
+    worker unless ``metronome.compiled`` mends it at import (an engine started from ``python -m metronome.cli.*``
+    died in its worker). The run completes and writes its summary."""
+    out = tmp_path / "run"
+    r = probe("run", "--model", "tiny", "--kv", "sinks", "--sinks", "32", "--window", "128", "--num-blocks", "128",
+              "--loop", "vllm", "--arrival-rate", "2", "--session-duration", "3", "--horizon", "5", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["loop"] == "vllm" and s["frames"] > 0 and s["sessions_admitted"] >= 1
