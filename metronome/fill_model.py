@@ -50,7 +50,7 @@ from scipy import integrate, stats
 from metronome import compiled, throughput
 from metronome.calibration import Calibration
 from metronome.kv_policy import KVPolicy, cdiv, resident_tokens_of
-from metronome.serving import check_phases
+from metronome.serving import check_phases, resident_tokens_jit
 from metronome.workload import Durations
 
 
@@ -724,9 +724,6 @@ class FillModel:
         return min(p_sat, p_sat * collapsed / saturated)
 
 
-_resident_tokens = compiled.counted(resident_tokens_of)
-
-
 @compiled.counted
 def _cohorts(i, V, M, grid, dt, surv, P, prompt, tpf, max_tokens, bs, sink_blocks, window):
     """One point of :meth:`FillModel._poisson_clock`: first ``M`` brought up to point ``i − 1`` (the min of
@@ -744,7 +741,7 @@ def _cohorts(i, V, M, grid, dt, surv, P, prompt, tpf, max_tokens, bs, sink_block
         n = min(math.floor(prompt + tpf * served), max_tokens)
         w = surv[i - 1 - j] * dt[j + 1]
         alive += w
-        held += w * _resident_tokens(n, bs, sink_blocks, window)
+        held += w * resident_tokens_jit(n, bs, sink_blocks, window)
     return alive, held
 
 

@@ -310,8 +310,9 @@ RULES = ("preemption", "window_free", "token_budget", "max_num_seqs", "full_sequ
          "length_limit", "long_prefill")
 R_PREEMPT, R_WFREE, R_BUDGET, R_SEQS, R_GATE, R_WM, R_LEN, R_LONG = range(len(RULES))
 
-_res_blocks = compiled.counted(resident_blocks_of)
-_res_tokens = compiled.counted(resident_tokens_of)
+# the policy's residency, compiled: the engine step's and the fill model's clock (one dispatcher each, one cache)
+resident_blocks_jit = compiled.counted(resident_blocks_of)
+resident_tokens_jit = compiled.counted(resident_tokens_of)
 gate_blocks_jit = compiled.counted(gate_blocks)  # (the compiled loop's front end asks it too)
 
 
@@ -323,7 +324,7 @@ def resume_need(tokens, computed, held, bs, cap, sink_blocks, window):
     statement: :func:`blocks_to_resume` asks it for a policy, the compiled loop on the engine's arrays."""
     slots = (computed + bs - 1) // bs
     gate = gate_blocks_jit(tokens, bs, cap, slots)
-    freed = held - _res_blocks(computed, bs, sink_blocks, window) if computed else 0
+    freed = held - resident_blocks_jit(computed, bs, sink_blocks, window) if computed else 0
     alloc = (tokens + bs - 1) // bs - slots - freed
     return max(gate, alloc, 1)
 
@@ -393,7 +394,7 @@ def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
                 reached[R_GATE] += 1  # the chunk would fit, the whole sequence not
             return False
     if slots[s] > 0:  # remove_skipped_blocks
-        keep = _res_blocks(computed[s], bs, lim[L_SINKB], lim[L_WINDOW])
+        keep = resident_blocks_jit(computed[s], bs, lim[L_SINKB], lim[L_WINDOW])
         if keep < held[s]:
             cnt[E_USED] -= held[s] - keep
             free += held[s] - keep
@@ -625,7 +626,7 @@ def _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_
         s = o_s[j]
         computed[s] += o_k[j]
         new += o_k[j]
-        ctx += _res_tokens(computed[s], lim[L_BS], lim[L_SINKB], lim[L_WINDOW])
+        ctx += resident_tokens_jit(computed[s], lim[L_BS], lim[L_SINKB], lim[L_WINDOW])
         if computed[s] >= ntok[s]:
             ntok[s] += 1
             out[s] += 1

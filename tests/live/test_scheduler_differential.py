@@ -454,7 +454,8 @@ def test_the_comparison_fails_when_the_model_frees_window_blocks_ahead_of_the_ch
 
     def frees_ahead(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
         if slots[s]:  # free at the count after the step, before the allocation
-            keep = serving._res_blocks(computed[s] + k, lim[serving.L_BS], lim[serving.L_SINKB], lim[serving.L_WINDOW])
+            keep = serving.resident_blocks_jit(computed[s] + k, lim[serving.L_BS], lim[serving.L_SINKB],
+                                               lim[serving.L_WINDOW])
             if keep < held[s]:
                 cnt[serving.E_USED] -= held[s] - keep
                 held[s] = keep
