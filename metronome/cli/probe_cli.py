@@ -20,6 +20,7 @@ import sys
 
 from metronome.admission import PARAMS_HELP, controller_specs
 from metronome.kv_policy import given_params, policy_kinds, policy_params
+from metronome.cli import ErrorParser
 from metronome.errors import MetronomeError, run_command
 from metronome.outputs import check_out
 
@@ -49,9 +50,8 @@ def _stream(text: str):
     return s
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other user error
-        raise MetronomeError(message)
+class _Parser(ErrorParser):
+    """The live commands' parser: a command given a model writes under runs/ unless --out says where."""
 
     def parse_args(self, *a, **kw):
         args = super().parse_args(*a, **kw)
@@ -326,12 +326,12 @@ def validate_main(argv: list[str]) -> int:
     return 0
 
 
-def run_parser(target: bool = False) -> argparse.ArgumentParser:
+def run_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=f"{PROG} run", description="Drive arriving sessions live against the engine through the "
                 "simulator's admission controller (or, with --target, as WebSocket clients of a metronome-serve); "
                 "writes per-frame Parquet, DIR/controller.parquet (the controller's trace) and DIR/summary.json. "
                 "SIGTERM or Ctrl-C stops cleanly and keeps what ran.")
-    _model_options(p, "output directory", model_required=not target)
+    _model_options(p, "output directory", model_required=False)  # (required without --target: run_main)
     p.add_argument("--target", metavar="ws://HOST:PORT", help="run the sessions as WebSocket clients of this "
                    "metronome-serve instead of an engine here (the server admits, and runs the model and its pool)")
     p.add_argument("--api-key", default=os.environ.get("METRONOME_API_KEY"),
@@ -364,10 +364,12 @@ def run_parser(target: bool = False) -> argparse.ArgumentParser:
 
 
 def run_main(argv: list[str]) -> int:
-    target = any(a == "--target" or a.startswith("--target=") for a in argv)
-    args = run_parser(target).parse_args(argv)
+    args = run_parser().parse_args(argv)
     from metronome.probe import live_run
 
+    target = args.target is not None
+    if not target and args.model is None:
+        raise MetronomeError("the following arguments are required: --model")  # (argparse's words)
     if target:
         if args.model is not None:
             raise MetronomeError("--model is the server's with --target (metronome-serve runs it)")

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from metronome.admission import PARAMS_HELP, controller_specs
+from metronome.cli import ErrorParser
 from metronome.cli.probe_cli import _check_vllm, _pool_options, _stream
 from metronome.errors import MetronomeError, run_command
 from metronome.kv_policy import given_params, policy_option_values
@@ -27,18 +28,11 @@ from metronome.kv_policy import given_params, policy_option_values
 PROG = "metronome-serve"
 
 
-class _Parser(argparse.ArgumentParser):
-    """One line and exit 2 for a bad flag, like every other CLI (not the probe's parser: a server writes no records
-    unless --out says where)."""
-
-    def error(self, message):
-        raise MetronomeError(message)
-
-
 def parser() -> argparse.ArgumentParser:
     from metronome.probe.models import WEIGHTS_KINDS, model_names
 
-    p = _Parser(prog=PROG, description="Serve real-time sessions over WebSocket (GET /v1/realtime), each one "
+    # (not the probe's parser: a server writes no records unless --out says where)
+    p = ErrorParser(prog=PROG, description="Serve real-time sessions over WebSocket (GET /v1/realtime), each one "
                 "streaming request in vLLM with its KV bounded, admitted by the core's controller on the frame "
                 "latencies the server measures. /health, /ready, /metrics, and a status page at /.")
     p.add_argument("--model", required=True, help=f"{' | '.join(model_names())} | a checkpoint directory")
