@@ -56,17 +56,10 @@ def endpoints(target: str) -> tuple[str, str]:
 
 def read_metrics(text: str) -> dict:
     """The gateway's series this client follows, from Prometheus' text (``None``: absent)."""
-    got: dict = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        for key, name in METRIC_NAMES.items():
-            if line.startswith(name + " "):
-                try:
-                    got[key] = float(line.split()[-1])
-                except ValueError:
-                    pass
-    return {k: got.get(k) for k in METRIC_NAMES}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {k: got.get(name) for k, name in METRIC_NAMES.items()}
 
 
 @dataclass

@@ -209,7 +209,6 @@ def _handle(state: ServeState, client: Client, text: str) -> None:
         client.out.put_nowait(error_event("invalid_event", "an event is a JSON object with a string 'type'"))
         return
     kind = ev["type"]
-    info = state.session_info()
     if kind == "input_tokens.append":
         ids = ev.get("token_ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -233,6 +232,7 @@ def _handle(state: ServeState, client: Client, text: str) -> None:
         if not isinstance(asked, dict):
             client.out.put_nowait(error_event("invalid_value", "session.update needs a 'session' object"))
             return
+        info = state.session_info()
         fixed = ("vocab_size", "text", "server")
         bad = [k for k, v in asked.items() if k not in info or k in fixed or not _same(v, info[k])]
         if bad:
@@ -248,7 +248,7 @@ def _handle(state: ServeState, client: Client, text: str) -> None:
 def _input_frame(state: ServeState, client: Client, ids: list[int], what: str) -> None:
     """One input frame of ``ids`` (a client's token ids, or its text's) for the gateway's queue: at most a frame's
     tokens, a short frame padded with silence; every frame the client sent is queued, or counted and said why."""
-    n = state.session_info()["input_tokens_per_frame"]
+    n = state.gateway.cfg.stream.input_tokens_per_frame
     if len(ids) > n:
         client.out.put_nowait(error_event("frame_too_long", f"a frame carries at most {n} tokens, got {len(ids)} "
                                           f"{what}"))
