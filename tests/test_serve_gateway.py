@@ -69,6 +69,32 @@ async def _run(frames: int):
     return eng, verdicts, got, (a, b), clients[2]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """A gateway's first run compiles the front end's engine model (numba) when its cache is cold: seconds in which
+    these wall-clock tests' inputs would pile up unanswered. One session first, with time to spare: admitted, one
+    input answered, closed, the gateway stopped."""
+    async def warm():
+        loop = asyncio.get_running_loop()
+        gw, th = _gateway(FakeEngine(num_blocks=128, block_size=16))
+        c = Client("warm", loop)
+        gw.open(c)
+        assert await asyncio.wait_for(c.decision, 300) == "admit"
+        c.inputs.put_nowait((0, [A_IDS] * N_IN))
+        c.sent_in = 1
+        for _ in range(3000):
+            if any(isinstance(m, dict) and m.get("input") == 0 for m in _drain(c)):
+                break
+            await asyncio.sleep(0.1)
+        gw.close(c)
+        c.socket_done()
+        await asyncio.wait_for(c.final.wait(), 300)
+        gw.stop()
+        await loop.run_in_executor(None, th.join, 300)
+
+    asyncio.run(warm())
+
+
 def test_the_gate_admits_two_and_each_input_frame_is_answered_once_or_counted():
     eng, verdicts, got, (a, b), third = asyncio.run(_run(40))
     assert verdicts == ["admit", "admit", "refused"]
