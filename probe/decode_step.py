@@ -41,11 +41,44 @@ def _layer(cfg: dict, device, dtype, gen):
     p = {"qkv": w(h, (nh + 2 * kvh) * d), "o": w(nh * d, h), "nh": nh, "kvh": kvh, "d": d}
     if cfg.get("num_experts"):
         e, f = cfg["num_experts"], cfg["moe_intermediate_size"]
-        p.update(router=w(h, e), gate_up=w(e, h, 2 * f), down=w(e, f, h), topk=cfg["num_experts_per_tok"])
+        # Expert weights stored [E, out, in] as nn.Linear keeps them, seen as [E, in, out]: the layout grouped
+        # GEMM kernels read.
+        p.update(router=w(h, e), gate_up=w(e, 2 * f, h).transpose(-2, -1), down=w(e, h, f).transpose(-2, -1),
+                 topk=cfg["num_experts_per_tok"], moe="grouped")
     else:
         f = cfg["intermediate_size"]
         p.update(gate_up=w(h, 2 * f), down=w(f, h))
     return p
+
+
+def _moe_loop(p: dict, x, wts, idx):
+    """Each chosen expert once, over its tokens: data-dependent (a host sync per step), so eager only."""
+    import torch
+    import torch.nn.functional as F
+
+    out = torch.zeros_like(x)
+    for e in torch.unique(idx).tolist():
+        rows, slot = (idx == e).nonzero(as_tuple=True)
+        a, b = (x[rows] @ p["gate_up"][e]).chunk(2, -1)
+        out.index_add_(0, rows, ((F.silu(a) * b) @ p["down"][e]) * wts[rows, slot, None].to(x.dtype))
+    return out
+
+
+def _moe_grouped(p: dict, x, wts, idx):
+    """The same MoE as one grouped GEMM per projection over the tokens sorted by expert: static shapes and no
+    host sync, so a CUDA graph can hold it, and only the chosen experts' weights are read (as a fused MoE
+    kernel does)."""
+    import torch
+    import torch.nn.functional as F
+
+    k, E = idx.shape[1], p["gate_up"].shape[0]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.searchsorted(flat[order], torch.arange(E, device=x.device), right=True).to(torch.int32)
+    rows = order // k
+    a, b = torch._grouped_mm(x[rows], p["gate_up"], offs=offs).chunk(2, -1)
+    y = torch._grouped_mm((F.silu(a) * b).contiguous(), p["down"], offs=offs)
+    return torch.zeros_like(x).index_add_(0, rows, y * wts.reshape(-1)[order, None].to(x.dtype))
 
 
 def _forward(p: dict, x, k_cache, v_cache):
@@ -61,23 +94,93 @@ def _forward(p: dict, x, k_cache, v_cache):
     att = F.scaled_dot_product_attention(q, k_cache, v_cache)  # [B, kvh, g, d]
     x = x + att.reshape(B, nh * d) @ p["o"]
     if "router" in p:
-        logits = x @ p["router"]
-        wts, idx = torch.topk(torch.softmax(logits.float(), -1), p["topk"], dim=-1)
-        out = torch.zeros_like(x)
-        for e in torch.unique(idx).tolist():  # each chosen expert once, over its tokens (memory-bound)
-            rows, slot = (idx == e).nonzero(as_tuple=True)
-            gu = x[rows] @ p["gate_up"][e]
-            a, b = gu.chunk(2, -1)
-            out.index_add_(0, rows, ((F.silu(a) * b) @ p["down"][e]) * wts[rows, slot, None].to(x.dtype))
-        return x + out
-    gu = x @ p["gate_up"]
-    a, b = gu.chunk(2, -1)
+        wts, idx = torch.topk(torch.softmax((x @ p["router"]).float(), -1), p["topk"], dim=-1)
+        return x + (_moe_grouped if p["moe"] == "grouped" else _moe_loop)(p, x, wts, idx)
+    a, b = (x @ p["gate_up"]).chunk(2, -1)
     return x + (F.silu(a) * b) @ p["down"]
 
 
-def measure(cfg: dict, batches, contexts, device: str = "cpu", dtype: str = "bfloat16", reps: int = 5,
+def _choose_moe(p: dict, x) -> str:
+    """None for a dense MLP; for an MoE, grouped if this torch has it and it agrees with the loop on this device
+    (bf16: 2% of the output's scale, a few roundings of 2^-8), else the loop."""
+    import torch
+
+    if "router" not in p:
+        return None
+    if not hasattr(torch, "_grouped_mm"):
+        return "loop"
+    with torch.no_grad():
+        wts, idx = torch.topk(torch.softmax((x @ p["router"]).float(), -1), p["topk"], dim=-1)
+        want = _moe_loop(p, x, wts, idx).float()
+        try:
+            got = _moe_grouped(p, x, wts, idx).float()
+        except RuntimeError:
+            return "loop"
+    return "grouped" if float((got - want).abs().max()) <= 0.02 * float(want.abs().max()) + 1e-6 else "loop"
+
+
+def _timer(device: str, reps: int):
+    """time(fn) -> median seconds of ``reps`` calls: CUDA events on a GPU (the GPU's own clock, launch gaps
+    included), the wall clock on a CPU."""
+    import torch
+
+    if not device.startswith("cuda"):
+        def time_cpu(fn):
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return float(np.median(times))
+        return time_cpu
+
+    def time_cuda(fn):
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return float(np.median(times))
+    return time_cuda
+
+
+def _graphed(fn):
+    """``fn`` captured in a CUDA graph (as vLLM runs decode steps), or None where capture fails."""
+    import torch
+
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):  # warm-up off the capture stream, as torch.cuda.graphs asks
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g.replay
+    except RuntimeError:
+        return None
+
+
+def _fit(points, key):
+    A = np.array([[1.0, p["batch"], p["batch"] * p["context"]] for p in points])
+    y = np.array([p[key] for p in points])
+    coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+    return {"base_s": float(coef[0]), "per_seq_s": float(coef[1]), "per_context_token_s": float(coef[2]),
+            "fit_max_abs_rel_error": float(np.max(np.abs(A @ coef - y) / y))}
+
+
+def measure(cfg: dict, batches, contexts, device: str = "cpu", dtype: str = "bfloat16", reps: int = 20,
             seed: int = 0) -> dict:
-    """Median time of one decode step (all layers + LM head) at each (B, C), and the least-squares fit."""
+    """Median time of one decode step (all layers + LM head) at each (B, C), and the least-squares fit.
+
+    On CUDA each point is timed twice: eager (one launch per op, as the plugin's eager mode runs) and replayed
+    from a CUDA graph (as vLLM runs decode steps by default). ``step_s`` is the graph's time where capture
+    worked, and the fit is of ``step_s``; ``eager_step_s`` and ``eager_fit`` stand beside it."""
     import torch
 
     dt = getattr(torch, dtype)
@@ -86,35 +189,37 @@ def measure(cfg: dict, batches, contexts, device: str = "cpu", dtype: str = "bfl
     h, kvh = cfg["hidden_size"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     lm_head = torch.randn(h, cfg["vocab_size"], device=device, dtype=dt, generator=gen) * 0.02
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    cuda = device.startswith("cuda")
+    timed = _timer(device, reps)
     points = []
-    for B in batches:
-        for C in contexts:
-            k = torch.randn(B, kvh, C, d, device=device, dtype=dt, generator=gen)
-            v = torch.randn(B, kvh, C, d, device=device, dtype=dt, generator=gen)
-            x = torch.randn(B, h, device=device, dtype=dt, generator=gen)
-            with torch.no_grad():
+    with torch.no_grad():
+        layer["moe"] = _choose_moe(layer, torch.randn(64, h, device=device, dtype=dt, generator=gen))
+        for B in batches:
+            for C in contexts:
+                k = torch.randn(B, kvh, C, d, device=device, dtype=dt, generator=gen)
+                v = torch.randn(B, kvh, C, d, device=device, dtype=dt, generator=gen)
+                x = torch.randn(B, h, device=device, dtype=dt, generator=gen)
+
+                def step_layer(x=x, k=k, v=v):
+                    return _forward(layer, x, k, v)
+
+                def step_head(x=x):
+                    return (x @ lm_head).argmax(-1)
+
                 for _ in range(2):  # warm-up (kernels, allocator)
-                    _forward(layer, x, k, v)
-                sync()
-                times = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    _forward(layer, x, k, v)
-                    sync()
-                    t1 = time.perf_counter()
-                    (x @ lm_head).argmax(-1)
-                    sync()
-                    times.append((t1 - t0) * cfg["num_hidden_layers"] + (time.perf_counter() - t1))
-            points.append({"batch": B, "context": C, "step_s": float(np.median(times))})
-            del k, v
-    A = np.array([[1.0, p["batch"], p["batch"] * p["context"]] for p in points])
-    y = np.array([p["step_s"] for p in points])
-    coef, *_ = np.linalg.lstsq(A, y, rcond=None)
-    fit = A @ coef
-    return {"points": points, "base_s": float(coef[0]), "per_seq_s": float(coef[1]),
-            "per_context_token_s": float(coef[2]),
-            "fit_max_abs_rel_error": float(np.max(np.abs(fit - y) / y))}
+                    step_layer(), step_head()
+                eager = timed(step_layer) * cfg["num_hidden_layers"] + timed(step_head)
+                point = {"batch": B, "context": C, "step_s": eager, "eager_step_s": eager, "graph": False}
+                graph_layer, graph_head = (_graphed(step_layer), _graphed(step_head)) if cuda else (None, None)
+                if graph_layer and graph_head:
+                    point.update(step_s=timed(graph_layer) * cfg["num_hidden_layers"] + timed(graph_head),
+                                 graph=True)
+                points.append(point)
+                del k, v, graph_layer, graph_head
+                if cuda:
+                    torch.cuda.empty_cache()
+    return {"points": points, "moe": layer.get("moe"), **_fit(points, "step_s"),
+            "eager_fit": _fit(points, "eager_step_s")}
 
 
 def main(argv=None) -> int:
@@ -138,10 +243,11 @@ def main(argv=None) -> int:
         names = args.presets.split(",") if args.presets else list(PRESETS)
         unknown = [n for n in names if n not in PRESETS]
         if unknown:
-            print(f"decode_step: error: unknown preset {unknown[0]!r}; choose from {', '.join(PRESETS)}", file=sys.stderr)
+            print(f"decode_step: error: unknown preset {unknown[0]!r}; choose from {', '.join(PRESETS)}",
+                  file=sys.stderr)
             return 2
         shapes = {n: PRESETS[n].hf_config for n in names}
-        batches, contexts, dtype = (1, 8, 32, 64), (512, 2048, 8192), "bfloat16"
+        batches, contexts, dtype = (1, 8, 32, 64, 128, 256), (512, 2048, 8192), "bfloat16"
     device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor() or "cpu"
     out = {"device": device_name, "torch": torch.__version__, "dtype": dtype,
            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -155,9 +261,16 @@ def main(argv=None) -> int:
             res = {"error": str(exc).splitlines()[0]}
         res["seconds"] = round(time.perf_counter() - t0, 1)
         out["models"][name] = res
-        line = (f"{name}: base {res['base_s'] * 1e3:.3f} ms, per seq {res['per_seq_s'] * 1e6:.2f} us, per context token "
-                f"{res['per_context_token_s'] * 1e9:.3f} ns (fit max err {res['fit_max_abs_rel_error']:.0%}; "
-                f"{res['seconds']:.0f} s)" if "error" not in res else f"{name}: {res['error']}")
+        if "error" in res:
+            line = f"{name}: {res['error']}"
+        else:
+            mode = "CUDA graphs" if all(p["graph"] for p in res["points"]) else "eager"
+            e = res["eager_fit"]
+            line = (f"{name} ({mode}{', MoE ' + res['moe'] if res['moe'] else ''}): base {res['base_s'] * 1e3:.3f} ms, "
+                    f"per seq {res['per_seq_s'] * 1e6:.2f} us, per context token "
+                    f"{res['per_context_token_s'] * 1e9:.3f} ns (fit max err {res['fit_max_abs_rel_error']:.0%}); "
+                    f"eager base {e['base_s'] * 1e3:.3f} ms, per seq {e['per_seq_s'] * 1e6:.2f} us, per context token "
+                    f"{e['per_context_token_s'] * 1e9:.3f} ns; {res['seconds']:.0f} s")
         print(line, flush=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -32,3 +32,22 @@ def test_decode_step_refuses_an_unknown_preset(tmp_path):
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         "decode_step: error: unknown preset 'nope'; choose from moshi, qwen2.5-omni, qwen3-omni, minicpm-o"]
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_grouped_moe_is_the_loop():
+    """The grouped-GEMM MoE (what a CUDA graph can hold) computes what the per-expert loop computes, on a small
+    MoE in float32 (to 1e-5 of the output's scale: the same products summed in another order)."""
+    import torch
+
+    from metronome.probe import decode_step
+
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "num_experts": 8, "moe_intermediate_size": 32, "num_experts_per_tok": 2}
+    gen = torch.Generator().manual_seed(1)
+    p = decode_step._layer(cfg, "cpu", torch.float32, gen)
+    x = torch.randn(12, 64, generator=gen)
+    wts, idx = torch.topk(torch.softmax(x @ p["router"], -1), 2, dim=-1)
+    want = decode_step._moe_loop(p, x, wts, idx)
+    got = decode_step._moe_grouped(p, x, wts, idx)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert decode_step._choose_moe(p, x) == "grouped"

@@ -33,9 +33,9 @@ def paged_attention(q, k_cache, v_cache, qsl, seq_lens, table, bs):
         blocks = table[r, :cdiv(L, bs)].long()
         k = k_cache[blocks].reshape(-1, H, D)[:L]
         v = v_cache[blocks].reshape(-1, H, D)[:L]
-        pos = torch.arange(L - (b - a), L)
+        pos = torch.arange(L - (b - a), L, device=q.device)  # the mask lives where the scores do
         scores = torch.einsum("qhd,khd->hqk", q[a:b], k) / D ** 0.5
-        scores = scores.masked_fill(~(torch.arange(L)[None, :] <= pos[:, None])[None], float("-inf"))
+        scores = scores.masked_fill(~(torch.arange(L, device=q.device)[None, :] <= pos[:, None])[None], float("-inf"))
         w = torch.softmax(scores, dim=-1)
         out[a:b] = torch.einsum("hqk,khd->qhd", torch.nan_to_num(w, nan=0.0), v)
     return out
@@ -132,7 +132,8 @@ def main(argv=None) -> int:
         if err > 1e-12:
             print(f"compaction_check: FAILED: max |error| {err:.3g} on {case[:4]}", file=sys.stderr)
             return 1
-    print(f"compaction_check: {args.cases} batches on {args.device} ({compacted} compacted), max |error| {worst:.1e}: ok")
+    print(f"compaction_check: {args.cases} batches on {args.device} ({compacted} compacted), "
+          f"max |error| {worst:.1e}: ok")
     return 0
 
 
