@@ -68,6 +68,10 @@ class FrontEnd:
     prompt_of: np.ndarray  # the prompt its first frame carries
     rebase_next: np.ndarray  # its KV was lost with the engine: its readmission is a rebase
     next_frame: np.ndarray  # the next tick it has not yet seen
+    P_of: np.ndarray  # its frame period (its frame f ticks at f·P_of + phase)
+    n_in_of: np.ndarray  # input tokens per frame
+    n_out_of: np.ndarray  # output tokens per frame
+    deadline_of: np.ndarray  # its frames' deadline after their tick
     backlog: np.ndarray  # due frames not yet submitted (one frame in flight at a time)
     inflight: np.ndarray  # the frame in the engine (-1: none)
     inflight_tok: np.ndarray  # tokens that frame has got
@@ -197,6 +201,9 @@ class FrontEnd:
             "hist", "pending_in", "next_frame", "backlog", "inflight_tok", "work_step",
             "s_frames", "s_silent", "s_late", "s_tokens", "s_preempt", "s_rebase")})
         d.update({k: np.zeros(M, dtype=bool) for k in ("last_tok", "started", "rebase_next", "admitted")})
+        # each session's stream shape: the run's, until :meth:`reshape` gives a session its own
+        d.update(P_of=np.full(M, float(self.P)), deadline_of=np.full(M, self.deadline),
+                 n_in_of=np.full(M, self.n_in, dtype=np.int64), n_out_of=np.full(M, self.n_out, dtype=np.int64))
         return d
 
     def _init_sessions(self, M: int) -> None:
@@ -220,6 +227,33 @@ class FrontEnd:
         self.phase[i] = serving.phase_offset_s(phase_slot, self.P)
         self.offered += 1
         return i
+
+    def reshape(self, i: int, period_s: float, input_tokens: int, output_tokens: int, deadline_s: float) -> bool:
+        """Session ``i`` streams its own shape (a server's client asked for it) from its next frame on. It changes
+        only at a frame boundary where nothing of the session is owed (no frame in the engine's hands or queued for
+        it, no silent frame's input pending), so every frame is served under one shape from tick to answer; the
+        clock goes on from the tick already due next (its frame numbers run on, each later tick one new period
+        after the last). Returns whether it changed now; if not, ask again at a later turn. A session at the
+        gate's queue has no clock yet: it takes the shape at once."""
+        if self.lockstep:
+            raise ValueError("aligned phases: every session streams the run's shape")
+        if not (period_s > 0 and deadline_s > 0 and input_tokens >= 1 and output_tokens >= 1):
+            raise ValueError(f"a stream shape is positive: period {period_s} s, deadline {deadline_s} s, "
+                             f"{input_tokens} in, {output_tokens} out")
+        st = self.state[i]
+        if st in (ENDED, REFUSED):
+            return False
+        clocked = WAITING <= st <= RUNNING
+        if clocked and (self.inflight[i] >= 0 or self.backlog[i] or self.pending_in[i]):
+            return False
+        if clocked:  # the tick due next stays where it is
+            t_next = serving.frame_tick(self.next_frame[i], self.P_of[i], self.phase[i])
+            self.phase[i] = t_next - self.next_frame[i] * period_s
+        else:
+            self.phase[i] = serving.phase_offset_s(self.pslot[i], period_s)
+        self.P_of[i], self.deadline_of[i] = period_s, deadline_s
+        self.n_in_of[i], self.n_out_of[i] = input_tokens, output_tokens
+        return True
 
     def _grow(self, M: int) -> None:
         """Room for ``M`` sessions; the room not yet offered arrives never (at infinity)."""
@@ -289,7 +323,7 @@ class FrontEnd:
         live = (self.state >= WAITING) & (self.state <= RUNNING)
         if not live.any():
             return math.inf
-        return float(serving.frame_tick(self.next_frame[live], self.P, self.phase[live]).min())
+        return float(serving.frame_tick(self.next_frame[live], self.P_of[live], self.phase[live]).min())
 
     def _turn(self, now: float) -> None:
         """Arrivals, the gate's queue, departures, admission, due frames, silent answers (the driver's turn)."""
@@ -330,7 +364,7 @@ class FrontEnd:
         """Past the gate (at its arrival, or when the gate's queue let it in): the session waits in the front
         end's queue, streams from the first tick at or after ``t_enter`` and leaves ``duration`` after it."""
         self.state[i] = WAITING
-        self.next_frame[i] = serving.join_frame(t_enter, self.P, float(self.phase[i]))
+        self.next_frame[i] = serving.join_frame(t_enter, float(self.P_of[i]), float(self.phase[i]))
         self.waiting.append(i)
         heapq.heappush(self.departures, (t_enter + self.duration[i], i))
 
@@ -338,7 +372,7 @@ class FrontEnd:
         """Tokens the session's request will carry when (re)admitted: its first frame, or its history (what a
         rebase keeps of it, when its KV was lost with the engine)."""
         if not self.started[i]:
-            return int(self.prompt_of[i] + self.pending_in[i]) + self.n_in
+            return int(self.prompt_of[i] + self.pending_in[i] + self.n_in_of[i])
         n = int(self.hist[i] + self.pending_in[i])
         return min(n, self.keep_tokens) if self.rebase_next[i] else n
 
@@ -358,7 +392,7 @@ class FrontEnd:
                 # a new session: its first frame (prompt + input) is its prefill, submitted at its tick
                 self.rebase_next[i] = False  # (nothing was lost: it never reached an engine)
                 self.state[i] = RUNNING
-                self.running_since[i] = serving.frame_tick(self.next_frame[i], self.P, self.phase[i])
+                self.running_since[i] = serving.frame_tick(self.next_frame[i], self.P_of[i], self.phase[i])
                 continue
             self._readmit(i, now)
 
@@ -394,14 +428,13 @@ class FrontEnd:
         """Frames that came due: running sessions queue them (and submit one); the others hear silence."""
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
         tick = serving.frame_tick
-        P = self.P
-        due = live[tick(self.next_frame[live], P, self.phase[live]) <= now + _EPS]
+        due = live[tick(self.next_frame[live], self.P_of[live], self.phase[live]) <= now + _EPS]
         if due.size:
             ph = self.phase[due]
-            one = tick(self.next_frame[due] + 1, P, ph) > now + _EPS  # exactly one frame came due (the usual)
+            one = tick(self.next_frame[due] + 1, self.P_of[due], ph) > now + _EPS  # exactly one came due (the usual)
             many = due[~one]
             if many.size:  # an engine slower than the frame clock: a running session queues them all
-                nf, ph = self.next_frame[many], self.phase[many]
+                nf, ph, P = self.next_frame[many], self.phase[many], self.P_of[many]
                 n_due = np.floor((now + _EPS - ph) / P).astype(np.int64) - nf + 1
                 # the division may round across a tick: settle on the tick test itself (f·P + φ <= now)
                 n_due -= tick(nf + n_due - 1, P, ph) > now + _EPS
@@ -429,14 +462,14 @@ class FrontEnd:
         quiet = idx[~run]
         if quiet.size:
             fq = f[~run]
-            self.pending_in[quiet] += self.n_in
+            self.pending_in[quiet] += self.n_in_of[quiet]
             self._silenced(quiet, fq, None)
             self._owe(quiet, fq, np.zeros(quiet.size, dtype=np.int64))
 
     def _queues(self, idx: np.ndarray, f: np.ndarray) -> np.ndarray:
         """Whether frame ``f`` of session ``idx`` is queued for the engine (the session runs, and the frame is not
         before its place in it) rather than heard as silence."""
-        return (self.state[idx] == RUNNING) & (serving.frame_tick(f, self.P, self.phase[idx])
+        return (self.state[idx] == RUNNING) & (serving.frame_tick(f, self.P_of[idx], self.phase[idx])
                                                >= self.running_since[idx] - _EPS)
 
     def _tick_each(self, idx: np.ndarray, n_due: np.ndarray) -> None:
@@ -453,7 +486,7 @@ class FrontEnd:
         np.add.at(self.backlog, who[run], 1)
         quiet = ~run
         wq, fq = who[quiet], f[quiet]
-        np.add.at(self.pending_in, wq, self.n_in)
+        np.add.at(self.pending_in, wq, self.n_in_of[wq])
         self._silenced(wq, fq, None)
         self._owe(wq, fq, np.zeros(wq.size, dtype=np.int64))
 
@@ -461,13 +494,18 @@ class FrontEnd:
         """Hand each session's oldest due frame to the engine. Sessions paused in the engine whose frame fits
         go at once (one append each, as arrays); the others (a first frame, a rebase, the length limit) one by
         one, in session order, as the driver does."""
-        chunk = 1 + self.pending_in[idx] + self.n_in
+        chunk = 1 + self.pending_in[idx] + self.n_in_of[idx]
         simple = (self.started[idx] & (self.slot[idx] >= 0)
-                  & serving.frame_fits(self.hist[idx] + chunk + self.n_out, self.maxlen))
+                  & serving.frame_fits(self.hist[idx] + chunk + self.n_out_of[idx], self.maxlen))
         fast, slow = idx[simple], idx[~simple]
         if fast.size:
             sl = self.slot[fast]
-            self.model.append_many(sl, chunk[simple], self.n_out)
+            n_out = self.n_out_of[fast]
+            if (n_out == n_out[0]).all():  # one stream shape (always, in the simulator): one call
+                self.model.append_many(sl, chunk[simple], int(n_out[0]))
+            else:
+                for n in np.unique(n_out).tolist():
+                    self.model.append_many(sl[n_out == n], chunk[simple][n_out == n], n)
             self.fresh_slot[sl] = True
             f = self.next_frame[fast] - self.backlog[fast]
             self.hist[fast] += chunk[simple]
@@ -485,8 +523,9 @@ class FrontEnd:
     def _submit(self, i: int, now: float) -> None:
         """Hand the oldest due frame to the engine (rebased or finished at the length limit)."""
         f = int(self.next_frame[i] - self.backlog[i])
-        chunk = (1 if self.started[i] else int(self.prompt_of[i])) + int(self.pending_in[i]) + self.n_in
-        rebased = not serving.frame_fits(int(self.hist[i]) + chunk + self.n_out, self.maxlen)
+        n_out = int(self.n_out_of[i])
+        chunk = (1 if self.started[i] else int(self.prompt_of[i])) + int(self.pending_in[i] + self.n_in_of[i])
+        rebased = not serving.frame_fits(int(self.hist[i]) + chunk + n_out, self.maxlen)
         # (the engine takes the request before anything changes here: an engine that dies meanwhile finds the
         # session as it was)
         if rebased:
@@ -494,17 +533,17 @@ class FrontEnd:
                 self._end(i, now, EndReason.LENGTH)
                 return
             origin = serving.Origin(i, "rebase", int(self.hist[i]), chunk)
-            kept, chunk = serving.rebase_counts(int(self.hist[i]), chunk, self.n_out, self.keep_tokens, self.maxlen)
+            kept, chunk = serving.rebase_counts(int(self.hist[i]), chunk, n_out, self.keep_tokens, self.maxlen)
             self._drop_rid(i)
-            sl = self._add(i, kept + chunk, self.n_out, origin)
+            sl = self._add(i, kept + chunk, n_out, origin)
             self.hist[i] = kept
             self.s_rebase[i] += 1
             self._event("rebase", i, now, prompt_tokens=kept + chunk, kept_tokens=kept)
         elif self.slot[i] < 0:
-            sl = self._add(i, int(self.hist[i]) + chunk, self.n_out, serving.Origin(i, "first", 0, chunk))
+            sl = self._add(i, int(self.hist[i]) + chunk, n_out, serving.Origin(i, "first", 0, chunk))
         else:
             sl = int(self.slot[i])
-            self.model.append(int(self.rid[i]), chunk, self.n_out)
+            self.model.append(int(self.rid[i]), chunk, n_out)
         self.fresh_slot[sl] = True
         self.hist[i] += chunk
         self.started[i] = True
@@ -537,7 +576,7 @@ class FrontEnd:
         f = np.concatenate([np.array([x[0] for x in owed], dtype=np.int64),
                             np.arange(first_q, int(self.next_frame[i]), dtype=np.int64)])
         tok = np.concatenate([np.array([x[1] for x in owed], dtype=np.int64), np.zeros(f.size - len(owed), np.int64)])
-        due = serving.frame_tick(f, self.P, self.phase[i]) + self.deadline <= now + _EPS
+        due = serving.frame_tick(f, self.P_of[i], self.phase[i]) + self.deadline_of[i] <= now + _EPS
         if reason in serving.RUN_OVER:  # the run's last frames are left out, as finalize leaves them
             due[:] = False
         if due.any():
@@ -615,9 +654,9 @@ class FrontEnd:
         tokens_out = int(inf.size)
         self.inflight_tok[inf] += 1
         self.s_tokens[inf] += 1
-        done = inf[self.inflight_tok[inf] >= self.n_out]
+        done = inf[self.inflight_tok[inf] >= self.n_out_of[inf]]
         if done.size:
-            self.hist[done] += self.n_out - 1  # vLLM keeps every sampled token but the last
+            self.hist[done] += self.n_out_of[done] - 1  # vLLM keeps every sampled token but the last
             self.last_tok[done] = True
             self._answer_many(done, self.inflight[done], self.inflight_tok[done])
             self.inflight[done] = -1
@@ -701,7 +740,7 @@ class FrontEnd:
         self.last_tok[i] = False
         first_q = int(self.next_frame[i] - self.backlog[i])
         owed = np.arange(first_q, int(self.next_frame[i]), dtype=np.int64)  # due frames never submitted: silent
-        self.pending_in[i] += self.n_in * owed.size
+        self.pending_in[i] += self.n_in_of[i] * owed.size
         if owed.size:
             self._silenced(np.full(owed.size, i), owed, WAITING)
         self._owe(np.full(owed.size, i), owed, np.zeros(owed.size, dtype=np.int64))

@@ -346,7 +346,7 @@ class Driver(FrontEnd):
         """Session ``i``'s frame ``f`` answered now with ``tokens`` (or, ``censored``, never: the run or its session
         ended before its deadline). A departing session's frames (``_leaving``) were never done: their latency
         runs until it left. Returns (latency, silent)."""
-        tick = float(serving.frame_tick(f, self.P, self.phase[i]))
+        tick = float(serving.frame_tick(f, self.P_of[i], self.phase[i]))
         book = self._book.pop((i, f), None)
         state = self._silent_state.pop((i, f), RUNNING_S)
         submitted, first, by_deadline, rebased, ids = book if book is not None else (None, None, 0, False, [])
@@ -356,10 +356,10 @@ class Driver(FrontEnd):
         row = {
             "session": self._label(i), "frame": f - int(self.join[i]), "tick_s": tick, "submitted_s": submitted,
             "first_token_s": first, "done_s": done, "latency_s": latency,
-            "tokens_expected": self.n_out, "tokens_delivered": tokens, "tokens_by_deadline": by_deadline,
+            "tokens_expected": int(self.n_out_of[i]), "tokens_delivered": tokens, "tokens_by_deadline": by_deadline,
             "silent": silent, "silent_by_deadline": by_deadline == 0,
-            "met_deadline": done is not None and latency <= self.deadline + _EPS, "censored": censored,
-            "state": RUNNING_S if book is not None else state, "period_s": self.P, "rebased": rebased,
+            "met_deadline": done is not None and latency <= self.deadline_of[i] + _EPS, "censored": censored,
+            "state": RUNNING_S if book is not None else state, "period_s": float(self.P_of[i]), "rebased": rebased,
         }
         self.sink.frame(row, latency)
         self._deliver(i, f, row, ids)
@@ -389,7 +389,7 @@ class Driver(FrontEnd):
             b[4].append(self.slots.held[int(self.slot[i])][-1])
             if b[1] is None:
                 b[1] = now
-            if now - float(serving.frame_tick(f, self.P, self.phase[i])) <= self.deadline:
+            if now - float(serving.frame_tick(f, self.P_of[i], self.phase[i])) <= self.deadline_of[i]:
                 b[2] += 1
 
     def _event(self, kind: str, i: int, t: float, **extra) -> None:

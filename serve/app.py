@@ -65,13 +65,28 @@ class ServeState:
     def ready(self) -> bool:
         return self.gateway is not None and self.gateway.serving and not self.draining
 
-    def session_info(self) -> dict:
+    def shape(self) -> dict:
+        """The server's stream shape: every session's until its ``session.update``."""
         c = self.gateway.cfg
         st = c.stream
         return {"frame_period_s": st.frame_period_s, "deadline_s": c.deadline,
                 "input_tokens_per_frame": st.input_tokens_per_frame,
-                "output_tokens_per_frame": st.output_tokens_per_frame, "vocab_size": self.vocab_size,
-                "text": self.tokenizer is not None, "server": self.server}
+                "output_tokens_per_frame": st.output_tokens_per_frame}
+
+    def shape_limits(self) -> dict:
+        """What a session may ask for, each [low, high]. No session may cost more than the server's shape, which is
+        what the admission signal was measured on: a period no shorter, no more tokens a frame (a slower stream or a
+        smaller frame costs less). Ten periods bound how slow a stream, and how long a deadline, may be (a frame
+        still owed holds its account open until its deadline)."""
+        sh = self.shape()
+        P = sh["frame_period_s"]
+        return {"frame_period_s": [P, 10 * P], "deadline_s": [0.001, 10 * P],
+                "input_tokens_per_frame": [1, sh["input_tokens_per_frame"]],
+                "output_tokens_per_frame": [1, sh["output_tokens_per_frame"]]}
+
+    def session_info(self, shape: dict | None = None) -> dict:
+        return {**(shape or self.shape()), "vocab_size": self.vocab_size, "text": self.tokenizer is not None,
+                "limits": self.shape_limits(), "server": self.server}
 
 
 def error_event(code: str, message: str, type_: str = "invalid_request_error") -> dict:
@@ -154,8 +169,9 @@ def make_app(state: ServeState) -> FastAPI:
         state.clients.add(client)
         sender = asyncio.create_task(_send(ws, client, state.tokenizer))
         try:
+            client.shape = state.shape()
             await ws.send_text(json.dumps({"type": "session.created",
-                                           "session": {"id": client.sid, **state.session_info()}}))
+                                           "session": {"id": client.sid, **state.session_info(client.shape)}}))
             while True:
                 msg = await ws.receive()
                 if msg["type"] == "websocket.disconnect":
@@ -228,27 +244,57 @@ def _handle(state: ServeState, client: Client, text: str) -> None:
         else:
             _input_frame(state, client, state.tokenizer.encode(text, add_special_tokens=False), "tokens of text")
     elif kind == "session.update":
-        asked = ev.get("session")
-        if not isinstance(asked, dict):
-            client.out.put_nowait(error_event("invalid_value", "session.update needs a 'session' object"))
-            return
-        info = state.session_info()
-        fixed = ("vocab_size", "text", "server")
-        bad = [k for k, v in asked.items() if k not in info or k in fixed or not _same(v, info[k])]
-        if bad:
-            shape = ", ".join(f"{k}={info[k]}" for k in info if k not in fixed)
-            client.out.put_nowait(error_event("invalid_value", f"this server serves one stream ({shape}); cannot "
-                                              f"set {', '.join(sorted(map(str, bad)))}"))
-            return
-        client.out.put_nowait({"type": "session.updated", "session": {"id": client.sid, **info}})
+        _session_update(state, client, ev.get("session"))
     else:
         client.out.put_nowait(error_event("unknown_event", f"unknown event type {kind!r}"))
 
 
+def _session_update(state: ServeState, client: Client, asked) -> None:
+    """A new stream shape for this session, within :meth:`ServeState.shape_limits`. It waits in the session's input
+    queue behind the frames sent before it, and the gateway applies it at the session's first frame boundary with
+    nothing owed (``FrontEnd.reshape``); ``session.updated`` says when. Input sent after it is held to the new
+    shape. The other fields of ``session.created`` are what the server runs: not the session's to set."""
+    if not isinstance(asked, dict):
+        client.out.put_nowait(error_event("invalid_value", "session.update needs a 'session' object"))
+        return
+    limits = state.shape_limits()
+    fixed = [k for k in asked if k not in limits]
+    if fixed:
+        client.out.put_nowait(error_event("invalid_value", f"cannot set {', '.join(sorted(map(str, fixed)))}: a "
+                                          f"session sets only {', '.join(limits)}"))
+        return
+    now = client.shape or state.shape()
+    shape = dict(now)
+    for k, (lo, hi) in limits.items():
+        if k not in asked:
+            continue
+        v = asked[k]
+        whole = k.endswith("_per_frame")
+        ok_type = isinstance(v, int) if whole else isinstance(v, (int, float))
+        if isinstance(v, bool) or not ok_type or not (lo <= v <= hi or math.isclose(v, lo) or math.isclose(v, hi)):
+            kind = "an integer" if whole else "a number"
+            client.out.put_nowait(error_event("invalid_value", f"{k} must be {kind} in [{lo:g}, {hi:g}], got {v!r}"))
+            return
+        shape[k] = min(max(v, lo), hi)
+    updated = {"type": "session.updated", "session": {"id": client.sid, **state.session_info(shape)}}
+    if shape == now:
+        client.out.put_nowait(updated)
+        return
+    try:
+        client.inputs.put_nowait(("shape", shape, updated))
+    except queue.Full:
+        client.out.put_nowait(error_event("input_queue_full", f"more input waiting than {client.inputs.maxsize} "
+                                          "frames; the session.update is dropped"))
+        return
+    client.shape = shape
+    state.gateway.update_shape(client)
+
+
 def _input_frame(state: ServeState, client: Client, ids: list[int], what: str) -> None:
     """One input frame of ``ids`` (a client's token ids, or its text's) for the gateway's queue: at most a frame's
-    tokens, a short frame padded with silence; every frame the client sent is queued, or counted and said why."""
-    n = state.gateway.cfg.stream.input_tokens_per_frame
+    tokens (the session's shape, as last asked), a short frame padded with silence; every frame the client sent is
+    queued, or counted and said why."""
+    n = (client.shape or state.shape())["input_tokens_per_frame"]
     if len(ids) > n:
         client.out.put_nowait(error_event("frame_too_long", f"a frame carries at most {n} tokens, got {len(ids)} "
                                           f"{what}"))
@@ -265,10 +311,6 @@ def _input_frame(state: ServeState, client: Client, ids: list[int], what: str) -
         client.counted["input_queue_full"] += 1
         client.out.put_nowait(error_event("input_queue_full", f"frame {seq}: more input frames waiting than "
                                           f"{client.inputs.maxsize}; this one is dropped"))
-
-
-def _same(a, b) -> bool:
-    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isclose(float(a), float(b))
 
 
 def _account(state: ServeState, client: Client) -> None:

@@ -53,6 +53,7 @@ class Client:
         self.counted = {r: 0 for r in DROP_REASONS}
         self.ended: str | None = None  # the server ended the session (why)
         self.index = -1  # the front end's session (set by the gateway thread)
+        self.shape: dict = {}  # its stream shape as last asked (the app's; the gateway applies it in turn)
         self._gateway_done = self._socket_done = False
         self.final = asyncio.Event()  # set once the accounting is closed (both sides are done)
 
@@ -67,6 +68,10 @@ class Client:
             if message["input"] is not None:
                 self.counted["send_queue_full"] += 1
             return
+        self.out.put_nowait(message)
+
+    def updated(self, message: dict) -> None:
+        """The gateway applied a ``session.update``: say so."""
         self.out.put_nowait(message)
 
     def lost(self, n: int) -> None:
@@ -93,7 +98,7 @@ class Client:
         did not take, answers the socket did not send)."""
         if not (self._gateway_done and self._socket_done) or self.final.is_set():
             return
-        left = self.inputs.qsize()
+        left = sum(item[0] != "shape" for item in list(self.inputs.queue))  # (a shape is not a frame)
         while not self.out.empty():
             m = self.out.get_nowait()
             left += isinstance(m, dict) and m.get("type") == "response.frame" and m["input"] is not None
@@ -118,12 +123,12 @@ class Gateway(Driver):
         self._inbox: deque = deque()
         super().__init__(engine, config, admission=admission, out_dir=out_dir, retain=False, notify=notify,
                          sleep=self._wait, metrics=metrics)
-        self.silence = [int(silence_token)] * config.stream.input_tokens_per_frame
         self.silence_token = int(silence_token)
         self.clients: dict[int, Client] = {}  # by front-end session
         self.labels: list[str] = []  # per front-end session: its client's id
         self._ids: dict[int, deque] = {}  # per session: the ids its ticks took, until sent
         self._input_of: dict[tuple[int, int], int] = {}  # (session, frame) -> the client's input frame number
+        self._reshaping: set[int] = set()  # sessions with a session.update in their input queue
         self.t0 = 0.0  # the gateway's clock starts here (perf_counter)
         self.error: str | None = None  # why the gateway itself failed (serve), if it did
 
@@ -131,6 +136,11 @@ class Gateway(Driver):
     def open(self, client: Client) -> None:
         """A client wants in: the gate decides at the gateway's next turn (``client.decision``)."""
         self._post(("open", client))
+
+    def update_shape(self, client: Client) -> None:
+        """The client put a new shape in its input queue: the gateway applies it when it reaches the queue's head
+        and the front end can (:meth:`FrontEnd.reshape`: a frame boundary with nothing of the session owed)."""
+        self._post(("shape", client))
 
     def close(self, client: Client) -> None:
         """The client left (or was closed): its session ends, its request is aborted in the engine."""
@@ -187,7 +197,13 @@ class Gateway(Driver):
         self.t0 = t0
         while self._inbox:
             kind, client = self._inbox.popleft()
-            (self._arrive if kind == "open" else self._leave)(client, now)
+            if kind == "shape":
+                if client.index in self.clients:
+                    self._reshaping.add(client.index)
+            else:
+                (self._arrive if kind == "open" else self._leave)(client, now)
+        for i in list(self._reshaping):
+            self._apply_shapes(i)
         if self.sink.metrics is not None:
             self.sink.metrics.sessions(self._in_flight())
         super()._live_turn(now, t0)
@@ -201,6 +217,21 @@ class Gateway(Driver):
         client.index = i
         self.clients[i] = client
         self._ids[i] = deque()
+
+    def _apply_shapes(self, i: int) -> None:
+        """The shapes at the head of session ``i``'s input queue that the front end takes now, in order."""
+        c = self.clients.get(i)
+        while c is not None:
+            head = _head(c.inputs)
+            if head is None or head[0] != "shape":
+                break  # (frames sent before the shape go first: their ticks take them)
+            _, shape, message = head
+            if not self.reshape(i, shape["frame_period_s"], shape["input_tokens_per_frame"],
+                                shape["output_tokens_per_frame"], shape["deadline_s"]):
+                return
+            c.inputs.get_nowait()
+            self._tell(i, "updated", message)
+        self._reshaping.discard(i)
 
     def _leave(self, client: Client, now: float) -> None:
         i = client.index
@@ -225,10 +256,15 @@ class Gateway(Driver):
 
     def _ticked(self, idx: np.ndarray, f: np.ndarray) -> None:
         for i, fr in zip(idx.tolist(), f.tolist()):
-            try:
-                seq, ids = self.clients[i].inputs.get_nowait()
-            except queue.Empty:
-                seq, ids = None, self.silence
+            n = int(self.n_in_of[i])
+            q = self.clients[i].inputs
+            head = _head(q)  # (only this thread takes from the queue: the head stays until taken)
+            if head is None or head[0] == "shape":  # nothing sent, or a new shape waits for its boundary
+                seq, ids = None, [self.silence_token] * n
+            else:
+                seq, ids = q.get_nowait()
+                if len(ids) != n:  # the app holds each frame to the shape in force at its place in the queue
+                    raise RuntimeError(f"session {i}: an input frame of {len(ids)} ids under a shape of {n}")
             self._ids[i].extend(ids)
             if seq is not None:
                 self._input_of[(i, fr)] = seq
@@ -262,8 +298,15 @@ class Gateway(Driver):
 
     def _forget(self, i: int) -> None:
         self.clients.pop(i, None)
+        self._reshaping.discard(i)
         self._ids.pop(i, None)
 
     def _tell(self, i: int, what: str, arg) -> None:
         c = self.clients[i]
         c.loop.call_soon_threadsafe(getattr(c, what), arg)
+
+
+def _head(q: queue.Queue):
+    """The oldest item of ``q`` without taking it, or None."""
+    with q.mutex:
+        return q.queue[0] if q.queue else None

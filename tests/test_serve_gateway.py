@@ -257,3 +257,91 @@ def test_a_gateway_that_fails_stops_serving_says_so_and_closes_every_client():
     gw = asyncio.run(main())
     with TestClient(make_app(ServeState(gateway=gw))) as http:
         assert http.get("/ready").status_code == 503 and http.get("/health").status_code == 503
+
+
+class _Recording(Gateway):
+    """The gateway, keeping each frame row it delivers (the driver's own rows: tick, period, tokens expected)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.rows = []
+
+    def _deliver(self, i, f, row, ids):
+        self.rows.append(dict(row))
+        super()._deliver(i, f, row, ids)
+
+
+def test_a_session_takes_its_own_shape_at_a_frame_boundary_and_its_clock_runs_on():
+    """``session.update`` (the app's handler, over a real gateway on the fake engine): the new shape waits behind
+    the frames sent before it, takes effect at a frame boundary, and from there the session's frames tick one new
+    period apart, carry the new input and ask for the new output, with their frame numbers running on."""
+    import json
+
+    from metronome.serve.app import ServeState, _handle
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        eng = FakeEngine(num_blocks=128, block_size=16)
+        cfg = DriverConfig(stream=STREAM, horizon_s=math.inf, phases="independent", deadline_s=P)
+        gw = _Recording(eng, cfg, admission=StaticCap(2), silence_token=1)
+        th = threading.Thread(target=gw.serve, daemon=True)
+        th.start()
+        state = ServeState(gateway=gw, vocab_size=5000)
+        c = Client("c", loop)
+        gw.open(c)
+        assert await asyncio.wait_for(c.decision, 5) == "admit"
+        events = []
+
+        def send(k):
+            _handle(state, c, json.dumps({"type": "input_tokens.append",
+                                          "token_ids": [A_IDS + 10 * k + j for j in range(c_n())]}))
+
+        def c_n():
+            return (c.shape or state.shape())["input_tokens_per_frame"]
+
+        for k in range(4):
+            send(k)
+            await asyncio.sleep(P)
+            events += _drain(c)
+        _handle(state, c, json.dumps({"type": "session.update", "session": {
+            "frame_period_s": 2 * P, "input_tokens_per_frame": 2, "output_tokens_per_frame": 1,
+            "deadline_s": 3 * P}}))
+        for k in range(4, 10):
+            send(k)
+            await asyncio.sleep(2 * P)
+            events += _drain(c)
+        await asyncio.sleep(4 * P)
+        events += _drain(c)
+        gw.close(c)
+        c.socket_done()
+        await asyncio.wait_for(c.final.wait(), 5)
+        gw.stop()
+        await loop.run_in_executor(None, th.join, 5)
+        return eng, gw, c, events
+
+    eng, gw, c, events = asyncio.run(main())
+    kinds = [e["type"] for e in events]
+    assert kinds.count("session.updated") == 1 and "error" not in kinds, events
+    upd = events[kinds.index("session.updated")]["session"]
+    assert (upd["frame_period_s"], upd["input_tokens_per_frame"], upd["output_tokens_per_frame"],
+            upd["deadline_s"]) == (2 * P, 2, 1, 3 * P)
+    rows = [r for r in gw.rows if not r["censored"]]
+    old = [r for r in rows if r["period_s"] == P]
+    new = [r for r in rows if r["period_s"] == 2 * P]
+    assert len(old) >= 3 and len(new) >= 4 and rows == old + new  # one change, at a frame's boundary
+    assert [r["frame"] for r in rows] == list(range(len(rows)))  # the numbers run on
+    assert {r["tokens_expected"] for r in old} == {2} and {r["tokens_expected"] for r in new} == {1}
+    ticks = [r["tick_s"] for r in rows]
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    k = len(old)
+    # (1e-9 s: the ticks are sums of the periods, so only rounding separates them)
+    assert all(abs(g - P) < 1e-9 for g in gaps[:k]), gaps  # the tick due next stayed where it was
+    assert all(abs(g - 2 * P) < 1e-9 for g in gaps[k:]), gaps
+    # the engine was asked for the new output, and got the new input: the re-fed token and 2 ids a frame
+    asks = [e for e in eng.appends() if not e["new"]]
+    assert {e["max_tokens"] for e in asks[-3:]} == {1} and {len(e["tokens"]) for e in asks[-3:]} == {3}
+    after = [t for e in eng.appends() for t in e["tokens"] if t >= A_IDS + 40]  # the frames sent after the update
+    frames = sorted({(t - A_IDS) // 10 for t in after})
+    assert after == [A_IDS + 10 * k + j for k in frames for j in range(2)] and len(frames) >= 4, after
+    answered = sum(e["type"] == "response.frame" and e["input"] is not None for e in events)
+    assert c.accounts["sent"] == 10 and answered + c.accounts["counted"] == 10 and answered >= 8

@@ -176,6 +176,53 @@ def test_sessions_stream_on_their_own_clock_bad_input_gets_errors_and_a_third_is
     assert not b["errors"]
 
 
+def test_a_session_streams_its_own_shape(server):
+    """``session.update`` on vLLM: a session asks for frames twice the server's period, half its input and one
+    output token; once ``session.updated`` says so, its frames tick one new period apart and each carries one
+    token."""
+    import websockets
+
+    async def main():
+        async with websockets.connect(server.url, additional_headers=AUTH) as ws:
+            s = json.loads(await ws.recv())["session"]
+            shape = {"frame_period_s": 2 * s["frame_period_s"], "deadline_s": 2 * s["frame_period_s"],
+                     "input_tokens_per_frame": max(1, s["input_tokens_per_frame"] // 2), "output_tokens_per_frame": 1}
+            await ws.send(json.dumps({"type": "session.update", "session": shape}))
+            frames = []
+            while True:  # (frames of silence tick until the shape takes effect)
+                ev = json.loads(await ws.recv())
+                if ev["type"] == "session.updated":
+                    break
+                assert ev["type"] == "response.frame", ev
+            updated = ev["session"]
+
+            async def send():
+                for k in range(20):
+                    await ws.send(json.dumps({"type": "input_tokens.append",
+                                              "token_ids": [k + 1] * shape["input_tokens_per_frame"]}))
+                    await asyncio.sleep(shape["frame_period_s"])
+
+            sender = asyncio.create_task(send())
+            while sum(f["input"] is not None for f in frames) < 20:
+                ev = json.loads(await ws.recv())
+                assert ev["type"] == "response.frame", ev
+                frames.append({**ev, "t": time.time()})
+            await sender
+            return s, shape, updated, frames
+
+    s, shape, updated, frames = asyncio.run(asyncio.wait_for(main(), 120))
+    assert {k: updated[k] for k in shape} == shape
+    answered = [f for f in frames if f["input"] is not None]
+    assert [f["input"] for f in answered] == list(range(20))
+    nums = [f["frame"] for f in frames]
+    assert nums == list(range(nums[0], nums[0] + len(nums)))  # the numbers run on across the change
+    assert all(len(f["token_ids"]) == 1 for f in answered if not f["silent"])
+    assert sum(not f["silent"] for f in answered) >= 15
+    # one tick a new period: the 20 inputs (sent one a new period) took 19 periods and a few more where an input
+    # came just after its tick; at the server's period the frames between them would number twice that
+    assert 19 <= answered[-1]["frame"] - answered[0]["frame"] <= 19 + 4, nums
+
+
 def test_no_token_gets_401_and_nothing_reaches_the_engine(server):
     before = _metric(server.port, "metronome_sessions_admitted_total")
     for headers in ({}, {"Authorization": "Bearer wrong"}):
