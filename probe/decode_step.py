@@ -222,6 +222,79 @@ def measure(cfg: dict, batches, contexts, device: str = "cpu", dtype: str = "bfl
             "eager_fit": _fit(points, "eager_step_s")}
 
 
+# Moshi's depformer (kyutai-labs/moshi, loaders._lm_kwargs): 8 sequential steps a frame, one per audio codebook,
+# each through 6 layers of dim 1024 (16 heads) with weights of its own (weights_per_step), a gated FFN of
+# 2/3 · 4.125 · 1024 = 2816, the temporal transformer's output (4096) projected in and each codebook's 2048 logits
+# out; its context (the frame's steps so far) resets each frame.
+DEPFORMER = {"dim": 1024, "heads": 16, "layers": 6, "steps": 8, "ffn": 2816, "in_dim": 4096, "card": 2048}
+DEPFORMER_SMALL = {"dim": 64, "heads": 4, "layers": 2, "steps": 3, "ffn": 128, "in_dim": 128, "card": 100}
+
+
+def measure_depformer(cfg: dict, batches, device: str = "cpu", dtype: str = "bfloat16", reps: int = 20,
+                      seed: int = 0) -> dict:
+    """Median time of one frame of a Moshi-shaped depformer (all its sequential steps) for B sessions batched,
+    eager and from a CUDA graph, and the fit ``frame = per_frame + per_session·B`` (of the graph's times on a
+    GPU): what the preset's per-session depformer term (``metronome.models``, priced per forward pass, a session's
+    passes not batched) can be set against."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    D, H, L, S, Fh = cfg["dim"], cfg["heads"], cfg["layers"], cfg["steps"], cfg["ffn"]
+
+    def w(*shape):
+        return torch.randn(*shape, device=device, dtype=dt, generator=gen) * 0.02
+
+    steps = [{"in": w(cfg["in_dim"], D), "emb": w(cfg["card"], D), "head": w(D, cfg["card"]),
+              "layers": [{"qkv": w(D, 3 * D), "o": w(D, D), "gu": w(D, 2 * Fh), "down": w(Fh, D)} for _ in range(L)]}
+             for _ in range(S)]
+
+    def frame(h, k_cache, v_cache):
+        tok = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+        B = h.shape[0]
+        for s, st in enumerate(steps):
+            x = h @ st["in"] + st["emb"][tok]
+            for li, p in enumerate(st["layers"]):
+                q, k, v = (F.rms_norm(x, (D,)) @ p["qkv"]).view(B, 3, H, 1, D // H).unbind(1)
+                k_cache[li][:, :, s:s + 1] = k
+                v_cache[li][:, :, s:s + 1] = v
+                att = F.scaled_dot_product_attention(q, k_cache[li][:, :, :s + 1], v_cache[li][:, :, :s + 1])
+                x = x + att.reshape(B, D) @ p["o"]
+                a, b = (F.rms_norm(x, (D,)) @ p["gu"]).chunk(2, -1)
+                x = x + (F.silu(a) * b) @ p["down"]
+            tok = (x @ st["head"]).argmax(-1)
+        return tok
+
+    timed = _timer(device, reps)
+    points = []
+    with torch.no_grad():
+        for B in batches:
+            h = torch.randn(B, cfg["in_dim"], device=device, dtype=dt, generator=gen)
+            kc = [torch.zeros(B, H, S, D // H, device=device, dtype=dt) for _ in range(L)]
+            vc = [torch.zeros(B, H, S, D // H, device=device, dtype=dt) for _ in range(L)]
+
+            def run(h=h, kc=kc, vc=vc):
+                return frame(h, kc, vc)
+
+            for _ in range(2):
+                run()
+            eager = timed(run)
+            point = {"batch": B, "frame_s": eager, "eager_frame_s": eager, "graph": False}
+            graph = _graphed(run) if device.startswith("cuda") else None
+            if graph:
+                point.update(frame_s=timed(graph), graph=True)
+            points.append(point)
+    A = np.array([[1.0, p["batch"]] for p in points])
+    out = {"points": points}
+    for key, name in (("frame_s", "fit"), ("eager_frame_s", "eager_fit")):
+        y = np.array([p[key] for p in points])
+        coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+        out[name] = {"per_frame_s": float(coef[0]), "per_session_s": float(coef[1]),
+                     "fit_max_abs_rel_error": float(np.max(np.abs(A @ coef - y) / y))}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m metronome.probe.decode_step", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -272,6 +345,21 @@ def main(argv=None) -> int:
                     f"eager base {e['base_s'] * 1e3:.3f} ms, per seq {e['per_seq_s'] * 1e6:.2f} us, per context token "
                     f"{e['per_context_token_s'] * 1e9:.3f} ns; {res['seconds']:.0f} s")
         print(line, flush=True)
+    t0 = time.perf_counter()
+    try:
+        dep = measure_depformer(DEPFORMER_SMALL if args.small else DEPFORMER,
+                                (1, 4) if args.small else (1, 8, 32, 64, 128, 256), device=args.device, dtype=dtype)
+        f, e = dep["fit"], dep["eager_fit"]
+        line = (f"moshi depformer ({'CUDA graphs' if all(p['graph'] for p in dep['points']) else 'eager'}): a frame "
+                f"{f['per_frame_s'] * 1e3:.3f} ms + {f['per_session_s'] * 1e6:.2f} us per session (fit max err "
+                f"{f['fit_max_abs_rel_error']:.0%}); eager {e['per_frame_s'] * 1e3:.3f} ms + "
+                f"{e['per_session_s'] * 1e6:.2f} us per session")
+    except RuntimeError as exc:
+        dep = {"error": str(exc).splitlines()[0]}
+        line = f"moshi depformer: {dep['error']}"
+    dep["seconds"] = round(time.perf_counter() - t0, 1)
+    out["depformer"] = dep
+    print(f"{line}; {dep['seconds']:.0f} s", flush=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {args.out}")

@@ -24,6 +24,9 @@ def test_gpu_check_runs_on_cpu_with_a_small_shape(tmp_path):
     assert all(p["step_s"] > 0 for p in small["points"])
     assert all(math.isfinite(small[k]) for k in ("base_s", "per_seq_s", "per_context_token_s"))
     assert out["device"] and out["torch"] and out["dtype"] == "float32"
+    dep = out["depformer"]  # the small depformer: a frame of its sequential steps, batched
+    assert [p["batch"] for p in dep["points"]] == [1, 4] and all(p["frame_s"] > 0 for p in dep["points"])
+    assert all(math.isfinite(dep["fit"][k]) for k in ("per_frame_s", "per_session_s"))
 
 
 def test_decode_step_refuses_an_unknown_preset(tmp_path):
