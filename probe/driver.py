@@ -264,7 +264,8 @@ class Driver(FrontEnd):
         self._turn(now)
         self.supervisor.watch(now, bool(((self.inflight >= 0) | (self.state == PREFILL)).any()))
         if self._steps_now():
-            self._step(t0)
+            # (an engine on its own loop is waited on no longer than the next tick or event is away)
+            self._step(t0, min(self._next_tick(), self._next_event_time()) - now)
         else:
             nxt = self._idle_until()
             self.engine.check_alive()  # an engine in its own process, idle: a step would have noticed its death
@@ -291,9 +292,9 @@ class Driver(FrontEnd):
         """Something the next turn must see came in while napping (a server's clients: its inbox)."""
         return False
 
-    def _step(self, t0: float) -> None:
+    def _step(self, t0: float, wait_s: float | None = None) -> None:
         t_start = self.clock() - t0
-        rec = self.slots.step()
+        rec = self.slots.step(wait_s)
         if rec is None:  # an engine on its own loop reported no step yet (probe.own_loop): back to the clock
             return
         now = self.clock() - t0

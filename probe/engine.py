@@ -177,7 +177,9 @@ class DrivenEngine(Protocol):
 
     def abort(self, sid: str) -> None: ...
 
-    def step(self) -> StepInfo | None: ...  # None: an engine on its own loop reported no step yet
+    # None: an engine on its own loop reported no step within ``wait_s`` (its own poll when None); an engine the
+    # caller steps ignores ``wait_s``
+    def step(self, wait_s: float | None = None) -> StepInfo | None: ...
 
     def pool(self) -> PoolState: ...
 
@@ -375,7 +377,7 @@ class Engine:
 
         self.scheduler.schedule = schedule
 
-    def step(self) -> StepInfo:
+    def step(self, wait_s: float | None = None) -> StepInfo:
         self._pending_schedule.clear()
         t0 = time.perf_counter()
         results = self.llm.step()

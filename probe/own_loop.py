@@ -284,11 +284,13 @@ class OwnLoopEngine:
         with self._cv:
             return bool(self._reports) or any(n > 0 for n in self._owed.values())
 
-    def step(self) -> StepInfo | None:
-        """The next step vLLM's loop reported, or None if none came within ``POLL_S``."""
+    def step(self, wait_s: float | None = None) -> StepInfo | None:
+        """The next step vLLM's loop reported, or None if none came within ``wait_s`` (at most ``POLL_S``): the
+        driver asks for no longer than its next tick is away, so that a frame coming due while vLLM steps is
+        handed over at its tick, not up to a poll later."""
         with self._cv:
             if not self._reports:
-                self._cv.wait(POLL_S)
+                self._cv.wait(POLL_S if wait_s is None else max(0.0, min(wait_s, POLL_S)))
             while self._reports:
                 k, info = self._reports.popleft()
                 if info.batch == 0 and k <= self._quiet_until:

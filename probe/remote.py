@@ -284,7 +284,7 @@ class RemoteEngine:
         self._send("abort", (sid,))
         self._snap = None
 
-    def step(self) -> StepInfo:
+    def step(self, wait_s: float | None = None) -> StepInfo:
         info, self._snap = self._call("step")
         return info
 

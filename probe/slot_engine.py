@@ -159,11 +159,11 @@ class SlotEngine:
         self.gone.pop(session, None)
 
     # -- one step ------------------------------------------------------------------------------------------
-    def step(self) -> StepRecord | None:
-        """One engine step; None when an engine on its own loop has reported none yet. A request the engine ended on
-        its own (a streaming request only pauses, but vLLM ends one at its own length cap) is still the front end's
-        to end: its session is in :attr:`finished`."""
-        info = self.engine.step()
+    def step(self, wait_s: float | None = None) -> StepRecord | None:
+        """One engine step; None when an engine on its own loop has reported none within ``wait_s``. A request the
+        engine ended on its own (a streaming request only pauses, but vLLM ends one at its own length cap) is still
+        the front end's to end: its session is in :attr:`finished`."""
+        info = self.engine.step(wait_s)
         if info is None:
             return None
         self.steps += 1

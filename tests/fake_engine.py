@@ -213,7 +213,7 @@ class FakeEngine:
         for rid in list(self._reqs):
             self._drop(rid)
 
-    def step(self) -> StepInfo:
+    def step(self, wait_s: float | None = None) -> StepInfo:
         t0 = self.now
         rec = self.model.step()
         info = StepInfo(t_start=t0, duration_s=0.0, batch=len(rec.scheduled), new_tokens=rec.new_tokens,
@@ -308,7 +308,7 @@ class FakeRemoteEngine(FakeEngine):
         self.log.append({"op": "restart", "t": self.now, "step": self.steps})
 
     # every call the driver makes goes through the 'process'
-    def step(self) -> StepInfo:
+    def step(self, wait_s: float | None = None) -> StepInfo:
         self._alive_or_raise()
         return super().step()
 

@@ -133,9 +133,9 @@ class _Held(FakeEngine):
         self.go = threading.Event()
         self.go.set()
 
-    def step(self):
+    def step(self, wait_s=None):
         self.go.wait(10)
-        return super().step()
+        return super().step(wait_s)
 
 
 def test_a_frame_in_the_engine_when_its_client_leaves_is_counted():
@@ -213,10 +213,10 @@ class _Broken(FakeEngine):
         super().__post_init__()
         self.broken = threading.Event()
 
-    def step(self):
+    def step(self, wait_s=None):
         if self.broken.is_set():
             raise KeyError("a bug")
-        return super().step()
+        return super().step(wait_s)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (raised again, for the log)
@@ -345,3 +345,41 @@ def test_a_session_takes_its_own_shape_at_a_frame_boundary_and_its_clock_runs_on
     assert after == [A_IDS + 10 * k + j for k in frames for j in range(2)] and len(frames) >= 4, after
     answered = sum(e["type"] == "response.frame" and e["input"] is not None for e in events)
     assert c.accounts["sent"] == 10 and answered + c.accounts["counted"] == 10 and answered >= 8
+
+
+def test_an_engine_on_its_own_loop_is_waited_on_no_longer_than_the_next_tick_is_away():
+    """While the engine has work, the gateway asks it for a step report with a wait no longer than its next tick
+    (or event) is away, so that a frame coming due mid-step is handed over at its tick (an engine on vLLM's own
+    loop otherwise waits out its poll, ``own_loop.POLL_S``)."""
+
+    class Asked(FakeEngine):
+        def __post_init__(self):
+            super().__post_init__()
+            self.waits = []
+
+        def step(self, wait_s=None):
+            self.waits.append(wait_s)
+            return super().step(wait_s)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        eng = Asked(num_blocks=128, block_size=16)
+        gw, th = _gateway(eng)
+        c = Client("c", loop)
+        gw.open(c)
+        assert await asyncio.wait_for(c.decision, 5) == "admit"
+        for k in range(6):
+            c.inputs.put_nowait((k, [A_IDS + 10 * k + j for j in range(N_IN)]))
+            c.sent_in += 1
+            await asyncio.sleep(P)
+        gw.close(c)
+        c.socket_done()
+        await asyncio.wait_for(c.final.wait(), 5)
+        gw.stop()
+        await loop.run_in_executor(None, th.join, 5)
+        return eng.waits
+
+    waits = asyncio.run(main())
+    assert len(waits) >= 6 and None not in waits
+    # (a tick is at most a period away; 1 ms: the turn's own time between reading the clock and asking)
+    assert all(w <= P + 1e-3 for w in waits), waits
