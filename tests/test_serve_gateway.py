@@ -22,9 +22,9 @@ P, N_IN = STREAM.frame_period_s, STREAM.input_tokens_per_frame
 A_IDS, B_IDS = 2000, 3000
 
 
-def _gateway(eng, cap=2):
+def _gateway(eng, cap=2, cls=Gateway):
     cfg = DriverConfig(stream=STREAM, horizon_s=math.inf, phases="independent", deadline_s=P)
-    gw = Gateway(eng, cfg, admission=StaticCap(cap), silence_token=1)
+    gw = cls(eng, cfg, admission=StaticCap(cap), silence_token=1)
     th = threading.Thread(target=gw.serve, daemon=True)
     th.start()
     return gw, th
@@ -35,6 +35,23 @@ def _drain(c: Client) -> list:
     while not c.out.empty():
         out.append(c.out.get_nowait())
     return out
+
+
+async def _admit(gw, sid: str = "c") -> Client:
+    """A client the gateway admits."""
+    c = Client(sid, asyncio.get_running_loop())
+    gw.open(c)
+    assert await asyncio.wait_for(c.decision, 5) == "admit"
+    return c
+
+
+async def _finish(gw, th, c: Client) -> None:
+    """The client leaves, its accounts settle, the gateway stops."""
+    gw.close(c)
+    c.socket_done()
+    await asyncio.wait_for(c.final.wait(), 5)
+    gw.stop()
+    await asyncio.get_running_loop().run_in_executor(None, th.join, 5)
 
 
 async def _run(frames: int):
@@ -232,9 +249,7 @@ def test_a_gateway_that_fails_stops_serving_says_so_and_closes_every_client():
         loop = asyncio.get_running_loop()
         eng = _Broken(num_blocks=128, block_size=16)
         gw, th = _gateway(eng)
-        c = Client("c", loop)
-        gw.open(c)
-        assert await asyncio.wait_for(c.decision, 5) == "admit"
+        c = await _admit(gw)
         c.inputs.put_nowait((0, [A_IDS] * N_IN))
         c.sent_in += 1
         await asyncio.sleep(3 * P)
@@ -280,16 +295,10 @@ def test_a_session_takes_its_own_shape_at_a_frame_boundary_and_its_clock_runs_on
     from metronome.serve.app import ServeState, _handle
 
     async def main():
-        loop = asyncio.get_running_loop()
         eng = FakeEngine(num_blocks=128, block_size=16)
-        cfg = DriverConfig(stream=STREAM, horizon_s=math.inf, phases="independent", deadline_s=P)
-        gw = _Recording(eng, cfg, admission=StaticCap(2), silence_token=1)
-        th = threading.Thread(target=gw.serve, daemon=True)
-        th.start()
+        gw, th = _gateway(eng, cls=_Recording)
         state = ServeState(gateway=gw, vocab_size=5000)
-        c = Client("c", loop)
-        gw.open(c)
-        assert await asyncio.wait_for(c.decision, 5) == "admit"
+        c = await _admit(gw)
         events = []
 
         def send(k):
@@ -312,11 +321,7 @@ def test_a_session_takes_its_own_shape_at_a_frame_boundary_and_its_clock_runs_on
             events += _drain(c)
         await asyncio.sleep(4 * P)
         events += _drain(c)
-        gw.close(c)
-        c.socket_done()
-        await asyncio.wait_for(c.final.wait(), 5)
-        gw.stop()
-        await loop.run_in_executor(None, th.join, 5)
+        await _finish(gw, th, c)
         return eng, gw, c, events
 
     eng, gw, c, events = asyncio.run(main())
@@ -362,21 +367,14 @@ def test_an_engine_on_its_own_loop_is_waited_on_no_longer_than_the_next_tick_is_
             return super().step(wait_s)
 
     async def main():
-        loop = asyncio.get_running_loop()
         eng = Asked(num_blocks=128, block_size=16)
         gw, th = _gateway(eng)
-        c = Client("c", loop)
-        gw.open(c)
-        assert await asyncio.wait_for(c.decision, 5) == "admit"
+        c = await _admit(gw)
         for k in range(6):
             c.inputs.put_nowait((k, [A_IDS + 10 * k + j for j in range(N_IN)]))
             c.sent_in += 1
             await asyncio.sleep(P)
-        gw.close(c)
-        c.socket_done()
-        await asyncio.wait_for(c.final.wait(), 5)
-        gw.stop()
-        await loop.run_in_executor(None, th.join, 5)
+        await _finish(gw, th, c)
         return eng.waits
 
     waits = asyncio.run(main())
