@@ -169,14 +169,14 @@ class _Pausable:
     def __getattr__(self, name):
         return getattr(self._e, name)
 
-    def step(self):
+    def step(self, wait_s=None):
         from metronome.probe.engine import StepInfo
 
         now = time.perf_counter()
         if self.start <= now < self.end:
             time.sleep(0.01)
             return StepInfo(t_start=now, duration_s=0.01, batch=1, new_tokens=0, context_tokens=0, prefill_tokens=0)
-        return self._e.step()
+        return self._e.step(wait_s)
 
 
 def test_dead_signal_stalled_engine(engine, tmp_path):
