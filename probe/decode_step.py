@@ -166,12 +166,20 @@ def _graphed(fn):
         return None
 
 
-def _fit(points, key):
-    A = np.array([[1.0, p["batch"], p["batch"] * p["context"]] for p in points])
+def _fit(points, key, terms: dict) -> dict:
+    """Least squares of ``point[key]`` on ``terms`` (name -> the term's input at a point), and its worst relative
+    error."""
+    A = np.array([[f(p) for f in terms.values()] for p in points], dtype=float)
     y = np.array([p[key] for p in points])
     coef, *_ = np.linalg.lstsq(A, y, rcond=None)
-    return {"base_s": float(coef[0]), "per_seq_s": float(coef[1]), "per_context_token_s": float(coef[2]),
+    return {**{name: float(c) for name, c in zip(terms, coef)},
             "fit_max_abs_rel_error": float(np.max(np.abs(A @ coef - y) / y))}
+
+
+# the decode step's terms, and the depformer frame's
+STEP_TERMS = {"base_s": lambda p: 1.0, "per_seq_s": lambda p: p["batch"],
+              "per_context_token_s": lambda p: p["batch"] * p["context"]}
+FRAME_TERMS = {"per_frame_s": lambda p: 1.0, "per_session_s": lambda p: p["batch"]}
 
 
 def measure(cfg: dict, batches, contexts, device: str = "cpu", dtype: str = "bfloat16", reps: int = 20,
@@ -218,8 +226,8 @@ def measure(cfg: dict, batches, contexts, device: str = "cpu", dtype: str = "bfl
                 del k, v, graph_layer, graph_head
                 if cuda:
                     torch.cuda.empty_cache()
-    return {"points": points, "moe": layer.get("moe"), **_fit(points, "step_s"),
-            "eager_fit": _fit(points, "eager_step_s")}
+    return {"points": points, "moe": layer.get("moe"), **_fit(points, "step_s", STEP_TERMS),
+            "eager_fit": _fit(points, "eager_step_s", STEP_TERMS)}
 
 
 # Moshi's depformer (kyutai-labs/moshi, loaders._lm_kwargs): 8 sequential steps a frame, one per audio codebook,
@@ -285,14 +293,8 @@ def measure_depformer(cfg: dict, batches, device: str = "cpu", dtype: str = "bfl
             if graph:
                 point.update(frame_s=timed(graph), graph=True)
             points.append(point)
-    A = np.array([[1.0, p["batch"]] for p in points])
-    out = {"points": points}
-    for key, name in (("frame_s", "fit"), ("eager_frame_s", "eager_fit")):
-        y = np.array([p[key] for p in points])
-        coef, *_ = np.linalg.lstsq(A, y, rcond=None)
-        out[name] = {"per_frame_s": float(coef[0]), "per_session_s": float(coef[1]),
-                     "fit_max_abs_rel_error": float(np.max(np.abs(A @ coef - y) / y))}
-    return out
+    return {"points": points, "fit": _fit(points, "frame_s", FRAME_TERMS),
+            "eager_fit": _fit(points, "eager_frame_s", FRAME_TERMS)}
 
 
 def main(argv=None) -> int:
