@@ -317,6 +317,11 @@ class FrontEnd:
         """No step now: the front end waits for its next event (a tick, an arrival, a departure, the gate's poll,
         the horizon), and the turn at it is not "right after" a step, so it may admit. Returns when that is."""
         self.preempted_last = False
+        return self._next_due()
+
+    def _next_due(self) -> float:
+        """When the front end next has something to do: a tick, an arrival, a departure, the gate's poll, the
+        horizon."""
         return min(self._next_tick(), self._next_event_time())
 
     def _next_tick(self) -> float:
@@ -500,12 +505,7 @@ class FrontEnd:
         fast, slow = idx[simple], idx[~simple]
         if fast.size:
             sl = self.slot[fast]
-            n_out = self.n_out_of[fast]
-            if (n_out == n_out[0]).all():  # one stream shape (always, in the simulator): one call
-                self.model.append_many(sl, chunk[simple], int(n_out[0]))
-            else:
-                for n in np.unique(n_out).tolist():
-                    self.model.append_many(sl[n_out == n], chunk[simple][n_out == n], n)
+            self.model.append_many(sl, chunk[simple], self.n_out_of[fast])
             self.fresh_slot[sl] = True
             f = self.next_frame[fast] - self.backlog[fast]
             self.hist[fast] += chunk[simple]

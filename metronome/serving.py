@@ -728,7 +728,7 @@ def resume_slot(s, chunk, max_tokens, cnt, status, computed, ntok, out, maxtok, 
 @compiled.counted
 def _resume_many(slots_, chunks, max_tokens, cnt, status, computed, ntok, out, maxtok, kw):
     for j in range(slots_.size):
-        resume_slot(slots_[j], chunks[j], max_tokens, cnt, status, computed, ntok, out, maxtok, kw)
+        resume_slot(slots_[j], chunks[j], max_tokens[j], cnt, status, computed, ntok, out, maxtok, kw)
 
 
 # what the compiled step takes in from another module: the policy's residency
@@ -924,15 +924,16 @@ class EngineModel:
         return bool(c[E_RUN] or c[E_WQ] or c[E_KW])
 
     # -- by slot, for callers that keep arrays (the simulator) -------------------------------------------
-    def append_many(self, slots: np.ndarray, chunk_tokens: np.ndarray, max_tokens: int) -> None:
-        """:meth:`append` for many paused requests at once (slots from :meth:`add`)."""
+    def append_many(self, slots: np.ndarray, chunk_tokens, max_tokens) -> None:
+        """:meth:`append` for many paused requests at once (slots from :meth:`add`; chunks and max tokens one for
+        all or one per slot)."""
         if slots.size == 0:
             return
         if (self.status_a[slots] != _P).any():
             raise MetronomeError("append_many: a request is not paused between frames")
         _resume_many(np.asarray(slots, np.int64), np.broadcast_to(np.asarray(chunk_tokens, np.int64), slots.shape),
-                     max_tokens, self.cnt, self.status_a, self.computed_a, self.ntok_a, self.out_a, self.maxtok_a,
-                     self.kw_a)
+                     np.broadcast_to(np.asarray(max_tokens, np.int64), slots.shape), self.cnt, self.status_a,
+                     self.computed_a, self.ntok_a, self.out_a, self.maxtok_a, self.kw_a)
 
     def computed_of(self, slots: np.ndarray) -> np.ndarray:
         return self.computed_a[slots]

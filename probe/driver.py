@@ -265,7 +265,7 @@ class Driver(FrontEnd):
         self.supervisor.watch(now, bool(((self.inflight >= 0) | (self.state == PREFILL)).any()))
         if self._steps_now():
             # (an engine on its own loop is waited on no longer than the next tick or event is away)
-            self._step(t0, min(self._next_tick(), self._next_event_time()) - now)
+            self._step(t0, self._next_due() - now)
         else:
             nxt = self._idle_until()
             self.engine.check_alive()  # an engine in its own process, idle: a step would have noticed its death

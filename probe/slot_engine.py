@@ -123,13 +123,15 @@ class SlotEngine:
         self.engine.append(self.name_of[s], ids, max_tokens)
         held[-1:] = ids
 
-    def append_many(self, slots: np.ndarray, chunk_tokens, max_tokens: int) -> None:
-        """:meth:`append` for each slot; if the engine dies part way, the books are as before the call."""
+    def append_many(self, slots: np.ndarray, chunk_tokens, max_tokens) -> None:
+        """:meth:`append` for each slot (chunks and max tokens one for all or one per slot); if the engine dies part
+        way, the books are as before the call."""
         done = []
         try:
-            for s, k in zip(slots.tolist(), np.broadcast_to(chunk_tokens, slots.shape).tolist()):
+            for s, k, m in zip(slots.tolist(), np.broadcast_to(chunk_tokens, slots.shape).tolist(),
+                               np.broadcast_to(max_tokens, slots.shape).tolist()):
                 last = self.held[s][-1:]
-                self.append(self.rid_of[s], k, max_tokens)
+                self.append(self.rid_of[s], k, m)
                 done.append((s, last, k))
         except BaseException:
             for s, last, k in done:

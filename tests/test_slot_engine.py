@@ -118,3 +118,39 @@ def test_a_chunk_re_feeds_the_sampled_token_and_a_rebase_keeps_the_sinks_and_the
     se.abort(1)
     se.session_ended(3)
     assert not se.gone and not se.held
+
+
+def test_append_many_asks_each_request_for_its_own_output_tokens():
+    """A server's sessions may each ask for their own tokens a frame: ``append_many`` with one max-tokens per slot
+    leaves each request as its own ``append`` would, in the engine model and in the engine in slots alike."""
+    policy = KVPolicy.unbounded(16)
+    limits = serving.EngineLimits(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
+
+    def paused_pair(model):
+        slots = np.array([model.add(r, 5, 1) for r in (0, 1)], dtype=np.int64)
+        while model.has_work():
+            model.step()
+        return slots
+
+    def run(append):
+        m = serving.EngineModel(policy, limits)
+        slots = paused_pair(m)
+        append(m, slots)
+        steps = 0
+        while m.has_work():
+            m.step()
+            steps += 1
+        return [m.out_a[s] for s in slots], steps
+
+    one_each = run(lambda m, sl: (m.append(0, 2, 1), m.append(1, 2, 3)))
+    assert run(lambda m, sl: m.append_many(sl, 2, np.array([1, 3]))) == one_each
+    assert run(lambda m, sl: m.append_many(sl, 2, 1)) != one_each  # (the check tells the two apart)
+
+    asked = []
+    eng = FakeEngine(num_blocks=65, block_size=16, sleep_min_s=0.0)
+    eng.append = lambda rid, ids, max_tokens, **kw: asked.append((rid, len(ids), max_tokens))
+    slot_engine = SlotEngine(eng, policy, limits, 0, fresh=lambda i, n: [7] * n)
+    sl = np.array([slot_engine.add(r, 5, 1, Origin(r, "first", 0, 5)) for r in (0, 1)], dtype=np.int64)
+    asked.clear()
+    slot_engine.append_many(sl, 2, np.array([1, 3]))
+    assert [a[2] for a in asked] == [1, 3]

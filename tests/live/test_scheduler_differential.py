@@ -103,8 +103,9 @@ class VllmBackend(Recorded):
         self.h.append(str(rid), chunk_tokens, max_tokens)
 
     def append_many(self, slots, chunk_tokens, max_tokens):
-        for s, k in zip(slots.tolist(), np.broadcast_to(chunk_tokens, slots.shape).tolist()):
-            self.append(self.rid_of[s], k, max_tokens)
+        for s, k, m in zip(slots.tolist(), np.broadcast_to(chunk_tokens, slots.shape).tolist(),
+                           np.broadcast_to(max_tokens, slots.shape).tolist()):
+            self.append(self.rid_of[s], k, m)
 
     def abort(self, rid):
         self.h.abort(str(rid))
