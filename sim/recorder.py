@@ -8,6 +8,8 @@ three times.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pandas as pd
 
@@ -26,6 +28,22 @@ STEP_BLOCK = ("batch", "new_tokens", "context_tokens", "resident_blocks", "token
 FRAME_BLOCK = ("frames", "late", "tokens", "silent", "silent_preempted", "in_flight")
 
 
+def _fresh(shape, dtype) -> np.ndarray:
+    """Room for a table's storage, mapped page by page as it is first written, without numpy's request for huge
+    pages. numpy asks the kernel for huge pages on every array of 4 MB or more (``madvise(MADV_HUGEPAGE)``), and
+    under the kernels' usual setting (``defrag`` = ``madvise``) the first write to such a region waits while the
+    kernel compacts memory into huge pages. A run writes its frames table once, row after row (150 MB in a
+    realistic hour of Moshi): on a host whose memory is fragmented that wait was a third of the run (system time
+    0.1 s without the request, 0.4-0.5 s with it, the loop's own time the same), and it varied from one process
+    to the next. Plain anonymous memory gets what the system gives without asking (huge pages where the setting is
+    ``always`` and they are free), and never that wait."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    if n < (4 << 20):  # (numpy's threshold: below it, numpy's own allocation asks nothing either)
+        return np.empty(shape, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, n), dtype=dtype).reshape(shape)
+
+
 class Table:
     """Columns of one dtype each; those named in ``block`` (int64) are the rows of one 2-D array, so that a compiled
     writer takes them as one argument. :meth:`reserve` makes room, a writer writes rows ``rows`` on into
@@ -37,8 +55,8 @@ class Table:
         self.block_names = tuple(block)
         self._row_of = {c: j for j, c in enumerate(self.block_names)}
         self.capacity = capacity
-        self.block = np.empty((len(self.block_names), capacity), dtype=np.int64)
-        self._own = {c: np.empty(capacity, dtype=dtypes[c]) for c in self.columns if c not in self._row_of}
+        self.block = _fresh((len(self.block_names), capacity), np.int64)
+        self._own = {c: _fresh(capacity, dtypes[c]) for c in self.columns if c not in self._row_of}
         self.rows = 0
 
     def store(self, c) -> np.ndarray:
@@ -55,11 +73,11 @@ class Table:
         if need <= self.capacity:
             return
         cap = max(need, 2 * self.capacity, expect)
-        block = np.empty((len(self.block_names), cap), dtype=np.int64)
+        block = _fresh((len(self.block_names), cap), np.int64)
         block[:, :self.rows] = self.block[:, :self.rows]
         self.block = block
         for c, old in self._own.items():
-            new = np.empty(cap, dtype=old.dtype)
+            new = _fresh(cap, old.dtype)
             new[:self.rows] = old[:self.rows]
             self._own[c] = new
         self.capacity = cap

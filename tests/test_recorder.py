@@ -1,6 +1,8 @@
 """The simulator's tables (sim/recorder.py): rows written in place into storage that grows, by a compiled writer
 or by ``add``, read back as they were written."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -36,3 +38,36 @@ def test_a_writer_writes_after_the_last_row_and_commits():
         t.commit(t.capacity + 1)
     with pytest.raises(ValueError, match="rows"):
         t.add(**{c: [1, 2] if c == "frame" else [1, 2, 3] if c == "tokens" else 0 for c in FRAME_COLUMNS})
+
+
+def _vm_flags(a: np.ndarray) -> set[str]:
+    """The kernel's flags for the mappings that hold ``a`` (/proc/self/smaps; numpy's advice splits a mapping at
+    the huge pages' boundaries, so one array may span several)."""
+    lo_a = a.__array_interface__["data"][0]
+    hi_a = lo_a + a.nbytes
+    flags, inside = set(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < hi_a and lo_a < hi
+            elif inside and head == "VmFlags:":
+                flags.update(line.split()[1:])
+    assert flags, "no mapping holds the array"
+    return flags
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's /proc tells a mapping's flags")
+def test_a_large_table_does_not_ask_for_huge_pages():
+    # numpy advises huge pages (VmFlags "hg") for arrays of 4 MB or more, and the first write into such memory
+    # can wait on the kernel compacting memory (sim/recorder.py _fresh). A table's storage must not ask.
+    plain = np.empty(1 << 20)  # 8 MB through numpy's own allocation
+    if "hg" not in _vm_flags(plain):
+        pytest.skip("numpy asks for no huge pages on this kernel: nothing to tell apart")
+    t = frame_table()
+    t.reserve(1 << 20)
+    for c in FRAME_COLUMNS:
+        assert "hg" not in _vm_flags(t.store(c)), c
+    t.add(**{c: 1 for c in FRAME_COLUMNS})  # the storage is written as any other
+    assert t.column("tick_s").tolist() == [1.0]
