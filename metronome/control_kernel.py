@@ -448,6 +448,15 @@ def _gradient(cs, cp, in_flight, p, frames, silent):
 
 
 @compiled.counted
+def observe_moment(cs, cp, lat, w, tr, now, in_flight, latency, frames, silent):
+    """Rows answered together at ``now`` with ``in_flight`` sessions in flight: what :func:`observe_rows` does
+    with their one time and count, the intervals closed once (the same call again would close none)."""
+    advance(cs, cp, lat, w, tr, now, float(in_flight))
+    for j in range(latency.size):
+        take_frames(cs, cp, lat, w, latency[j], float(frames[j]), float(silent[j]))
+
+
+@compiled.counted
 def observe_rows(cs, cp, lat, w, tr, now, latency, frames, silent, in_flight):
     """Row by row: ``advance(now, in_flight)`` then ``observe(now, latency, frames, silent)`` (a front end
     answering its frames a moment at a time)."""

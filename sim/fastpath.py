@@ -842,16 +842,17 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
 @nb.njit(cache=True)
 def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done, fr_lat,
               fr_i, nrows, cs, cp, clat, cw, ctr):
-    """The moment's answers recorded (:func:`flush`) and, one row at a time, told to a compiled controller as
-    SimEngine._flush_answers tells it. Returns the rows."""
+    """The moment's answers recorded (:func:`flush`) and told to a compiled controller as SimEngine._flush_answers
+    tells it (row by row; all at one moment: control_kernel.observe_moment). Returns the rows."""
     if n_ans == 0:
         return nrows
     r0 = nrows
+    in_flight = fc[C_NRUN] + fc[C_NWAIT]
     nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS],
-                  s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, fc[C_NRUN] + fc[C_NWAIT], work)
-    if iconf[I_CTL] == CTL_COMPILED:
-        ck.observe_rows(cs, cp, clat, cw, ctr, fr_done[r0:nrows], fr_lat[r0:nrows], fr_i[R_FRAMES][r0:nrows],
-                        fr_i[R_SILENT][r0:nrows], fr_i[R_INFLIGHT][r0:nrows])
+                  s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, in_flight, work)
+    if iconf[I_CTL] == CTL_COMPILED:  # (the rows were all answered at `now` with `in_flight` in flight)
+        ck.observe_moment(cs, cp, clat, cw, ctr, now, in_flight, fr_lat[r0:nrows], fr_i[R_FRAMES][r0:nrows],
+                          fr_i[R_SILENT][r0:nrows])
     return nrows
 
 

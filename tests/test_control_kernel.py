@@ -151,6 +151,31 @@ def test_the_kernel_and_the_interface_are_one_state(make):
     assert a.trace() == b.trace() and a.limit == b.limit and len(a.trace()) == 7
 
 
+def test_rows_of_one_moment_are_observed_as_rows_one_at_a_time():
+    """The simulator's loop tells a compiled controller the rows answered at one moment in one call
+    (observe_moment: one advance, then each row's frames); the controller must end as if told row by row through
+    its interface. Moments cross interval ends (intervals of 0.25 s, a moment every 0.1 s), in flight rises and
+    falls (the peak an interval is judged by), some frames are silent and some latencies over the target."""
+    a, b = AIMDController({"initial_limit": 5, "interval_s": 0.25}, 0.04), \
+        AIMDController({"initial_limit": 5, "interval_s": 0.25}, 0.04)
+    moments = []
+    for k in range(1, 60):
+        rows = [(0.09 if 20 <= k < 26 and j == 0 else 0.02, 1 + j % 3, 1 if k % 13 == 0 and j == 0 else 0)
+                for j in range(1 + k % 4)]
+        moments.append((0.1 * k, 2 + (k * 7) % 5, rows))
+    for t, inf, rows in moments:
+        for lat, f, s in rows:
+            a.advance(t, inf)
+            a.observe(t, lat, f, s)
+    b.room(moments[0][0], moments[-1][0], sum(len(r) for _, _, r in moments))
+    for t, inf, rows in moments:
+        lat, f, s = (np.array(c, dtype=float) for c in zip(*rows))
+        ck.observe_moment(b.cs, b.cp, b.lat, b.w, b.tr, t, inf, lat, f, s)
+    assert len(a.trace()) == 23  # intervals of 0.25 s ended by 5.9 s, from the first moment at 0.1 s
+    assert {r["decision"] for r in a.trace()} == {"increase", "decrease", "hold"}
+    assert b.trace() == a.trace() and b.limit == a.limit
+
+
 def test_a_controller_deciding_in_python_must_state_its_decision():
     """The base class has no decision of its own to fall back on: a Python controller without one says so at its
     first closed interval, rather than holding silently."""
