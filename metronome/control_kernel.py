@@ -284,7 +284,7 @@ def record(cs, tr, end, limit, peak, p, frames, silent, decision):
     cs[CS_NTRACE] = r + 1
 
 
-@compiled.counted
+@compiled.uncounted
 def close_through(cs, cp, lat, w, tr, now, in_flight):
     """Close every interval that ended at or before ``now``, each with one decision (a compiled kind's); the
     first call anchors the grid."""
@@ -298,7 +298,7 @@ def close_through(cs, cp, lat, w, tr, now, in_flight):
         next_interval(cs, in_flight)
 
 
-@compiled.counted
+@compiled.uncounted
 def advance(cs, cp, lat, w, tr, now, in_flight):
     """Close every interval that ended at or before ``now`` (``in_flight`` sessions in flight now)."""
     cs[CS_LAST] = in_flight
@@ -306,7 +306,7 @@ def advance(cs, cp, lat, w, tr, now, in_flight):
     cs[CS_PEAK] = max(cs[CS_PEAK], in_flight)
 
 
-@compiled.counted
+@compiled.uncounted
 def take_frames(cs, cp, lat, w, latency, frames, silent):
     """``frames`` frames answered with ``latency``, ``silent`` of them empty, into the open interval: silent
     frames only count; the others are one latency sample of weight ``frames - silent``. A frame clears a dead
@@ -447,7 +447,7 @@ def _gradient(cs, cp, in_flight, p, frames, silent):
     return D_HOLD
 
 
-@compiled.counted
+@compiled.uncounted
 def observe_moment(cs, cp, lat, w, tr, now, in_flight, latency, frames, silent):
     """Rows answered together at ``now`` with ``in_flight`` sessions in flight: what :func:`observe_rows` does
     with their one time and count, the intervals closed once (the same call again would close none)."""

@@ -363,7 +363,7 @@ def deadlock_pick(need, seq, held, free, stalled, out):
     return n
 
 
-@compiled.counted
+@compiled.uncounted
 def _chunk(s, budget, thr, ntok, computed, reached):
     """Tokens request ``s`` is scheduled from ``budget``: what it has left, at most the long-prefill threshold."""
     k = ntok[s] - computed[s]
@@ -376,7 +376,7 @@ def _chunk(s, budget, thr, ntok, computed, reached):
     return k
 
 
-@compiled.counted
+@compiled.uncounted
 def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
     """``KVCacheManager.allocate_slots(s, k)``: True and the blocks taken, or False and nothing taken (the frees
     stay). Admitting a waiting request, the full-sequence gate and the watermark (once anything runs) come first;
@@ -410,7 +410,7 @@ def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
     return True
 
 
-@compiled.counted
+@compiled.uncounted
 def _preempt(v, cnt, status, computed, slots, held, wq, reached):
     """Recompute preemption of ``v``: all its blocks freed, nothing computed, at the head of ``waiting`` (its
     sampled tokens stay)."""
@@ -503,7 +503,7 @@ def key_order(v, n):
     return work[:n]
 
 
-@compiled.counted
+@compiled.counted  # (it allocates, when many are out of order)
 def _kv_order(kw, n, kseq):
     """The kv-holding queue's waiting entries in queue order (their places ``kseq``): insertion sort when they are
     few or nearly in order, a sort of their places when many come out of order (past N* every session's frame
@@ -531,7 +531,7 @@ def _kv_order(kw, n, kseq):
         kw[b + 1] = s
 
 
-@compiled.counted
+@compiled.uncounted
 def _running_pass(lim, cnt, status, computed, ntok, slots, held, run, wq, thr, o_s, o_k, o_pre, o_n, reached):
     """The running requests in order, each its chunk (within the budget and below max_model_len); when the pool
     is dry the last running request is preempted and the allocation retried, and a request that would preempt
@@ -569,7 +569,7 @@ def _running_pass(lim, cnt, status, computed, ntok, slots, held, run, wq, thr, o
     return budget
 
 
-@compiled.counted
+@compiled.uncounted
 def _waiting_pass(budget, lim, cnt, status, computed, ntok, slots, held, kseq, run, kw, wq, thr, o_s, o_k, o_n,
                   reached):
     """vLLM's waiting pass: the kv-holding queue in order (its paused entries skipped in place), then ``waiting``,
@@ -608,7 +608,7 @@ def _waiting_pass(budget, lim, cnt, status, computed, ntok, slots, held, kseq, r
     cnt[E_WQ] = _pop_front(wq, cnt[E_WQ], q)
 
 
-@compiled.counted
+@compiled.uncounted
 def _pop_front(queue, n, k):
     """``queue[:n]`` without its first ``k`` (in place, no allocation: this runs every step); the new length."""
     if k:
@@ -617,7 +617,7 @@ def _pop_front(queue, n, k):
     return n - k
 
 
-@compiled.counted
+@compiled.uncounted
 def _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_k, o_sam, o_pau, o_n):
     """The model runs: each scheduled request computes its tokens; one whose tokens are all computed samples one;
     one that reached its frame's max_tokens pauses and joins the kv-holding queue's tail, in schedule order."""
@@ -649,7 +649,7 @@ def _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_
     o_n[O_SAM], o_n[O_PAUSE], o_n[O_NEW], o_n[O_CTX] = n_sam, n_pau, new, ctx
 
 
-@compiled.counted
+@compiled.uncounted
 def engine_step(lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam,
                 o_pau, o_n, reached):
     """One ``Scheduler.schedule()`` and the model run after it, on the engine's arrays (the layout above): the

@@ -107,7 +107,7 @@ def _tick(f, P, ph):
     return f * P + ph
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i,
           nrows, in_flight, work):
     """``n`` answers (tick key, session, tokens got) become one row per tick, in tick order, all answered at
@@ -367,7 +367,7 @@ def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog
     return n_sub, latest, n_new
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _step_latency(coef, fconf, nS, ctx, new_tokens, first, jitter, step_no, sframe, f_lo, jit, jz, ja, jb, jp, jr):
     """StepLatencyModel.step_s (the same sums in the same order, bit for bit), the first-step term, the jitter."""
     xs = _step_inputs(float(nS), float(ctx), float(new_tokens))
@@ -384,7 +384,7 @@ def _step_latency(coef, fconf, nS, ctx, new_tokens, first, jitter, step_no, sfra
     return lat
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _tokens_to_frames(now, sampled, n_sam, n_out, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
                       hist, last_tok, backlog, a_key, a_who, a_tok, ready, state, running_since, fc):
     """FrontEnd._after_step: a re-prefill that sampled is done (the token starts its next chunk: the session
@@ -839,7 +839,7 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
     return True, n_sub, latest, nrows, n_pend, n_new
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done, fr_lat,
               fr_i, nrows, cs, cp, clat, cw, ctr):
     """The moment's answers recorded (:func:`flush`) and told to a compiled controller as SimEngine._flush_answers
@@ -899,7 +899,7 @@ def _preempt_all(step_start, vic, n_vic, iconf, fstate, fc, fq, state, sslot, ps
     return n_ans, n_pend, n_new
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_out, n_vic, pslot, state, inflight,
                  backlog, next_frame, s_frames, s_silent, s_late, admitted, a_key, a_who, a_tok, work, run_sess, pend,
                  n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_t, st_lat, st_i, k, o_n, cs, cp, clat, cw,
@@ -919,7 +919,7 @@ def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_o
     return n_pend, nrows
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _record_step(st_i, k, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok, n_vic):
     """Step row ``k`` (FrontEnd._after_step's): batch, tokens, context, blocks, frames answered, silent ones,
     sessions preempted, running (not re-prefilling) and waiting at the front end (the caller fills the free
@@ -971,7 +971,7 @@ def _idle(now, tick, t_next, fc, dep_t, iconf, arr_t, horizon, idle, turned, fst
     return until, True, turned, False
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw,
                  wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, step_no, sframe, jit, jz, ja, jb, jp,
                  jr):
