@@ -73,8 +73,14 @@ def main(argv=None):
         name, phases = args.one.split("|")
         print(json.dumps(measure(args, name, phases)))
         return 0
+    import llvmlite.binding
+    import numba
+
+    # (the loop's machine code is LLVM's, and numba versions differ in it: say which ran)
+    llvm = ".".join(map(str, llvmlite.binding.llvm_version_info))
     print(f"benchmark: {args.calibration}, {args.horizon:g} simulated s per run; python {sys.version.split()[0]}, "
-          f"each run in a process of its own; load average {os.getloadavg()[0]:.2f}")
+          f"numba {numba.__version__} (LLVM {llvm}), each run in a process of its own; "
+          f"load average {os.getloadavg()[0]:.2f}")
     print(f"  {'scenario':<28} {'phases':<12} {'wall s':>8} {'x real time':>12} {'fast steps':>11} "
           f"{'steps':>10} {'vs no-FF':>9} {'peak RSS':>9}")
     passed = ["--horizon", str(args.horizon), "--reference-horizon", str(args.reference_horizon),
