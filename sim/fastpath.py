@@ -421,7 +421,7 @@ def _tokens_to_frames(now, sampled, n_sam, n_out, sess_of_slot, pslot, inflight,
     return tokens_out, n_done, n_ready
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _victims(lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n, sslot, sess_of_slot, state, inflight,
              work_step, admit_seq, backlog, scr, vic):
     """FrontEnd._preempt_after_step's choice, after a step that scheduled something (a stall is the caller's):
@@ -482,7 +482,7 @@ def _victims(lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n, ss
     return n_vic, owed
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _starved_need(sl, lim, status, computed, ntok, held, sslot, sess_of_slot, state, inflight, work_step, step_no):
     """Blocks request ``sl`` is starved for (serving.resume_need), 0 if it is not starved: its session's work (a
     frame, or a re-prefill) was handed over before the step, and it waits in the engine (EngineModel.waiting_of).
@@ -495,7 +495,7 @@ def _starved_need(sl, lim, status, computed, ntok, held, sslot, sess_of_slot, st
     return 0
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _preempt_session(i, iconf, fc, fq, state, sslot, pslot, next_frame, backlog, inflight, inflight_tok, hist,
                      last_tok, pending_in, s_preempt, s_frames, s_silent, fresh, cnt, status, slots, held, run, kw, wq,
                      a_key, a_who, a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new):
@@ -882,7 +882,7 @@ def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, 
     return n_ans, m
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _preempt_all(step_start, vic, n_vic, iconf, fstate, fc, fq, state, sslot, pslot, next_frame, backlog, inflight,
                  inflight_tok, hist, last_tok, pending_in, s_preempt, s_frames, s_silent, fresh, cnt, status, slots,
                  held, run, kw, wq, a_key, a_who, a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new):
@@ -1018,7 +1018,7 @@ def _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, loc
     return (start, who, tick, visit, ready, a_key, a_who, a_tok, work, scr, vic), ok, n_ready, run_sess
 
 
-@nb.njit(cache=True)
+@compiled.uncounted
 def _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n, sslot, sess_of_slot,
               state, inflight, work_step, admit_seq, backlog, scr, vic, n_pend, pend, n_new, new_i):
     """After _engine_step said ``turned``: a step the front end reacts to (STEP_TAKEN) that scheduled something,
