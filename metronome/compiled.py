@@ -97,8 +97,9 @@ def borrowed(typingctx, arrays):
 
 # The compiled loop's turn runs without numba's reference counting (sim/fastpath.py, _turn), and numba compiles a
 # callee it first meets inside a function with that function's flags (the caller's config stack). So every compiled
-# function the turn may reach in another module, and every one that allocates, is made with this: it keeps the
-# counting whichever caller compiles it first, and is the same code in every path (with numba's cache empty too).
+# function the turn may reach in another module, and every one that allocates, is made with this (or, if it
+# allocates nothing, with ``uncounted`` below): its flags are its own whichever caller compiles it first, and it is
+# the same code in every path (with numba's cache empty too).
 counted = nb.njit(cache=True, _nrt=True)
 
 # A function that allocates nothing and hands no array it made to anyone needs no counting at all: the arrays it
