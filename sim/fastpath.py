@@ -779,7 +779,8 @@ def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state
 # Without numba's reference counting: the turn handed on the loop's arrays (borrowed, without an owner) at some 330
 # increments and decrements, no-ops but calls all the same, ~10 % of a run. So nothing it calls may allocate or
 # return a view (its sorts work in buffers the span owns: _sort_in_place, serving.key_order_in); what allocates, and
-# everything it reaches in other modules, is made with compiled.counted, which keeps the counting.
+# everything it reaches in other modules, is made with compiled.counted, which keeps the counting, or, if it
+# allocates nothing, with compiled.uncounted: either way its flags are its own, not the turn's.
 @nb.njit(cache=True, _nrt=False)
 def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame, backlog,
           inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_frames,
