@@ -230,6 +230,21 @@ def test_the_bound_prevents_collapse_and_latency_becomes_the_signal(report):
                 assert k["policy"] == "bounded" and k["sessions"] <= ceiling and k["t_sat_observed_s"] is None
 
 
+def test_every_label_in_the_figures_has_its_text(report):
+    """An annotation without text is drawn by plotly as the placeholder "new text" (the signal figure's upper
+    panel had two, beside its memory ceilings). Every figure the page draws from the report's data labels what it
+    marks, and the ceilings are labelled where they are."""
+    from metronome.report.figures import all_figures
+
+    texts = []
+    for key, fig in all_figures(report["data"]).items():
+        for a in fig.layout.annotations:
+            assert a.text, (key, a)
+            texts.append(a.text)
+    ceiling = report["data"]["calibrations"][0]["capacity"]["memory_ceiling"]
+    assert any(t.endswith(f"ceiling {ceiling:,}") or t == f"max_num_seqs {ceiling:,}" for t in texts), texts
+
+
 def test_metastability_grid_is_predicted_and_simulated_side_by_side(report):
     for c in report["data"]["calibrations"]:
         m = c["metastability"]

@@ -154,16 +154,19 @@ def signal(data: dict) -> go.Figure:
                            showarrow=False, xanchor="left", yanchor="bottom", font=dict(color=GREY))
         cap = c["capacity"]
         for r in (1, 2):
-            # both memory ceilings stay marked when the grid (in units of N*) stops short of them
+            # both memory ceilings stay marked when the grid (in units of N*) stops short of them, labelled once (in
+            # the lower panel). An annotation's font without its text still makes an annotation, which plotly
+            # draws as "new text": the upper panel's lines get neither.
+            label = r == 2
+            what = "max_num_seqs" if c.get("seqs_bind") else "memory ceiling"
             fig.add_vline(x=cap["memory_ceiling"], line=dict(color=BOUNDED, dash="dot"), row=r, col=j,
-                          annotation_text=(f"{'max_num_seqs' if c.get('seqs_bind') else 'memory ceiling'} "
-                                           f"{cap['memory_ceiling']:,}" if r == 2 else None),
-                          annotation_font_color=BOUNDED)
+                          **(dict(annotation_text=f"{what} {cap['memory_ceiling']:,}", annotation_font_color=BOUNDED)
+                             if label else {}))
             if c.get("memory_ceiling_unbounded"):
                 fig.add_vline(x=c["memory_ceiling_unbounded"], line=dict(color=UNBOUNDED, dash="dot"), row=r, col=j,
-                              annotation_text=(f"unbounded ceiling {c['memory_ceiling_unbounded']:,}"
-                                               if r == 2 else None), annotation_font_color=UNBOUNDED,
-                              annotation_position="top left")
+                              **(dict(annotation_text=f"unbounded ceiling {c['memory_ceiling_unbounded']:,}",
+                                      annotation_font_color=UNBOUNDED, annotation_position="top left")
+                                 if label else {}))
             fig.add_vline(x=cap["n_star"], line=dict(color="#2ca02c", width=2), row=r, col=j)
         fig.add_annotation(x=cap["n_star"], y=1.0, yref="y domain" if j == 1 else f"y{j} domain",
                            xref="x" if j == 1 else f"x{j}", text=f"N* = {cap['n_star']:,}", showarrow=False,
