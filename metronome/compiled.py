@@ -96,11 +96,12 @@ def borrowed(typingctx, arrays):
 
 
 # The compiled loop's turn runs without numba's reference counting (sim/fastpath.py, _turn), and numba compiles a
-# callee it first meets inside a function with that function's flags (the caller's config stack). So every compiled
-# function the turn may reach in another module, and every one that allocates, is made with this (or, if it
-# allocates nothing, with ``uncounted`` below): its flags are its own whichever caller compiles it first, and it is
-# the same code in every path (with numba's cache empty too).
-counted = nb.njit(cache=True, _nrt=True)
+# callee it first meets inside a function with that function's flags (the caller's config stack: its reference
+# counting and whether it is inlined). So every compiled function the turn may reach in another module, and every one
+# that allocates, is made with this (or, if it allocates nothing, with ``uncounted`` or ``inlined`` below): its flags
+# are its own whichever caller compiles it first, and it is the same code in every path (with numba's cache empty
+# too).
+counted = nb.njit(cache=True, _nrt=True, forceinline=False)
 
 # A function that allocates nothing and hands no array it made to anyone needs no counting at all: the arrays it
 # is given outlive the call. numba counts them anyway (an increment and a decrement around each call that hands
@@ -109,7 +110,15 @@ counted = nb.njit(cache=True, _nrt=True)
 # step (the scheduler's passes, the model run, the controller's row), and the simulator's loop ran a quarter
 # slower. The step's parts are made with this instead: no counting, whichever numba; one that allocated would not
 # compile.
-uncounted = nb.njit(cache=True, _nrt=False)
+uncounted = nb.njit(cache=True, _nrt=False, forceinline=False)
+
+# ... and, for a part the loop calls at every step, compiled into its caller (LLVM's alwaysinline). numba hands each
+# array to a callee as seven machine words (its owner, parent, size, item size, data, shape and stride), and the
+# turn takes some eighty arrays: one call to it was ~800 moves to the stack and back, the step's parts ~3,000 in all,
+# and LLVM's inliner (at numba's threshold) left these large functions as calls. Inlined, a step costs what its work
+# costs (README "Benchmarks": the realistic hour's loop about a third faster). A function called from several places
+# is compiled into each, so this is for the step's own parts, each called from one or two places.
+inlined = nb.njit(cache=True, _nrt=False, forceinline=True)
 
 
 @nb.njit(cache=True)

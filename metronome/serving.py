@@ -376,7 +376,7 @@ def _chunk(s, budget, thr, ntok, computed, reached):
     return k
 
 
-@compiled.uncounted
+@compiled.inlined
 def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
     """``KVCacheManager.allocate_slots(s, k)``: True and the blocks taken, or False and nothing taken (the frees
     stay). Admitting a waiting request, the full-sequence gate and the watermark (once anything runs) come first;
@@ -531,7 +531,7 @@ def _kv_order(kw, n, kseq):
         kw[b + 1] = s
 
 
-@compiled.uncounted
+@compiled.inlined
 def _running_pass(lim, cnt, status, computed, ntok, slots, held, run, wq, thr, o_s, o_k, o_pre, o_n, reached):
     """The running requests in order, each its chunk (within the budget and below max_model_len); when the pool
     is dry the last running request is preempted and the allocation retried, and a request that would preempt
@@ -617,7 +617,7 @@ def _pop_front(queue, n, k):
     return n - k
 
 
-@compiled.uncounted
+@compiled.inlined
 def _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_k, o_sam, o_pau, o_n):
     """The model runs: each scheduled request computes its tokens; one whose tokens are all computed samples one;
     one that reached its frame's max_tokens pauses and joins the kv-holding queue's tail, in schedule order."""
@@ -649,7 +649,7 @@ def _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_
     o_n[O_SAM], o_n[O_PAUSE], o_n[O_NEW], o_n[O_CTX] = n_sam, n_pau, new, ctx
 
 
-@compiled.uncounted
+@compiled.inlined
 def engine_step(lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam,
                 o_pau, o_n, reached):
     """One ``Scheduler.schedule()`` and the model run after it, on the engine's arrays (the layout above): the

@@ -107,7 +107,7 @@ def _tick(f, P, ph):
     return f * P + ph
 
 
-@compiled.uncounted
+@compiled.inlined
 def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i,
           nrows, in_flight, work):
     """``n`` answers (tick key, session, tokens got) become one row per tick, in tick order, all answered at
@@ -757,7 +757,7 @@ def _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backl
     return n_ans, m
 
 
-@nb.njit(cache=True)
+@compiled.inlined
 def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog,
                inflight, hist, pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq,
                dep_t, dep_i, n_room, pre_last):
@@ -767,21 +767,27 @@ def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state
     n_visit = _due_sessions(now, fconf[F_EPS], tick, start, who, ready, n_ready, state, visit)
     fits, n_ans, room = _turn_fits(now, visit, n_visit, iconf, fconf, lim[L_MAXLEN], state, phase, next_frame, backlog,
                                    inflight, hist, pending_in, running_since, started, sslot, status, n_room)
-    k0 = fc[C_DEP]
-    k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, fc[C_NDEPS], state, sslot, held, backlog, pend, n_pend)
-    n_adm = _admissions(now, iconf, fconf, lim, lim[L_NB] - (cnt[E_USED] - freed), fc, fq, hist, pending_in, started,
-                        next_frame, phase, room, dep_i[k0:k1], pre_last)
+    # (the departures and the admissions are rare, and a call with all it needs costs every turn: asked first)
+    k0 = k1 = fc[C_DEP]
+    freed = owed = 0
+    if k0 < fc[C_NDEPS] and dep_t[k0] <= now:
+        k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, fc[C_NDEPS], state, sslot, held, backlog, pend, n_pend)
+    n_adm = 0
+    if fc[C_NWAIT] > 0:
+        n_adm = _admissions(now, iconf, fconf, lim, lim[L_NB] - (cnt[E_USED] - freed), fc, fq, hist, pending_in,
+                            started, next_frame, phase, room, dep_i[k0:k1], pre_last)
     taken = (fits and n_adm >= 0 and owed + n_ans <= iconf[I_ANSCAP]
              and (iconf[I_LOCKSTEP] == 0 or n_pend + n_ans <= pend.shape[0]))
     return n_visit, taken, k1, n_adm
 
 
-# Without numba's reference counting: the turn handed on the loop's arrays (borrowed, without an owner) at some 330
-# increments and decrements, no-ops but calls all the same, ~10 % of a run. So nothing it calls may allocate or
-# return a view (its sorts work in buffers the span owns: _sort_in_place, serving.key_order_in); what allocates, and
-# everything it reaches in other modules, is made with compiled.counted, which keeps the counting, or, if it
-# allocates nothing, with compiled.uncounted: either way its flags are its own, not the turn's.
-@nb.njit(cache=True, _nrt=False)
+# Without numba's reference counting (compiled.inlined: also compiled into run_span): the turn handed on the loop's
+# arrays (borrowed, without an owner) at some 330 increments and decrements, no-ops but calls all the same, ~10 % of
+# a run. So nothing it calls may allocate or return a view (its sorts work in buffers the span owns:
+# _sort_in_place, serving.key_order_in); what allocates, and everything it reaches in other modules, is made with
+# compiled.counted, which keeps the counting, or, if it allocates nothing, with compiled.uncounted or
+# compiled.inlined: either way its flags are its own, not the turn's. This module's own helpers take the turn's.
+@compiled.inlined
 def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame, backlog,
           inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_frames,
           s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run,
@@ -799,8 +805,9 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
             or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size or n_new + live.size + 1 > new_i.size):
         return False, 0, -1, nrows, n_pend, n_new
     n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
-    _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick, cs,
-            cp, clat, cw, ctr)
+    if fc[C_NARR] < iconf[I_NA_END] and arr_t[fc[C_NARR]] <= now:  # (rare: asked first, as the departures)
+        _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick,
+                cs, cp, clat, cw, ctr)
     n_visit, taken, k1, n_adm = _turn_plan(
         now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog, inflight, hist,
         pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq, dep_t, dep_i,
@@ -835,12 +842,13 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
     if lockstep:
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n0)
-    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done,
-                      fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
+    if n_ans:  # (a turn answers silent frames only, owed to sessions without a place: mostly none)
+        nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick,
+                          fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
     return True, n_sub, latest, nrows, n_pend, n_new
 
 
-@compiled.uncounted
+@compiled.inlined
 def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done, fr_lat,
               fr_i, nrows, cs, cp, clat, cw, ctr):
     """The moment's answers recorded (:func:`flush`) and told to a compiled controller as SimEngine._flush_answers
@@ -900,7 +908,7 @@ def _preempt_all(step_start, vic, n_vic, iconf, fstate, fc, fq, state, sslot, ps
     return n_ans, n_pend, n_new
 
 
-@compiled.uncounted
+@compiled.inlined
 def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_out, n_vic, pslot, state, inflight,
                  backlog, next_frame, s_frames, s_silent, s_late, admitted, a_key, a_who, a_tok, work, run_sess, pend,
                  n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_t, st_lat, st_i, k, o_n, cs, cp, clat, cw,
@@ -972,7 +980,7 @@ def _idle(now, tick, t_next, fc, dep_t, iconf, arr_t, horizon, idle, turned, fst
     return until, True, turned, False
 
 
-@compiled.uncounted
+@compiled.inlined
 def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw,
                  wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, step_no, sframe, jit, jz, ja, jb, jp,
                  jr):
