@@ -219,9 +219,16 @@ def collapsed(t_sat_s: float | None, tick_s, frames, silent_preempted) -> bool:
     if t_sat_s is None:
         return False
     after = np.asarray(tick_s, dtype=float) >= t_sat_s
-    f_after = int(np.asarray(frames, dtype=np.int64)[after].sum())
-    s_after = int(np.asarray(silent_preempted, dtype=np.int64)[after].sum())
+    f_after = int(_counts(frames)[after].sum())
+    s_after = int(_counts(silent_preempted)[after].sum())
     return collapse_decided(s_after, f_after, 0)
+
+
+def _counts(x) -> np.ndarray:
+    """Counts as an integer array: as they are when they are integers (numpy sums any integer narrower than int64
+    as int64), else as int64."""
+    a = np.asarray(x)
+    return a if a.dtype.kind in "iu" else a.astype(np.int64)
 
 
 def collapse_decided(silent_after: int, frames_after: int, frames_left: int) -> bool:
@@ -257,12 +264,15 @@ def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, late,
     with latency ``latency_s[i]`` (``NaN``: not answered with a time, left out of the percentiles) and
     ``tokens[i]`` output tokens. ``step_s`` holds every step's duration."""
     n = len(np.atleast_1d(frames))
-    arr = lambda x, dt: np.asarray(x, dtype=dt).reshape(n)  # noqa: E731
-    tick, lat = arr(tick_s, float), arr(latency_s, float)
-    w = arr(frames, np.int64)
+    tick, lat = (np.asarray(x, dtype=float).reshape(n) for x in (tick_s, latency_s))
+
+    def arr(x):  # (counts: the simulator's are int32, summed as int64 without a copy of its millions of rows)
+        return _counts(x).reshape(n)
+
+    w = arr(frames)
     n_frames = int(w.sum())
-    n_silent = int(arr(silent, np.int64).sum())
-    sp = arr(silent_preempted, np.int64)
+    n_silent = int(arr(silent).sum())
+    sp = arr(silent_preempted)
     has_lat = ~np.isnan(lat)
     st = np.asarray(step_s, dtype=float).ravel()
 
@@ -278,7 +288,7 @@ def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, late,
         "silent_frames": n_silent,
         "silent_frame_fraction": frac(n_silent),
         "silent_preempted_fraction": frac(int(sp.sum())),
-        "deadline_miss_fraction": frac(int(arr(late, np.int64).sum())),
+        "deadline_miss_fraction": frac(int(arr(late).sum())),
         "p50_frame_latency_s": _r(p50),
         "p99_frame_latency_s": _r(p99),
         "t_sat_observed_s": _r(t_sat_s),
@@ -294,7 +304,7 @@ def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, late,
         "sessions_offered": int(sessions_offered),
         "sessions_admitted": int(sessions_admitted),
         "sessions_refused": int(sessions_refused),
-        "tokens_total": int(arr(tokens, np.int64).sum()),
+        "tokens_total": int(arr(tokens).sum()),
     }
     assert tuple(out) == shared_keys()
     return out

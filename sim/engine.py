@@ -174,7 +174,7 @@ class SimEngine(FrontEnd):
         fr.reserve(n)
         r0 = fr.rows
         fr.commit(fp.flush(now, n, key, who, tok, self.admitted, self.P, float(serving.phase_offset_s(1, self.P)),
-                           self.deadline, _EPS, self.s_late, *self._frame_stores(), r0, self._in_flight(),
+                           self.deadline, _EPS, self.s_late, *self._frame_stores(), r0, -1,  # (-1: told below)
                            serving.key_order_work(n)))
         lat, nn, silent = (fr.column(c)[r0:] for c in ("latency_s", "frames", "silent"))
         if self.controller is not None:
@@ -419,7 +419,8 @@ class SimEngine(FrontEnd):
                fp.I_NA_END, fp.I_CTL, fp.I_TPF]] = [
             self.n_in, self.n_out, n_max, self.prompt, 2 * max(self.model.status_a.size, sess.size) + 64,
             self.serving_frame, int(self.lockstep), int(self.sees_starvation), na_end,
-            fp.CTL_COMPILED if self.controller is not None and self.controller.compiled else fp.CTL_AFTER, self.tpf]
+            fp.CTL_NONE if self.controller is None else fp.CTL_COMPILED if self.controller.compiled else fp.CTL_AFTER,
+            self.tpf]
         kind, *draws, weights = self._span_draws(n_max, sess, t_next)
         pause = math.inf if not self.pause_every_s else (math.floor(now / self.pause_every_s) + 1) * self.pause_every_s
         fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, self.first_s, _EPS,

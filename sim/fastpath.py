@@ -53,9 +53,10 @@ W_CODE, X_CODE = EngineModel.WAITING_CODE, EngineModel.PREEMPTED_CODE  # waiting
 # I_TPF: a frame's KV tokens (a readmission must leave room for one)
 I_NIN, I_NOUT, I_MAXSTEPS, I_PROMPT, I_ANSCAP, I_FLO, I_LOCKSTEP, I_SEES, I_NA_END, I_CTL, I_TPF = range(11)
 N_ICONF = 11
-# I_CTL: no controller, or one deciding in Python (the caller hands it the frame rows after the call); a compiled
-# one (control_kernel), which this loop runs at each arrival and each frame row, as SimEngine does
-CTL_AFTER, CTL_COMPILED = 0, 1
+# I_CTL: no controller; one deciding in Python (the caller hands it the frame rows after the call, with each row's
+# in-flight count, R_INFLIGHT); a compiled one (control_kernel), which this loop runs at each arrival and each frame
+# row, as SimEngine does
+CTL_NONE, CTL_AFTER, CTL_COMPILED = 0, 1, 2
 # frame rows' integer columns (fr_i); R_INFLIGHT: sessions in flight at the front end when the row was answered (what
 # an admission controller is told with it)
 R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_INFLIGHT = (
@@ -111,9 +112,9 @@ def _tick(f, P, ph):
 def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i,
           nrows, in_flight, work):
     """``n`` answers (tick key, session, tokens got) become one row per tick, in tick order, all answered at
-    ``now`` with ``in_flight`` sessions in flight; a late frame counts against its session (``s_late``). Both paths
-    record their rows with it (SimEngine._flush_answers). ``work``: room to sort in (serving.key_order_in). Returns
-    the rows written so far."""
+    ``now`` with ``in_flight`` sessions in flight (-1: nobody reads it, not written); a late frame counts against its
+    session (``s_late``). Both paths record their rows with it (SimEngine._flush_answers). ``work``: room to sort in
+    (serving.key_order_in). Returns the rows written so far."""
     if n == 0:
         return nrows
     # rows are sums over a tick: the order within one does not matter
@@ -150,7 +151,8 @@ def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f,
         fr_i[R_TOKENS, nrows] = tk
         fr_i[R_SILENT, nrows] = sil
         fr_i[R_SILENT_PRE, nrows] = pre
-        fr_i[R_INFLIGHT, nrows] = in_flight
+        if in_flight >= 0:
+            fr_i[R_INFLIGHT, nrows] = in_flight
         nrows += 1
         j = e
     return nrows
@@ -858,7 +860,8 @@ def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted,
     r0 = nrows
     in_flight = fc[C_NRUN] + fc[C_NWAIT]
     nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS],
-                  s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, in_flight, work)
+                  s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, in_flight if iconf[I_CTL] == CTL_AFTER else -1,
+                  work)
     if iconf[I_CTL] == CTL_COMPILED:  # (the rows were all answered at `now` with `in_flight` in flight)
         ck.observe_moment(cs, cp, clat, cw, ctr, now, in_flight, fr_lat[r0:nrows], fr_i[R_FRAMES][r0:nrows],
                           fr_i[R_SILENT][r0:nrows])
