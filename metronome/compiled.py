@@ -116,8 +116,8 @@ uncounted = nb.njit(cache=True, _nrt=False, forceinline=False)
 # array to a callee as seven machine words (its owner, parent, size, item size, data, shape and stride), and the
 # turn takes some eighty arrays: one call to it was ~800 moves to the stack and back, the step's parts ~3,000 in all,
 # and LLVM's inliner (at numba's threshold) left these large functions as calls. Inlined, a step costs what its work
-# costs (README "Benchmarks": the realistic hour's loop about a third faster). A function called from several places
-# is compiled into each, so this is for the step's own parts, each called from one or two places.
+# costs. A function called from several places is compiled into each, so this is for the step's own parts, each
+# called from one or two places.
 inlined = nb.njit(cache=True, _nrt=False, forceinline=True)
 
 
