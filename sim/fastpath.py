@@ -769,15 +769,10 @@ def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state
     n_visit = _due_sessions(now, fconf[F_EPS], tick, start, who, ready, n_ready, state, visit)
     fits, n_ans, room = _turn_fits(now, visit, n_visit, iconf, fconf, lim[L_MAXLEN], state, phase, next_frame, backlog,
                                    inflight, hist, pending_in, running_since, started, sslot, status, n_room)
-    # (the departures and the admissions are rare, and a call with all it needs costs every turn: asked first)
-    k0 = k1 = fc[C_DEP]
-    freed = owed = 0
-    if k0 < fc[C_NDEPS] and dep_t[k0] <= now:
-        k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, fc[C_NDEPS], state, sslot, held, backlog, pend, n_pend)
-    n_adm = 0
-    if fc[C_NWAIT] > 0:
-        n_adm = _admissions(now, iconf, fconf, lim, lim[L_NB] - (cnt[E_USED] - freed), fc, fq, hist, pending_in,
-                            started, next_frame, phase, room, dep_i[k0:k1], pre_last)
+    k0 = fc[C_DEP]
+    k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, fc[C_NDEPS], state, sslot, held, backlog, pend, n_pend)
+    n_adm = _admissions(now, iconf, fconf, lim, lim[L_NB] - (cnt[E_USED] - freed), fc, fq, hist, pending_in, started,
+                        next_frame, phase, room, dep_i[k0:k1], pre_last)
     taken = (fits and n_adm >= 0 and owed + n_ans <= iconf[I_ANSCAP]
              and (iconf[I_LOCKSTEP] == 0 or n_pend + n_ans <= pend.shape[0]))
     return n_visit, taken, k1, n_adm
@@ -807,9 +802,8 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
             or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size or n_new + live.size + 1 > new_i.size):
         return False, 0, -1, nrows, n_pend, n_new
     n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
-    if fc[C_NARR] < iconf[I_NA_END] and arr_t[fc[C_NARR]] <= now:  # (rare: asked first, as the departures)
-        _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick,
-                cs, cp, clat, cw, ctr)
+    _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick, cs,
+            cp, clat, cw, ctr)
     n_visit, taken, k1, n_adm = _turn_plan(
         now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog, inflight, hist,
         pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq, dep_t, dep_i,
@@ -844,9 +838,8 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
     if lockstep:
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n0)
-    if n_ans:  # (a turn answers silent frames only, owed to sessions without a place: mostly none)
-        nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick,
-                          fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
+    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done,
+                      fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
     return True, n_sub, latest, nrows, n_pend, n_new
 
 
