@@ -985,3 +985,46 @@ def test_observe_many_is_advance_then_observe_row_by_row(make, per_row):
 def test_observe_many_refuses_a_negative_count():
     with pytest.raises(ValueError, match="in_flight"):
         aimd().observe_many([0.1, 0.2], [0.1, 0.1], [1, 1], [0, 0], in_flight=[3, -1])
+
+
+# -- the gate's queue -----------------------------------------------------------------------------------------
+class _Door:
+    """A controller that says yes ``room`` more times, then no (what the gate asks of a controller)."""
+
+    on_refuse, queue_timeout_s, interval_s = "queue", 10.0, 0.5
+
+    def __init__(self):
+        self.room = 0
+
+    def may_admit(self, now_s, in_flight):
+        if self.room <= 0:
+            return False
+        self.room -= 1
+        return True
+
+
+def test_the_gates_queue_is_first_in_first_out():
+    """Refused sessions wait in arrival order: a, b, c queued at 0, 1, 2 s; room for one at 3 s lets in a (the
+    oldest), room for two at 4 s lets in b then c. A last-in-first-out queue would let in c first."""
+    from metronome.serving import AdmissionGate
+
+    door = _Door()
+    gate = AdmissionGate(door)
+    assert [gate.offer(s, t, t, 0) for s, t in (("a", 0.0), ("b", 1.0), ("c", 2.0))] == ["queue"] * 3
+    door.room = 1
+    assert gate.retry(3.0, lambda: 0) == (["a"], [])
+    door.room = 2
+    assert gate.retry(4.0, lambda: 1) == (["b", "c"], []) and not gate.queue
+
+
+def test_the_gates_queue_times_out_from_the_head_in_arrival_order():
+    """queue_timeout_s = 10 s from arrival: at 11.5 s a (0 s) and b (1 s) have waited past it, c (2 s) has not; they
+    leave in arrival order and c, still inside its timeout, is the one admitted."""
+    from metronome.serving import AdmissionGate
+
+    door = _Door()
+    gate = AdmissionGate(door)
+    for s, t in (("a", 0.0), ("b", 1.0), ("c", 2.0)):
+        gate.offer(s, t, t, 0)
+    door.room = 1
+    assert gate.retry(11.5, lambda: 0) == (["c"], ["a", "b"])
