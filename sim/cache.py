@@ -5,9 +5,11 @@ A result is stored under a key that is the SHA-256 of
 * the task function (module and name) and the task, with every ``"calibration"`` value (a preset name or a file
   path) replaced by the hash of that calibration's **contents** (:meth:`Calibration.to_json`): the same pool and
   step model under another path hits, an edited file misses;
-* the **code version**: the hash of the simulator's and the core's source files (``metronome/*.py``,
-  ``metronome/sim/*.py``) and of the task function's own module, so a change to the model invalidates every
-  entry without anyone bumping a number.
+* the **code version** (:func:`code_version`): the hash of every file a result depends on (:data:`CODE_PACKAGES`:
+  the core's and the simulator's sources, ``metronome/*.py`` and ``sim/*.py``, and the shipped presets), of the
+  modules beside the task function's own (the report's tasks call its other modules), and the versions of the
+  libraries that compute a result (:data:`LIBRARIES`: numba compiles the hot loop, numpy draws the random
+  streams), so a change to the model invalidates every entry without anyone bumping a number.
 
 The seed is part of every task, so it is part of the key. The store is :mod:`diskcache` (SQLite): each entry is
 written in one transaction, so a process killed mid-write leaves no half-written entry, and two reports running
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib
 import json
 import os
 import sys
@@ -39,25 +42,54 @@ def cache_dir() -> Path:
     return Path(base).expanduser() / "metronome"
 
 
-def _hash_files(paths: Sequence[Path]) -> str:
-    h = hashlib.sha256()
-    for p in sorted(paths):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()
+# What a result depends on besides its task, as (package, pattern): the core, the simulator and the presets (a task
+# names its calibration, which is keyed by content, but a default may read another preset). One list, read by
+# code_files: a package left out here would serve results computed by code that has since changed.
+CODE_PACKAGES = (("metronome", "*.py"), ("metronome.sim", "*.py"), ("metronome.presets", "*.json"))
+# the libraries whose version can change a result computed by the same code
+LIBRARIES = ("numba", "llvmlite", "numpy", "scipy", "simpy")
+
+
+def _package_dir(package: str) -> Path:
+    return Path(importlib.import_module(package).__file__).parent
+
+
+def code_files(extra_module: str | None = None) -> list[tuple[str, Path]]:
+    """Every file :func:`code_version` hashes, each with the name it is hashed under (its package and file name):
+    :data:`CODE_PACKAGES`, and the modules of ``extra_module``'s package (its own among them), when given."""
+    parts = [(package, _package_dir(package), pattern) for package, pattern in CODE_PACKAGES]
+    mod = sys.modules.get(extra_module) if extra_module else None
+    if mod is not None and getattr(mod, "__file__", None):
+        own = Path(mod.__file__)
+        parts.append((mod.__package__, own.parent, "*.py") if mod.__package__ else (extra_module, own.parent, own.name))
+    out: dict[str, Path] = {}
+    for package, folder, pattern in parts:
+        for p in sorted(folder.glob(pattern)):
+            out.setdefault(f"{package}/{p.name}", p)
+    return sorted(out.items())
+
+
+def library_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
 
 
 @functools.lru_cache(maxsize=None)
 def code_version(extra_module: str | None = None) -> str:
-    """The hash of the simulator's and the core's sources (and of ``extra_module``'s file, when given)."""
-    import metronome
-    import metronome.sim
-
-    files = list(Path(metronome.__file__).parent.glob("*.py")) + list(Path(metronome.sim.__file__).parent.glob("*.py"))
-    mod = sys.modules.get(extra_module) if extra_module else None
-    if mod is not None and getattr(mod, "__file__", None):
-        files.append(Path(mod.__file__))
-    return _hash_files(list(dict.fromkeys(files)))
+    """The hash of :func:`code_files` (names and contents) and :func:`library_versions`."""
+    h = hashlib.sha256()
+    for name, p in code_files(extra_module):
+        h.update(name.encode() + b"\0")
+        h.update(p.read_bytes())
+    h.update(json.dumps(library_versions(), sort_keys=True).encode())
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from metronome.sim import cache as cache_mod
 from metronome.sim.cache import CACHE_ENV, ResultCache, cache_dir, task_key
 from metronome.sim.executors import LocalExecutor
 
@@ -93,6 +95,84 @@ def test_a_folder_that_cannot_be_made_runs_the_work_without_the_cache(tmp_path, 
     assert CALLS == [6, 7] and c.stats()["enabled"] is False
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cache of simulated points off" in err
+
+
+# ------------------------------------------------------------------------------------- the code version
+@pytest.fixture
+def fresh_version():
+    """code_version is computed once per process: forget it around a test that changes what it reads."""
+    cache_mod.code_version.cache_clear()
+    yield
+    cache_mod.code_version.cache_clear()
+
+
+@pytest.fixture
+def copied_sources(tmp_path, monkeypatch, fresh_version):
+    """The real packages' folders copied to ``tmp_path`` (core, simulator, presets), and the cache's hashing pointed at
+    the copies: a test edits a copy, never the source. Returns {package: its copy}."""
+    import importlib
+
+    copies = {}
+    for package in ("metronome", "metronome.sim", "metronome.presets"):
+        real = Path(importlib.import_module(package).__file__).parent
+        copies[package] = tmp_path / package
+        shutil.copytree(real, copies[package], ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    monkeypatch.setattr(cache_mod, "_package_dir", lambda package: copies.get(package) or tmp_path / "none")
+    return copies
+
+
+def _key():
+    return task_key(_square, {"calibration": "moshi-7b-h200", "x": 1})
+
+
+@pytest.mark.parametrize("package,name", [("metronome.sim", "scenario.py"), ("metronome.sim", "fastpath.py"),
+                                          ("metronome", "serving.py"), ("metronome.presets", "moshi-7b-b200.json")])
+def test_a_changed_module_or_preset_changes_the_key(copied_sources, package, name):
+    """A result depends on the simulator (sim/), the core (metronome/) and the presets: an edit to any of them (here
+    to a copy, a byte appended) must miss, or a changed simulator would serve stale results. (A preset other than
+    the task's own counts too: a default may read it.)"""
+    before = _key()
+    cache_mod.code_version.cache_clear()
+    assert _key() == before  # nothing changed: the same key
+    f = copied_sources[package] / name
+    f.write_bytes(f.read_bytes() + b"\n")
+    cache_mod.code_version.cache_clear()
+    assert _key() != before, f"{package}/{name} changed and the key did not"
+
+
+def test_the_key_hashes_every_module_of_the_simulator_and_the_core(fresh_version):
+    """Every .py file in the folders the simulator and the core are imported from, and every shipped preset, is
+    among the files hashed (found here by where the modules live, not by the cache's own list)."""
+    import metronome.front_end
+    import metronome.sim.fastpath
+
+    hashed = {p.resolve() for _, p in cache_mod.code_files("metronome.sim.fastpath")}
+    want = (set(Path(metronome.sim.fastpath.__file__).parent.glob("*.py"))
+            | set(Path(metronome.front_end.__file__).parent.glob("*.py"))
+            | set((Path(metronome.front_end.__file__).parents[1] / "calibration").glob("*.json")))
+    assert len(want) > 40 and not {p.resolve() for p in want} - hashed
+
+
+def test_the_report_tasks_key_covers_the_modules_beside_them(fresh_version):
+    """A report task (metronome/report/build.py) calls its neighbours (report/live.py, report/plan.py): they are
+    hashed with it."""
+    import metronome.report.build
+    import metronome.report.live
+
+    hashed = {p.resolve() for _, p in cache_mod.code_files("metronome.report.build")}
+    assert Path(metronome.report.live.__file__).resolve() in hashed
+
+
+def test_a_changed_numba_changes_the_key(monkeypatch, fresh_version):
+    """The same code under another numba (it compiles the hot loop; numpy draws the streams) may compute another
+    result: its version is in the key."""
+    from importlib import metadata
+
+    before = _key()
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.0.1" if name == "numba" else real(name))
+    cache_mod.code_version.cache_clear()
+    assert _key() != before
 
 
 # ------------------------------------------------------------------------------------------- the report
