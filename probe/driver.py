@@ -22,11 +22,12 @@ run's figures are :mod:`metronome.probe.summary`'s, the Prometheus export :mod:`
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -100,6 +101,9 @@ class SessionPlan:
     duration_s: float = math.inf
     prompt_tokens: int = 1  # the first frame carries these extra tokens (at least 1: vLLM rejects an empty chunk)
     phase_slot: int = 0  # its phase, in serving.PHASE_SLOTS per period (workload.draw_phases); 0 in lockstep
+    # live runs only: it also leaves once this many of its frames were answered (whichever comes first), so that a
+    # scenario unfolds frame by frame however slow the host (None: by duration_s alone)
+    frames: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,10 @@ class DriverConfig:
     restart: bool = False
     max_restarts: int = 3
     phases: str = PHASES  # serving.PHASES: "aligned" (lockstep) or "independent" (each session's own phase)
+    # the run ends at the first turn where until(driver) holds (e.g. frames_answered, events_seen), its sessions
+    # ended as at the horizon, which is then only a cap: a run that needs K frames or an event gets them on a host
+    # of any speed (RunResult.until_met says whether it held)
+    until: Callable[["Driver"], bool] | None = None
 
     @property
     def deadline(self) -> float:
@@ -135,6 +143,7 @@ class RunResult:
     sessions: list[dict]
     summary: dict
     events: list[dict] = field(default_factory=list)  # preemptions and readmissions, in order
+    until_met: bool | None = None  # the run ended because DriverConfig.until held (None: no until)
 
 
 class Driver(FrontEnd):
@@ -215,7 +224,8 @@ class Driver(FrontEnd):
             "stopped": self._stop_reason is not None, "stop_reason": self._stop_reason, "t_stopped_s": self.t_stopped_s,
             **self.supervisor.summary(),
         })
-        return RunResult(self.frames, self.steps, self.sessions, summary, self.events)
+        until_met = self._until_met if self.cfg.until is not None else None
+        return RunResult(self.frames, self.steps, self.sessions, summary, self.events, until_met)
 
     def _serve(self, plans: list[SessionPlan]) -> None:
         """The run: until the horizon or a stop, then every session still in is ended, and the records closed."""
@@ -228,6 +238,8 @@ class Driver(FrontEnd):
                           phase_slot=np.array([p.phase_slot for p in self.plans], dtype=np.int64),
                           phases=cfg.phases, prompt_tokens=np.array([p.prompt_tokens for p in self.plans]),
                           cap=cfg.cap, rebase_tokens=cfg.rebase_tokens)
+        self._leave_after = np.array([p.frames or 0 for p in self.plans], dtype=np.int64)
+        self._until_met = False
         t0 = clock()
         self.supervisor.started()
         self.sink.flush(t0)  # (the clock of every flush: the journals' next write is due a second from here)
@@ -235,6 +247,9 @@ class Driver(FrontEnd):
             while True:
                 now = clock() - t0
                 if now >= cfg.horizon_s or self._stop_reason is not None:
+                    break
+                if cfg.until is not None and cfg.until(self):
+                    self._until_met = True
                     break
                 if self.sink.flush_due(now + t0):  # an engine that is never idle still gets its rows on disk
                     self._flush()
@@ -261,6 +276,8 @@ class Driver(FrontEnd):
         self.now = now
         if self.supervisor.down_since is not None and self.supervisor.back(now):
             self.stalled = False
+        if self._leave_after.any():
+            self._leave_by_frames(now)
         self._turn(now)
         self.supervisor.watch(now, bool(((self.inflight >= 0) | (self.state == PREFILL)).any()))
         if self._steps_now():
@@ -272,6 +289,13 @@ class Driver(FrontEnd):
             if nxt - (self.clock() - t0) >= FLUSH_MIN_GAP_S:
                 self._flush()  # idle: the rows go to disk off the timing path (records.Journal, deferred)
             self._nap(t0, nxt)
+
+    def _leave_by_frames(self, now: float) -> None:
+        """Sessions planned to leave after their ``SessionPlan.frames`` answered frames leave at this turn."""
+        n = self._leave_after.size
+        for i in np.flatnonzero((self._leave_after > 0) & (self.s_frames[:n] >= self._leave_after)).tolist():
+            heapq.heappush(self.departures, (now, i))
+            self._leave_after[i] = 0
 
     def _nap(self, t0: float, until: float) -> None:
         """Idle until ``until`` (the next tick, departure, arrival or the horizon), waking every ``NAP_S`` only to
@@ -448,6 +472,34 @@ class Driver(FrontEnd):
                "sessions_prefill": int((self.state == PREFILL).sum()), "held_tokens": self.slots.held_tokens()}
         self._step_victims = []
         self.sink.step(row, self.admission.limit)
+
+
+# -- DriverConfig.until: what a run waits for, read from the front end's counts and the run's events ---------------
+def _indices(driver: Driver, sessions) -> list[int]:
+    if sessions is None:
+        return list(range(len(driver.plans)))
+    want = set(sessions)
+    return [i for i, p in enumerate(driver.plans) if p.sid in want]
+
+
+def frames_answered(driver: Driver, frames: int, sessions=None) -> bool:
+    """Every session named (default: every session planned) has had ``frames`` frames answered, silent ones
+    included."""
+    idx = _indices(driver, sessions)
+    return bool(idx) and bool((driver.s_frames[idx] >= frames).all())
+
+
+def events_seen(driver: Driver, kind: str, n: int = 1, sessions=None) -> bool:
+    """The run recorded ``n`` events of ``kind`` (preempt, readmit, rebase, prefilled, ...), of the sessions named
+    (default: any); with ``sessions``, each of them had ``n``. Reads the events table (the driver's default
+    ``retain``)."""
+    got: dict = {}
+    for e in driver.events:
+        if e["event"] == kind:
+            got[e.get("session")] = got.get(e.get("session"), 0) + 1
+    if sessions is None:
+        return sum(got.values()) >= n
+    return all(got.get(s, 0) >= n for s in sessions)
 
 
 def run_live(engine: DrivenEngine, stream: TokenStream, plans: list[SessionPlan], horizon_s: float, *,
