@@ -445,3 +445,40 @@ def test_summary_counts_match_a_scenario_worked_by_hand():
     assert [f["frame"] for f in frames_of(res, "b") if f["rebased"]] == [3]
     assert [f["frame"] for f in frames_of(res, "b") if f["silent"]] == [2]
     assert math.isclose(events(res, "preempt", "b")[0]["t_s"], 0.2, abs_tol=P / 2)
+
+
+# -- each session's own deadline ----------------------------------------------------------------------------
+class _OwnDeadlines(Driver):
+    """A driver whose sessions each ask for their own deadline as they arrive (as a server's clients do with
+    ``session.update``): the front end's ``reshape``, the stream otherwise the run's."""
+
+    def __init__(self, *args, deadlines: dict, **kw):
+        self.deadlines = deadlines
+        super().__init__(*args, **kw)
+
+    def _offered(self, i: int, decision: str) -> None:
+        super()._offered(i, decision)
+        assert self.reshape(i, P, N_IN, N_OUT, self.deadlines[self._label(i)])
+
+
+@pytest.mark.parametrize("run_deadline", [0.03, 0.06])
+def test_a_frame_is_late_against_its_own_sessions_deadline_not_the_runs(run_deadline):
+    """Every step takes 0.02 s, so each frame takes two (its chunk and first token, then its second token): 0.04 s
+    after its tick. a (phase 0) and b (phase 0.05 s) never share a step. a asks for a 0.05 s deadline: every frame
+    on time, both tokens by it; b asks for 0.035 s: every frame late, its first token (0.02 s) by the deadline and
+    its second (0.04 s) not. Whatever the run's deadline: at 0.03 s a's frames would be late by it, at 0.06 s b's
+    on time."""
+    eng = FakeEngine(num_blocks=64, step_base_s=0.02, step_token_s=0.0)
+    cfg = DriverConfig(stream=STREAM, horizon_s=0.5, deadline_s=run_deadline, phases="independent")
+    plans = [SessionPlan("a", phase_slot=0), SessionPlan("b", phase_slot=32)]
+    res = _OwnDeadlines(eng, cfg, clock=eng.clock, sleep=eng.sleep, deadlines={"a": 0.05, "b": 0.035}).run(plans)
+    for sid, on_time, by_deadline in (("a", True, 2), ("b", False, 1)):
+        done = [f for f in frames_of(res, sid) if not f["censored"]]
+        assert len(done) >= 4, done
+        for f in done:
+            # the latency is 0.04 s and a few sleeps' 1e-6 s (the fake's shortest nap)
+            assert f["latency_s"] == pytest.approx(0.04, abs=1e-4) and f["tokens_delivered"] == 2, f
+            assert bool(f["met_deadline"]) is on_time and f["tokens_by_deadline"] == by_deadline, (sid, f)
+    counted = [f for f in res.frames if not f["censored"]]
+    late = sum(1 for f in counted if f["session"] == "b")
+    assert res.summary["deadline_miss_fraction"] == pytest.approx(late / len(counted))  # b's frames, and only its
