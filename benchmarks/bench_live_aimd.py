@@ -562,7 +562,9 @@ def main(argv=None) -> int:
         return fail(f"{PROG}: error: {exc}")
     if (error := interval_error(args, aimd)) is not None:
         return fail(error)
-    out.mkdir(parents=True, exist_ok=True)
+    from metronome.outputs import start_dir
+
+    start_dir(out)  # marked as Metronome's
     b = set_up(args, out)
 
     b.log(f"calibrating tiny on {args.num_blocks} blocks (window {args.window} engine, small grid + paced runs "

@@ -55,14 +55,14 @@ def main(argv=None) -> int:
     stream = TokenStream(0.1, 14, 2)
     horizon = args.minutes * 60
     from metronome.errors import MetronomeError
-    from metronome.outputs import check_out
+    from metronome.outputs import check_out, start_dir
 
     try:  # every command's rule for --out: refused when it already holds results
         out = check_out(args.out, replace=None)
     except MetronomeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    start_dir(out)  # marked as Metronome's
     engine = RemoteEngine(EngineConfig(models.resolve("tiny").with_stream(stream), num_blocks=256, max_model_len=2048,
                                        sliding_window=256), log_path=out / "engine.log")
     plans = make_plans(Arrivals("poisson", rate_per_s=args.rate), Durations.parse(str(args.duration)), horizon,

@@ -33,8 +33,8 @@ def test_fleet_answers_how_many_gpus_and_writes_its_files(tmp_path):
     for needle in ("GPUs at peak, closed form", "GPUs at peak, simulated", "GPU-hours", "autoscaled",
                    "cost per 1,000 session-h", "simulation speed", "per hour (least-loaded)"):
         assert needle in r.stdout, needle
-    assert sorted(p.name for p in out.iterdir()) == ["bins.csv", "bins.parquet", "engines.csv", "engines.parquet",
-                                                     "fleet.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".metronome.json", "bins.csv", "bins.parquet", "engines.csv",
+                                                     "engines.parquet", "fleet.json"]
     s = json.loads((out / "fleet.json").read_text())
     (c,) = s["calibrations"]
     assert c["n_star"] == 24 and c["gpu_price_per_hour"] == 3.5

@@ -25,8 +25,8 @@ def test_run_prints_t_sat_and_writes_its_files(tmp_path):
     assert m, r.stdout
     assert float(m.group(1)) > 30.0 and abs(float(m.group(1)) - float(m.group(2))) <= 0.08 + 0.05, r.stdout
     assert "COLLAPSED" in r.stdout
-    assert sorted(p.name for p in out.iterdir()) == ["frames.parquet", "sessions.parquet", "steps.parquet",
-                                                     "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".metronome.json", "frames.parquet", "sessions.parquet",
+                                                     "steps.parquet", "summary.json"]
     s = json.loads((out / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(s)
     assert s["collapsed"] is True and s["seed"] == 0

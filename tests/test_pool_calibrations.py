@@ -190,13 +190,21 @@ def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(folders, tmp_path, 
     assert not list(tmp_path.glob("*.json")) and not list(tmp_path.glob("*.partial"))
 
 
-def test_cli_overwrites_only_with_replace(folders, tmp_path):
+def test_cli_overwrites_only_its_own_file_and_only_with_replace(folders, tmp_path):
     out = tmp_path / "pooled.json"
     out.write_text("mine")
+    for replace in ([], ["--replace"]):  # a file Metronome did not write is never overwritten
+        r = _probe("pool", str(folders["calm"]), str(folders["calm2"]), "--out", str(out), *replace)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is a file Metronome did not write" in r.stderr
+        assert out.read_text() == "mine"
+    out = tmp_path / "ours.json"
+    r = _probe("pool", str(folders["calm"]), str(folders["calm2"]), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["written_by"]["command"] == "metronome-probe pool"  # how it is known as ours
     r = _probe("pool", str(folders["calm"]), str(folders["calm2"]), "--out", str(out))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "pass --replace" in r.stderr
-    assert out.read_text() == "mine"
     r = _probe("pool", str(folders["calm"]), str(folders["calm2"]), "--out", str(out), "--replace")
     assert r.returncode == 0, r.stderr
     assert calibration.load_file(out).engine == BASE.engine
-    assert sorted(p.name for p in tmp_path.iterdir() if "pooled" in p.name) == ["pooled.json"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".json", ".partial")) == ["ours.json",
+                                                                                               "pooled.json"]

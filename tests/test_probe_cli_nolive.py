@@ -70,8 +70,10 @@ def test_out_defaults_to_the_command_model_and_device(command):
 
 def test_the_default_out_keeps_the_refusal_of_a_folder_with_results(tmp_path):
     held = tmp_path / "runs" / "calibrate-tiny-cpu"
-    held.mkdir(parents=True)
-    (held / "calibration.json").write_text("{}")
+    from metronome.outputs import atomic_dir
+
+    with atomic_dir(held) as tmp:  # an earlier calibration's folder, marked as every command marks its own
+        (tmp / "calibration.json").write_text("{}")
     res = subprocess.run([sys.executable, "-c", NO_VLLM, "--model", "tiny", "--device", "cpu"], capture_output=True,
                          text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr

@@ -142,7 +142,7 @@ def html_tables(page: str) -> list[list[list[str]]]:
 # ------------------------------------------------------------------------------------------ the files
 def test_report_writes_a_self_contained_page_and_markdown(report):
     out, page = report["out"], report["html"]
-    assert sorted(p.name for p in out.iterdir()) == ["report.html", "report.json", "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == [".metronome.json", "report.html", "report.json", "report.md"]
     assert (out / "report.html").stat().st_size < 10e6
     assert page.count("Plotly.newPlot(") == 5  # five figures (with "How many GPUs") ...
     assert len(re.findall(r"plotly\.js v\d", page)) == 1  # ... drawn by one inlined copy of plotly.js

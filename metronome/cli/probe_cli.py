@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 
@@ -22,7 +23,7 @@ from metronome.admission import PARAMS_HELP, controller_specs
 from metronome.kv_policy import given_params, policy_kinds, policy_params
 from metronome.cli import ErrorParser
 from metronome.errors import MetronomeError, run_command
-from metronome.outputs import check_out
+from metronome.outputs import check_out, stamped
 
 PROG = "metronome-probe"
 
@@ -252,7 +253,7 @@ def pool_main(argv: list[str]) -> int:
     cal, fit = pool_calibrations(args.dirs)
     tmp = out.with_name(out.name + ".partial")
     try:
-        tmp.write_text(cal.to_json())
+        tmp.write_text(json.dumps(stamped(cal.to_dict()), indent=2) + "\n")  # stamped: ours to --replace later
         load_file(tmp)  # what we write must load
         os.replace(tmp, out)
     finally:
@@ -453,11 +454,10 @@ def _cpu_threads_stay_awake(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _cpu_threads_stay_awake(argv)
+    name = argv[0] if argv and argv[0] in COMMANDS else "calibrate"  # the bare form `--model M ...` calibrates
     if argv and argv[0] in COMMANDS:
-        command, argv = COMMANDS[argv[0]], argv[1:]
-    else:
-        command = calibrate_main  # the bare form `metronome-probe --model M ...` means calibrate
-    return run_command(PROG, command, argv)
+        argv = argv[1:]
+    return run_command(PROG, COMMANDS[name], argv, command=f"{PROG} {name}")
 
 
 if __name__ == "__main__":

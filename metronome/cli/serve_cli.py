@@ -24,6 +24,7 @@ from metronome.cli import ErrorParser
 from metronome.cli.probe_cli import _check_vllm, _pool_options, _stream
 from metronome.errors import MetronomeError, run_command
 from metronome.kv_policy import given_params, policy_option_values
+from metronome.outputs import start_dir
 
 PROG = "metronome-serve"
 
@@ -193,7 +194,7 @@ def _main(argv: list[str]) -> int:
     controller = adm.make_controller(args.admission, deadline, params)
     out = Path(args.out) if args.out else None
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        start_dir(out)  # marked as Metronome's before the journal's first line
     metrics = LiveMetrics(None)
     metrics.admission(controller)  # the limit from the start (else 0 until the first session or step)
     state = ServeState(api_key=args.api_key, drain_timeout_s=args.drain_timeout,

@@ -729,7 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command("metronome-sim", args.fn, args)
+    return run_command("metronome-sim", args.fn, args, command=f"metronome-sim {args.command}")
 
 
 if __name__ == "__main__":
