@@ -516,3 +516,34 @@ def test_frames_due_together_for_a_session_without_a_place_are_each_ticked(monke
     # the branch was reached with several frames per session, and some of them went unheard (answers owed)
     assert seen["calls"] > 0 and seen["frames"] > 2 * seen["calls"] and seen["quiet"] > 0, seen
     assert (seen["answered_later"] > 0) == (phases == "aligned"), seen  # (only lockstep owes them for later)
+
+
+class _PeakComputed(serving.EngineModel):
+    """The engine model, noting the most tokens any request has had computed after a step."""
+
+    peak = 0
+
+    def step(self):
+        rec = super().step()
+        _PeakComputed.peak = max(_PeakComputed.peak, int(self.computed_a.max()))
+        return rec
+
+
+@pytest.mark.parametrize("window,reached", [(236, True), (200, False)])
+def test_a_rebase_that_keeps_too_much_meets_the_engines_max_model_len_room(window, reached):
+    """The front end rebases a frame that would reach max_model_len (256 here) before the engine sees it, so the
+    engine's own cap (a running request gets at most max_model_len - computed - 1 tokens, as vLLM's running pass)
+    is met only by a rebased request that cannot hold its frame: a sinks policy keeping S + W = 16 + 236 = 252
+    tokens, with 4 tokens in and 8 out a frame. A session's history grows 12 tokens a frame (the re-fed token, 4 in,
+    7 of its 8 out kept): frame 21 finds 252 and would reach 252 + 5 + 8 >= 256, so it is rebased to min(252 + 5,
+    252) = 252 tokens, and those plus the 8 it samples pass 256: the engine stops it at 255 computed (after 4 of
+    its tokens). With W = 200 (216 kept: 216 + 5 + 8 < 256) the rebased frame fits and the cap never decides.
+    Whatever the front end then makes of that session, no request ever has max_model_len tokens computed."""
+    c = fast_moshi()
+    c = replace(c, model=replace(c.model, max_model_len_tokens=256), stream=calibration.TokenStream(0.1, 4, 8, 0))
+    _PeakComputed.peak = 0
+    sc = Scenario(c, KVPolicy.sinks(16, 16, window), Arrivals("all", sessions=2), 6.0, seed=1)
+    res = run(sc, fast_forward=False, check_invariants=True, engine_model=_PeakComputed)
+    assert res.summary["rebases"] > 0
+    assert (res.rules_reached["length_limit"] > 0) is reached, res.rules_reached
+    assert 200 < _PeakComputed.peak < 256
