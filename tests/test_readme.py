@@ -1,0 +1,228 @@
+"""The README as a new user reads it: short, free of history, its commands run, and every figure it quotes about a
+shipped preset is what the commands print today.
+
+Figures are read from the commands' own outputs (their JSON files, and what they print), never computed here, so a
+preset or a model that changes without the README changing fails this test."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import pytest
+
+from doc_commands import CLIS, ROOT, Runner, commands, fenced_blocks, flags, help_text, mismatches, output_pairs
+
+README = ROOT / "README.md"
+TEXT = README.read_text()
+
+# README commands 1 and 2, exactly as a user copies them (the project's rules keep them as they are).
+COMMAND_1 = ("python3 -m venv .venv && . .venv/bin/activate && pip install -e . && metronome-sim report "
+             "--calibration moshi-7b-h200 --out runs/report && echo \"open runs/report/report.html\"")
+COMMAND_2 = "./scripts/test.sh"
+
+# Steps that set up the environment rather than use Metronome: checked for what they refer to, not run.
+SETUP = ("python3 -m venv", ". .venv/bin/activate", "pip install", "bash scripts/", "echo ", "./scripts/test.sh")
+
+# Commands of the README that are not run here, and why. Each is still checked: every flag it passes must be one
+# its command's --help lists, so a renamed flag fails. A command listed here that the README no longer shows
+# fails too, so the list stays the README's.
+NOT_RUN = {
+    "metronome-probe --model tiny --out runs/tiny": "calibrates the live vLLM engine: minutes (tests/live runs it)",
+    "metronome-probe validate --model tiny --sinks 32 --out runs/validate":
+        "calibrates and runs vLLM live three times: minutes (tests/live runs it)",
+    "metronome-sim report --calibration runs/validate/calibration/calibration.json --live runs/validate "
+    "--out runs/tiny-report": "needs the validate run above",
+    "metronome-serve --model tiny --kv sinks --sinks 32 --window 128 --num-blocks 256 --admission aimd --port 8000":
+        "a server: runs until stopped (tests/live/test_serve.py runs it)",
+}
+
+# The README's planner's path, as it names the commands (the figures below are read from their outputs).
+CAPACITY = "metronome-sim capacity --calibration moshi-7b-h200 --kv sinks --sinks 16 --window 368"
+REPORT = "metronome-sim report --calibration moshi-7b-h200 --out runs/report"
+FLEET = "metronome-sim fleet --calibration moshi-7b-h200 --kv sinks --sinks 16 --window 368 --arrival-rate 3.333"
+
+
+def readme_commands() -> list[str]:
+    return [c for lang, body, _ in fenced_blocks(TEXT) if lang == "bash" for c in commands(body)]
+
+
+def metronome_commands() -> list[str]:
+    return [c for c in readme_commands() if shlex.split(c)[0] in CLIS]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = Runner()
+    yield r
+    r.close()
+
+
+# --- what the README is ---------------------------------------------------------------------------------------
+
+def test_readme_is_at_most_250_lines():
+    n = len(TEXT.splitlines())
+    assert n <= 250, f"README.md has {n} lines; the rest belongs in docs/"
+
+
+HISTORY = {
+    # a commit hash: 7-40 hex digits with at least one digit and one letter
+    "a commit hash": re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"),
+    "an issue number": re.compile(r"\bissues?\s*#?\s*\d+|(?<![\w&])#\d+\b", re.IGNORECASE),
+    # a host-load reading ("load 0.9–1.7", "load ~1", "load average 2"); not "--offered-load 3.333"
+    "a host-load reading": re.compile(r"(?<![-\w])load\s*(?:average\s*)?(?:[~≈]\s*)?\d", re.IGNORECASE),
+    "a date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(HISTORY))
+def test_readme_carries_no_history(what):
+    hits = [(i, line) for i, line in enumerate(TEXT.splitlines(), 1) if HISTORY[what].search(line)]
+    assert not hits, f"README.md holds {what} (history goes to docs/history/): {hits[:3]}"
+
+
+def test_readme_opens_with_the_two_set_up_commands():
+    lang, body, _ = fenced_blocks(TEXT)[0]
+    assert lang == "bash"
+    assert [line for line in body.splitlines() if not line.startswith("#")] == [COMMAND_1, COMMAND_2]
+    # CI runs command 2, and command 2 runs this suite, the documentation's build included (tests/test_docs.py)
+    assert "./scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest" in (ROOT / "scripts" / "test.sh").read_text()
+
+
+def test_readme_set_up_steps_refer_to_what_exists():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for c in readme_commands():
+        script = next((a for a in shlex.split(c) if a.startswith(("scripts/", "./scripts/"))), None)
+        if script:
+            assert (ROOT / script).is_file(), c
+        for extra in re.findall(r"\.\[([\w-]+)\]", c):
+            assert re.search(rf"^{re.escape(extra)} = \[", pyproject, re.MULTILINE), f"no extra [{extra}]: {c}"
+
+
+# --- its commands run -------------------------------------------------------------------------------------------
+
+def test_every_readme_command_is_run_or_listed_as_not_run():
+    shown = metronome_commands()
+    others = [c for c in readme_commands() if c not in shown and not c.startswith(SETUP)]
+    assert not others, f"README commands this test does not know how to treat: {others}"
+    gone = [c for c in NOT_RUN if c not in shown]
+    assert not gone, f"NOT_RUN lists commands the README no longer shows: {gone}"
+    assert {CAPACITY, REPORT, FLEET} <= set(shown), "the planner's path changed: update the figures' checks"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [c for c in metronome_commands() if c not in NOT_RUN])
+def test_readme_command_runs(runner, command):
+    ran = runner.run(command)
+    assert ran.returncode == 0, f"{command}: exit {ran.returncode}\n{ran.output[-3000:]}"
+
+
+@pytest.mark.parametrize("command", sorted(NOT_RUN))
+def test_readme_command_not_run_passes_only_flags_its_command_has(command):
+    argv = shlex.split(command)
+    text = help_text(argv)
+    unknown = [f for f in flags(argv) if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)]
+    assert not unknown, f"{command}: {unknown} not in its --help"
+
+
+def test_every_command_in_the_readme_table_exists():
+    table = re.findall(r"^\| `(metronome-[a-z]+(?: [a-z-]+)?)` \|", TEXT, re.MULTILINE)
+    assert len(table) >= 10, "the README's table of commands is gone"
+    # metronome-sim's usage line lists its subcommands ({run,what-if,...}): one call for all of them
+    sim = set(re.search(r"\{([\w,-]+)\}", help_text(["metronome-sim"])).group(1).split(","))
+    for entry in table:
+        cli, *sub = entry.split()
+        if cli == "metronome-sim" and sub:
+            assert sub[0] in sim, f"metronome-sim has no subcommand {sub[0]} (it has {sorted(sim)})"
+        else:
+            help_text(entry.split())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command,expected,line", output_pairs(TEXT), ids=[f"line{n}" for _, _, n in output_pairs(TEXT)])
+def test_readme_output_excerpt_matches_the_command(runner, command, expected, line):
+    ran = runner.run(command)
+    assert ran.returncode == 0, ran.output[-3000:]
+    bad = mismatches(expected, ran.output)
+    assert not bad, (f"README.md line {line}: the output shown for `{command}` no longer matches what it prints; "
+                     f"lines whose figures differ: {bad}\n--- it printed:\n{ran.output[:4000]}")
+
+
+# --- the figures quoted in its prose ----------------------------------------------------------------------------
+
+def _json(ran, name: str) -> dict:
+    found = sorted(ran.folder.rglob(name))
+    assert found, f"{ran.command} wrote no {name}"
+    return json.loads(found[0].read_text())
+
+
+@pytest.fixture(scope="module")
+def figures(runner) -> dict:
+    """The figures the README quotes, as the commands give them today (their JSON outputs)."""
+    cap = _json(runner.run(CAPACITY + " --out cap"), "capacity.json")
+    report = _json(runner.run(REPORT), "report.json")["calibrations"][0]
+    fleet = _json(runner.run(FLEET + " --out fleet"), "fleet.json")
+    engines = fleet["calibrations"][0]
+    presets = runner.run("metronome-sim calibrations")
+    return {
+        "n_star": cap["n_star"],
+        "deadline_n_star": cap["deadline_n_star"],
+        "memory_ceiling": cap["memory_ceiling"],
+        "deadline_ms": round(cap["deadline_s"] * 1000),
+        "target_fraction": round(cap["target_latency_s"] / cap["deadline_s"], 3),
+        "unbounded_ceiling": report["memory_ceiling_unbounded"],
+        "tokens_per_s": report["stream"]["kv_tokens_per_s"],
+        "window": report["policy"]["window"],
+        "sinks": report["policy"]["sinks"],
+        "erlangs": round(fleet["peak_offered_erlangs"]),
+        "mean_session_s": fleet["mean_session_s"],
+        "gpus_pooled": engines["closed_form_engines"]["pooled"],
+        "gpus_random": engines["closed_form_engines"]["random"],
+        "gpus_simulated": engines["routers"]["least-loaded"]["simulated"]["engines"],
+        "presets": len(re.findall(r"\b(?:moshi|qwen|minicpm)[\w.-]*-[bh]200\b", presets.output)),
+    }
+
+
+_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+
+# (what, a pattern of the README's prose whose groups are the figure, the figure's key). Every pattern must match
+# at least once, and every match must equal today's figure.
+QUOTED = [
+    ("N* = X in the prose", r"N\\\* = (\d+)", "n_star"),
+    ("the memory ceiling's bullet", r"\*\*Memory ceiling\*\* \((\d+)\)", "memory_ceiling"),
+    ("the deadline-bound N*'s bullet", r"\*\*Deadline-bound N\\\*\*\* \((\d+)\)", "deadline_n_star"),
+    ("the unbounded ceiling's bullet", r"\*\*Unbounded memory ceiling\*\* \((\d+)\)", "unbounded_ceiling"),
+    ("the pool holds only X of them", r"pool holds only (\d+) of them", "unbounded_ceiling"),
+    ("the bound is worth N* / unbounded", r"worth (\d+) / \d+", "n_star"),
+    ("the bound is worth N* / unbounded", r"worth \d+ / (\d+)", "unbounded_ceiling"),
+    ("the deadline", r"the (\d+) ms frame deadline", "deadline_ms"),
+    ("the p99 target", r"(\d\.\d+) × the \d+ ms frame deadline", "target_fraction"),
+    ("Moshi's stream", r"Moshi's (\d+(?:\.\d+)?) tokens/s", "tokens_per_s"),
+    ("the bound's window", r"the last (\d+) tokens, about", "window"),
+    ("the bound's sinks", r"(\d+) sink tokens and", "sinks"),
+    ("GPUs for the load, pooled", r"\*\*(\d+) H200s\*\*", "gpus_pooled"),
+    ("GPUs for the load, random routing", r"H200s\*\* with a router\s+that finds any free GPU, (\d+) with random",
+     "gpus_random"),
+    ("GPUs for the load, simulated", r"confirms (\d+) with least-loaded", "gpus_simulated"),
+    ("the load in Erlangs", r"1,000 / 300 s = ([\d.]+) sessions/s", None),
+    ("places per GPU", r"a loss system with N\\\* = (\d+) places", "n_star"),
+    ("the mix's mean length", r"sessions of (\d+) s on average", "mean_session_s"),
+    ("how many presets", r"lists all (\w+)\)", "presets"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what,pattern,key", QUOTED, ids=[f"{w}:{k}" for w, _, k in QUOTED])
+def test_readme_figure_is_what_the_command_gives(figures, what, pattern, key):
+    found = re.findall(pattern, TEXT)
+    assert found, f"the README no longer quotes {what} ({pattern!r}): update this test with it"
+    for value in found:
+        if key is None:  # the arrival rate that makes 1,000 concurrent sessions of the default mix
+            rate = float(value)
+            assert round(rate * figures["mean_session_s"]) == 1000 == figures["erlangs"], (value, figures)
+            continue
+        want = figures[key]
+        got = float(value) if re.fullmatch(r"[\d.]+", value) else next(n for n, w in _WORDS.items() if w == value)
+        assert got == pytest.approx(want), f"README quotes {what} as {value}; the command gives {want}"
