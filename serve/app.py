@@ -89,6 +89,20 @@ class ServeState:
                 "limits": self.shape_limits(), "server": self.server}
 
 
+def server_config(app, host: str, port: int, max_message_bytes: int, log_level: str = "warning"):
+    """uvicorn's settings for the app: the CLI's and the tests' (one place, so that a test serves what users run).
+    The protocols are uvicorn's (httptools, and the sans-I/O WebSocket over ``websockets``) with the changes of
+    :mod:`metronome.serve.transport`; ``max_message_bytes``: a longer message closes its socket with 1009 before it
+    is parsed."""
+    import uvicorn
+
+    from metronome.serve.transport import HttpProtocol, WebSocketProtocol
+
+    # (lifespan "on": the app's lifespan runs the status page's sampler)
+    return uvicorn.Config(app, host=host, port=port, http=HttpProtocol, ws=WebSocketProtocol,
+                          ws_max_size=max_message_bytes, lifespan="on", log_level=log_level)
+
+
 def error_event(code: str, message: str, type_: str = "invalid_request_error") -> dict:
     return {"type": "error", "error": {"type": type_, "code": code, "message": message}}
 
@@ -159,39 +173,63 @@ def make_app(state: ServeState) -> FastAPI:
             await deny(ws, 503, "not_ready", "the server is starting or draining", "draining" if state.draining
                        else "starting")
             return
-        client = Client(f"c{next(state._ids)}", asyncio.get_running_loop())
-        state.gateway.open(client)
-        verdict = await client.decision
-        if verdict != "admit":
-            await deny(ws, 503, "session_refused", f"admission: {verdict}", None)
+        await _session(state, ws, Client(f"c{next(state._ids)}", asyncio.get_running_loop()), deny)
+
+    return app
+
+
+async def _session(state: ServeState, ws: WebSocket, client: Client, deny) -> None:
+    """A client at the gate, then its session: admission, accept and the session's life in one ``try``, so that
+    however the client leaves (before its socket is accepted, during the handshake, mid-frame, by a reset) or the
+    handler ends (cancelled), the gateway hears that it left, and an admitted session's accounts settle and are
+    written, exactly once.
+
+    While it waits at the gate the client is watched: one that leaves then leaves the gate's queue (or, admitted
+    meanwhile, its session) at once. A message that came before the socket was accepted (in the same TCP write as
+    the upgrade) is kept and handled first, as if it came after."""
+    state.gateway.open(client)
+    sender, watch = None, None
+    try:
+        await ws.receive()  # (the ASGI connect event: always first)
+        watch = asyncio.ensure_future(ws.receive())  # (the client's first message, or its leaving)
+        await asyncio.wait({watch, client.decision}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done() and watch.result()["type"] == "websocket.disconnect":
+            return  # gone before (or as) the gate decided
+        if await client.decision != "admit":
+            await deny(ws, 503, "session_refused", f"admission: {client.decision.result()}", None)
             return
         await ws.accept()
         state.clients.add(client)
         sender = asyncio.create_task(_send(ws, client, state.tokenizer))
-        try:
-            client.shape = state.shape()
-            await ws.send_text(json.dumps({"type": "session.created",
-                                           "session": {"id": client.sid, **state.session_info(client.shape)}}))
-            while True:
+        client.shape = state.shape()
+        await ws.send_text(json.dumps({"type": "session.created",
+                                       "session": {"id": client.sid, **state.session_info(client.shape)}}))
+        while True:
+            if watch is not None:  # (a message that came before the accept, or the first after it)
+                msg, watch = await watch, None
+            else:
                 msg = await ws.receive()
-                if msg["type"] == "websocket.disconnect":
-                    break
-                text = msg.get("text")
-                if text is None:
-                    client.out.put_nowait(error_event("invalid_event", "events are JSON text frames"))
-                    continue
-                _handle(state, client, text)
-        except (WebSocketDisconnect, RuntimeError):  # (RuntimeError: the sender closed the socket under us)
-            pass
-        finally:
-            state.gateway.close(client)
+            if msg["type"] == "websocket.disconnect":
+                break
+            text = msg.get("text")
+            if text is None:
+                client.out.put_nowait(error_event("invalid_event", "events are JSON text frames"))
+                continue
+            _handle(state, client, text)
+    except (WebSocketDisconnect, OSError, RuntimeError):  # (gone; RuntimeError: the sender closed the socket)
+        pass
+    finally:
+        if watch is not None:
+            watch.cancel()
+        state.gateway.close(client)  # (at the gate: it leaves the queue; admitted: its session ends)
+        if sender is not None:
             sender.cancel()
-            client.socket_done()
-            state.clients.discard(client)
-            await client.final.wait()
-            _account(state, client)
-
-    return app
+        client.socket_done()
+        state.clients.discard(client)
+        if not client.decision.done() or client.decision.result() == "admit":  # (undecided: it may be admitted)
+            await client.final.wait()  # (the gateway decides before it is done with a client)
+            if client.decision.result() == "admit":
+                _account(state, client)
 
 
 async def _send(ws, client: Client, tokenizer=None) -> None:

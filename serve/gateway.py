@@ -29,7 +29,7 @@ from collections import deque
 import numpy as np
 
 from metronome import serving
-from metronome.front_end import QUEUED, RUNNING, WAITING
+from metronome.front_end import NOT_ARRIVED, QUEUED, RUNNING, WAITING
 from metronome.probe.driver import Driver, DriverConfig
 from metronome.serving import EndReason
 
@@ -121,6 +121,8 @@ class Gateway(Driver):
                  silence_token: int = 0, notify=None):
         self._wake = threading.Event()
         self._inbox: deque = deque()
+        self._door = threading.Lock()  # (open against the stop's last look at the inbox)
+        self._closed: str | None = None  # set once the gateway stopped: why
         super().__init__(engine, config, admission=admission, out_dir=out_dir, retain=False, notify=notify,
                          sleep=self._wait, metrics=metrics)
         self.silence_token = int(silence_token)
@@ -134,8 +136,14 @@ class Gateway(Driver):
 
     # -- the app's side (any thread) -----------------------------------------------------------------------------
     def open(self, client: Client) -> None:
-        """A client wants in: the gate decides at the gateway's next turn (``client.decision``)."""
-        self._post(("open", client))
+        """A client wants in: the gate decides at the gateway's next turn (``client.decision``); once the gateway
+        stopped, it is refused at once."""
+        with self._door:
+            if self._closed is None:
+                self._post(("open", client))
+                return
+        client.loop.call_soon_threadsafe(client.decide, self._closed)
+        client.loop.call_soon_threadsafe(client.gateway_done)
 
     def update_shape(self, client: Client) -> None:
         """The client put a new shape in its input queue: the gateway applies it when it reaches the queue's head
@@ -184,24 +192,44 @@ class Gateway(Driver):
                 self._tell(i, "end", GATEWAY_ERROR)
                 self._tell(i, "gateway_done", None)
                 self._forget(i)
-            while self._inbox:  # clients that came after the last turn
+            self._turn_away(GATEWAY_ERROR)
+            raise
+        self._turn_away(self._stop_reason or EndReason.STOPPED)
+
+    def _turn_away(self, reason: str) -> None:
+        """The gateway stopped: the clients it never decided on (offered at its last turn, or still in its inbox)
+        are refused, so that no one waits at its gate for ever; a client that arrives later is refused at once
+        (:meth:`open`)."""
+        with self._door:
+            self._closed = reason
+            for i in list(self.clients):  # (the live and queued ones were ended or refused: the undecided are left)
+                self._tell(i, "decide", reason)
+                self._tell(i, "gateway_done", None)
+                self._forget(i)
+            while self._inbox:
                 kind, client = self._inbox.popleft()
                 if kind == "open":
-                    client.loop.call_soon_threadsafe(client.decide, GATEWAY_ERROR)
-            raise
+                    client.loop.call_soon_threadsafe(client.decide, reason)
+                    client.loop.call_soon_threadsafe(client.gateway_done)
 
     def _label(self, i: int) -> str:
         return self.labels[i]
 
     def _live_turn(self, now: float, t0: float) -> None:
         self.t0 = t0
+        undecided = []
         while self._inbox:
             kind, client = self._inbox.popleft()
             if kind == "shape":
                 if client.index in self.clients:
                     self._reshaping.add(client.index)
+            elif kind == "open":
+                self._arrive(client, now)
+            elif client.index in self.clients and self.state[client.index] == NOT_ARRIVED:
+                undecided.append((kind, client))  # (left before the gate decided: it leaves once it has)
             else:
-                (self._arrive if kind == "open" else self._leave)(client, now)
+                self._leave(client, now)
+        self._inbox.extend(undecided)  # (the next turn's: this one's gate decides on it)
         for i in list(self._reshaping):
             self._apply_shapes(i)
         if self.sink.metrics is not None:

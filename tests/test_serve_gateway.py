@@ -381,3 +381,33 @@ def test_an_engine_on_its_own_loop_is_waited_on_no_longer_than_the_next_tick_is_
     assert len(waits) >= 6 and None not in waits
     # (a tick is at most a period away; 1 ms: the turn's own time between reading the clock and asking)
     assert all(w <= P + 1e-3 for w in waits), waits
+
+
+def test_a_client_that_leaves_before_the_gate_decides_leaves_no_session():
+    """A client arrives and leaves within one turn (its socket reset before the gate decided): the gate admits it
+    at that turn, and its session ends at the next, so the gateway holds nothing of it and its accounts settle.
+    A client that comes after the gateway stopped is refused at once, never left waiting at the gate."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        gw, th = _gateway(FakeEngine(num_blocks=128, block_size=16))
+        c = Client("gone", loop)
+        gw._inbox.extend([("open", c), ("close", c)])  # (both at once: one turn takes them together)
+        gw._wake.set()
+        c.socket_done()
+        assert await asyncio.wait_for(c.decision, 5) == "admit"
+        await asyncio.wait_for(c.final.wait(), 5)
+        for _ in range(500):
+            if not gw.clients and gw._in_flight() == 0:
+                break
+            await asyncio.sleep(0.01)
+        held = (dict(gw.clients), gw._in_flight())
+        gw.stop()
+        await loop.run_in_executor(None, th.join, 5)
+        late = Client("late", loop)
+        gw.open(late)
+        verdict = await asyncio.wait_for(late.decision, 5)
+        return held, verdict
+
+    held, verdict = asyncio.run(main())
+    assert held == ({}, 0)
+    assert verdict == "stopped"

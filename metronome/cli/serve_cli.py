@@ -178,7 +178,7 @@ def _main(argv: list[str]) -> int:
     from metronome.probe.driver import DriverConfig
     from metronome.probe.engine import default_device
     from metronome.probe.metrics import LiveMetrics
-    from metronome.serve.app import ServeState, drain, make_app
+    from metronome.serve.app import ServeState, drain, make_app, server_config
     from metronome.serve.gateway import Gateway
 
     resolved = models.resolve(args.model, args.weights, args.device or default_device(), args.dtype, args.stream)
@@ -266,10 +266,8 @@ def _main(argv: list[str]) -> int:
                 await asyncio.get_running_loop().run_in_executor(None, thread.join, 60.0)
             self.should_exit = True
 
-    # (lifespan "on": the app's lifespan runs the status page's sampler)
-    config = uvicorn.Config(make_app(state), host=args.host, port=args.port, ws="websockets-sansio",
-                            ws_max_size=args.max_message_bytes, lifespan="on",
-                            log_level="info" if args.verbose else "warning")
+    config = server_config(make_app(state), args.host, args.port, args.max_message_bytes,
+                           log_level="info" if args.verbose else "warning")
     server = Server(config)
     threading.Thread(target=boot, name="metronome-boot", daemon=True).start()
     try:
