@@ -247,12 +247,16 @@ class Gateway(Driver):
         self._ids[i] = deque()
 
     def _apply_shapes(self, i: int) -> None:
-        """The shapes at the head of session ``i``'s input queue that the front end takes now, in order."""
+        """The shapes at the head of session ``i``'s input queue that the front end takes now, in order. The
+        session stays in :attr:`_reshaping` while any shape waits in its queue: one behind frames sent before it
+        is applied at a later turn, once their ticks have taken them."""
         c = self.clients.get(i)
         while c is not None:
             head = _head(c.inputs)
             if head is None or head[0] != "shape":
-                break  # (frames sent before the shape go first: their ticks take them)
+                if _holds_shape(c.inputs):
+                    return  # (frames sent before the shape go first: their ticks take them)
+                break
             _, shape, message = head
             if not self.reshape(i, shape["frame_period_s"], shape["input_tokens_per_frame"],
                                 shape["output_tokens_per_frame"], shape["deadline_s"]):
@@ -338,3 +342,9 @@ def _head(q: queue.Queue):
     """The oldest item of ``q`` without taking it, or None."""
     with q.mutex:
         return q.queue[0] if q.queue else None
+
+
+def _holds_shape(q: queue.Queue) -> bool:
+    """Whether a shape waits anywhere in ``q``."""
+    with q.mutex:
+        return any(item[0] == "shape" for item in q.queue)

@@ -411,3 +411,47 @@ def test_a_client_that_leaves_before_the_gate_decides_leaves_no_session():
     held, verdict = asyncio.run(main())
     assert held == ({}, 0)
     assert verdict == "stopped"
+
+
+def test_an_update_sent_behind_queued_frames_takes_effect_and_the_frames_behind_it_are_answered():
+    """A client sends three frames at once, a ``session.update`` right behind them while they still wait for their
+    ticks, then three frames in the new shape: the update takes effect once the first three are served (one
+    ``session.updated``), and all six frames are answered, in order."""
+    import json
+
+    from metronome.serve.app import ServeState, _handle
+
+    async def main():
+        gw, th = _gateway(FakeEngine(num_blocks=128, block_size=16))
+        state = ServeState(gateway=gw, vocab_size=5000)
+        c = await _admit(gw)
+
+        def send(k, n):
+            _handle(state, c, json.dumps({"type": "input_tokens.append",
+                                          "token_ids": [A_IDS + 10 * k + j for j in range(n)]}))
+
+        for k in range(3):
+            send(k, N_IN)
+        assert c.inputs.qsize() == 3  # (queued: the ticks have not taken them yet)
+        _handle(state, c, json.dumps({"type": "session.update", "session": {"output_tokens_per_frame": 1}}))
+        for k in range(3, 6):
+            send(k, N_IN)
+        events = []
+        for _ in range(400):  # (40 frames' time at most: 20 are enough)
+            events += _drain(c)
+            if sum(isinstance(e, dict) and e.get("input") is not None for e in events) == 6:
+                break
+            await asyncio.sleep(P / 4)
+        await _finish(gw, th, c)
+        return events
+
+    events = asyncio.run(main())
+    kinds = [e["type"] for e in events]
+    assert kinds.count("session.updated") == 1 and "error" not in kinds, kinds
+    inputs = [e["input"] for e in events if e["type"] == "response.frame" and e["input"] is not None]
+    assert inputs == list(range(6)), inputs
+    at = kinds.index("session.updated")
+    before = [e for e in events[:at] if e["type"] == "response.frame"]
+    after = [e for e in events[at:] if e["type"] == "response.frame"]
+    assert [e["input"] for e in before if e["input"] is not None] == [0, 1, 2]  # served in the old shape
+    assert all(len(e["token_ids"]) <= 1 for e in after)  # the new shape: one token a frame
