@@ -22,6 +22,7 @@ import asyncio
 import hmac
 import itertools
 import json
+import logging
 import math
 import queue
 from contextlib import asynccontextmanager, suppress
@@ -35,6 +36,9 @@ from metronome.serve import status as status_page
 from metronome.serve.gateway import Client, Gateway
 
 ERROR_TYPES = {"invalid_request_error", "server_error"}
+MAX_DEPTH = 8  # arrays and objects a client event may nest (the protocol's own need 2)
+MAX_INT_DIGITS = 18  # an integer's digits (int64's range: token ids, frame counts)
+log = logging.getLogger("metronome.serve")
 
 
 @dataclass
@@ -251,17 +255,95 @@ async def _send(ws, client: Client, tokenizer=None) -> None:
         return
 
 
+class BadEvent(ValueError):
+    """A client message the server will not take (``code``: the ``error`` event's)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _int(digits: str) -> int:
+    if len(digits) - digits.startswith("-") > MAX_INT_DIGITS:
+        raise BadEvent("number_out_of_range", f"an integer of {len(digits)} characters: at most {MAX_INT_DIGITS} "
+                       "digits")
+    return int(digits)
+
+
+def _float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise BadEvent("number_out_of_range", f"{_show(text)} is not a finite number")
+    return v
+
+
+def _constant(name: str):
+    raise BadEvent("number_out_of_range", f"{name} is not a JSON number")
+
+
+def parse_event(text: str) -> dict:
+    """A client's JSON text as an event, within the limits of docs/serve.md: at most :data:`MAX_DEPTH` arrays and
+    objects deep, integers of at most :data:`MAX_INT_DIGITS` digits, finite numbers (no NaN or Infinity); an
+    object with a string ``type``. Anything else raises :class:`BadEvent`, never another exception."""
+    try:
+        ev = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except BadEvent:
+        raise
+    except RecursionError:  # (the parser's own recursion, past the interpreter's limit: far past ours)
+        raise BadEvent("too_deep", f"nested deeper than {MAX_DEPTH} arrays and objects") from None
+    except ValueError as exc:
+        raise BadEvent("invalid_json", f"not JSON: {_cut(str(exc))}") from None
+    if _depth(ev) > MAX_DEPTH:
+        raise BadEvent("too_deep", f"nested deeper than {MAX_DEPTH} arrays and objects")
+    if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+        raise BadEvent("invalid_event", "an event is a JSON object with a string 'type'")
+    return ev
+
+
+def _depth(v) -> int:
+    """How deep arrays and objects nest in ``v`` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        items = x.values() if isinstance(x, dict) else x if isinstance(x, list) else None
+        if items is None:
+            continue
+        deepest = max(deepest, d)
+        stack.extend((y, d + 1) for y in items if isinstance(y, (dict, list)))
+    return deepest
+
+
+def _show(v) -> str:
+    """A client's value, as an error event or the log quotes it: its repr, cut short (a client's 60 KB string is
+    not held again in each error it earns)."""
+    return _cut(repr(v), 64)
+
+
+def _cut(text: str, n: int = 200) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _refuse_event(client: Client, code: str, message: str) -> None:
+    """An ``error`` event for a message the server would not take, and one line in its log (no traceback: a client
+    can send such messages as often as it likes)."""
+    log.warning("%s: %s: %s", client.sid, code, message)
+    client.out.put_nowait(error_event(code, message))
+
+
 def _handle(state: ServeState, client: Client, text: str) -> None:
     """One client event: input frames go to the gateway's queue; anything wrong gets an ``error`` event, and the
-    session goes on."""
+    session goes on. Nothing a client sends raises here: a failure of the server's own (a bug) is an ``error`` of
+    type ``server_error`` and one line in the log."""
     try:
-        ev = json.loads(text)
-    except ValueError as exc:
-        client.out.put_nowait(error_event("invalid_json", f"not JSON: {exc}"))
-        return
-    if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
-        client.out.put_nowait(error_event("invalid_event", "an event is a JSON object with a string 'type'"))
-        return
+        _event(state, client, parse_event(text))
+    except BadEvent as exc:
+        _refuse_event(client, exc.code, str(exc))
+    except Exception as exc:  # noqa: BLE001 (a bug must not end the session without a word: said, and logged)
+        log.error("%s: a message failed: %s: %s", client.sid, type(exc).__name__, _cut(str(exc)))
+        client.out.put_nowait(error_event("server_error", "the server failed on this message", "server_error"))
+
+
+def _event(state: ServeState, client: Client, ev: dict) -> None:
     kind = ev["type"]
     if kind == "input_tokens.append":
         ids = ev.get("token_ids")
@@ -284,7 +366,7 @@ def _handle(state: ServeState, client: Client, text: str) -> None:
     elif kind == "session.update":
         _session_update(state, client, ev.get("session"))
     else:
-        client.out.put_nowait(error_event("unknown_event", f"unknown event type {kind!r}"))
+        client.out.put_nowait(error_event("unknown_event", f"unknown event type {_show(kind)}"))
 
 
 def _session_update(state: ServeState, client: Client, asked) -> None:
@@ -298,7 +380,7 @@ def _session_update(state: ServeState, client: Client, asked) -> None:
     limits = state.shape_limits()
     fixed = [k for k in asked if k not in limits]
     if fixed:
-        client.out.put_nowait(error_event("invalid_value", f"cannot set {', '.join(sorted(map(str, fixed)))}: a "
+        client.out.put_nowait(error_event("invalid_value", f"cannot set {_cut(', '.join(sorted(fixed)))}: a "
                                           f"session sets only {', '.join(limits)}"))
         return
     now = client.shape or state.shape()
@@ -311,7 +393,8 @@ def _session_update(state: ServeState, client: Client, asked) -> None:
         ok_type = isinstance(v, int) if whole else isinstance(v, (int, float))
         if isinstance(v, bool) or not ok_type or not (lo <= v <= hi or math.isclose(v, lo) or math.isclose(v, hi)):
             kind = "an integer" if whole else "a number"
-            client.out.put_nowait(error_event("invalid_value", f"{k} must be {kind} in [{lo:g}, {hi:g}], got {v!r}"))
+            client.out.put_nowait(error_event("invalid_value", f"{k} must be {kind} in [{lo:g}, {hi:g}], got "
+                                              f"{_show(v)}"))
             return
         shape[k] = min(max(v, lo), hi)
     updated = {"type": "session.updated", "session": {"id": client.sid, **state.session_info(shape)}}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 
 import pytest
@@ -87,3 +88,82 @@ def test_frames_in_the_same_write_as_the_upgrade_are_answered():
         assert h.wait_for(lambda: len(srv.state.accounts) == 1)
         row = srv.state.accounts[0]
         assert row["sent"] == 3 and row["answered"] == 3, row
+
+
+class _Lines(logging.Handler):
+    """Every record the server logs (uvicorn's loggers do not propagate to the root: each is listened to)."""
+
+    NAMES = ("", "uvicorn", "uvicorn.error", "metronome.serve")
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        if not any(r is record for r in self.records):  # (a record that propagates reaches two of them)
+            self.records.append(record)
+
+    def __enter__(self):
+        for n in self.NAMES:
+            logging.getLogger(n).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        for n in self.NAMES:
+            logging.getLogger(n).removeHandler(self)
+
+    def lines(self) -> list[str]:
+        """What the handlers write: a record with a traceback is many lines."""
+        fmt = logging.Formatter("%(message)s")
+        return [fmt.format(r) for r in self.records]
+
+
+DEEP = "[" * 1100 + "]" * 1100
+HOSTILE = [  # (message, the error event's code)
+    (json.dumps({"type": "session.update", "session": {"deadline_s": 10 ** 400}}), "number_out_of_range"),
+    ('{"type": "input_tokens.append", "token_ids": ' + DEEP + "}", "too_deep"),
+    (DEEP, "too_deep"),
+    ('{"type": "x", "v": ' + "[" * 9 + "]" * 9 + "}", "too_deep"),  # (past the stated limit, well within Python's)
+    ('{"type": "session.update", "session": {"deadline_s": 1e400}}', "number_out_of_range"),
+    ('{"type": "session.update", "session": {"deadline_s": NaN}}', "number_out_of_range"),
+    ('{"type": "input_tokens.append", "token_ids": [-Infinity]}', "number_out_of_range"),
+    ('{"type": "input_tokens.append", "token_ids": [' + "9" * 5000 + "]}", "number_out_of_range"),
+    ("{not json", "invalid_json"),
+    ("[1, 2]", "invalid_event"),
+]
+
+
+def test_hostile_json_gets_an_error_event_one_log_line_and_the_session_goes_on():
+    """Each message past the parser's limits (a 400-digit integer, nesting 1,100 deep and past the stated 8, NaN,
+    1e400, a 5,000-digit id) gets an ``error`` event with its code, is logged in one line without a traceback,
+    and the session goes on: an input frame sent after them all is answered."""
+    with h.Served(cap=4) as srv, _Lines() as log:
+        s, r, _ = h.open_session(srv.port)
+        codes = []
+        for text, _code in HOSTILE:
+            s.sendall(h.frame(text))
+            evs = r.until(lambda ev: isinstance(ev, dict) and ev["type"] == "error" or not isinstance(ev, dict))
+            assert evs and isinstance(evs[-1], dict), evs[-3:]  # (not a close: the session goes on)
+            codes.append(evs[-1]["error"]["code"])
+        s.sendall(_input(0))
+        evs = r.until(lambda ev: not isinstance(ev, dict) or ev.get("input") == 0)
+        assert isinstance(evs[-1], dict) and evs[-1]["input"] == 0
+        s.close()
+        assert h.wait_for(lambda: len(srv.state.accounts) == 1)
+    assert codes == [code for _, code in HOSTILE]
+    assert not any(rec.exc_info for rec in log.records), [rec.getMessage() for rec in log.records if rec.exc_info]
+    said = [ln for ln in log.lines() if ln.startswith("c1: ")]
+    assert len(said) == len(HOSTILE) and all("\n" not in ln and len(ln) < 400 for ln in said), said
+
+
+def test_invalid_utf8_closes_with_1007_and_one_log_line():
+    with h.Served(cap=4) as srv, _Lines() as log:
+        s, r, _ = h.open_session(srv.port)
+        s.sendall(h.frame(b'{"type": "\xff\xfe"}'))
+        evs = r.until(lambda ev: not isinstance(ev, dict))
+        s.close()
+        assert evs[-1] == ("close", 1007), evs[-3:]
+        assert h.wait_for(lambda: len(srv.state.accounts) == 1)
+    assert not any(rec.exc_info for rec in log.records)
+    said = [ln for ln in log.lines() if "1007" in ln]
+    assert len(said) == 1 and "\n" not in said[0], said
