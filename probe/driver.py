@@ -33,7 +33,7 @@ import numpy as np
 
 from metronome import serving
 from metronome.calibration import TokenStream
-from metronome.front_end import PREFILL, RUNNING, WAITING, FrontEnd
+from metronome.front_end import ENDED, PREFILL, REFUSED, RUNNING, WAITING, FrontEnd
 from metronome.kv_policy import KVPolicy
 from metronome.probe.engine import DrivenEngine
 from metronome.probe.live_sink import LiveSink
@@ -484,9 +484,10 @@ def _indices(driver: Driver, sessions) -> list[int]:
 
 def frames_answered(driver: Driver, frames: int, sessions=None) -> bool:
     """Every session named (default: every session planned) has had ``frames`` frames answered, silent ones
-    included."""
+    included, or has ended (or was refused) and will get no more."""
     idx = _indices(driver, sessions)
-    return bool(idx) and bool((driver.s_frames[idx] >= frames).all())
+    over = (driver.state[idx] == ENDED) | (driver.state[idx] == REFUSED)
+    return bool(idx) and bool(((driver.s_frames[idx] >= frames) | over).all())
 
 
 def events_seen(driver: Driver, kind: str, n: int = 1, sessions=None) -> bool:

@@ -79,3 +79,11 @@ def test_a_session_planned_for_k_frames_leaves_after_its_kth_answer():
                 until=lambda d: frames_answered(d, 20, sessions=["a"]))
     b = next(s for s in res.sessions if s["session"] == "b")
     assert b["reason"] == "departed" and b["frames"] <= 10
+
+
+def test_a_session_that_ended_does_not_hold_the_run():
+    # b leaves after 1 s (at most 10 frames): waiting for 20 frames of every session ends when a has its 20
+    plans = [SessionPlan("a"), SessionPlan("b", duration_s=1.0)]
+    res = drive(slow_engine(), plans, 10_000.0, until=lambda d: frames_answered(d, 20))
+    rows = {s["session"]: s for s in res.sessions}
+    assert res.until_met and rows["b"]["frames"] <= 10 and rows["a"]["frames"] == 20

@@ -48,3 +48,29 @@ def tiny_model():
     from metronome.probe import models
 
     return models.resolve("tiny")
+
+
+# -- engines shared across modules (a start is ~35 s on 2 busy cores). Each test resets the engine it uses
+# (run_live does, before and after its run), so a shared engine starts every test idle and empty.
+@pytest.fixture(scope="session")
+def unbounded_33(tiny_model):
+    """``tiny`` unbounded on 33 blocks (32 usable), max_model_len 992 (the longest vLLM accepts on that pool):
+    test_driver_preemption.py and test_window_vs_unbounded.py."""
+    from metronome.probe.engine import Engine, EngineConfig
+
+    e = Engine(EngineConfig(tiny_model, num_blocks=33, max_model_len=992))
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="session")
+def engine_64(tiny_model):
+    """``tiny`` unbounded on 64 blocks, max_model_len 62 x 32, its stream 0.1 s : 14 in : 2 out:
+    test_engine_faults.py and test_live_run.py."""
+    from metronome.calibration import TokenStream
+    from metronome.probe.engine import Engine, EngineConfig
+
+    e = Engine(EngineConfig(tiny_model.with_stream(TokenStream(0.1, 14, 2)), num_blocks=64,
+                            max_model_len=62 * 32))
+    yield e
+    e.close()

@@ -34,13 +34,8 @@ def _one_line_error(r):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model):
-    from metronome.probe.engine import Engine, EngineConfig
-
-    eng = Engine(EngineConfig(tiny_model.with_stream(STREAM), num_blocks=NUM_BLOCKS,
-                              max_model_len=(NUM_BLOCKS - 2) * 32))
-    yield eng
-    eng.close()
+def engine(engine_64):
+    return engine_64  # (conftest: tiny on NUM_BLOCKS blocks with this STREAM, shared with test_engine_faults.py)
 
 
 # -- bad input: one line, exit 2, before any engine starts ------------------------------------------------
@@ -238,10 +233,10 @@ def test_sigterm_clean_stop(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "metronome.cli.probe_cli", "run", "--model", "tiny", "--out", str(out),
            "--num-blocks", "64", "--stream", "0.1:14:2", "--arrival-rate", "2", "--session-duration", "30",
-           "--admission", "aimd", "--horizon", "120", "--kv", "budget", "--budget", "160", "--sinks", "32"]
+           "--admission", "aimd", "--horizon", "900", "--kv", "budget", "--budget", "160", "--sinks", "32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 600  # (the engine's start included: minutes on a busy host)
         journal = out / "frames.jsonl"
         while time.time() < deadline and proc.poll() is None:
             if journal.exists() and sum(1 for _ in open(journal)) >= 20:
@@ -258,7 +253,7 @@ def test_sigterm_clean_stop(tmp_path):
     assert line.startswith("metronome-probe: stopped by SIGTERM"), stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] is True and summary["stop_reason"] == "SIGTERM"
-    assert summary["t_stopped_s"] < 100
+    assert summary["t_stopped_s"] < 900  # stopped by the signal, before its horizon
     frames = pd.read_parquet(out / "frames.parquet")
     assert len(frames) >= 20 and len(frames) == sum(1 for _ in open(out / "frames.jsonl"))
     sessions = pd.read_parquet(out / "sessions.parquet")

@@ -4,13 +4,15 @@ package) over the network: one server for the module (an engine start is ~35 s),
 The server runs ``--admission static:2`` so that a third session is refused, ``--api-key`` so that a client
 without the token is, and a 4 KiB message cap. Each check reads what a client sees (events, close codes, HTTP
 answers) and what the server says of itself (``/metrics``, ``DIR/clients.jsonl``, its status page as headless
-Chromium renders it), never the server's insides.
+Chromium renders it), never the server's insides. Where a check needs sessions admitted or frames answered, it waits
+for them (``_until``, with a generous cap), never a fixed time a busy host may not fill.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import shutil
@@ -93,12 +95,28 @@ def server(tmp_path_factory):
     log.close()
 
 
-async def _stream(url, frames: int, *, bad_events=(), headers=AUTH, stop=None, on_closing=None):
+async def _until(cond, what: str, cap_s: float = 120.0) -> None:
+    """Wait until ``cond()`` holds, at most ``cap_s`` (then fail, saying ``what``): a busy host is slow, not wrong."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + cap_s
+    while not cond():
+        assert loop.time() < end, f"{what}: not within {cap_s:g} s"
+        await asyncio.sleep(0.05)
+
+
+def _answered(seen: dict) -> int:
+    """Input frames answered so far to a client of ``_stream``."""
+    return sum(f["input"] is not None for f in seen["frames"])
+
+
+async def _stream(url, frames: int, *, bad_events=(), headers=AUTH, stop=None, on_closing=None, seen=None):
     """A client that sends one input frame per period (and ``bad_events`` after its 10th), reads every event, and
-    stops after ``frames`` input frames are answered, or when the server closes. Returns what it saw."""
+    stops after ``frames`` input frames are answered, or when the server closes. Returns what it saw (``seen``:
+    the dict to fill, for a caller that watches it meanwhile)."""
     import websockets
 
-    seen = {"frames": [], "errors": [], "closing": [], "sent": 0, "close_code": None}
+    seen = {} if seen is None else seen
+    seen.update({"frames": [], "errors": [], "closing": [], "sent": 0, "close_code": None})
     async with websockets.connect(url, additional_headers=headers) as ws:
         created = json.loads(await ws.recv())
         assert created["type"] == "session.created"
@@ -155,24 +173,26 @@ def test_sessions_stream_on_their_own_clock_bad_input_gets_errors_and_a_third_is
            json.dumps({"type": "input_text.append", "text": "hello"})]
 
     async def main():
-        a = asyncio.create_task(_stream(server.url, 50, bad_events=bad))
-        b = asyncio.create_task(_stream(server.url, 50))
-        await asyncio.sleep(2.0)  # both admitted and streaming: static:2 is full
+        sa, sb = {}, {}
+        a = asyncio.create_task(_stream(server.url, 50, bad_events=bad, seen=sa))
+        b = asyncio.create_task(_stream(server.url, 50, seen=sb))
+        await _until(lambda: "session" in sa and "session" in sb, "both admitted")  # static:2 is full
         third = await _refused(server.url, AUTH)
         return await a, await b, third
 
-    a, b, third = asyncio.run(asyncio.wait_for(main(), 120))
+    a, b, third = asyncio.run(asyncio.wait_for(main(), 600))
     assert third.status_code == 503 and int(third.headers["Retry-After"]) >= 1
     for seen in (a, b):
         answered = [f for f in seen["frames"] if f["input"] is not None]
         # each input frame answered once, in order, by one response.frame
         assert [f["input"] for f in answered] == list(range(50))
-        # on its own clock: frames numbered one per period, the answers spread over the 50 periods
+        # on its own clock: frames numbered one per period, the answers spread over at least the 50 periods (not
+        # answered as fast as they came; a busy host may spread them over more)
         nums = [f["frame"] for f in seen["frames"]]
         assert nums == list(range(nums[0], nums[0] + len(nums)))
         period = seen["session"]["frame_period_s"]
         span = answered[-1]["t"] - answered[0]["t"]
-        assert 49 * period * 0.8 <= span <= 49 * period * 3, span
+        assert 49 * period * 0.8 <= span, span
         assert all(len(f["token_ids"]) == seen["session"]["output_tokens_per_frame"] for f in answered
                    if not f["silent"])
     codes = [e["code"] for e in a["errors"]]
@@ -204,7 +224,10 @@ def test_a_session_streams_its_own_shape(server):
                 for k in range(20):
                     await ws.send(json.dumps({"type": "input_tokens.append",
                                               "token_ids": [k + 1] * shape["input_tokens_per_frame"]}))
+                    sent.append(time.time())
                     await asyncio.sleep(shape["frame_period_s"])
+
+            sent = []
 
             sender = asyncio.create_task(send())
             while sum(f["input"] is not None for f in frames) < 20:
@@ -212,9 +235,9 @@ def test_a_session_streams_its_own_shape(server):
                 assert ev["type"] == "response.frame", ev
                 frames.append({**ev, "t": time.time()})
             await sender
-            return s, shape, updated, frames
+            return s, shape, updated, frames, sent
 
-    s, shape, updated, frames = asyncio.run(asyncio.wait_for(main(), 120))
+    s, shape, updated, frames, sent = asyncio.run(asyncio.wait_for(main(), 600))
     assert {k: updated[k] for k in shape} == shape
     answered = [f for f in frames if f["input"] is not None]
     assert [f["input"] for f in answered] == list(range(20))
@@ -222,9 +245,12 @@ def test_a_session_streams_its_own_shape(server):
     assert nums == list(range(nums[0], nums[0] + len(nums)))  # the numbers run on across the change
     assert all(len(f["token_ids"]) == 1 for f in answered if not f["silent"])
     assert sum(not f["silent"] for f in answered) >= 15
-    # one tick a new period: the 20 inputs (sent one a new period) took 19 periods and a few more where an input
-    # came just after its tick; at the server's period the frames between them would number twice that
-    assert 19 <= answered[-1]["frame"] - answered[0]["frame"] <= 19 + 4, nums
+    # one tick a new period: the 20 inputs, sent one a new period (19 periods apart on a quiet host; the client's
+    # own sleeps run longer on a busy one, so the span is read off its send times), are taken by ticks that many
+    # new periods apart, and a few more where an input came just after its tick; at the server's period the
+    # frames between them would number twice that
+    periods = math.ceil((sent[-1] - sent[0]) / shape["frame_period_s"] - 1e-6)
+    assert 19 <= answered[-1]["frame"] - answered[0]["frame"] <= periods + 4, (periods, nums)
 
 
 @pytest.mark.skipif(not ENGINE_CPUS, reason="one CPU: nothing to keep apart")
@@ -262,12 +288,13 @@ def test_an_oversized_message_closes_only_its_own_session(server):
             return e.value.rcvd.code if e.value.rcvd is not None else None
 
     async def main():
-        a = asyncio.create_task(_stream(server.url, 30))
-        await asyncio.sleep(1.0)
+        sa = {}
+        a = asyncio.create_task(_stream(server.url, 30, seen=sa))
+        await _until(lambda: "session" in sa, "a admitted")
         code = await oversized()
         return code, await a
 
-    code, a = asyncio.run(asyncio.wait_for(main(), 120))
+    code, a = asyncio.run(asyncio.wait_for(main(), 600))
     assert code == 1009
     assert [f["input"] for f in a["frames"] if f["input"] is not None] == list(range(30))
 
@@ -285,22 +312,26 @@ def test_a_client_killed_mid_frame_frees_its_blocks(server):
         await ws.send(json.dumps({"type": "input_tokens.append", "token_ids": [3] * n}))
         ws.transport.abort()  # the client dies mid-frame: no close frame
 
+    block = 1 / 255  # one of the pool's usable blocks
+
     async def main():
         stop = asyncio.Event()
-        a = asyncio.create_task(_stream(server.url, None, stop=stop))
-        await asyncio.sleep(4.0)  # a's window is full (S + W = 160 tokens at 16 a frame): its blocks stay put
+        sa = {}
+        a = asyncio.create_task(_stream(server.url, None, stop=stop, seen=sa))
+        # a's window is full after 10 frames (S + W = 160 tokens at 16 a frame): from there its blocks stay put
+        await _until(lambda: _answered(sa) >= 12, "12 frames of a answered")
         baseline = _metric(server.port, "metronome_kv_pool_usage")
         await killed(30)
-        await asyncio.sleep(0.5)
-        during = _metric(server.port, "metronome_kv_pool_usage")
-        await asyncio.sleep(2.0)
+        during = _metric(server.port, "metronome_kv_pool_usage")  # (shown on failure)
+        # the server notices the dead socket and aborts its request: its blocks come back (a fails here if never)
+        await _until(lambda: _metric(server.port, "metronome_kv_pool_usage") <= baseline + block + 1e-9,
+                     f"the killed session's blocks freed (usage {baseline:.4f} before it)")
         after = _metric(server.port, "metronome_kv_pool_usage")
         stop.set()
         a.cancel()
         return baseline, during, after
 
-    baseline, during, after = asyncio.run(asyncio.wait_for(main(), 120))
-    block = 1 / 255  # one of the pool's usable blocks
+    baseline, during, after = asyncio.run(asyncio.wait_for(main(), 600))
     assert baseline > 0
     assert after <= baseline + block + 1e-9, (baseline, during, after)
 
@@ -345,8 +376,10 @@ def test_the_status_page_shows_the_servers_figures_in_a_browser(server):
 
     async def main():
         stop = asyncio.Event()
-        streams = [asyncio.create_task(_stream(server.url, None, stop=stop)) for _ in range(2)]
-        await asyncio.sleep(3.0)  # both admitted and streaming: two sessions, at the limit (static:2)
+        seen = [{}, {}]
+        streams = [asyncio.create_task(_stream(server.url, None, stop=stop, seen=s)) for s in seen]
+        # both admitted and streaming: two sessions, at the limit (static:2), with frames for a p99
+        await _until(lambda: all(_answered(s) >= 3 for s in seen), "3 frames each answered")
         dom = await asyncio.to_thread(
             subprocess.run, [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
                              "--dump-dom", url], capture_output=True, text=True, timeout=120)
@@ -357,7 +390,7 @@ def test_the_status_page_shows_the_servers_figures_in_a_browser(server):
         await asyncio.gather(*streams, return_exceptions=True)
         return dom, json.loads(status)
 
-    dom, status = asyncio.run(asyncio.wait_for(main(), 180))
+    dom, status = asyncio.run(asyncio.wait_for(main(), 600))
     html = dom.stdout
     assert dom.returncode == 0 and "</html>" in html, dom.stderr[-2000:]
 
@@ -431,9 +464,10 @@ def test_sigterm_under_load_closes_every_session_and_exits_0_within_the_drain(se
         await ws.close()
 
     async def main():
-        a = asyncio.create_task(_stream(server.url, None, on_closing=leave))  # leaves when told
-        b = asyncio.create_task(_stream(server.url, None))  # keeps streaming: closed with 1001 at the drain's end
-        await asyncio.sleep(3.0)
+        sa, sb = {}, {}
+        a = asyncio.create_task(_stream(server.url, None, on_closing=leave, seen=sa))  # leaves when told
+        b = asyncio.create_task(_stream(server.url, None, seen=sb))  # keeps streaming: closed with 1001 at the end
+        await _until(lambda: _answered(sa) >= 3 and _answered(sb) >= 3, "3 frames each answered")
         t = time.time()
         server.proc.send_signal(signal.SIGTERM)
         return await a, await b, t

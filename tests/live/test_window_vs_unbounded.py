@@ -1,5 +1,8 @@
 """KV growth on a small pool: vLLM's own sliding window holds a bounded number of blocks, unbounded
-grows linearly until the pool is full; with several real-time sessions, unbounded falls off the cliff."""
+grows linearly until the pool is full; with several real-time sessions, unbounded falls off the cliff.
+
+Runs last a number of frames (``DriverConfig.until``), not seconds: a slow host makes them longer, not shorter.
+"""
 
 import math
 
@@ -12,6 +15,7 @@ NUM_BLOCKS = 33  # 32 usable (+ vLLM's null block)
 MAX_LEN = 992  # the longest session vLLM accepts on 33 blocks (it wants one spare block beyond the session)
 WINDOW = 128
 STREAM = TokenStream(0.1, 14, 2)
+CAP_S = 600.0  # only a cap: every run here ends at the frames or events it waits for
 
 
 def _engine(tiny_model, window):
@@ -21,10 +25,8 @@ def _engine(tiny_model, window):
 
 
 @pytest.fixture(scope="module")
-def unbounded(tiny_model):
-    e = _engine(tiny_model, None)
-    yield e
-    e.close()
+def unbounded(unbounded_33):
+    return unbounded_33  # (conftest: the same engine, shared with test_driver_preemption.py)
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +63,19 @@ def test_windowed_session_holds_a_bounded_number_of_blocks(windowed):
     assert g["consistent"] and 0 == g["excess_min"] and g["excess_max"] == 1
 
 
-def _run(engine, run, seconds=5.0, sessions=6, out_dir=None):
-    from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+def _run(engine, run, frames=30, sessions=6, out_dir=None):
+    from metronome.probe.driver import Driver, DriverConfig, SessionPlan, frames_answered
 
     engine.reset()
-    cfg = DriverConfig(stream=STREAM, horizon_s=seconds, run=run, cap="finish")
-    # 96-token prompts: 6 sessions start at 4 blocks each and need only a few frames to fill 32 blocks,
-    # so the cliff shows even when steps are slow (other processes on the cores)
+    # until every session had `frames` frames answered: 30 x 16 tokens take an unbounded session to 18 blocks,
+    # far past its share of the 32 (the pool runs dry within a few frames); the window holds 5 blocks each
+    cfg = DriverConfig(stream=STREAM, horizon_s=CAP_S, run=run, cap="finish",
+                       until=lambda d: frames_answered(d, frames))
+    # 96-token prompts: 6 sessions start at 4 blocks each and need only a few frames to fill 32 blocks
     plans = [SessionPlan(f"{run}{i}", arrival_s=0.05 * i, prompt_tokens=96) for i in range(sessions)]
     res = Driver(engine, cfg, out_dir=out_dir).run(plans)
     engine.reset()
+    assert res.until_met, f"{run}: not {frames} frames each within {CAP_S:g} s"
     return res
 
 
@@ -93,7 +98,7 @@ def test_prometheus_export(windowed):
     import socket
     import urllib.request
 
-    from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+    from metronome.probe.driver import Driver, DriverConfig, SessionPlan, frames_answered
 
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
@@ -102,7 +107,8 @@ def test_prometheus_export(windowed):
     import time
 
     windowed.reset()
-    cfg = DriverConfig(stream=STREAM, horizon_s=3.0, run="prom", prometheus_port=port)
+    cfg = DriverConfig(stream=STREAM, horizon_s=CAP_S, run="prom", prometheus_port=port,
+                       until=lambda d: frames_answered(d, 20))
     th = threading.Thread(target=lambda: Driver(windowed, cfg).run([SessionPlan("prom0"), SessionPlan("prom1")]))
     th.start()
     text = ""
@@ -144,12 +150,13 @@ class _Cap:
 
 
 def test_driver_uses_the_admission_controller(windowed):
-    from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+    from metronome.probe.driver import Driver, DriverConfig, SessionPlan, frames_answered
 
     windowed.reset()
     cap = _Cap(2)
-    res = Driver(windowed, DriverConfig(stream=STREAM, horizon_s=1.0, run="cap"), admission=cap).run(
-        [SessionPlan(f"c{i}", arrival_s=0.01 * i) for i in range(4)])
+    cfg = DriverConfig(stream=STREAM, horizon_s=CAP_S, run="cap",
+                       until=lambda d: frames_answered(d, 5, sessions=["c0", "c1"]))
+    res = Driver(windowed, cfg, admission=cap).run([SessionPlan(f"c{i}", arrival_s=0.01 * i) for i in range(4)])
     windowed.reset()
     assert res.summary["sessions_admitted"] == 2 and res.summary["sessions_refused"] == 2
     assert len(cap.observed) == res.summary["frames"] > 0
@@ -158,10 +165,11 @@ def test_driver_uses_the_admission_controller(windowed):
 
 def test_history_is_capped_below_max_model_len(windowed):
     """vLLM does not enforce max_model_len across chunks (it dies past it): the driver rebases instead."""
-    from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+    from metronome.probe.driver import Driver, DriverConfig, SessionPlan, events_seen, frames_answered
 
     windowed.reset()
-    cfg = DriverConfig(stream=TokenStream(0.05, 62, 2), horizon_s=5.0, run="rebase", rebase_tokens=200)
+    cfg = DriverConfig(stream=TokenStream(0.05, 62, 2), horizon_s=CAP_S, run="rebase", rebase_tokens=200,
+                       until=lambda d: events_seen(d, "rebase") and frames_answered(d, 6))
     res = Driver(windowed, cfg).run([SessionPlan("long", prompt_tokens=800)])
     windowed.reset()
     (session,) = res.sessions
