@@ -745,13 +745,14 @@ def _parse_spec(spec: str) -> tuple[type[AdmissionController], str | None]:
     return cls, (arg if colon else None)
 
 
-def check_params_apply(specs, given: bool) -> None:
-    """Refuse ``--aimd-params`` when no controller of ``specs`` reads them (``none`` admits every session and
+def check_params_apply(specs, given: bool, flag: str = "--aimd-params") -> None:
+    """Refuse ``flag`` (``--aimd-params``, or an option that only shapes a controller's decisions, like a server's
+    ``--queue-timeout``) when no controller of ``specs`` reads parameters (``none`` admits every session and
     decides nothing). A grid may mix ``none`` with controllers that do."""
     if given and not any(_parse_spec(str(s))[0].reads_params for s in specs):
         readers = ", ".join(c.spec for c in CONTROLLERS.values() if c.reads_params)
-        raise MetronomeError(f"--aimd-params does not apply to --admission {', '.join(map(str, specs))} (it admits "
-                             f"every session); pass --admission one of {readers}, or leave --aimd-params out")
+        raise MetronomeError(f"{flag} does not apply to --admission {', '.join(map(str, specs))} (it admits "
+                             f"every session); pass --admission one of {readers}, or leave {flag} out")
 
 
 def make_controller(spec: str, deadline_s: float,

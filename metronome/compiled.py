@@ -126,3 +126,19 @@ def hold(owner):
     """Nothing: a use of ``owner`` (arrays a compiled function allocated and then :func:`borrowed`) at the point up
     to which the borrowed arrays are used. numba releases a variable after its last use, and the borrowed copies
     do not count as one."""
+
+
+def cold(dispatchers) -> bool:
+    """Whether calling any of ``dispatchers`` would compile it first: numba's on-disk cache index for it is missing,
+    unreadable or written from another version of its source (numba's own test of an index, nothing imported from
+    the cache and nothing compiled). A CLI asks this to say that the first run compiles, before it does."""
+    for d in dispatchers:
+        cache_file = getattr(getattr(d, "_cache", None), "_cache_file", None)  # (numba's, not public API)
+        if cache_file is None:  # not cached on disk: every process compiles it
+            return True
+        try:
+            if not cache_file._load_index():
+                return True
+        except Exception:  # noqa: BLE001 (an index numba cannot read is one it recompiles)
+            return True
+    return False

@@ -402,13 +402,23 @@ def _given(params: dict) -> dict:
     return {k: v for k, v in params.items() if v is not None}
 
 
-def check_policy_options(kind: str, params: dict) -> None:
-    """A parameter given to a policy that does not take it is an error (a command that takes one policy)."""
-    cls = policy_class(kind)
-    extra = sorted(set(_given(params)) - {p.name for p in cls.params})
-    if extra:
-        raise MetronomeError(f"--{extra[0]} does not apply to --kv {kind}"
-                             + (f" (it takes {', '.join('--' + p.name for p in cls.params)})" if cls.params else ""))
+def check_policy_options(kind, params: dict, default: bool = False) -> None:
+    """A parameter given where no policy of ``kind`` (one kind, or the kinds of a what-if grid) takes it is an error:
+    it would change nothing. The policies' declared ``params`` say which takes what; ``default``: ``kind`` is the
+    command's default, not the user's choice (the message says so)."""
+    kinds = [kind] if isinstance(kind, str) else list(kind)
+    taken = {p.name for k in kinds for p in policy_class(k).params}
+    extra = [name for name in _given(params) if name not in taken]
+    if not extra:
+        return
+    name = extra[0]
+    takers = [k for k, c in _POLICIES.items() if any(p.name == name for p in c.params)]
+    bounded = all(policy_class(k).bounded for k in takers)
+    needs = f"a bounded --kv ({' or '.join(takers)})" if bounded else f"--kv {' or '.join(takers)}"
+    own = sorted({p.name for k in kinds for p in policy_class(k).params})
+    raise MetronomeError(f"--{name} does not apply to --kv {','.join(kinds)}{' (the default)' if default else ''}: "
+                         f"it would change nothing; --{name} needs {needs}"
+                         + (f" (--kv {','.join(kinds)} takes {', '.join('--' + n for n in own)})" if own else ""))
 
 
 def make_policy(kind: str, block_size: int, **params) -> KVPolicy:

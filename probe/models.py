@@ -212,12 +212,15 @@ def resolve(model: str, weights: str = "auto", device: str = "cpu", dtype: str |
             desc = "dummy: backbone-equivalent shape, random values (KV size, pool and step cost follow the shape)"
         else:
             path = _hub_snapshot(p.hub_id) if p.hub_id else None
-            if path is None or device == "cpu":
-                where = "no GPU" if device == "cpu" else "no local checkpoint"
+            if device == "cpu":  # (not --weights dummy: the full model's shape, which a CPU host seldom holds)
+                raise MetronomeError(f"--model {model} needs a GPU host (vLLM on CUDA); this machine runs vLLM on its "
+                                     f"CPU. To try the probe here, use --model tiny")
+            if path is None:
+                where = "no local checkpoint"
                 hub = f"{p.hub_id} is not in the local HF cache" if p.hub_id else "vLLM cannot load the real model"
                 raise MetronomeError(
                     f"--model {model}: {hub} and this run has {where}; calibrate its backbone-equivalent shape "
-                    f"with --weights dummy (add --device cpu on a machine without a GPU)")
+                    f"with --weights dummy")
             desc = f"checkpoint {p.hub_id}"
         r = ResolvedModel(p.name, path, "dummy" if dummy else "auto", dtype or "bfloat16", desc, p.stream,
                           p.hf_config, max_model_len=p.max_model_len)

