@@ -13,15 +13,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from metronome import serving
+from metronome import serving, units
 from metronome.admission import PARAMS_HELP, check_params_apply, controller_specs
 from metronome.erlang import DEFAULT_MAX_REFUSAL
+from metronome.cli import quiet, refuse_unused
 from metronome.errors import MetronomeError, run_command
-from metronome.kv_policy import bounded_kinds, given_params, policy_kinds, policy_option_values, policy_params
+from metronome.kv_policy import (bounded_kinds, check_policy_options, given_params, policy_kinds,
+                                 policy_option_values, policy_params)
 from metronome.outputs import check_out, write_outputs
 from metronome.report.plan import DEFAULT_MC_RUNS, MC_EDGE_RUNS
 
 DEFAULT_CALIBRATION = "moshi-7b-h200"
+DEADLINE_HELP = ("frame deadline: 80ms, 0.08s (a bare number is seconds; one over 10 frame periods is refused as a "
+                 "likely unit slip); default: the frame period")
 
 # option name -> (parser of one value, help)
 SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
@@ -29,13 +33,14 @@ SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "kv": (str, f"KV policy: {' | '.join(policy_kinds())} (default unbounded)"),
     **{name: (int, f"{p.help} (with a --kv that takes it)") for name, p in policy_params().items()},
     "sessions": (int, "N sessions start at t=0 (or over --ramp seconds)"),
-    "arrival_rate": (float, "Poisson session arrivals per second (needs --session-duration)"),
-    "ramp_s": (float, "spread --sessions evenly over this many seconds"),
+    "arrival_rate": (units.RATE, "Poisson session arrivals: 2 or 2/s, 120/min (needs --session-duration)"),
+    "ramp_s": (units.DURATION, "spread --sessions evenly over this long: 30 or 30s, 2min"),
     "rate_pattern": (str, "Poisson arrivals with a piecewise rate: SECONDS:RATE,... or a file (needs --session-duration)"),
-    "session_duration": (str, "SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default: the horizon)"),
-    "horizon": (float, "simulated seconds (default 600)"),
+    "session_duration": (str, "SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (each time 300, 300s or "
+                              "5min; default: the horizon)"),
+    "horizon": (units.DURATION, "simulated time: 600, 600s or 10min (default 600 s)"),
     "seed": (int, "random seed (default 0)"),
-    "deadline": (float, "frame deadline in seconds (default: the frame period)"),
+    "deadline": (units.DURATION, DEADLINE_HELP),
     "num_blocks": (int, "override the calibration's pool size in blocks"),
     "admission": (str, f"{' | '.join(controller_specs())} (default none)"),
     "phases": (str, f"{' | '.join(serving.PHASES)}: each session's frames on its own clock, the engine stepping while "
@@ -47,6 +52,11 @@ SCENARIO_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
 }
 FLAG = {"ramp_s": "--ramp", "arrival_rate": "--arrival-rate", "session_duration": "--session-duration",
         "num_blocks": "--num-blocks", "rate_pattern": "--rate-pattern"}
+
+
+def _duration(flag_name: str):
+    """An argparse ``type`` reading a duration with its unit (a bare number is seconds)."""
+    return units.argtype(units.duration, flag_name)
 
 
 def flag(name: str) -> str:
@@ -63,6 +73,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _parse_one(name: str, text: str):
     kind = SCENARIO_OPTIONS[name][0]
+    if isinstance(kind, units.Kind):
+        return kind.parse(text, flag(name))
     try:
         v = kind(text)
     except ValueError:
@@ -75,13 +87,15 @@ def _parse_one(name: str, text: str):
 def parse_values(name: str, text: str) -> list:
     """One value, a comma list ``a,b,c`` or an inclusive range ``start:stop:step`` (numbers only)."""
     kind = SCENARIO_OPTIONS[name][0]
-    if kind in (int, float) and text.count(":") == 2 and "," not in text:
+    if (kind in (int, float) or isinstance(kind, units.Kind)) and text.count(":") == 2 and "," not in text:
         a, b, c = (_parse_one(name, x) for x in text.split(":"))
         if c <= 0 or b < a:
             raise MetronomeError(f"{flag(name)}: range {text!r} needs start <= stop and step > 0")
         out, k = [], 0
+        bare = all(getattr(x, "bare", True) for x in (a, b, c))
         while a + k * c <= b + 1e-9 * max(1.0, abs(b)):
-            out.append(kind(a + k * c))
+            v = a + k * c
+            out.append(units.Quantity(v, bare, f"{v:.6g}") if isinstance(kind, units.Kind) else kind(v))
             k += 1
         return out
     if (name == "session_duration" and text.startswith("list:")) or name == "rate_pattern":
@@ -110,6 +124,11 @@ def add_scenario_options(p: argparse.ArgumentParser, lists: bool, out_default: s
     add_out_options(p, "output folder", out_default)
 
 
+def _plain(v):
+    """A value as the simulator takes it (a :class:`metronome.units.Quantity` as its float, checks done)."""
+    return float(v) if isinstance(v, units.Quantity) else v
+
+
 def scenario_kwargs(args) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     for name in SCENARIO_OPTIONS:
@@ -119,7 +138,7 @@ def scenario_kwargs(args) -> dict[str, Any]:
         vals = parse_values(name, raw)
         if len(vals) != 1:
             raise MetronomeError(f"{flag(name)}: 'run' takes one value, got {raw!r} (use what-if for a grid)")
-        kw[name] = vals[0]
+        kw[name] = _plain(vals[0])
     kw.setdefault("calibration", DEFAULT_CALIBRATION)
     if args.aimd_params:
         kw["aimd_params"] = args.aimd_params
@@ -130,8 +149,10 @@ def scenario_kwargs(args) -> dict[str, Any]:
 def _console():
     from rich.console import Console
 
-    # piped output keeps whole lines (rich would wrap at 80 columns)
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    # piped output keeps whole lines (rich would wrap at 80 columns), unless COLUMNS says how wide to be
+    import os
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
 
 
 def _pct(x):
@@ -184,6 +205,7 @@ def cmd_run(args) -> int:
 
     out = out_dir(args)
     sc = scn.make_scenario(**scenario_kwargs(args))
+    compile_notice()
     res = scn.run(sc, fast_forward=not args.no_fast_forward)
     if out is not None:
         scn.write(res, out, args.replace)
@@ -204,7 +226,7 @@ def cmd_what_if(args) -> int:
     for name in SCENARIO_OPTIONS:
         raw = getattr(args, name)
         if raw is not None:
-            axes[name] = parse_values(name, raw)
+            axes[name] = [_plain(v) for v in parse_values(name, raw)]
     axes.setdefault("calibration", [DEFAULT_CALIBRATION])
     check_params_apply(axes.get("admission", ["none"]), bool(args.aimd_params))
     if args.aimd_params:
@@ -243,7 +265,25 @@ def _fmt(v) -> str:
 def _executor(args):
     from metronome.sim.executors import make_executor
 
+    compile_notice()
     return make_executor(args.executor, args.workers, args.ray_address)
+
+
+_NOTICE: list = []
+
+
+def compile_notice() -> None:
+    """Say once, before a command's first simulation, that numba compiles the simulator first when its on-disk
+    cache holds no machine code for the compiled loop (asked of numba's cache index: nothing compiled to know)."""
+    if _NOTICE:
+        return
+    _NOTICE.append(True)
+    from metronome import compiled
+    from metronome.sim import fastpath
+
+    if compiled.cold([getattr(fastpath, n) for n in ("run_span", "flush") if hasattr(fastpath, n)]):
+        print("compiling the simulator first (numba; once, then cached): about 1-2 minutes on two idle cores, "
+              "longer on a busy machine", flush=True)
 
 
 def add_executor_options(p: argparse.ArgumentParser):
@@ -308,6 +348,7 @@ def _calibration_and_policy(args, name: str):
             raise MetronomeError(f"--num-blocks must be positive, got {nb}")
         cal = replace(cal, engine=replace(cal.engine, num_blocks=nb))
     values = {k: (_parse_one(k, v) if v is not None else None) for k, v in policy_option_values(args).items()}
+    check_policy_options(args.kv or "unbounded", values, default=args.kv is None)
     return cal, make_policy(args.kv or "unbounded", cal.engine.block_size_tokens, **values)
 
 
@@ -322,6 +363,7 @@ def cmd_capacity(args) -> int:
     duration = Durations.parse(args.session_duration).mean_s if args.session_duration else None
     if args.deadline is not None and not args.deadline > 0:
         raise MetronomeError(f"--deadline must be positive seconds, got {args.deadline}")
+    compile_notice()
     con = _console()
     with con.status("bisecting on N ...") as status:
         res = capacity(cal, policy, args.deadline, args.target_fraction, args.percentile, duration,
@@ -344,6 +386,8 @@ def cmd_capacity(args) -> int:
 def _list_floats(flag_name: str, text: str | None) -> list[float] | None:
     if text is None:
         return None
+    if flag_name == "--interval":  # (a duration: units.parse_list reads it)
+        return []
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -366,6 +410,8 @@ def cmd_tune_aimd(args) -> int:
     for key, flag_name in (("additive_increase", "--additive-increase"), ("decrease_factor", "--decrease-factor"),
                            ("target_fraction", "--target-fraction"), ("interval_s", "--interval")):
         v = _list_floats(flag_name, getattr(args, key))
+        if v is not None and key == "interval_s":
+            v = [float(x) for x in units.parse_list(units.DURATION, getattr(args, key), flag_name)]
         if v is not None:
             grid[key] = v
     n = 1
@@ -539,19 +585,30 @@ def cmd_calibrations(args) -> int:
     from metronome.fill_model import FillModel
     from metronome.kv_policy import KVPolicy
 
-    t = Table(title="calibration presets")
-    for c in ("name", "provenance", "hardware", "KV/token", "pool blocks", "pool tokens", "frame", "tokens/s",
-              "t_sat @100 unbounded"):
-        t.add_column(c)
+    header = ("name", "provenance", "hardware", "KiB per token", "pool blocks", "pool tokens", "frame ms",
+              "growth tok/s", "t_sat s at N=100")
+    rows = []
     for name in calmod.preset_names():
         cal = calmod.load_preset(name)
-        fm = FillModel(cal, KVPolicy.unbounded(cal.engine.block_size_tokens))
-        ts = fm.t_sat(100)
-        t.add_row(name, cal.provenance.kind, cal.provenance.hardware, f"{cal.kv_bytes_per_token / 1024:g} KiB",
-                  f"{cal.engine.num_blocks:,}", f"{cal.engine.num_blocks * cal.engine.block_size_tokens:,}",
-                  f"{cal.stream.frame_period_s * 1e3:g} ms", f"{cal.stream.kv_tokens_per_s:g}",
-                  "never" if ts is None else f"{ts:.0f} s")
-    _console().print(t)
+        ts = FillModel(cal, KVPolicy.unbounded(cal.engine.block_size_tokens)).t_sat(100)
+        rows.append((name, cal.provenance.kind, cal.provenance.hardware, f"{cal.kv_bytes_per_token / 1024:g}",
+                     f"{cal.engine.num_blocks:,}", f"{cal.engine.num_blocks * cal.engine.block_size_tokens:,}",
+                     f"{cal.stream.frame_period_s * 1e3:g}", f"{cal.stream.kv_tokens_per_s:g}",
+                     "never" if ts is None else f"{ts:.0f}"))
+    con = _console()
+    # a preset's name is what the user types next and a number is read whole: no column is narrower than its
+    # widest cell (rich would cut it) and the headers wrap instead; the hardware (the name's last part says which
+    # GPU) is left out where the terminal has no room for it
+    shown = [i for i in range(len(header)) if i != 2 or con.width >= 110]
+    t = Table(title="calibration presets (t_sat: N sessions, unbounded KV)", box=None, pad_edge=False, padding=(0, 1, 0, 0),
+              header_style="bold")
+    for i in shown:
+        widest = max([len(r[i]) for r in rows] + [len(w) for w in header[i].split()])
+        t.add_column(header[i], justify="left" if i < 3 else "right", overflow="fold",
+                     width=widest if i != 2 else None)
+    for r in rows:
+        t.add_row(*(r[i] for i in shown))
+    con.print(t)
     return 0
 
 
@@ -615,18 +672,21 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("capacity", help="memory ceiling, deadline-bound N* and which binds")
     for name in ("calibration", "kv", *policy_params(), "session_duration", "num_blocks", "phases"):
         cp.add_argument(flag(name), dest=name, default=None, help=SCENARIO_OPTIONS[name][1])
-    cp.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
-    cp.add_argument("--target-fraction", type=float, default=0.8, help="p99 target as a fraction of the deadline")
-    cp.add_argument("--percentile", type=float, default=99.0)
+    cp.add_argument("--deadline", type=units.argtype(units.duration, "--deadline"), default=None, help=DEADLINE_HELP)
+    cp.add_argument("--target-fraction", type=units.argtype(units.share, "--target-fraction"), default=0.8,
+                    help="p99 target as a share of the deadline: 0.8 or 80%% (default 0.8)")
+    cp.add_argument("--percentile", type=units.argtype(units.percentile, "--percentile"), default=99.0,
+                    help="the latency percentile held to the target, in percent: 99 or 99.9 (default 99)")
     add_out_options(cp, "output folder for capacity.json")
     cp.set_defaults(fn=cmd_capacity)
     t = sub.add_parser("tune-aimd", help="search AIMD parameters for goodput under a miss budget and no collapse")
     add_scenario_options(t, lists=False, out_default="tune-aimd")
     t.add_argument("--seeds", type=int, default=2, help="seeds per setting (default 2)")
-    t.add_argument("--miss-budget", type=float, default=0.01, help="deadline-miss budget per seed (default 0.01)")
+    t.add_argument("--miss-budget", type=units.argtype(units.share, "--miss-budget", closed=False), default=0.01,
+                   help="deadline-miss budget per seed, a share: 0.01 or 1%% (default 0.01)")
     for name in ("additive-increase", "decrease-factor", "target-fraction", "interval"):
         t.add_argument("--" + name, dest=name.replace("-", "_") if name != "interval" else "interval_s", default=None,
-                       help="comma list of values to search")
+                       help="comma list of values to search" + (" (1, 1s or 500ms)" if name == "interval" else ""))
     add_executor_options(t)
     t.set_defaults(fn=cmd_tune_aimd)
     rp = sub.add_parser("report", help="capacity-planning report (report.html + report.md) for one or more calibrations")
@@ -639,9 +699,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "conversation, in whole blocks)")
     rp.add_argument("--session-duration", dest="session_duration", default="exp:300",
                     help="session length mix: SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default exp:300)")
-    rp.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
-    rp.add_argument("--arrival-rate", dest="arrival_rate", type=float, default=None,
-                    help="offered sessions/s for AIMD tuning and goodput (default: 1.5x what N* carries)")
+    rp.add_argument("--deadline", type=units.argtype(units.duration, "--deadline"), default=None, help=DEADLINE_HELP)
+    rp.add_argument("--arrival-rate", dest="arrival_rate", type=units.argtype(units.rate, "--arrival-rate"),
+                    default=None, help="offered sessions for AIMD tuning and goodput: 2 or 2/s, 120/min (default: "
+                                       "1.5x what N* carries)")
     rp.add_argument("--phases", choices=serving.PHASES, default="independent",
                     help="the regime the answer assumes: each session's frames on its own clock (vLLM serving "
                          "real clients; default) or all in lockstep (a fixed-batch server); N* is computed under "
@@ -663,7 +724,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--offered-load", dest="offered_load", default=None,
                     help="add a 'How many GPUs' section for this offered load: a rate in sessions/s, a rate "
                          "pattern SECONDS:RATE,... or a time,rate CSV file (e.g. a day in 15-minute buckets)")
-    rp.add_argument("--max-refusal", dest="max_refusal", type=float, default=DEFAULT_MAX_REFUSAL,
+    rp.add_argument("--max-refusal", dest="max_refusal", type=units.argtype(units.share, "--max-refusal", closed=False),
+                    default=DEFAULT_MAX_REFUSAL,
                     help="with --offered-load: the share of conversations the fleet may refuse at its peak "
                          f"(default {DEFAULT_MAX_REFUSAL:g})")
     rp.add_argument("--gpu-price", dest="gpu_price", action="append", default=None, metavar="NAME=USD_PER_HOUR",
@@ -677,7 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"preset name or calibration JSON; repeat to compare (default {DEFAULT_CALIBRATION})")
     for name in ("kv", *policy_params(), "num_blocks", "phases"):
         f.add_argument(flag(name), dest=name, default=None, help=SCENARIO_OPTIONS[name][1])
-    f.add_argument("--deadline", type=float, default=None, help="frame deadline in seconds (default: the frame period)")
+    f.add_argument("--deadline", type=units.argtype(units.duration, "--deadline"), default=None, help=DEADLINE_HELP)
     f.add_argument("--arrival-rate", dest="arrival_rate", default=None, help="offered load: constant sessions/s")
     f.add_argument("--rate-pattern", dest="rate_pattern", default=None,
                    help="offered load: SECONDS:RATE,... or a file of it (as run takes it)")
@@ -688,7 +750,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default exp:300)")
     f.add_argument("--horizon", default=None,
                    help="simulated seconds of the whole run (default: the pattern's length, or 86400 for a constant rate)")
-    f.add_argument("--max-refusal", dest="max_refusal", type=float, default=DEFAULT_MAX_REFUSAL,
+    f.add_argument("--max-refusal", dest="max_refusal", type=units.argtype(units.share, "--max-refusal", closed=False),
+                   default=DEFAULT_MAX_REFUSAL,
                    help=f"the share of sessions that may be refused at the door (default {DEFAULT_MAX_REFUSAL:g})")
     f.add_argument("--routers", default="least-loaded",
                    help="comma list of round-robin, least-loaded, power-of-two, random (default least-loaded)")
@@ -703,19 +766,21 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--min-engines", dest="min_engines", type=int, default=1, help="autoscaler floor (default 1)")
     f.add_argument("--max-engines", dest="max_engines", type=int, default=None,
                    help="autoscaler ceiling (default: twice the static fleet)")
-    f.add_argument("--scale-out-after", dest="scale_out_after", type=float, default=30.0,
+    f.add_argument("--scale-out-after", dest="scale_out_after", type=_duration("--scale-out-after"), default=30.0,
                    help="seconds of sustained pressure before scaling out (default 30)")
-    f.add_argument("--scale-in-after", dest="scale_in_after", type=float, default=600.0,
+    f.add_argument("--scale-in-after", dest="scale_in_after", type=_duration("--scale-in-after"), default=600.0,
                    help="seconds of sustained slack before draining (default 600)")
-    f.add_argument("--scale-out-utilization", dest="scale_out_utilization", type=float, default=0.9,
+    f.add_argument("--scale-out-utilization", dest="scale_out_utilization",
+                   type=units.argtype(units.share, "--scale-out-utilization"), default=0.9,
                    help="in-flight / places above which the fleet is under pressure (default 0.9)")
-    f.add_argument("--scale-in-utilization", dest="scale_in_utilization", type=float, default=0.7,
+    f.add_argument("--scale-in-utilization", dest="scale_in_utilization",
+                   type=units.argtype(units.share, "--scale-in-utilization"), default=0.7,
                    help="in-flight / places below which it has slack (default 0.7)")
-    f.add_argument("--engine-start-s", dest="engine_start_s", type=float, default=180.0,
+    f.add_argument("--engine-start-s", dest="engine_start_s", type=_duration("--engine-start-s"), default=180.0,
                    help="seconds from starting a GPU's engine until it takes sessions (default 180)")
     f.add_argument("--gpu-price", dest="gpu_price", action="append", default=None,
                    help="NAME=USD_PER_HOUR for a calibration in the run (repeatable): cost per 1,000 session-hours")
-    f.add_argument("--peak-window", dest="peak_window", type=float, default=3600.0,
+    f.add_argument("--peak-window", dest="peak_window", type=_duration("--peak-window"), default=3600.0,
                    help="measured seconds of each simulated sizing run at the peak rate (default 3600)")
     f.add_argument("--seed", type=int, default=0, help="first random seed (default 0)")
     f.add_argument("--seeds", type=int, default=1, help="seeds SEED..SEED+K-1 per simulation (default 1)")
@@ -724,12 +789,90 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(fn=cmd_fleet)
     c = sub.add_parser("calibrations", help="list the calibration presets with their provenance")
     c.set_defaults(fn=cmd_calibrations)
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true",
+                             help="show numba's warnings and those of the numerics (hidden by default)")
+    p.commands = sub.choices  # (each command's parser: its defaults tell a given option from an absent one)
     return p
 
 
+# options that act only with another (alone they would change nothing): (dest, flag, applies(args), what it needs)
+# (report's --max-refusal and --gpu-price without --offered-load: ReportOptions.validate, the one statement of it)
+ONLY_WITH = (
+    ("ray_address", "--ray-address", lambda a: a.executor == "ray", "--executor ray"),
+    *((dest, name, lambda a: a.command != "fleet" or a.autoscale, "--autoscale")
+      for dest, name in (("min_engines", "--min-engines"), ("max_engines", "--max-engines"),
+                         ("scale_out_after", "--scale-out-after"), ("scale_in_after", "--scale-in-after"),
+                         ("scale_out_utilization", "--scale-out-utilization"),
+                         ("scale_in_utilization", "--scale-in-utilization"), ("engine_start_s", "--engine-start-s"))),
+    ("aimd_params", "--aimd-params", lambda a: a.command != "fleet" or a.admission == "aimd", "--admission aimd"),
+)
+
+
+def check_given(args, parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """What a command is given that it would misread or not use, refused before any work: a bare deadline too long
+    for its calibrations (a unit slip), a KV policy parameter the policy does not take, an option that acts only
+    with another."""
+    refuse_unused(args, parser.commands[args.command], argv, ONLY_WITH)
+    if args.command in ("run", "what-if", "metastability", "tune-aimd"):  # (capacity, fleet: as they read --kv)
+        kinds = parse_values("kv", args.kv) if args.kv else ["unbounded"]
+        check_policy_options(kinds, {k: v for k, v in policy_option_values(args).items() if v is not None},
+                             default=args.kv is None)
+    check_deadlines(args)
+
+
+def _calibration_names(args) -> list[str] | None:
+    """The calibrations the command plans with, as given (None: read later, from a ``--live`` run)."""
+    cals = getattr(args, "calibration", None)
+    if isinstance(cals, list):
+        return cals
+    if cals:
+        return parse_values("calibration", cals)
+    if getattr(args, "live", None):
+        return None
+    return [DEFAULT_CALIBRATION]
+
+
+def check_deadlines(args) -> None:
+    """A bare ``--deadline`` (each of a list) over ten frame periods of a calibration it is used with is refused as
+    a likely unit slip (``--deadline 80`` meant 80 ms): one line that suggests the unit."""
+    raw = getattr(args, "deadline", None)
+    if raw is None:
+        return
+    values = [raw] if isinstance(raw, float) else parse_values("deadline", raw)
+    bare = [v for v in values if getattr(v, "bare", False)]
+    if not bare:
+        return
+    from metronome import calibration as calmod
+
+    names = _calibration_names(args)
+    if names is None:  # (the run's own calibration, read later: the most any preset's stream allows)
+        cals = [calmod.load_preset(n) for n in calmod.preset_names()]
+        cals = [max(cals, key=lambda c: c.stream.frame_period_s)]
+    else:
+        cals = [calmod.load(n) for n in names]
+    for v in bare:
+        for cal in cals:
+            units.check_deadline(v, cal.stream.frame_period_s, cal.name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_command("metronome-sim", args.fn, args, command=f"metronome-sim {args.command}")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except MetronomeError as exc:  # (a value its flag's type could not read: units)
+        sys.stderr.write(f"metronome-sim: error: {exc}\n")
+        return exc.exit_code
+    quiet(args.verbose, vllm=False)  # (the simulator never starts vLLM)
+
+    def command(args):
+        if getattr(args, "session_duration", None):
+            args.session_duration = units.seconds_spec(args.session_duration, "--session-duration")
+        check_given(args, parser, argv)
+        return args.fn(args)
+
+    return run_command("metronome-sim", command, args, command=f"metronome-sim {args.command}")
 
 
 if __name__ == "__main__":
