@@ -14,6 +14,7 @@ from metronome.kv_policy import KVPolicy
 from metronome.probe.driver import Driver, DriverConfig, SessionPlan, events_seen, frames_answered
 
 STREAM = TokenStream(0.1, 14, 2)  # 16 KV tokens a frame
+CAP_S = 1000.0  # the horizon, a cap far past every event waited for here (virtual seconds)
 
 
 def slow_engine(**kw) -> FakeEngine:
@@ -34,7 +35,7 @@ def test_until_frames_answered_ends_the_run_at_the_kth_frame_not_the_horizon():
     assert short.until_met is None
     assert max(s["frames"] for s in short.sessions) < 20
     # by frames: the same scenario until 30 frames each, under a cap it never reaches
-    res = drive(slow_engine(), plans, 10_000.0, until=lambda d: frames_answered(d, 30))
+    res = drive(slow_engine(), plans, CAP_S, until=lambda d: frames_answered(d, 30))
     assert res.until_met is True
     # lockstep: both sessions' frames are answered by the same step, so the run ends with exactly 30 each
     assert [s["frames"] for s in res.sessions] == [30, 30]
@@ -48,7 +49,7 @@ def test_until_an_event_a_rebase_each():
     # S + W = 32 + 64: a session of 320 tokens max rebases every ~14 frames of 16 tokens
     policy = KVPolicy.sinks(16, 32, 64)
     plans = [SessionPlan("a"), SessionPlan("b")]
-    res = drive(slow_engine(policy=policy, max_model_len=320), plans, 10_000.0, policy=policy, cap="rebase",
+    res = drive(slow_engine(policy=policy, max_model_len=320), plans, CAP_S, policy=policy, cap="rebase",
                 until=lambda d: events_seen(d, "rebase", 2, sessions=["a", "b"]))
     assert res.until_met is True
     rebases = [e for e in res.events if e["event"] == "rebase"]
@@ -66,7 +67,7 @@ def test_until_that_never_holds_stops_at_the_cap():
 def test_a_session_planned_for_k_frames_leaves_after_its_kth_answer():
     # b leaves after 7 answered frames however slow the engine (by its duration it would stay to the end)
     plans = [SessionPlan("a"), SessionPlan("b", frames=7)]
-    res = drive(slow_engine(), plans, 10_000.0, until=lambda d: frames_answered(d, 20, sessions=["a"]))
+    res = drive(slow_engine(), plans, CAP_S, until=lambda d: frames_answered(d, 20, sessions=["a"]))
     rows = {s["session"]: s for s in res.sessions}
     assert rows["b"]["reason"] == "departed" and rows["a"]["reason"] == "horizon" and rows["a"]["frames"] == 20
     # b got exactly 7 frames' tokens and left at the turn right after the 7th (virtual time stands still between
@@ -75,7 +76,7 @@ def test_a_session_planned_for_k_frames_leaves_after_its_kth_answer():
                     key=lambda f: f["done_s"])
     assert len(spoken) == 7 and rows["b"]["end_s"] == spoken[-1]["done_s"]
     # a duration still ends a session first when it comes first (1 s: ticks 0.0 .. 0.9, at most 10 frames)
-    res = drive(slow_engine(), [SessionPlan("a"), SessionPlan("b", duration_s=1.0, frames=50)], 10_000.0,
+    res = drive(slow_engine(), [SessionPlan("a"), SessionPlan("b", duration_s=1.0, frames=50)], CAP_S,
                 until=lambda d: frames_answered(d, 20, sessions=["a"]))
     b = next(s for s in res.sessions if s["session"] == "b")
     assert b["reason"] == "departed" and b["frames"] <= 10
@@ -84,6 +85,6 @@ def test_a_session_planned_for_k_frames_leaves_after_its_kth_answer():
 def test_a_session_that_ended_does_not_hold_the_run():
     # b leaves after 1 s (at most 10 frames): waiting for 20 frames of every session ends when a has its 20
     plans = [SessionPlan("a"), SessionPlan("b", duration_s=1.0)]
-    res = drive(slow_engine(), plans, 10_000.0, until=lambda d: frames_answered(d, 20))
+    res = drive(slow_engine(), plans, CAP_S, until=lambda d: frames_answered(d, 20))
     rows = {s["session"]: s for s in res.sessions}
     assert res.until_met and rows["b"]["frames"] <= 10 and rows["a"]["frames"] == 20
