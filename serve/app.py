@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import queue
+from collections import deque
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
@@ -36,6 +37,11 @@ from metronome.serve import status as status_page
 from metronome.serve.gateway import Client, Gateway
 
 ERROR_TYPES = {"invalid_request_error", "server_error"}
+SCOPE_KEY = "metronome.protocol"  # a WebSocket's protocol in its ASGI scope (metronome.serve.transport's)
+STALL_S = 5.0  # seconds a client's socket may take nothing (its buffers full) before it is closed
+ACCOUNTS_KEPT = 1000  # ended sessions' rows the server keeps in memory (all go to the journal)
+BUFFERED_BYTES_MAX = 1 << 20  # more than a socket's buffers hold (metronome.serve.transport bounds them)
+ERRORS_IN_A_ROW = 64  # messages in a row that each earn an error: past them, the client is closed (1008)
 MAX_DEPTH = 8  # arrays and objects a client event may nest (the protocol's own need 2)
 MAX_INT_DIGITS = 18  # an integer's digits (int64's range: token ids, frame counts)
 log = logging.getLogger("metronome.serve")
@@ -55,7 +61,9 @@ class ServeState:
     metrics: object | None = None  # LiveMetrics
     engine_registry: object | None = None  # the registry vLLM's own series are in (the CLI's, once it started)
     status: status_page.StatusHistory = field(default_factory=status_page.StatusHistory)
-    accounts: list = field(default_factory=list)  # one row per ended session: sent = answered + counted
+    # the last ended sessions' rows (sent = answered + counted), newest last; all of them go to on_account
+    accounts: deque = field(default_factory=lambda: deque(maxlen=ACCOUNTS_KEPT))
+    stall_s: float = STALL_S  # a client whose socket takes nothing for this long is closed (not_reading)
     on_account: object | None = None  # called with each row (the CLI journals them)
     # what the server runs, told each session in session.created (a client that plans or re-simulates the same
     # workload needs it: metronome-probe run --target): the admission spec, the KV policy's options, the pool
@@ -204,7 +212,15 @@ async def _session(state: ServeState, ws: WebSocket, client: Client, deny) -> No
             return
         await ws.accept()
         state.clients.add(client)
-        sender = asyncio.create_task(_send(ws, client, state.tokenizer))
+        proto = ws.scope.get(SCOPE_KEY)  # (uvicorn's protocol, as metronome.serve.transport runs it)
+
+        def kick(reason: str) -> None:
+            log.warning("%s: closed with 1008: %s", client.sid, reason)
+            if proto is not None:
+                proto.kick(1008, reason)
+
+        client.on_limit = kick
+        sender = asyncio.create_task(_send(ws, client, state.tokenizer, state.stall_s, proto))
         client.shape = state.shape()
         await ws.send_text(json.dumps({"type": "session.created",
                                        "session": {"id": client.sid, **state.session_info(client.shape)}}))
@@ -217,9 +233,13 @@ async def _session(state: ServeState, ws: WebSocket, client: Client, deny) -> No
                 break
             text = msg.get("text")
             if text is None:
-                client.out.put_nowait(error_event("invalid_event", "events are JSON text frames"))
-                continue
-            _handle(state, client, text)
+                client.say(error_event("invalid_event", "events are JSON text frames"))
+            else:
+                _handle(state, client, text)
+            if client.closed is not None and proto is None:  # (kicked: the protocol ends the receive itself)
+                with suppress(Exception):
+                    await asyncio.wait_for(ws.close(1008), state.stall_s)
+                break
     except (WebSocketDisconnect, OSError, RuntimeError):  # (gone; RuntimeError: the sender closed the socket)
         pass
     finally:
@@ -236,23 +256,54 @@ async def _session(state: ServeState, ws: WebSocket, client: Client, deny) -> No
                 _account(state, client)
 
 
-async def _send(ws, client: Client, tokenizer=None) -> None:
+async def _send(ws, client: Client, tokenizer=None, stall_s: float = math.inf, proto=None) -> None:
     """The client's send queue, in order; a close request closes the socket (the drain, a server-side end). With a
     tokenizer, each frame's tokens are decoded here, on the app's loop, not in the gateway's turn: a frame's text is
-    its tokens alone (a character split across two frames shows as a replacement character in each)."""
+    its tokens alone (a character split across two frames shows as a replacement character in each).
+
+    A socket that takes nothing for ``stall_s`` (its buffers full: the client does not read) closes the session
+    (``not_reading``, 1008), and what it was not given is counted ``undelivered``: the message that could not be
+    sent, what waits behind it, and the answers still in the socket's buffers, unacknowledged by the client (``proto``
+    says how many bytes; the answers sent last, that many bytes back, were not delivered). A close that cannot be
+    sent for as long is forced."""
+    sent, total = deque(), 0  # (end of each recent answer in the bytes written, total written)
     try:
         while True:
             m = await client.out.get()
             if isinstance(m, tuple):
-                await ws.close(code=m[1])
+                try:
+                    await asyncio.wait_for(ws.close(code=m[1]), stall_s)
+                except TimeoutError:
+                    if proto is not None:
+                        proto.kick(m[1], "not_reading")
                 return
             if tokenizer is not None and m.get("type") == "response.frame" and m["token_ids"]:
                 m["text"] = tokenizer.decode(m["token_ids"])
-            await ws.send_text(json.dumps(m))
-            if m.get("type") == "response.frame" and m["input"] is not None:
+            answer = m.get("type") == "response.frame" and m["input"] is not None
+            text = json.dumps(m)
+            try:
+                await asyncio.wait_for(ws.send_text(text), stall_s)
+            except TimeoutError:
+                unsent = proto.unsent_bytes() if proto is not None else 0
+                lost = sum(end > total - unsent for end in sent)
+                client.answered -= lost
+                client.counted["undelivered"] += lost + answer
+                client.past_limit("not_reading")
+                return
+            total += _frame_bytes(len(text.encode()))
+            if answer:
                 client.answered += 1
+                sent.append(total)
+            while sent and sent[0] <= total - BUFFERED_BYTES_MAX:  # (older ones left the buffers)
+                sent.popleft()
     except (asyncio.CancelledError, Exception):  # cancelled, or the socket broke mid-send: the receiver sees it
         return
+
+
+def _frame_bytes(n: int) -> int:
+    """A server frame's bytes on the wire for a payload of ``n`` (RFC 6455: unmasked, its length in 1, 3 or 9
+    bytes after the first)."""
+    return n + (2 if n < 126 else 4 if n < 1 << 16 else 10)
 
 
 class BadEvent(ValueError):
@@ -327,20 +378,24 @@ def _refuse_event(client: Client, code: str, message: str) -> None:
     """An ``error`` event for a message the server would not take, and one line in its log (no traceback: a client
     can send such messages as often as it likes)."""
     log.warning("%s: %s: %s", client.sid, code, message)
-    client.out.put_nowait(error_event(code, message))
+    client.say(error_event(code, message))
 
 
 def _handle(state: ServeState, client: Client, text: str) -> None:
     """One client event: input frames go to the gateway's queue; anything wrong gets an ``error`` event, and the
     session goes on. Nothing a client sends raises here: a failure of the server's own (a bug) is an ``error`` of
     type ``server_error`` and one line in the log."""
+    errors = client.errors
     try:
         _event(state, client, parse_event(text))
     except BadEvent as exc:
         _refuse_event(client, exc.code, str(exc))
     except Exception as exc:  # noqa: BLE001 (a bug must not end the session without a word: said, and logged)
         log.error("%s: a message failed: %s: %s", client.sid, type(exc).__name__, _cut(str(exc)))
-        client.out.put_nowait(error_event("server_error", "the server failed on this message", "server_error"))
+        client.say(error_event("server_error", "the server failed on this message", "server_error"))
+    client.bad_in_a_row = client.bad_in_a_row + 1 if client.errors > errors else 0
+    if client.bad_in_a_row >= ERRORS_IN_A_ROW:
+        client.past_limit("errors")
 
 
 def _event(state: ServeState, client: Client, ev: dict) -> None:
@@ -348,25 +403,25 @@ def _event(state: ServeState, client: Client, ev: dict) -> None:
     if kind == "input_tokens.append":
         ids = ev.get("token_ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            client.out.put_nowait(error_event("invalid_value", "token_ids must be a list of integers"))
+            client.say(error_event("invalid_value", "token_ids must be a list of integers"))
             return
         if any(not 0 <= t < state.vocab_size for t in ids):
-            client.out.put_nowait(error_event("invalid_value", f"token ids must be in [0, {state.vocab_size})"))
+            client.say(error_event("invalid_value", f"token ids must be in [0, {state.vocab_size})"))
             return
         _input_frame(state, client, ids, "tokens")
     elif kind == "input_text.append":
         text = ev.get("text")
         if state.tokenizer is None:
-            client.out.put_nowait(error_event("unsupported", "this server's model runs without a tokenizer: send "
+            client.say(error_event("unsupported", "this server's model runs without a tokenizer: send "
                                               "input_tokens.append"))
         elif not isinstance(text, str):
-            client.out.put_nowait(error_event("invalid_value", "text must be a string"))
+            client.say(error_event("invalid_value", "text must be a string"))
         else:
             _input_frame(state, client, state.tokenizer.encode(text, add_special_tokens=False), "tokens of text")
     elif kind == "session.update":
         _session_update(state, client, ev.get("session"))
     else:
-        client.out.put_nowait(error_event("unknown_event", f"unknown event type {_show(kind)}"))
+        client.say(error_event("unknown_event", f"unknown event type {_show(kind)}"))
 
 
 def _session_update(state: ServeState, client: Client, asked) -> None:
@@ -375,12 +430,12 @@ def _session_update(state: ServeState, client: Client, asked) -> None:
     nothing owed (``FrontEnd.reshape``); ``session.updated`` says when. Input sent after it is held to the new
     shape. The other fields of ``session.created`` are what the server runs: not the session's to set."""
     if not isinstance(asked, dict):
-        client.out.put_nowait(error_event("invalid_value", "session.update needs a 'session' object"))
+        client.say(error_event("invalid_value", "session.update needs a 'session' object"))
         return
     limits = state.shape_limits()
     fixed = [k for k in asked if k not in limits]
     if fixed:
-        client.out.put_nowait(error_event("invalid_value", f"cannot set {_cut(', '.join(sorted(fixed)))}: a "
+        client.say(error_event("invalid_value", f"cannot set {_cut(', '.join(sorted(fixed)))}: a "
                                           f"session sets only {', '.join(limits)}"))
         return
     now = client.shape or state.shape()
@@ -393,18 +448,18 @@ def _session_update(state: ServeState, client: Client, asked) -> None:
         ok_type = isinstance(v, int) if whole else isinstance(v, (int, float))
         if isinstance(v, bool) or not ok_type or not (lo <= v <= hi or math.isclose(v, lo) or math.isclose(v, hi)):
             kind = "an integer" if whole else "a number"
-            client.out.put_nowait(error_event("invalid_value", f"{k} must be {kind} in [{lo:g}, {hi:g}], got "
+            client.say(error_event("invalid_value", f"{k} must be {kind} in [{lo:g}, {hi:g}], got "
                                               f"{_show(v)}"))
             return
         shape[k] = min(max(v, lo), hi)
     updated = {"type": "session.updated", "session": {"id": client.sid, **state.session_info(shape)}}
     if shape == now:
-        client.out.put_nowait(updated)
+        client.say(updated)
         return
     try:
         client.inputs.put_nowait(("shape", shape, updated))
     except queue.Full:
-        client.out.put_nowait(error_event("input_queue_full", f"more input waiting than {client.inputs.maxsize} "
+        client.say(error_event("input_queue_full", f"more input waiting than {client.inputs.maxsize} "
                                           "frames; the session.update is dropped"))
         return
     client.shape = shape
@@ -417,7 +472,7 @@ def _input_frame(state: ServeState, client: Client, ids: list[int], what: str) -
     queued, or counted and said why."""
     n = (client.shape or state.shape())["input_tokens_per_frame"]
     if len(ids) > n:
-        client.out.put_nowait(error_event("frame_too_long", f"a frame carries at most {n} tokens, got {len(ids)} "
+        client.say(error_event("frame_too_long", f"a frame carries at most {n} tokens, got {len(ids)} "
                                           f"{what}"))
         return
     ids = list(ids) + [state.gateway.silence_token] * (n - len(ids))
@@ -430,7 +485,7 @@ def _input_frame(state: ServeState, client: Client, ids: list[int], what: str) -
         client.inputs.put_nowait((seq, ids))
     except queue.Full:
         client.counted["input_queue_full"] += 1
-        client.out.put_nowait(error_event("input_queue_full", f"frame {seq}: more input frames waiting than "
+        client.say(error_event("input_queue_full", f"frame {seq}: more input frames waiting than "
                                           f"{client.inputs.maxsize}; this one is dropped"))
 
 
@@ -450,7 +505,7 @@ async def drain(state: ServeState) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.drain_timeout_s
     for c in list(state.clients):
-        c.out.put_nowait({"type": "session.closing", "reason": "server_shutdown",
+        c.say({"type": "session.closing", "reason": "server_shutdown",
                           "seconds_left": round(state.drain_timeout_s, 3)})
     while state.clients and loop.time() < deadline:
         await asyncio.sleep(0.05)

@@ -35,7 +35,8 @@ from metronome.serving import EndReason
 
 INPUT_QUEUE_FRAMES = 32  # input frames a client may have waiting for their ticks; more are refused and counted
 SEND_QUEUE_FRAMES = 64  # answers waiting for a slow client; more are counted, never buffered
-DROP_REASONS = ("input_queue_full", "send_queue_full", "session_ended")
+SEND_QUEUE_MESSAGES = 96  # messages of any kind waiting for it (answers, errors, updates); past it, it is closed
+DROP_REASONS = ("input_queue_full", "send_queue_full", "session_ended", "undelivered")
 GATEWAY_ERROR = "gateway_error"  # why sessions end, and the server stops, when the gateway itself fails
 
 
@@ -56,6 +57,10 @@ class Client:
         self.shape: dict = {}  # its stream shape as last asked (the app's; the gateway applies it in turn)
         self._gateway_done = self._socket_done = False
         self.final = asyncio.Event()  # set once the accounting is closed (both sides are done)
+        self.closed: str | None = None  # why the server closed it for a limit (past_limit), if it did
+        self.errors = 0  # error events it earned
+        self.bad_in_a_row = 0  # its last messages that each earned an error (the app's count)
+        self.on_limit = None  # called with the reason when it passes a limit (the app closes its socket)
 
     # -- on the event loop ----------------------------------------------------------------------------------
     def decide(self, verdict: str) -> None:
@@ -70,9 +75,29 @@ class Client:
             return
         self.out.put_nowait(message)
 
+    def say(self, message: dict) -> None:
+        """An event to send (an ``error``, ``session.updated``, ``session.closing``): one past the send queue's
+        bound (:data:`SEND_QUEUE_MESSAGES`, answers included) is not kept, and the client, which sends without
+        reading, is closed (``send_backlog``)."""
+        if self.closed is not None:
+            return
+        if self.out.qsize() >= SEND_QUEUE_MESSAGES:
+            self.past_limit("send_backlog")
+            return
+        self.errors += message.get("type") == "error"
+        self.out.put_nowait(message)
+
     def updated(self, message: dict) -> None:
         """The gateway applied a ``session.update``: say so."""
-        self.out.put_nowait(message)
+        self.say(message)
+
+    def past_limit(self, reason: str) -> None:
+        """The client passed a limit of what the server holds for it: its socket is closed (1008) and what it was
+        owed is counted ``undelivered``."""
+        if self.closed is None:
+            self.closed = reason
+            if self.on_limit is not None:
+                self.on_limit(reason)
 
     def lost(self, n: int) -> None:
         """``n`` input frames will never be answered: the session ended before their answers."""
@@ -102,14 +127,15 @@ class Client:
         while not self.out.empty():
             m = self.out.get_nowait()
             left += isinstance(m, dict) and m.get("type") == "response.frame" and m["input"] is not None
-        self.counted["session_ended"] += left
+        self.counted["undelivered" if self.closed is not None else "session_ended"] += left
         self.final.set()
 
     @property
     def accounts(self) -> dict:
         """sent = answered + counted, once :attr:`final` is set."""
         return {"session": self.sid, "sent": self.sent_in, "answered": self.answered,
-                "counted": sum(self.counted.values()), **{f"counted_{k}": v for k, v in self.counted.items()}}
+                "counted": sum(self.counted.values()), **{f"counted_{k}": v for k, v in self.counted.items()},
+                "closed": self.closed}
 
 
 class Gateway(Driver):

@@ -6,17 +6,30 @@ protocol (``websockets``), each with what a server facing hostile clients needs 
   (:class:`HttpProtocol` passes it on), so those frames are answered or counted like any other.
 * **Invalid UTF-8 in a text frame.** The socket closes with 1007, as uvicorn does, but the server logs one line
   (uvicorn logs a traceback per message, which a client can make it write as often as it likes).
+* **A client that does not read.** The kernel's send buffer of a WebSocket is held to :data:`SEND_BUFFER_BYTES`
+  (Linux's own grows to megabytes, so a client that stops reading would be seen only megabytes later), and the
+  app can close a socket at once (:meth:`WebSocketProtocol.kick`): a close frame, then the connection is reset if
+  the client has not closed it within :data:`KICK_GRACE_S` (a polite close waits on a client that never reads).
+  The app reaches the protocol through the scope (:data:`SCOPE_KEY`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import socket
+import struct
+import termios
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
+from metronome.serve.app import SCOPE_KEY
+
 log = logging.getLogger("metronome.serve")
+SEND_BUFFER_BYTES = 64 * 1024  # SO_SNDBUF of a WebSocket (Linux doubles it), and its transport's high-water mark
+KICK_GRACE_S = 1.0  # a kicked client's time to close after the close frame, before its connection is reset
 
 
 class HttpProtocol(HttpToolsProtocol):
@@ -43,6 +56,50 @@ class HttpProtocol(HttpToolsProtocol):
 
 class WebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O WebSocket protocol, with the changes of this module."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        transport.set_write_buffer_limits(high=SEND_BUFFER_BYTES)  # (the app's sends wait past it)
+
+    def handle_connect(self, event) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)
+        if scope is not None:
+            scope[SCOPE_KEY] = self
+
+    def kick(self, code: int, reason: str = "") -> None:
+        """Close now, whatever waits to be sent: the close frame goes out behind it, the app hears the disconnect
+        at once, and the connection is reset unless the client closed it within :data:`KICK_GRACE_S`."""
+        if self.disconnected:
+            return
+        if not self.close_sent and self.handshake_complete and self.initial_response is None:
+            self.conn.send_close(code, reason)
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.close_sent = True
+            self.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
+            self.writable.set()  # (a send waiting on a full buffer goes on, and finds the socket closed)
+        self.loop.call_later(KICK_GRACE_S, self._reset)
+
+    def unsent_bytes(self) -> int:
+        """Bytes written to this socket that its client has not acknowledged: the transport's buffer and the
+        kernel's send queue (unsent or unacknowledged, Linux's SIOCOUTQ); 0 once it is closed."""
+        if self.disconnected:
+            return 0
+        n = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                n += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+            except OSError:  # (not a TCP socket on Linux: the transport's buffer is what is known)
+                pass
+        return n
+
+    def _reset(self) -> None:
+        if not self.disconnected:
+            self.transport.abort()
 
     def send_receive_event_to_app(self) -> None:
         if self.curr_msg_data_type == "text" and not self.close_sent:

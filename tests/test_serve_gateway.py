@@ -195,7 +195,7 @@ def test_a_frame_in_the_engine_when_its_client_leaves_is_counted():
 
     c, left = asyncio.run(main())
     assert c.answered == 5 and not left  # frames 0-4 answered before; nothing of frame 5 was sent
-    assert c.counted == {"input_queue_full": 0, "send_queue_full": 0, "session_ended": 1}
+    assert c.counted == {"input_queue_full": 0, "send_queue_full": 0, "session_ended": 1, "undelivered": 0}
     assert c.sent_in == c.answered + sum(c.counted.values())
 
 
@@ -455,3 +455,29 @@ def test_an_update_sent_behind_queued_frames_takes_effect_and_the_frames_behind_
     after = [e for e in events[at:] if e["type"] == "response.frame"]
     assert [e["input"] for e in before if e["input"] is not None] == [0, 1, 2]  # served in the old shape
     assert all(len(e["token_ids"]) <= 1 for e in after)  # the new shape: one token a frame
+
+
+def test_a_client_past_its_send_queue_is_closed_once_and_its_waiting_answers_count_as_undelivered():
+    """Events said to a client that reads nothing: the send queue keeps at most its bound of messages (answers
+    included), the one past it closes the client (``send_backlog``, once), and at settling the answers still
+    waiting are counted ``undelivered``."""
+    from metronome.serve.gateway import SEND_QUEUE_FRAMES, SEND_QUEUE_MESSAGES
+
+    async def main():
+        c = Client("c", asyncio.get_running_loop())
+        told = []
+        c.on_limit = told.append
+        for k in range(SEND_QUEUE_FRAMES):
+            c.sent_in += 1
+            c.frame({"type": "response.frame", "input": k})
+        for _ in range(2 * SEND_QUEUE_MESSAGES):
+            c.say({"type": "error", "error": {}})
+        size = c.out.qsize()
+        c.gateway_done()
+        c.socket_done()
+        return c, told, size
+
+    c, told, size = asyncio.run(main())
+    assert size == SEND_QUEUE_MESSAGES and told == ["send_backlog"] and c.closed == "send_backlog"
+    assert c.counted["undelivered"] == SEND_QUEUE_FRAMES and c.accounts["closed"] == "send_backlog"
+    assert c.accounts["sent"] == c.accounts["answered"] + c.accounts["counted"]

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import socket
+import time
 
 import pytest
 import serve_harness as h
@@ -167,3 +168,66 @@ def test_invalid_utf8_closes_with_1007_and_one_log_line():
     assert not any(rec.exc_info for rec in log.records)
     said = [ln for ln in log.lines() if "1007" in ln]
     assert len(said) == 1 and "\n" not in said[0], said
+
+
+def _flood(s: socket.socket, messages, cap: int) -> int:
+    """Send ``messages`` (bytes) until the server resets the connection; how many went (at most ``cap``)."""
+    sent = 0
+    for m in messages:
+        if sent >= cap:
+            break
+        try:
+            s.sendall(m)
+        except OSError:  # (reset, or a broken pipe: the server closed it)
+            break
+        sent += 1
+    return sent
+
+
+def test_a_client_that_floods_errors_without_reading_is_closed_with_1008_and_its_accounts_say_why():
+    """1,000 unknown events of 60 KB, nothing read: the server holds a bounded number of small error events (the
+    type is quoted cut short), closes the socket with 1008 once 64 messages in a row earned errors, and the
+    session's accounts say so; nothing of the client is left."""
+    with h.Served(cap=4) as srv:
+        s, _, _ = h.open_session(srv.port)
+        junk = h.event({"type": "x" * 60_000})
+        sent = _flood(s, (junk for _ in range(1000)), 1000)
+        assert sent < 1000  # (closed under the client: its sends failed)
+        assert h.wait_for(lambda: len(srv.state.accounts) == 1 and srv.sessions() == 0)
+        row = srv.state.accounts[0]
+        assert row["closed"] == "errors" and row["sent"] == row["answered"] + row["counted"], row
+        # what the client could still read: errors with the type cut short, then the close frame's 1008
+        r = h.Frames(s)
+        evs = r.until(lambda ev: not isinstance(ev, dict), cap=200)
+        s.close()
+        errors = [ev for ev in evs if isinstance(ev, dict)]
+        assert errors and all(len(ev["error"]["message"]) < 200 for ev in errors)
+        assert evs[-1] == ("close", 1008) or r.eof, evs[-1:]
+
+
+def test_a_client_that_sends_without_reading_is_closed_and_its_unsent_answers_count_as_undelivered(monkeypatch):
+    """Input frames one a period, nothing read, buffers held small: once its socket takes nothing for ``stall_s``
+    the server closes it (``not_reading``), and what it could not send is counted ``undelivered``:
+    sent = answered + counted."""
+    from metronome.serve import transport
+
+    monkeypatch.setattr(transport, "SEND_BUFFER_BYTES", 4096)
+    with h.Served(cap=4, stall_s=0.5) as srv:
+        s = h.connect(srv.port)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(h.upgrade(srv.port))
+        assert h.read_response(s)[0] == 101
+
+        for k in range(2000):  # one a period, as a client streams (about 150 frames fill the buffers)
+            if srv.state.accounts:
+                break
+            try:
+                s.sendall(_input(k))
+            except OSError:  # (reset: the server closed it)
+                break
+            time.sleep(h.P)
+        assert h.wait_for(lambda: len(srv.state.accounts) == 1 and srv.sessions() == 0)
+        s.close()
+        row = srv.state.accounts[0]
+        assert row["closed"] == "not_reading", row
+        assert row["counted_undelivered"] >= 1 and row["sent"] == row["answered"] + row["counted"], row
