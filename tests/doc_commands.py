@@ -4,8 +4,8 @@ collide across folders).
 A page shows a command's output as a ```bash block holding one command, followed by a ```text block: an excerpt
 of what the command prints (or writes as Markdown into its --out folder). Lines may be left out, and a line may
 end in "…" where the rest of it is left out. The check is on the figures: each line of the excerpt must have a
-line of the real output whose numbers contain the excerpt line's numbers, in order. The wording and the layout
-around the figures may change (other lines added, columns reworded) without failing; a figure that changed does.
+line of the real output that holds its first three words and its numbers, in order. The layout around them may
+change (other lines added, columns added or reworded) without failing; a figure that changed does.
 """
 
 from __future__ import annotations
@@ -82,13 +82,20 @@ def output_pairs(text: str) -> list[tuple[str, str, int]]:
     return pairs
 
 
+_WORD = re.compile(r"[A-Za-z][A-Za-z*'-]*")
+
+
 def mismatches(expected: str, actual: str) -> list[str]:
-    """The excerpt lines whose figures no line of the actual output carries (in order); [] when all match."""
-    actual_lines = [numbers(line) for line in actual.splitlines()]
+    """The excerpt lines that no line of the actual output matches; [] when all match. A line matches when it
+    carries the excerpt line's figures in order and its first three words (so that a figure is looked for where
+    the excerpt shows it, not in any line that happens to hold the same number)."""
+    actual_lines = [(line.lower(), numbers(line)) for line in actual.splitlines()]
     bad = []
     for line in expected.splitlines():
-        want = numbers(line.split("…")[0])
-        if want and not any(_is_subsequence(want, have) for have in actual_lines):
+        shown = line.split("…")[0]
+        want, words = numbers(shown), [w.lower() for w in _WORD.findall(shown)[:3]]
+        if want and not any(all(w in text for w in words) and _is_subsequence(want, have)
+                            for text, have in actual_lines):
             bad.append(line.strip())
     return bad
 

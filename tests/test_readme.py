@@ -140,6 +140,13 @@ def test_every_command_in_the_readme_table_exists():
             help_text(entry.split())
 
 
+def test_every_output_shown_in_the_readme_is_checked():
+    # a text block shows a command's output: it must follow the command's own block, or nothing checks it
+    shown = [start for lang, _, start in fenced_blocks(TEXT) if lang == "text"]
+    checked = [line for _, _, line in output_pairs(TEXT)]
+    assert len(shown) == len(checked) >= 3, f"text blocks at lines {shown}; checked as output: {checked}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command,expected,line", output_pairs(TEXT), ids=[f"line{n}" for _, _, n in output_pairs(TEXT)])
 def test_readme_output_excerpt_matches_the_command(runner, command, expected, line):
