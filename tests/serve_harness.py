@@ -227,3 +227,42 @@ async def real_client(url: str, frames: int = 5, n: int = N_IN) -> tuple[dict, l
             if ev["type"] == "response.frame" and ev["input"] is not None:
                 answered.append(ev["input"])
         return created, answered
+
+
+def vanish(port: int, how: str) -> None:
+    """One client that leaves around the opening handshake, ``how``: ``rst`` (a reset right after the upgrade
+    request), ``fin`` (a close right after it), ``half`` (half the request, then a reset), ``midframe`` (the
+    answer read, half an input frame sent, then a reset)."""
+    s = connect(port)
+    req = upgrade(port)
+    if how == "half":
+        s.sendall(req[: len(req) // 2])
+        reset(s)
+        return
+    s.sendall(req)
+    if how == "rst":
+        reset(s)
+    elif how == "fin":
+        s.shutdown(socket.SHUT_RDWR)
+        s.close()
+    elif how == "midframe":
+        status, _, _ = read_response(s)
+        f = event({"type": "input_tokens.append", "token_ids": [7] * N_IN})
+        s.sendall(f[: len(f) // 2])
+        reset(s)
+
+
+# -- hostile messages ------------------------------------------------------------------------------------------------
+DEEP = "[" * 1100 + "]" * 1100
+HOSTILE = [  # (message, the error event's code)
+    (json.dumps({"type": "session.update", "session": {"deadline_s": 10 ** 400}}), "number_out_of_range"),
+    ('{"type": "input_tokens.append", "token_ids": ' + DEEP + "}", "too_deep"),
+    (DEEP, "too_deep"),
+    ('{"type": "x", "v": ' + "[" * 9 + "]" * 9 + "}", "too_deep"),  # (past the stated limit, well within Python's)
+    ('{"type": "session.update", "session": {"deadline_s": 1e400}}', "number_out_of_range"),
+    ('{"type": "session.update", "session": {"deadline_s": NaN}}', "number_out_of_range"),
+    ('{"type": "input_tokens.append", "token_ids": [-Infinity]}', "number_out_of_range"),
+    ('{"type": "input_tokens.append", "token_ids": [' + "9" * 5000 + "]}", "number_out_of_range"),
+    ("{not json", "invalid_json"),
+    ("[1, 2]", "invalid_event"),
+]

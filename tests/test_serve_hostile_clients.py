@@ -26,29 +26,6 @@ def _compiled():
         asyncio.run(asyncio.wait_for(h.real_client(srv.url, frames=1), 600))
 
 
-def _vanish(port: int, how: str) -> None:
-    """One client that leaves around the opening handshake, ``how``: ``rst`` (a reset right after the upgrade
-    request), ``fin`` (a close right after it), ``half`` (half the request, then a reset), ``midframe`` (the
-    answer read, half an input frame sent, then a reset)."""
-    s = h.connect(port)
-    req = h.upgrade(port)
-    if how == "half":
-        s.sendall(req[: len(req) // 2])
-        h.reset(s)
-        return
-    s.sendall(req)
-    if how == "rst":
-        h.reset(s)
-    elif how == "fin":
-        s.shutdown(socket.SHUT_RDWR)
-        s.close()
-    elif how == "midframe":
-        status, _, _ = h.read_response(s)
-        f = h.event({"type": "input_tokens.append", "token_ids": [7] * h.N_IN})
-        s.sendall(f[: len(f) // 2])
-        h.reset(s)
-
-
 def test_clients_that_vanish_around_the_handshake_leave_no_session_and_a_real_client_is_admitted():
     """100 clients, each gone before its socket is accepted, during the handshake or mid-frame, against a gate of
     32: every session the gate admitted ends and has its accounts row, none is left in the gateway or the app,
@@ -56,7 +33,7 @@ def test_clients_that_vanish_around_the_handshake_leave_no_session_and_a_real_cl
     with h.Served(cap=32) as srv:
         hows = ["rst", "fin", "rst", "half", "midframe"]
         for k in range(100):
-            _vanish(srv.port, hows[k % len(hows)])
+            h.vanish(srv.port, hows[k % len(hows)])
         assert h.wait_for(lambda: srv.sessions() == 0 and srv.gateway._in_flight() == 0), (
             len(srv.gateway.clients), len(srv.state.clients), srv.gateway._in_flight())
         admitted = srv.metrics.admitted._value.get()
@@ -119,21 +96,6 @@ class _Lines(logging.Handler):
         return [fmt.format(r) for r in self.records]
 
 
-DEEP = "[" * 1100 + "]" * 1100
-HOSTILE = [  # (message, the error event's code)
-    (json.dumps({"type": "session.update", "session": {"deadline_s": 10 ** 400}}), "number_out_of_range"),
-    ('{"type": "input_tokens.append", "token_ids": ' + DEEP + "}", "too_deep"),
-    (DEEP, "too_deep"),
-    ('{"type": "x", "v": ' + "[" * 9 + "]" * 9 + "}", "too_deep"),  # (past the stated limit, well within Python's)
-    ('{"type": "session.update", "session": {"deadline_s": 1e400}}', "number_out_of_range"),
-    ('{"type": "session.update", "session": {"deadline_s": NaN}}', "number_out_of_range"),
-    ('{"type": "input_tokens.append", "token_ids": [-Infinity]}', "number_out_of_range"),
-    ('{"type": "input_tokens.append", "token_ids": [' + "9" * 5000 + "]}", "number_out_of_range"),
-    ("{not json", "invalid_json"),
-    ("[1, 2]", "invalid_event"),
-]
-
-
 def test_hostile_json_gets_an_error_event_one_log_line_and_the_session_goes_on():
     """Each message past the parser's limits (a 400-digit integer, nesting 1,100 deep and past the stated 8, NaN,
     1e400, a 5,000-digit id) gets an ``error`` event with its code, is logged in one line without a traceback,
@@ -141,7 +103,7 @@ def test_hostile_json_gets_an_error_event_one_log_line_and_the_session_goes_on()
     with h.Served(cap=4) as srv, _Lines() as log:
         s, r, _ = h.open_session(srv.port)
         codes = []
-        for text, _code in HOSTILE:
+        for text, _code in h.HOSTILE:
             s.sendall(h.frame(text))
             evs = r.until(lambda ev: isinstance(ev, dict) and ev["type"] == "error" or not isinstance(ev, dict))
             assert evs and isinstance(evs[-1], dict), evs[-3:]  # (not a close: the session goes on)
@@ -151,10 +113,10 @@ def test_hostile_json_gets_an_error_event_one_log_line_and_the_session_goes_on()
         assert isinstance(evs[-1], dict) and evs[-1]["input"] == 0
         s.close()
         assert h.wait_for(lambda: len(srv.state.accounts) == 1)
-    assert codes == [code for _, code in HOSTILE]
+    assert codes == [code for _, code in h.HOSTILE]
     assert not any(rec.exc_info for rec in log.records), [rec.getMessage() for rec in log.records if rec.exc_info]
     said = [ln for ln in log.lines() if ln.startswith("c1: ")]
-    assert len(said) == len(HOSTILE) and all("\n" not in ln and len(ln) < 400 for ln in said), said
+    assert len(said) == len(h.HOSTILE) and all("\n" not in ln and len(ln) < 400 for ln in said), said
 
 
 def test_invalid_utf8_closes_with_1007_and_one_log_line():

