@@ -4,6 +4,8 @@
   own) on its own thread, serving sessions that arrive over the network; per-client queues and accounts.
 * ``app``     the FastAPI app: the protocol of docs/serve.md, the upgrade's admission, ``/health``, ``/ready``,
   ``/metrics``, the drain.
+* ``transport`` uvicorn's protocols as the server runs them: bytes after the upgrade request kept, a bounded send
+  buffer, a socket closed at once when its client passes a limit.
 
 The CLI is :mod:`metronome.cli.serve_cli`.
 """

@@ -6,8 +6,10 @@ starts or drains, or when the admission gate (the core's controller, fed by the 
 measures) refuses the session. An admitted session is one streaming request in vLLM, served by the gateway
 (:mod:`metronome.serve.gateway`) on its own frame clock; its client sends one input frame per
 ``input_tokens.append`` and gets one ``response.frame`` per frame of its clock. Bad input gets an ``error`` event
-and the session goes on; a message over the size cap closes that socket with 1009 before it is parsed (uvicorn's
-``ws_max_size``).
+and the session goes on (JSON is parsed within limits: :func:`parse_event`); a message over the size cap closes
+that socket with 1009 before it is parsed (uvicorn's ``ws_max_size``). Everything a client can make the server
+hold is bounded per client, and a client past a bound is closed with 1008 (docs/serve.md, "Limits and bad
+input"). However a client leaves, its admitted session ends and its accounts are written (:func:`_session`).
 
 ``/health`` answers while the process lives, ``/ready`` only while sessions are taken (not while the engine starts
 or the server drains), ``/metrics`` is Prometheus' text (the gateway's series, then vLLM's own ``vllm:*`` series and

@@ -14,8 +14,9 @@ The ids wait in the session's order of ticks until the front end sends them to t
 ``fresh``), which is in that same order.
 
 **Accounting.** Every input frame a client sent is answered (a ``response.frame`` that names it) or counted
-(``Client.counted``, by reason: the input queue was full, the send queue was full, or the session ended first),
-so that sent = answered + counted per session.
+(``Client.counted``, by reason: the input queue was full, the send queue was full, the session ended first, or
+the server closed a client past one of its limits before the answer reached it: ``undelivered``), so that
+sent = answered + counted per session.
 """
 
 from __future__ import annotations
