@@ -490,6 +490,15 @@ def frames_answered(driver: Driver, frames: int, sessions=None) -> bool:
     return bool(idx) and bool(((driver.s_frames[idx] >= frames) | over).all())
 
 
+def frames_before(driver: Driver, t_s: float, sessions=None) -> bool:
+    """Every session named (default: every session planned) has had each of its frames that tick before ``t_s``
+    answered, or has ended (or was refused): a run of horizon ``t_s`` as a host of any speed completes it."""
+    idx = np.asarray(_indices(driver, sessions), dtype=np.int64)
+    nxt = serving.frame_tick(driver.join[idx] + driver.s_frames[idx], driver.P_of[idx], driver.phase[idx])
+    over = (driver.state[idx] == ENDED) | (driver.state[idx] == REFUSED)
+    return bool(idx.size) and bool(((nxt >= t_s - _EPS) | over).all())
+
+
 def events_seen(driver: Driver, kind: str, n: int = 1, sessions=None) -> bool:
     """The run recorded ``n`` events of ``kind`` (preempt, readmit, rebase, prefilled, ...), of the sessions named
     (default: any); with ``sessions``, each of them had ``n``. Reads the events table (the driver's default

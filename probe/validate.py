@@ -228,19 +228,24 @@ def plans(opts: ValidateOptions):
     return [SessionPlan(f"s{i}", arrival_s=0.0, phase_slot=int(slots[i])) for i in range(opts.sessions)]
 
 
+LIVE_CAP = 20  # a live run waits for its horizon's frames at most this many horizons (a host 20x slower)
+
+
 def run_policy_live(engine, policy: KVPolicy, stream: TokenStream, opts: ValidateOptions, out_dir: Path, name: str):
-    """One live run: N sessions at t = 0 until the horizon, journaled into ``out_dir`` (Parquet at the end).
+    """One live run: N sessions at t = 0 until every frame ticking before the horizon is answered (on a quiet host,
+    the horizon; a busy one takes longer for the same frames, the simulated run's), at most ``LIVE_CAP`` horizons,
+    journaled into ``out_dir`` (Parquet at the end).
 
     Sessions finish at max_model_len (``cap="finish"``), as unbounded sessions do in the simulator; a
     bounded one is rebased there, also as in the simulator."""
-    from metronome.probe.driver import run_live
+    from metronome.probe.driver import frames_before, run_live
     from metronome.probe.records import journal_to_parquet
 
     load = os.getloadavg()[0]
     try:
-        res = run_live(engine, stream, plans(opts), opts.horizon_s, policy=policy, out_dir=out_dir, run=name,
-                       cap="rebase" if policy.bounded else "finish", deadline_s=opts.deadline_s, seed=opts.seed,
-                       phases=opts.phases)
+        res = run_live(engine, stream, plans(opts), LIVE_CAP * opts.horizon_s, policy=policy, out_dir=out_dir,
+                       run=name, cap="rebase" if policy.bounded else "finish", deadline_s=opts.deadline_s,
+                       seed=opts.seed, phases=opts.phases, until=lambda d: frames_before(d, opts.horizon_s))
     finally:
         for t in TABLES:
             journal_to_parquet(out_dir / f"{t}.jsonl")

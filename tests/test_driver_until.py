@@ -11,7 +11,7 @@ from fake_engine import FakeEngine
 
 from metronome.calibration import TokenStream
 from metronome.kv_policy import KVPolicy
-from metronome.probe.driver import Driver, DriverConfig, SessionPlan, events_seen, frames_answered
+from metronome.probe.driver import Driver, DriverConfig, SessionPlan, events_seen, frames_answered, frames_before
 
 STREAM = TokenStream(0.1, 14, 2)  # 16 KV tokens a frame
 CAP_S = 1000.0  # the horizon, a cap far past every event waited for here (virtual seconds)
@@ -88,3 +88,14 @@ def test_a_session_that_ended_does_not_hold_the_run():
     res = drive(slow_engine(), plans, CAP_S, until=lambda d: frames_answered(d, 20))
     rows = {s["session"]: s for s in res.sessions}
     assert res.until_met and rows["b"]["frames"] <= 10 and rows["a"]["frames"] == 20
+
+
+def test_until_frames_before_completes_a_horizon_on_a_slow_host():
+    # frames ticking before 3.0 s: 0.0, 0.1, ..., 2.9 = 30 a session (aligned phases). By a 3 s horizon this engine
+    # answers about 6; run until every frame before 3 s is answered, it answers all 30 and the next are owed
+    plans = [SessionPlan("a"), SessionPlan("b")]
+    res = drive(slow_engine(), plans, CAP_S, until=lambda d: frames_before(d, 3.0))
+    assert res.until_met
+    done = [f for f in res.frames if not f["censored"]]
+    assert sorted(round(f["tick_s"], 6) for f in done if f["session"] == "a") == [round(0.1 * k, 6) for k in range(30)]
+    assert [s["frames"] for s in res.sessions] == [30, 30]
