@@ -113,13 +113,12 @@ def _mark(folder: Path, files: list[str] | None, earlier: dict | None = None) ->
 def _not_ours(folder: Path) -> tuple[list[str], bool]:
     """What in ``folder`` Metronome did not write, and whether the folder is marked at all."""
     m = _marker(folder)
-    present = _entries(folder)
-    if m is None:
-        return present + [MARKER] * (folder / MARKER).exists(), False
+    if m is None:  # none of it is ours: its top level says so (never walk a big tree of someone else's)
+        return sorted(e.name for e in folder.iterdir()), False
     if m["files"] is None:  # a run that never ended: see the module's docstring
         return [], True
     listed = set(m["files"])
-    return [e for e in present if e not in listed], True
+    return [e for e in _entries(folder) if e not in listed], True
 
 
 def _stamped_file(p: Path) -> bool:

@@ -431,7 +431,8 @@ def test_a_one_file_output_is_replaced_only_when_metronome_stamped_it(tmp_path):
         out.write_text(mine)
         with pytest.raises(MetronomeError) as exc:
             check_out(out, replace=True, file=True)
-        assert str(exc.value) == f'{out} is a file Metronome did not write (no "written_by" in it); choose another --out'
+        assert str(exc.value) == (f'{out} is a file Metronome did not write (no "written_by" in it); choose '
+                                  "another --out")
         assert out.read_text() == mine
 
 
@@ -463,7 +464,7 @@ def test_an_out_that_is_or_contains_the_working_directory_home_repository_or_roo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "link"]
 
 
-# ------------------------------------------------------------------------------------------- the rule, as a user meets it
+# ------------------------------------------------------------------------------------ the rule, as a user meets it
 CHEAP = ["run", "--sessions", "2", "--horizon", "5"]
 
 
