@@ -96,7 +96,8 @@ def _marker(folder: Path) -> dict | None:
         m = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
         return None
-    if not _is_stamp(m) or not (m.get("files") is None or isinstance(m.get("files"), list)):
+    files = m.get("files") if isinstance(m, dict) else None
+    if not _is_stamp(m) or not (files is None or isinstance(files, list) and all(isinstance(f, str) for f in files)):
         return None
     return m
 
