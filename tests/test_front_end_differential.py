@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from fake_engine import FakeEngine, rebased_readmissions, token_id_errors
 from fixed_engine import fast_moshi
@@ -166,7 +167,10 @@ def compare(sc):
 def random_scenario(k: int):
     """Scenario ``k`` of the random family: every knob the front ends read, drawn so that between them the
     scenarios reach preemption, readmission, the deadlock rule, the length limit, the token budget,
-    ``max_num_seqs``, the watermark, overload, departures and the admission controller."""
+    ``max_num_seqs``, the watermark, overload, departures and the admission controller. Every third scenario is
+    drawn under pressure (:data:`PRESSURE`): a pool a few sessions run dry, so that the rules of a dry pool
+    (preemption, the deadlock rule, readmission, the full-sequence gate, the watermark) decide in many scenarios,
+    not a handful."""
     r = np.random.default_rng([k, 26])
     period = float(r.choice([0.08, 0.1, 0.2]))
     n_in, n_out, prompt = int(r.integers(1, 20)), int(r.integers(1, 8)), int(r.integers(0, 40))
@@ -176,10 +180,9 @@ def random_scenario(k: int):
         params = {"sinks": int(r.integers(1, 40)), "window": int(r.integers(16, 100))}
     elif kv == "window":
         params = {"window": int(r.integers(16, 100))}
-    cal = calibration(period=period, n_in=n_in, n_out=n_out, prompt=prompt, blocks=int(r.integers(12, 80)),
-                      maxlen=int(r.choice([160, 256, 512, 4096])), budget=int(r.choice([16, 32, 64, 128, 512])),
-                      seqs=int(r.choice([3, 6, 64])), watermark=int(r.choice([0, 0, 1, 3])),
-                      slow=float(r.choice([0.3, 1.0, 3.0, 10.0])))
+    engine = dict(blocks=int(r.integers(12, 80)), maxlen=int(r.choice([160, 256, 512, 4096])),
+                  budget=int(r.choice([16, 32, 64, 128, 512])), seqs=int(r.choice([3, 6, 64])),
+                  watermark=int(r.choice([0, 0, 1, 3])), slow=float(r.choice([0.3, 1.0, 3.0, 10.0])))
     arrivals = r.integers(3)
     work = ({"sessions": int(r.integers(1, 10))} if arrivals == 0 else
             {"sessions": int(r.integers(1, 10)), "session_duration": f"exp:{r.uniform(0.5, 4):.2f}"} if arrivals == 1
@@ -188,10 +191,27 @@ def random_scenario(k: int):
     # half the AIMD ones hold a refused session in the gate's queue (until it times out) instead of refusing it
     queue = admission == "aimd" and r.random() < 0.5
     aimd = {"on_refuse": "queue", "queue_timeout_s": float(r.uniform(0.2, 2.0)), "interval_s": 0.5} if queue else None
+    horizon, phases, loop = float(r.uniform(2, 5)), str(r.choice(serving.PHASES)), str(r.choice(serving.LOOPS))
+    deadline = float(period * r.choice([0.5, 1.0]))
+    if k % 3 == 0:
+        p = np.random.default_rng([k, 45])
+        engine.update(blocks=int(p.integers(*PRESSURE["blocks"])), budget=int(p.choice(PRESSURE["budget"])),
+                      watermark=int(p.choice(PRESSURE["watermark"])))
+        n_in, n_out = int(p.integers(*PRESSURE["n_in"])), int(p.integers(*PRESSURE["n_out"]))
+        work = {"sessions": int(p.integers(*PRESSURE["sessions"])), "session_duration": f"exp:{p.uniform(1, 4):.2f}"}
+        if kv != "unbounded" and p.random() < 0.5:
+            kv, params = "unbounded", {}
+        if p.random() < 0.5:  # a front end that steps vLLM itself takes the engine's own preemptions
+            loop = "driver"
+    cal = calibration(period=period, n_in=n_in, n_out=n_out, prompt=prompt, **engine)
     return sc_mod.make_scenario(
-        calibration=cal, kv=kv, horizon=float(r.uniform(2, 5)), seed=k, phases=str(r.choice(serving.PHASES)),
-        loop=str(r.choice(serving.LOOPS)), deadline=float(period * r.choice([0.5, 1.0])), admission=admission,
-        aimd_params=aimd, **work, **params)
+        calibration=cal, kv=kv, horizon=horizon, seed=k, phases=phases, loop=loop, deadline=deadline,
+        admission=admission, aimd_params=aimd, **work, **params)
+
+
+# the pressured third of the family (random_scenario): a small pool, several sessions with several tokens a frame
+PRESSURE = {"blocks": (10, 26), "budget": (16, 16, 32, 64, 128), "watermark": (0, 1, 2), "n_in": (1, 8),
+            "n_out": (4, 9), "sessions": (5, 13)}
 
 
 def random_scenarios(n: int):
@@ -208,13 +228,21 @@ def random_scenarios(n: int):
 
 
 N_SCENARIOS = 240
-# what the random family must reach between its scenarios, each at least REACH times (counted by scenario)
+# what the random family must reach between its scenarios, each in at least REACH of them (counted by scenario): a
+# rule that decides in a handful of scenarios is a rule whose change the comparison may never meet; in ten or more,
+# each with its own pool, stream, policy and loop, a change that alters what it decides shows in one of them. The
+# pressured third (PRESSURE) is what gets the rules of a dry pool there.
 MUST_REACH = ("preempt:engine", "preempt:pool_dry", "preempt:stall", "readmit", "rebase", "end:departed",
               "end:refused", "end:length", "rule:preemption", "rule:window_free", "rule:token_budget",
               "rule:max_num_seqs", "rule:full_sequence_gate", "rule:watermark", "frames:silent", "frames:late",
               "kv:unbounded", "kv:sinks", "kv:window", "admission:aimd", "admission:static", "admission:gradient",
               "gate:queue", "end:queue_timeout")
-REACH = 3
+REACH = 10
+# ... but for these, which only a dry pool under a small budget (the gate) or a front end stepping vLLM itself when
+# the engine preempts mid-frame reaches (both worked by hand in tests/test_engine_rules.py and
+# tests/test_driver_rules.py as well)
+RARE = {"rule:full_sequence_gate": 6, "preempt:engine": 8}
+ID_CHECKS = 100  # frames whose token ids were checked, per kind (refeed, readmit, rebase)
 
 
 def reached(sc, live, sim) -> set[str]:
@@ -242,5 +270,23 @@ def test_the_driver_and_the_simulator_serve_alike_on_random_scenarios():
         ids.update(live.token_checks)
     print(dict(regimes), dict(seen), dict(ids))
     assert len(regimes) == 4 and min(regimes.values()) >= N_SCENARIOS // 8, regimes  # both phases, both loops
-    assert not [w for w in MUST_REACH if seen[w] < REACH], {w: seen[w] for w in MUST_REACH}
-    assert min(ids[c] for c in ("refeed", "readmit", "rebase")) >= REACH, ids  # the token ids were checked
+    short = {w: seen[w] for w in MUST_REACH if seen[w] < RARE.get(w, REACH)}
+    assert not short, short
+    assert min(ids[c] for c in ("refeed", "readmit", "rebase")) >= ID_CHECKS, ids  # the token ids were checked
+
+
+@pytest.mark.xfail(strict=True, reason="known divergence: a step's engine preemptions are requeued in another order "
+                                       "live (vLLM reports them as a set; probe/engine.py sorts its ids)")
+def test_sessions_the_engine_preempts_in_one_step_are_requeued_alike():
+    """Six unbounded sessions (11 tokens in, 6 out a frame) on 19 blocks, stepped by the driver: at 0.27 s the engine
+    preempts two sessions in one step (running[-1] first: the newer, then the older). The simulator's front end
+    requeues them in that order, each at the head of its queue, so the older ends first in line; the live driver
+    gets them from ``probe/engine.py`` as ``sorted(preempted_req_ids)`` (vLLM hands it a set) and requeues them in
+    the order of their ids, so at 0.4 s it readmits the newer first and the steps part from 0.448 s on. Strict: the
+    fix (the front end ordering a step's victims itself, whatever order its engine reports them in) makes it fail,
+    and it goes."""
+    cal = calibration(period=0.2, n_in=11, n_out=6, prompt=16, blocks=19, maxlen=512, budget=64, seqs=64, watermark=1,
+                      slow=0.3)
+    compare(sc_mod.make_scenario(calibration=cal, kv="unbounded", horizon=4.728653817189326, seed=114,
+                                 phases="aligned", loop="driver", deadline=0.2, admission="none", sessions=6,
+                                 session_duration="exp:2.76"))
