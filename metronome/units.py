@@ -66,7 +66,8 @@ class Kind:
     def examples(self) -> str:
         return {"duration": "e.g. 80ms, 0.08s or 2min; a bare number is seconds",
                 "rate": "e.g. 2, 2/s or 120/min; a bare number is per second",
-                "share": "e.g. 0.01 or 1%; a bare number is a fraction of 1"}.get(self.name, f"a bare number is {self.base}")
+                "share": "e.g. 0.01 or 1%; a bare number is a fraction of 1"}.get(self.name,
+                                                                                 f"a bare number is {self.base}")
 
 
 DURATION = Kind("duration", "seconds", {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0, "min": 60.0,

@@ -117,3 +117,71 @@ def test_tune_aimd_refuses_the_flags_it_searches_itself(tmp_path, flag_args):
     r = run_cli("tune-aimd", "--sessions", "2", "--horizon", "5", *flag_args, "--out", str(out), cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "tune-aimd searches the AIMD parameters" in r.stderr
     assert not out.exists()
+
+
+def test_calibrations_never_cut_a_preset_name_in_an_80_column_terminal(monkeypatch, capsys):
+    """A real rich Console 80 columns wide (COLUMNS, as a terminal sets it): every preset's name whole on its row,
+    no line past the width, and the headers carry units."""
+    from metronome import calibration as calmod
+    from metronome.cli import sim_cli
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert sim_cli.main(["calibrations"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80
+    for name in calmod.preset_names():
+        assert any(line.split()[:1] == [name] for line in lines), name
+    monkeypatch.setenv("COLUMNS", "200")
+    sim_cli.main(["calibrations"])
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["name"])
+    for unit in ("KiB", "blocks", "tokens", "ms", "tok/s", "t_sat s"):
+        assert unit in header, (unit, header)
+
+
+def test_durations_and_rates_take_their_units():
+    """``80ms``, ``0.5min`` and ``120/min`` mean 0.08 s, 30 s and 2 sessions/s (a bare number stays seconds)."""
+    r = run_cli("run", "--json", "--arrival-rate", "120/min", "--session-duration", "exp:10s", "--horizon", "0.5min",
+                "--deadline", "80ms", "--kv", "sinks", "--sinks", "16", "--window", "368")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["deadline_s"] == pytest.approx(0.08) and s["horizon_s"] == 30  # (approx: 80 * 1e-3 in binary)
+    assert "2/s" in s["workload"] or "rate 2" in s["workload"], s["workload"]
+
+
+def test_the_first_simulation_says_it_compiles_once(tmp_path):
+    """With numba's cache empty for the compiled loop (NUMBA_CACHE_DIR: a fresh folder), the notice comes once; the
+    check reads numba's cache index and compiles nothing (the folder holds no machine code after it)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from metronome.cli import sim_cli; sim_cli.compile_notice(); sim_cli.compile_notice()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("compiling the simulator") == 1, r.stdout
+    assert not list(tmp_path.rglob("*.nbc"))
+
+
+def test_cold_reads_numbas_cache_index(tmp_path):
+    """compiled.cold: True for a cached function never compiled, False once its machine code is on disk (a fresh
+    process asks), True again when its source changed."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "tinymod.py"
+    src.write_text("import numba\n@numba.njit(cache=True)\ndef f(x):\n    return x + 1\n")
+    ask = ("import sys; sys.path.insert(0, %r); import tinymod; from metronome.compiled import cold; "
+           "print(cold([tinymod.f])); tinymod.f(1)" % str(tmp_path))
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def cold_now():
+        r = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()[-1]
+
+    assert cold_now() == "True"
+    assert cold_now() == "False"
+    src.write_text("import numba\n@numba.njit(cache=True)\ndef f(x):\n    return x + 2\n\n")
+    assert cold_now() == "True"

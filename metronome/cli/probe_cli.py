@@ -116,7 +116,8 @@ def _stream(text: str):
                                        why=f"{units.PERIOD_BARE_MAX:g} s, longer than any real-time stream's frame"),
                         int(tin), int(tout))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--stream is PERIOD:IN:OUT (e.g. 80ms:0:1 or 0.08:0:1), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--stream is PERIOD:IN:OUT (e.g. 80ms:0:1 or 0.08:0:1), got {text!r}") \
+            from None
     if s.frame_period_s <= 0 or s.input_tokens_per_frame < 0 or s.output_tokens_per_frame < 1:
         raise argparse.ArgumentTypeError(f"--stream needs a positive period, IN >= 0 and OUT >= 1, got {text!r}")
     return s
@@ -434,7 +435,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-duration", default="30", metavar="SPEC",
                    help="SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (each time 30, 30s or 1min; "
                         "default 30 s)")
-    p.add_argument("--horizon", type=_seconds("--horizon"), required=True, help="how long the run lasts: 60, 60s or 1min")
+    p.add_argument("--horizon", type=_seconds("--horizon"), required=True,
+                   help="how long the run lasts: 60, 60s or 1min")
     p.add_argument("--deadline", type=_seconds("--deadline"), help=DEADLINE_HELP)
     p.add_argument("--metrics-port", type=int, metavar="P", help="export Prometheus metrics on this port")
     p.add_argument("--prompt-tokens", type=int, default=1, help="extra tokens in each session's first frame")
@@ -566,7 +568,7 @@ def usage() -> str:
     """``metronome-probe --help``: its commands, each in a line (``COMMAND --help`` gives its options)."""
     width = max(map(len, COMMANDS))
     lines = [f"usage: {PROG} COMMAND [options]   ({PROG} COMMAND --help for a command's options)", "",
-             "Measure a model on the live vLLM engine: calibrations, live runs and their comparison with the simulator.",
+             "Measure a model on the live vLLM engine: calibrations, live runs, their comparison with the simulator.",
              "", "commands:"]
     lines += [f"  {name:<{width}}  {SUMMARIES.get(name, '')}" for name in COMMANDS]
     lines += ["", f"e.g. {PROG} calibrate --model tiny --out runs/tiny   (a model a CPU runs; presets need a GPU host)"]

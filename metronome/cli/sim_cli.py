@@ -59,6 +59,10 @@ def _duration(flag_name: str):
     return units.argtype(units.duration, flag_name)
 
 
+# a share refused in (0, 1): 0.01 or 1%
+_refusal = units.argtype(units.share, "--max-refusal", closed=False)
+
+
 def flag(name: str) -> str:
     return FLAG.get(name, "--" + name.replace("_", "-"))
 
@@ -265,8 +269,9 @@ def _fmt(v) -> str:
 def _executor(args):
     from metronome.sim.executors import make_executor
 
+    executor = make_executor(args.executor, args.workers, args.ray_address)
     compile_notice()
-    return make_executor(args.executor, args.workers, args.ray_address)
+    return executor
 
 
 _NOTICE: list = []
@@ -386,8 +391,8 @@ def cmd_capacity(args) -> int:
 def _list_floats(flag_name: str, text: str | None) -> list[float] | None:
     if text is None:
         return None
-    if flag_name == "--interval":  # (a duration: units.parse_list reads it)
-        return []
+    if flag_name == "--interval":  # (durations, each with its unit or in seconds)
+        return [float(x) for x in units.parse_list(units.DURATION, text, flag_name)]
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -410,8 +415,6 @@ def cmd_tune_aimd(args) -> int:
     for key, flag_name in (("additive_increase", "--additive-increase"), ("decrease_factor", "--decrease-factor"),
                            ("target_fraction", "--target-fraction"), ("interval_s", "--interval")):
         v = _list_floats(flag_name, getattr(args, key))
-        if v is not None and key == "interval_s":
-            v = [float(x) for x in units.parse_list(units.DURATION, getattr(args, key), flag_name)]
         if v is not None:
             grid[key] = v
     n = 1
@@ -600,10 +603,13 @@ def cmd_calibrations(args) -> int:
     # widest cell (rich would cut it) and the headers wrap instead; the hardware (the name's last part says which
     # GPU) is left out where the terminal has no room for it
     shown = [i for i in range(len(header)) if i != 2 or con.width >= 110]
-    t = Table(title="calibration presets (t_sat: N sessions, unbounded KV)", box=None, pad_edge=False, padding=(0, 1, 0, 0),
+    t = Table(title="calibration presets (t_sat: N sessions, unbounded KV)", box=None, pad_edge=False,
+              padding=(0, 1, 0, 0),
               header_style="bold")
+    cells = {i: max(len(r[i]) for r in rows) for i in shown}
+    whole = sum(max(cells[i], len(header[i])) + 1 for i in shown) <= con.width  # (room for one-line headers)
     for i in shown:
-        widest = max([len(r[i]) for r in rows] + [len(w) for w in header[i].split()])
+        widest = max([cells[i], len(header[i]) if whole else 0] + [len(w) for w in header[i].split()])
         t.add_column(header[i], justify="left" if i < 3 else "right", overflow="fold",
                      width=widest if i != 2 else None)
     for r in rows:
@@ -724,10 +730,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--offered-load", dest="offered_load", default=None,
                     help="add a 'How many GPUs' section for this offered load: a rate in sessions/s, a rate "
                          "pattern SECONDS:RATE,... or a time,rate CSV file (e.g. a day in 15-minute buckets)")
-    rp.add_argument("--max-refusal", dest="max_refusal", type=units.argtype(units.share, "--max-refusal", closed=False),
+    rp.add_argument("--max-refusal", dest="max_refusal", type=_refusal,
                     default=DEFAULT_MAX_REFUSAL,
-                    help="with --offered-load: the share of conversations the fleet may refuse at its peak "
-                         f"(default {DEFAULT_MAX_REFUSAL:g})")
+                    help="with --offered-load: the share of conversations the fleet may refuse at its peak, 0.01 or "
+                         f"1%% (default {DEFAULT_MAX_REFUSAL:g})")
     rp.add_argument("--gpu-price", dest="gpu_price", action="append", default=None, metavar="NAME=USD_PER_HOUR",
                     help="with --offered-load: a calibration's GPU price, for the cost per 1,000 session-hours (repeatable)")
     add_out_options(rp, "output folder for report.html, report.md and report.json", required=True)
@@ -750,9 +756,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default exp:300)")
     f.add_argument("--horizon", default=None,
                    help="simulated seconds of the whole run (default: the pattern's length, or 86400 for a constant rate)")
-    f.add_argument("--max-refusal", dest="max_refusal", type=units.argtype(units.share, "--max-refusal", closed=False),
+    f.add_argument("--max-refusal", dest="max_refusal", type=_refusal,
                    default=DEFAULT_MAX_REFUSAL,
-                   help=f"the share of sessions that may be refused at the door (default {DEFAULT_MAX_REFUSAL:g})")
+                   help=f"the share of sessions that may be refused at the door, 0.01 or 1%% (default "
+                        f"{DEFAULT_MAX_REFUSAL:g})")
     f.add_argument("--routers", default="least-loaded",
                    help="comma list of round-robin, least-loaded, power-of-two, random (default least-loaded)")
     f.add_argument("--engines", type=int, default=None,
@@ -797,9 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # options that act only with another (alone they would change nothing): (dest, flag, applies(args), what it needs)
-# (report's --max-refusal and --gpu-price without --offered-load: ReportOptions.validate, the one statement of it)
+# (report's --max-refusal and --gpu-price without --offered-load: ReportOptions.validate says it; --ray-address without
+# --executor ray: make_executor)
 ONLY_WITH = (
-    ("ray_address", "--ray-address", lambda a: a.executor == "ray", "--executor ray"),
     *((dest, name, lambda a: a.command != "fleet" or a.autoscale, "--autoscale")
       for dest, name in (("min_engines", "--min-engines"), ("max_engines", "--max-engines"),
                          ("scale_out_after", "--scale-out-after"), ("scale_in_after", "--scale-in-after"),
