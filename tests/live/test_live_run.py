@@ -58,7 +58,7 @@ def test_bad_input_one_line_exit_2(probe, tmp_path):
         held.listen()
         cases.append((["--arrival-rate", "1", "--metrics-port", str(held.getsockname()[1])], "not available"))
         for extra, needle in cases:
-            r = probe(*base, *extra, timeout=120)
+            r = probe(*base, *extra, timeout=600)
             assert r.returncode == 2, (extra, r.stderr[-2000:])
             line = _one_line_error(r)
             assert line.startswith("metronome-probe: error:") and needle in line, (extra, r.stderr[-2000:])
@@ -244,7 +244,7 @@ def test_sigterm_clean_stop(tmp_path):
             time.sleep(0.2)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=60)
+        stdout, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -43,9 +43,9 @@ def test_plugin_is_a_noop_without_the_variable_and_installs_through_the_entry_po
             "print(getattr(Attention.get_kv_cache_spec, '_metronome_sinks', False))")
     env = {k: v for k, v in os.environ.items() if k != "METRONOME_KV_SINKS"}
     off = subprocess.run([sys.executable, "-c", code.replace("plugin.register(); ", "")], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=900)
     on = subprocess.run([sys.executable, "-c", code], env={**env, "METRONOME_KV_SINKS": "32,64"},
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=900)
     assert off.stdout.strip().splitlines()[-1] == "False", off.stderr[-2000:]
     assert on.stdout.strip().splitlines()[-1] == "True", on.stderr[-2000:]
 
@@ -64,7 +64,7 @@ def test_the_self_check_fails_loudly_when_a_builder_is_not_wrapped(patch, starte
     """Without the wrapper the manager would still free blocks and the kernel read them: wrong output, no
     error. The self-check refuses to start instead, in one line naming the builder."""
     res = subprocess.run([sys.executable, "-c", SELF_CHECK.format(patch=patch)], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+                         timeout=900, env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     if started:
         assert res.returncode == 0 and "started" in res.stdout, res.stderr[-2000:]
     else:

@@ -213,7 +213,7 @@ def test_bad_input_is_one_line_and_exit_2(probe, tmp_path, args, message):
     base = {"--model": "tiny", "--out": str(tmp_path / "v")}
     for flag, value in zip(args[::2], args[1::2]):
         base[flag] = value
-    res = probe("validate", *[x for kv in base.items() for x in kv], timeout=120)
+    res = probe("validate", *[x for kv in base.items() for x in kv], timeout=600)
     assert res.returncode == 2, res.stderr[-2000:]
     assert len(res.stderr.strip().splitlines()) == 1 and message in res.stderr
 
