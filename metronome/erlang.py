@@ -119,6 +119,12 @@ def engines_needed(offered_erlangs: float, places_per_engine: int, max_refusal: 
     return hi
 
 
+def engines_by_routing(offered_erlangs: float, places_per_engine: int, max_refusal: float) -> dict[str, int]:
+    """:func:`engines_needed` under each routing of ``ROUTINGS``: ``{"pooled": G, "random": G'}`` (the closed form
+    ``metronome-sim fleet`` and the report print)."""
+    return {rt: engines_needed(offered_erlangs, places_per_engine, max_refusal, rt) for rt in ROUTINGS}
+
+
 def batch_means_interval(refused, offered, confidence: float = 0.95) -> tuple[float, float, float]:
     """``(p, lo, hi)``: the refused fraction ``p = Σ refused / Σ offered`` over batches, and a Student-t
     confidence interval from the spread of the batches.

@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 
 from metronome.admission import AIMDParams
-from metronome.erlang import DEFAULT_MAX_REFUSAL, batch_means_interval, check_refusal, engines_needed
+from metronome.erlang import (DEFAULT_MAX_REFUSAL, batch_means_interval, check_refusal, engines_by_routing,
+                              engines_needed)
 from metronome.workload import Arrivals, Durations
 
 from metronome.sim.executors import LocalExecutor
@@ -59,25 +60,61 @@ def peak_config(cfg: FleetConfig, window_s: float = 3600.0, warmup_s: float | No
                    bin_s=batch, autoscale=None)
 
 
-def size_by_simulation(cfg: FleetConfig, max_refusal: float, seeds: Sequence[int], start: int) -> dict:
-    """The fewest engines whose simulated refused fraction (over ``seeds``, after the warm-up) is at most
-    ``max_refusal``, searched from ``start`` (a closed-form answer): down one engine at a time while it holds,
-    else up by doubling steps and then bisection. ``cfg`` is a stationary run (:func:`peak_config`); its
-    ``engines`` is ignored. Returns the answer, its refused fraction and interval, and every (G, fraction) tried."""
+# Runs of the simulated sizing at each fleet size tried, each run one batch of the interval (independent seeds; the
+# quarters of one hour are not: refusals come in bursts while the fleet is full, so four quarters with none refused
+# gave "95% CI 0.00%-0.00%"). An hour's refused share at a 1% target scatters with a coefficient of variation near 1
+# (Moshi/H200, 6 GPUs, 300 Erlangs: hours from 0% to 3.2% around 1.0%), so 8 runs give a half-width near 0.8x the
+# share and 64 near 0.25x: from SIZING_MIN_RUNS, doubling while the interval holds the target, to SIZING_MAX_RUNS.
+SIZING_MIN_RUNS = 8
+SIZING_MAX_RUNS = 64
+
+
+def _sizing_seeds(seeds: Sequence[int], runs: int) -> list[int]:
+    """``seeds`` first, then the following integers, ``runs`` in all (at least the seeds given)."""
+    out = [int(s) for s in seeds]
+    nxt = (max(out) + 1) if out else 0
+    while len(out) < runs:
+        out.append(nxt)
+        nxt += 1
+    return out
+
+
+def size_by_simulation(cfg: FleetConfig, max_refusal: float, seeds: Sequence[int], start: int,
+                       min_runs: int = SIZING_MIN_RUNS, max_runs: int = SIZING_MAX_RUNS) -> dict:
+    """The fewest engines whose simulated refused fraction (after the warm-up) is at most ``max_refusal``, searched
+    from ``start`` (a closed-form answer): down one engine at a time while it holds, else up by doubling steps and
+    then bisection. ``cfg`` is a stationary run (:func:`peak_config`); its ``engines`` is ignored.
+
+    Each size is run with ``seeds`` and the seeds after them, at least ``min_runs`` runs, doubled while the 95%
+    batch-means interval of the refused fraction (:func:`metronome.erlang.batch_means_interval`, one batch per run,
+    after its warm-up) holds the target, up to ``max_runs`` (see ``SIZING_MIN_RUNS``). Returns the answer, its
+    refused fraction, its interval (None when no session was refused: a zero spread is no interval), the runs and
+    counts behind it, whether the interval lies on one side of the target, and every (G, fraction, runs) tried."""
     check_refusal(max_refusal)
-    seen: dict[int, tuple[float, Any]] = {}
+    seen: dict[int, dict] = {}
+
+    def measure(res: list[FleetResult]) -> dict:
+        refused_, offered_ = [r.totals["refused"] for r in res], [r.totals["offered"] for r in res]
+        off, ref = sum(offered_), sum(refused_)
+        ci = None
+        if ref > 0 and len(res) >= 2:  # one batch per run (seeds are independent)
+            ci = [float(x) for x in batch_means_interval(refused_, offered_)[1:]]
+        return {"refused_fraction": float(ref / off) if off else 0.0, "refused_fraction_ci": ci, "runs": len(res),
+                "seeds": [r.config.seed for r in res], "refused": int(ref), "offered": int(off),
+                "hours_per_run": (cfg.horizon_s - cfg.warmup_s) / 3600.0,
+                "decided": bool(ci is None or ci[1] <= max_refusal or ci[0] > max_refusal)}
 
     def refused(g: int) -> float:
         if g not in seen:
-            res = [simulate(replace(cfg, engines=g, seed=s)) for s in seeds]
-            off = sum(r.totals["offered"] for r in res)
-            ref = sum(r.totals["refused"] for r in res)
-            batches = pd.concat([r.bins[r.bins.start_s >= cfg.warmup_s] for r in res])
-            ci = None
-            if (batches.offered > 0).sum() >= 2:
-                ci = batch_means_interval(batches.refused, batches.offered)[1:]
-            seen[g] = (ref / off if off else 0.0, ci)
-        return seen[g][0]
+            n = max(min_runs, len(seeds))
+            res = [simulate(replace(cfg, engines=g, seed=s)) for s in _sizing_seeds(seeds, n)]
+            m = measure(res)
+            while not m["decided"] and n < max_runs:  # more runs, keeping those drawn
+                n = min(2 * n, max_runs)
+                res += [simulate(replace(cfg, engines=g, seed=s)) for s in _sizing_seeds(seeds, n)[len(res):]]
+                m = measure(res)
+            seen[g] = m
+        return seen[g]["refused_fraction"]
 
     g = max(1, int(start))
     if refused(g) <= max_refusal:
@@ -92,9 +129,7 @@ def size_by_simulation(cfg: FleetConfig, max_refusal: float, seeds: Sequence[int
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if refused(mid) <= max_refusal else (mid, hi)
         g = hi
-    p, ci = seen[g]
-    return {"engines": g, "refused_fraction": p, "refused_fraction_ci": None if ci is None else list(ci),
-            "tried": sorted((k, v[0]) for k, v in seen.items())}
+    return {"engines": g, **seen[g], "tried": sorted((k, v["refused_fraction"], v["runs"]) for k, v in seen.items())}
 
 
 def _size_task(item: tuple) -> dict:
@@ -137,8 +172,7 @@ def plan(engine_types: Sequence[EngineType], arrivals: Arrivals, durations: Dura
         return FleetConfig(engine=et, engines=1, arrivals=arrivals, durations=durations, horizon_s=horizon_s,
                            controller=controller, aimd_params=aimd_params)
 
-    closed = {et.name: {rt: engines_needed(offered, et.n_star, max_refusal, rt) for rt in ("pooled", "random")}
-              for et in engine_types}
+    closed = {et.name: engines_by_routing(offered, et.n_star, max_refusal) for et in engine_types}
     # simulated sizing at the peak: one task per (engine type, router)
     items = [(replace(peak_config(base(et), peak_window_s), router=r), max_refusal, seeds,
               closed[et.name][CLOSED_FORM_START[r]]) for et in engine_types for r in routers]
@@ -217,6 +251,8 @@ def plan(engine_types: Sequence[EngineType], arrivals: Arrivals, durations: Dura
                     "gpu_hours": gpu_h, "session_hours": sess_h,
                     "refused_fraction": sum(t["refused"] for t in tot) / off if off else 0.0,
                     "worst_bin_refused_fraction": float(b.refused_fraction.max()),
+                    # an hour's refusals scatter around the mean the fleet is sized for: how many hours passed the target
+                    "bins_over_target": int((b.refused_fraction > max_refusal).sum()), "bins": int(len(b)),
                     "silent_frame_fraction": float(np.mean([t["silent_frame_fraction"] for t in tot])),
                     "worst_bin_silent_frame_fraction": float(b.silent_frame_fraction.max()),
                     "cost_usd": None if price is None else gpu_h * price,

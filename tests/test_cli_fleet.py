@@ -1,6 +1,7 @@
 """metronome-sim fleet as a user runs it: what it prints, what it writes, and how it fails."""
 
 import json
+from dataclasses import replace
 from fractions import Fraction
 
 import pandas as pd
@@ -22,7 +23,8 @@ def exact_b(c: int, a: Fraction) -> Fraction:
     return terms[-1] / sum(terms)
 
 
-def test_fleet_answers_how_many_gpus_and_writes_its_files(tmp_path):
+def test_fleet_answers_how_many_gpus_and_writes_its_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the per-hour table on one line per row, as a wide terminal shows it
     load = tmp_path / "day.csv"
     load.write_text("time,rate\n00:00,0.05\n00:30,0.4\n01:00,0.05\n")  # 1.5 h with a 30-minute peak
     out = tmp_path / "fleet"
@@ -113,3 +115,80 @@ def test_fleet_says_when_unbounded_memory_silences_what_refusals_do_not_show(tmp
     bounded = run_cli("fleet", *SMALL, "--arrival-rate", "0.35", "--session-duration", "exp:120", "--horizon", "7200",
                       "--peak-window", "1800", "--workers", "1")
     assert bounded.returncode == 0 and "frames silent:" not in bounded.stdout
+
+
+def _erlang_b_by_logs(servers: int, erlangs: float) -> float:
+    """Erlang B from its definition, A^c/c! over the sum of A^k/k!, in logarithms (independent of metronome.erlang)."""
+    import math
+
+    logs = [k * math.log(erlangs) - math.lgamma(k + 1) for k in range(servers + 1)]
+    top = max(logs)
+    return math.exp(logs[-1] - top) / sum(math.exp(x - top) for x in logs)
+
+
+def test_fleet_defaults_to_the_reports_bound_and_prints_the_unbounded_figure_beside_it(tmp_path):
+    from metronome import calibration
+    from metronome.fill_model import FillModel
+    from metronome.kv_policy import KVPolicy
+
+    # no --kv: the bound the report recommends for Moshi (S=16, W=368: 30 s of conversation in whole blocks)
+    out = tmp_path / "fleet"
+    args = ["--calibration", "moshi-7b-h200", "--num-blocks", "600", "--arrival-rate", "0.4", "--session-duration",
+            "exp:120", "--horizon", "3600", "--peak-window", "1800", "--workers", "1"]
+    r = run_cli("fleet", *args, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    (c,) = json.loads((out / "fleet.json").read_text())["calibrations"]
+    assert c["policy"] == "sinks(S=16, W=368)" and c["n_star"] == 24  # 600 blocks // 25 a session
+    # beside it, unbounded KV: N* is the memory ceiling for a 120 s session (the fill model's block arithmetic),
+    # and its GPUs at the peak (0.4/s x 120 s = 48 Erlangs) from Erlang's formula
+    cal = calibration.load("moshi-7b-h200")
+    small = replace(cal, engine=replace(cal.engine, num_blocks=600))
+    n_u = FillModel(small, KVPolicy.unbounded(16)).memory_ceiling(120.0)
+    g = next(g for g in range(1, 200) if _erlang_b_by_logs(g * n_u, 48.0) <= 0.01)
+    assert c["unbounded"]["n_star"] == n_u and c["unbounded"]["closed_form_engines"]["pooled"] == g
+    assert (f"unbounded KV, for comparison N* = {n_u} sessions per GPU (memory binds) → {g} GPUs at peak by Erlang B"
+            in r.stdout)
+    assert f"against {c['closed_form_engines']['pooled']} with sinks(S=16, W=368)" in r.stdout
+    # --kv unbounded asked for: no comparison line
+    plain = run_cli("fleet", *args, "--kv", "unbounded")
+    assert plain.returncode == 0, plain.stderr
+    assert "unbounded KV, for comparison" not in plain.stdout and "· unbounded · N* = " in plain.stdout
+
+
+def test_fleet_reports_an_interval_that_means_something_and_the_worst_hour_against_the_target(tmp_path):
+    # Unbounded Moshi on a small pool (N* = its memory ceiling for a 120 s session) offered near its 1% point:
+    # one simulated hour's four quarters can all refuse nobody and print "95% CI 0.00%-0.00%" beside an hour at
+    # over 1% in the day's run. The sizing now draws independent runs until its interval leaves the target (at most
+    # 64) and says how many; the day's hours over the target are counted.
+    out = tmp_path / "fleet"
+    r = run_cli("fleet", "--calibration", "moshi-7b-h200", "--kv", "unbounded", "--num-blocks", "1200",
+                "--arrival-rate", "0.35", "--session-duration", "exp:120", "--horizon", "14400", "--workers", "1",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    s = json.loads((out / "fleet.json").read_text())
+    (c,) = s["calibrations"]
+    sim = c["routers"]["least-loaded"]["simulated"]
+    assert sim["runs"] >= 8 and len(set(sim["seeds"])) == sim["runs"]  # independent seeds, at least eight
+    lo, hi = sim["refused_fraction_ci"]
+    assert lo < hi  # an interval with a width, not a point
+    assert sim["decided"] == (hi <= 0.01 or lo > 0.01)
+    assert sim["decided"] or sim["runs"] == 64  # undecided only once every run allowed was drawn
+    line = next(x for x in r.stdout.splitlines() if "GPUs at peak, simulated" in x)
+    assert f"95% CI {100 * lo:.2f}%-{100 * hi:.2f}% over {sim['runs']} runs of 1 h at the peak" in line
+    st = c["routers"]["least-loaded"]["static"]
+    bins = pd.read_parquet(out / "bins.parquet")
+    over = int((bins[bins["mode"] == "static"].refused_fraction > 0.01).sum())
+    assert st["bins_over_target"] == over and st["bins"] == 4
+    assert f"hours over the 1.00% target  [least-loaded] static {over} of 4" in r.stdout
+
+
+def test_a_fleet_no_one_is_refused_in_says_so_without_an_interval(tmp_path):
+    r = run_cli("fleet", *SMALL, "--arrival-rate", "0.05", "--session-duration", "exp:120", "--horizon", "3600",
+                "--peak-window", "1800", "--workers", "1", "--out", str(tmp_path / "f"))
+    assert r.returncode == 0, r.stderr
+    sim = json.loads((tmp_path / "f" / "fleet.json").read_text())["calibrations"][0]["routers"]["least-loaded"][
+        "simulated"]
+    assert sim["refused"] == 0 and sim["refused_fraction_ci"] is None and sim["runs"] == 8
+    line = next(x for x in r.stdout.splitlines() if "GPUs at peak, simulated" in x)
+    assert f"none of {sim['offered']:,} sessions refused over 8 runs of 0.5 h at the peak" in line
+    assert "95% CI" not in line

@@ -362,8 +362,11 @@ def test_size_by_simulation_is_the_fewest_engines_meeting_the_target():
     from_above = size_by_simulation(cfg, 0.05, [0, 1], start=engines_needed(36.0, 10, 0.05, "random") + 3)
     assert from_above["engines"] == g  # searched down from above, the same answer
 
+    seeds = out["seeds"]  # the seeds given, then the next ones: at least eight independent runs
+    assert seeds[:2] == [0, 1] and seeds == list(range(len(seeds))) and len(seeds) >= 8
+
     def refused(k):
-        tot = [simulate(replace(cfg, engines=k, seed=s)).totals for s in (0, 1)]
+        tot = [simulate(replace(cfg, engines=k, seed=s)).totals for s in seeds]
         return sum(t["refused"] for t in tot) / sum(t["offered"] for t in tot)
 
     assert refused(g) <= 0.05 < refused(g - 1)
@@ -396,3 +399,20 @@ def test_sweep_returns_rows_in_input_order():
 def test_fleet_bad_input(make, needle):
     with pytest.raises(MetronomeError, match=needle):
         make()
+
+
+def test_size_by_simulation_draws_runs_until_its_interval_leaves_the_target():
+    # 4 engines of 10 places, random routing, 36 Erlangs: each engine refuses B(10, 9) = 16.8%. Against a 16.8%
+    # target the interval cannot leave it (every run allowed is drawn); against 5% it does at once (the first
+    # eight runs); each interval is the batch-means one over the runs' own totals (one batch per seed).
+    cfg = FleetConfig(engine=small_engine(), engines=1, arrivals=Arrivals("poisson", rate_per_s=36.0 / 60),
+                      durations=Durations("exponential", 60.0), horizon_s=4000.0, warmup_s=400.0,
+                      bin_s=900.0, router="random")
+    near = size_by_simulation(cfg, erlang_b(10, 9.0), [0], start=4, max_runs=16)
+    (at4,) = [t for t in near["tried"] if t[0] == 4]
+    assert at4[2] == 16  # at 4 engines the share is the target itself: every run allowed was drawn
+    far = size_by_simulation(cfg, 0.30, [0], start=4)
+    assert far["engines"] == 4 and far["runs"] == 8 and far["decided"] and far["refused_fraction_ci"][1] < 0.30
+    tot = [simulate(replace(cfg, engines=4, seed=s)).totals for s in range(8)]
+    p, lo, hi = batch_means_interval([t["refused"] for t in tot], [t["offered"] for t in tot])
+    assert far["refused_fraction_ci"] == [lo, hi] and far["refused_fraction"] == pytest.approx(p, rel=1e-12)

@@ -533,3 +533,93 @@ def test_the_report_predicts_under_the_phase_regime_it_assumes(phases):
                      ReportOptions(calibrations=("moshi-7b-h200",), phases=phases))
     assert plan.fill_bounded.phases == plan.fill_unbounded.phases == phases
     assert {t["phases"] for t in _prediction_tasks(plan, 122)} == {phases}
+
+
+# ------------------------------------------------------------------------------------------ the next question
+def _fewest(ok, start: int = 1) -> int:
+    g = start
+    while not ok(g):
+        g += 1
+    return g
+
+
+def test_the_answer_tabulates_gpus_for_a_few_offered_loads(report):
+    """Without --offered-load too: GPUs for 100, 1,000 and 10,000 concurrent sessions at 1% refused, each GPU a loss
+    system of the answer's N* places (Erlang B from its definition here), and the CLI names --offered-load."""
+    md, page, data = report["md"], report["html"], report["data"]
+    tables = [t for t in md_tables(md_section(md, "The answer")) if t[0][0] == "concurrent sessions offered"]
+    assert len(tables) == 1 and tables[0] in html_tables(page)
+    header, *rows = tables[0]
+    assert header == ["concurrent sessions offered", "arrivals (sessions/s, mean 120 s)", "small-h200: GPUs",
+                      "small-b200: GPUs"]
+    assert [r[0] for r in rows] == ["100", "1,000", "10,000"]
+    assert [r[1] for r in rows] == ["0.833", "8.33", "83.3"]  # sessions / 120 s
+    for j, c in enumerate(data["calibrations"]):
+        n = c["capacity"]["n_star"]
+        words = []
+        for load, row in zip((100, 1000, 10000), rows):
+            pooled = _fewest(lambda g: _erlang_b_by_logs(g * n, load) <= 0.01, max(1, load // n))
+            rand = _fewest(lambda g: _erlang_b_by_logs(n, load / g) <= 0.01, max(1, load // n))
+            assert row[2 + j] == f"{pooled:,} · {rand:,} with random routing"
+            words.append(f"{load:,} → {pooled:,}")
+        # the CLI's line names the loads' answers and the flag for the planner's own load (a narrow terminal wraps
+        # it between words: compared with the spaces normalised)
+        assert (f"GPUs at ≤ 1.00% refused (Erlang B on N* = {n:,}), concurrent sessions → GPUs: {', '.join(words)}; "
+                f"for your own load add --offered-load RATE|PATTERN|CSV") in " ".join(report["stdout"].split())
+
+
+def test_each_unbounded_figure_says_which_workload_it_is(report):
+    """The answer's "unbounded at N*" is N* sessions of the mix (they end); the pool-fill section's are sessions that
+    never end: each says so, and the answer points at the other when the two disagree."""
+    import copy
+
+    from metronome.report.answer import answer_rows, secs
+
+    md, data = report["md"], report["data"]
+    _, rows = answer_rows_from_markdown(md)
+    table = {r[0]: r[1:] for r in rows}
+    for j, c in enumerate(data["calibrations"]):
+        n = c["capacity"]["n_star"]
+        assert table["unbounded at N*"][j].startswith(f"{n:,} sessions of exp(mean 120 s) started together: ")
+        # a mix that never runs the pool dry, beside never-ending sessions that do (Moshi/H200 at N* = 122)
+        quiet = copy.deepcopy(c)
+        quiet["unbounded_at_n_star"].update(collapsed=False, t_sat_observed_s=None)
+        (curve,) = [k for k in c["fill"]["curves"] if k["policy"] == "unbounded" and k["sessions"] == n]
+        row = dict(answer_rows(quiet))["unbounded at N*"]
+        assert row == (f"{n:,} sessions of exp(mean 120 s) started together: no collapse in "
+                       f"{secs(quiet['unbounded_at_n_star']['horizon_s'])} (the pool never ran dry: enough of them "
+                       f"end first); the same number of sessions that never end run it dry after "
+                       f"{secs(curve['t_sat_predicted_s'])} (the pool-fill section)")
+    fill = md_section(md, "Pool fill")
+    assert fill.lstrip().startswith("Here N sessions start together and never end")
+    assert 'The answer\'s "unbounded at N*" is another workload: N* sessions of exp(mean 120 s)' in fill
+    assert md_tables(fill)[0][0][2] == "N (never ending)"
+
+
+def test_n_star_zero_from_the_reports_own_window_names_window(tmp_path):
+    """A slow engine (its step costs 0.25 ms per token of context): the report's 30 s window (S=16, W=368) leaves
+    even one session over the 64 ms p99 target, a shorter window does not. The error names --window and a W that
+    works; capacity, asked for that W and the next block, agrees."""
+    from metronome import calibration
+
+    cal = calibration.load("moshi-7b-h200")
+    step = replace(cal.step_latency, per_context_token_s=2.5e-4, terms=(), plugin_terms=())
+    path = tmp_path / "slow.json"
+    path.write_text(replace(cal, name="slow-context", step_latency=step).to_json())
+    out = tmp_path / "out"
+    r = run_cli("report", "--calibration", str(path), "--workers", "1", "--out", str(out))
+    assert r.returncode == 2 and not out.exists()
+    (line,) = r.stderr.strip().splitlines()
+    assert "N* is 0 because of the window the report chose (sinks S=16, W=368: about the last 30 s" in line
+    assert "raise --deadline" not in line
+    w = int(re.search(r"give --window (\d+) or less", line).group(1))
+
+    def n_star(window: int) -> int:
+        d = tmp_path / f"cap-{window}"
+        c = run_cli("capacity", "--calibration", str(path), "--kv", "sinks", "--sinks", "16", "--window", str(window),
+                    "--out", str(d))
+        assert c.returncode == 0, c.stderr
+        return json.loads((d / "capacity.json").read_text())["n_star"]
+
+    assert 16 < w < 368 and (16 + w) % 16 == 0  # whole blocks, shorter than the report's
+    assert n_star(w) >= 1 and n_star(w + 16) == 0

@@ -532,3 +532,105 @@ def test_a_run_without_a_limit_has_no_limit_row(tmp_path):
     figures = [row[1] for row in run_rows(r)]
     assert "settled concurrency (mean admitted, 2nd half)" in figures and not any("limit" in f for f in figures)
     assert r["figures"]["settled_sessions"]["simulated"] > 0 and r["simulated_with"] == "moshi-7b-h200"
+
+
+# ------------------------------------------------------------------------------------------ the run's own calibration
+def test_the_calibration_a_live_folder_records_is_the_one_planned_with(folders, tmp_path):
+    from metronome.report.live import calibrations_for
+
+    # validate and the benchmark keep theirs in calibration/ (the benchmark's pooled one first when it pooled)
+    bench = tmp_path / "bench"
+    write_benchmark(bench, folders["cals"]["small-h200"])
+    (bench / "calibration").mkdir()
+    (bench / "calibration" / "calibration.json").write_text(folders["cals"]["small-h200"].read_text())
+    assert calibrations_for(None, [str(bench)], "moshi-7b-h200") == (
+        (str(bench / "calibration" / "calibration.json"),), True)
+    (bench / "calibration-before-pooled.json").write_text(folders["cals"]["small-b200"].read_text())
+    assert calibrations_for(None, [str(bench)], "moshi-7b-h200")[0] == (str(bench / "calibration-before-pooled.json"),)
+    # a run against a server simulated beside it with a preset: its sim/summary.json names it
+    run = tmp_path / "run"
+    write_run(run)
+    scn_summary = {"calibration": "moshi-7b-b200", "horizon_s": HORIZON}
+    (run / "sim").mkdir()
+    (run / "sim" / "summary.json").write_text(json.dumps(scn_summary))
+    from metronome.report.live import recorded_calibration
+
+    assert recorded_calibration(run) == "moshi-7b-b200"
+    # given, --calibration wins; neither given nor recorded: the default
+    assert calibrations_for(["x.json"], [str(bench)], "moshi-7b-h200") == (("x.json",), False)
+    assert calibrations_for(None, None, "moshi-7b-h200") == (("moshi-7b-h200",), False)
+
+
+def test_a_live_run_that_records_no_calibration_is_not_planned_as_moshi(folders, tmp_path):
+    """An in-process metronome-probe run (a tiny model on a CPU) records no calibration: without --calibration the
+    report refuses in one line instead of attaching it to a Moshi/H200 plan."""
+    out = tmp_path / "out"
+    r = run_cli("report", "--live", str(folders["run"]), "--workers", "1", "--out", str(out))
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert f"--live {folders['run']}: the folder records no calibration to plan with" in line
+    assert "give --calibration" in line and not out.exists() and "capacity" not in r.stdout
+
+
+def test_the_page_names_every_setting_the_live_run_and_the_plan_do_not_share(report, folders):
+    """The benchmark ran window(W=368) while the plan recommends sinks(S=16, W=368) (same deadline and pool); the run
+    folder ran 600 blocks while small-b200 plans 2,600: each difference is named, in report.md and report.html."""
+    md, page = report["md"], report["html"]
+    h200, b200 = report["data"]["calibrations"]
+    assert h200["live_differences"] == [{"parameter": "KV bound", "run": "window(W=368)", "plan": "sinks(S=16, W=368)",
+                                         "flag": "--kv and its parameters"}]
+    assert b200["live_differences"] == [{"parameter": "KV pool", "run": "600 blocks", "plan": "2,600 blocks",
+                                         "flag": "a calibration of the run's pool"}]
+    answer = md_section(md, "The answer")
+    want_h200 = ("The live run and this plan differ in: KV bound (run window(W=368), plan sinks(S=16, W=368); --kv "
+                 "and its parameters plans at the run's).")
+    want_b200 = ("The live run and this plan differ in: KV pool (run 600 blocks, plan 2,600 blocks; a calibration of "
+                 "the run's pool plans at the run's).")
+    for want in (want_h200, want_b200):
+        assert want in answer and want in report["fidelity"]
+        assert want.replace("'", "&#x27;") in page
+    assert "frame deadline (" not in answer  # both ran the plan's 80 ms
+
+
+def test_a_deadline_that_differs_is_named_with_the_flag_that_plans_at_it(folders):
+    from metronome import calibration
+    from metronome.report.build import live_differences
+    from metronome.report.live import read_live
+    from metronome.report.plan import ReportOptions, make_plan
+
+    spec = str(folders["cals"]["small-b200"])
+    live = read_live(folders["run"])  # a run at 80 ms, the frame period
+    plan = make_plan(spec, calibration.load(spec), ReportOptions(calibrations=(spec,), deadline_s=2.0))
+    diff = {d["parameter"]: d for d in live_differences(plan, live)}
+    assert diff["frame deadline"] == {"parameter": "frame deadline", "run": "80 ms", "plan": "2000 ms",
+                                      "flag": "--deadline 0.08"}
+    same = make_plan(spec, calibration.load(spec), ReportOptions(calibrations=(spec,)))
+    assert "frame deadline" not in {d["parameter"] for d in live_differences(same, live)}
+
+
+def test_report_live_without_calibration_plans_with_the_folders_own(folders, tmp_path):
+    """`report --live DIR` alone: a validate folder's calibration/calibration.json is the plan's, the page says so,
+    and the run's 100 ms deadline beside the plan's 80 ms (the frame period) is named with --deadline 0.1."""
+    from test_report import LIVE_SUMMARY
+
+    d = tmp_path / "validate"
+    (d / "calibration").mkdir(parents=True)
+    cal = d / "calibration" / "calibration.json"
+    cal.write_text(folders["cals"]["small-h200"].read_text())
+    (d / "summary.json").write_text(json.dumps({**LIVE_SUMMARY, "deadline_s": 0.1, "window": 368, "block_size": 16,
+                                                "num_blocks": 2000, "stream": {"frame_period_s": 0.08}}))
+    out = tmp_path / "out"
+    r = run_cli("report", "--live", str(d), "--session-duration", "exp:120", "--mc-runs", "1", "--mc-edge-runs", "1",
+                "--workers", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads((out / "report.json").read_text())
+    (c,) = data["calibrations"]
+    assert c["name"] == "small-h200" and c["spec"] == str(cal) and data["options"]["calibrations_from_live"]
+    assert f"--calibration {cal}" in data["reproduce"]
+    md = (out / "report.md").read_text()
+    answer = md_section(md, "The answer")
+    assert f"Planned with the calibration the live folder {d} records: small-h200 (estimated, {cal})." in answer
+    # the folder ran unbounded and window(W=368): its bound is not the plan's sinks(S=16, W=368); same pool
+    assert ("frame deadline (run 100 ms, plan 80 ms; --deadline 0.1 plans at the run's); KV bound (run "
+            "window(W=368), plan sinks(S=16, W=368)") in answer
+    assert "frame deadline (run 100 ms, plan 80 ms" in (out / "report.html").read_text()

@@ -519,11 +519,42 @@ def _fleet_inputs(args):
         from metronome.admission import AIMDParams
 
         params = AIMDParams.from_file(args.aimd_params)
-    engines = [(name, *_calibration_and_policy(args, name)) for name in (args.calibration or [DEFAULT_CALIBRATION])]
+    engines = [(name, *_fleet_engine(args, name)) for name in (args.calibration or [DEFAULT_CALIBRATION])]
     by_arg = {name: cal.name for name, cal, _ in engines}  # a calibration is named by its argument or its own name
     prices = check_prices({by_arg.get(k, k): usd for k, usd in _prices(args.gpu_price).items()},
                           [cal.name for _, cal, _ in engines])
     return engines, arrivals, durations, horizon, routers, autoscale, params, prices
+
+
+def _fleet_engine(args, name: str):
+    """fleet's calibration and KV policy: ``--kv`` as given, else the bound the report recommends
+    (:func:`metronome.report.plan.recommended_policy`, the one source of that default), its parameters as given or
+    sized as the report sizes them."""
+    if args.kv is not None:
+        return _calibration_and_policy(args, name)
+    from metronome.report.plan import DEFAULT_KV, recommended_policy
+
+    given = {k: _parse_one(k, v) for k, v in policy_option_values(args).items() if v is not None}
+    cal, _ = _calibration_and_policy(argparse.Namespace(**{**vars(args), **{k: None for k in policy_params()}}), name)
+    return cal, recommended_policy(cal, DEFAULT_KV, given)[0]
+
+
+def _unbounded_beside(types, summary: dict, deadline_s, mean_s: float, cache: dict, phases: str) -> None:
+    """For each bounded engine type, the unbounded figure beside it in ``summary``: N* unbounded and its GPUs at the
+    peak by Erlang B (what the fleet would need without the bound)."""
+    from metronome.erlang import engines_by_routing
+    from metronome.kv_policy import KVPolicy
+    from metronome.sim.fleet_config import capacity_cached
+
+    for et, c in zip(types, summary["calibrations"]):
+        if not et.policy.bounded:
+            continue
+        cap = capacity_cached(et.calibration, KVPolicy.unbounded(et.policy.block_size), deadline_s, mean_s, cache,
+                              phases)
+        n = int(cap["n_star"])
+        c["unbounded"] = {"n_star": n, "binding": cap["binding"], "closed_form_engines": (
+            engines_by_routing(summary["peak_offered_erlangs"], n, summary["max_refusal"]) if n >= 1
+            else {"pooled": None, "random": None})}
 
 
 def cmd_fleet(args) -> int:
@@ -553,12 +584,14 @@ def cmd_fleet(args) -> int:
                                executor=executor, progress=phase)
     summary["offered_load"] = arrivals.describe()
     summary["session_durations"] = durations.describe()
+    with con.status("capacity without the bound, for comparison ..."):
+        _unbounded_beside(types, summary, args.deadline, durations.mean_s, cache, phases)
     target = args.max_refusal
     for c in summary["calibrations"]:
         con.print(f"[bold]fleet[/] · {c['calibration']} ({c['provenance']}) · {c['policy']} · "
                   f"N* = {c['n_star']} sessions per GPU · peak {peak_words(summary)} · refusal target {_pct(target)}")
 
-        for label, text in fleet_rows(c, horizon):
+        for label, text in fleet_rows(c, horizon, target):
             con.print(f"  {label:<28} {text}", markup=False)
         header, rows = fleet_hours_table({c["calibration"]: hour_series(tables["bins"], c["calibration"], routers[0])})
         t = Table(title=f"{c['calibration']} per hour ({routers[0]})")
@@ -622,11 +655,14 @@ def cmd_report(args) -> int:
     import shlex
 
     from metronome.report import ReportOptions, build_report, write_report
+    from metronome.report.live import calibrations_for
     from metronome.sim.cache import ResultCache
 
     out = out_dir(args)
+    # without --calibration, a --live folder's own calibration (one line if it records none), else the default
+    calibrations, from_live = calibrations_for(args.calibration, args.live, DEFAULT_CALIBRATION)
     options = ReportOptions(
-        calibrations=tuple(args.calibration or [DEFAULT_CALIBRATION]), kv=args.kv,
+        calibrations=calibrations, calibrations_from_live=from_live, kv=args.kv,
         kv_params=given_params(args),
         session_duration=args.session_duration, deadline_s=args.deadline,
         arrival_rate=args.arrival_rate, seed=args.seed, mc_runs=args.mc_runs, mc_edge_runs=args.mc_edge_runs, live=tuple(args.live or ()),
@@ -642,10 +678,11 @@ def cmd_report(args) -> int:
     finally:
         cache.close()
     write_report(data, out, args.replace)
-    from metronome.report.answer import headline
+    from metronome.report.answer import gpus_words, headline
 
     for c in data["calibrations"]:
         con.print(f"[bold]{c['name']}[/] ({c['provenance']['kind']}): {headline(c)}")
+        con.print(f"  {gpus_words(c)}", markup=False)
     size_mb = (out / "report.html").stat().st_size / 1e6
     con.print(f"wrote {out}/report.html ({size_mb:.1f} MB), {out}/report.md and {out}/report.json "
               f"in {data['wall_s']:.0f} s ({data['simulated_runs']} simulated runs; "
@@ -697,7 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_tune_aimd)
     rp = sub.add_parser("report", help="capacity-planning report (report.html + report.md) for one or more calibrations")
     rp.add_argument("--calibration", action="append", default=None,
-                    help="preset name or calibration JSON; repeat to compare side by side (default moshi-7b-h200)")
+                    help="preset name or calibration JSON; repeat to compare side by side (default: the calibration "
+                         "each --live folder records, else moshi-7b-h200)")
     rp.add_argument("--kv", choices=bounded_kinds(), default="sinks", help="the bounded policy to recommend")
     for name, param in policy_params().items():
         rp.add_argument(f"--{name}", dest=name, type=int, default=None,
@@ -743,7 +781,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "vs autoscaled, refusals and silent frames per hour, cost")
     f.add_argument("--calibration", action="append", default=None,
                    help=f"preset name or calibration JSON; repeat to compare (default {DEFAULT_CALIBRATION})")
-    for name in ("kv", *policy_params(), "num_blocks", "phases"):
+    f.add_argument("--kv", dest="kv", default=None,
+                   help=f"KV policy: {' | '.join(policy_kinds())} (default: the bound the report recommends, sinks "
+                        "with S=16 and W about the last 30 s of conversation; the unbounded figure is printed beside it)")
+    for name in (*policy_params(), "num_blocks", "phases"):
         f.add_argument(flag(name), dest=name, default=None, help=SCENARIO_OPTIONS[name][1])
     f.add_argument("--deadline", type=units.argtype(units.duration, "--deadline"), default=None, help=DEADLINE_HELP)
     f.add_argument("--arrival-rate", dest="arrival_rate", default=None, help="offered load: constant sessions/s")

@@ -63,16 +63,37 @@ def admission_words(c: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the answer
+def never_ending_t_sat(c: dict) -> float | None:
+    """When N* unbounded sessions that never end run the pool dry (the pool-fill section's curve at N*)."""
+    n = c["capacity"]["n_star"]
+    return next((k["t_sat_predicted_s"] for k in c["fill"]["curves"]
+                 if k["policy"] == "unbounded" and k["sessions"] == n), None)
+
+
+def mix_words(c: dict) -> str:
+    """The workload of the answer's unbounded verdict: N* sessions of the report's mix, which end."""
+    return f"{count(c['capacity']['n_star'])} sessions of {c['session_duration']} started together"
+
+
+def never_ending_words(c: dict) -> str:
+    """What sessions that never end do at N* (the pool-fill section), said beside a verdict on the mix."""
+    t = never_ending_t_sat(c)
+    return ("" if t is None else
+            f"; the same number of sessions that never end run it dry after {secs(t)} (the pool-fill section)")
+
+
 def collapse_words(c: dict) -> str:
     u = c["unbounded_at_n_star"]
+    mix = mix_words(c)
     if u["collapsed"]:
-        return (f"collapses: the pool runs dry after {secs(u['t_sat_predicted_s'])} (fill model; simulated "
+        return (f"{mix}: collapses: the pool runs dry after {secs(u['t_sat_predicted_s'])} (fill model; simulated "
                 f"{secs(u['t_sat_observed_s'])}), then {pct(u['silent_frame_fraction'])} of frames are silent "
                 f"while deadline misses stay at {pct(u['deadline_miss_fraction'])}")
     if u["t_sat_observed_s"] is not None:
-        return (f"saturates after {secs(u['t_sat_observed_s'])} but does not collapse "
+        return (f"{mix}: saturate after {secs(u['t_sat_observed_s'])} but do not collapse "
                 f"({pct(u['silent_frame_fraction'])} silent frames)")
-    return f"does not collapse in {secs(u['horizon_s'])} (the pool never ran dry)"
+    return (f"{mix}: no collapse in {secs(u['horizon_s'])} (the pool never ran dry: enough of them end first)"
+            + never_ending_words(c))
 
 
 def regime_words(c: dict) -> str:
@@ -125,7 +146,8 @@ def headline(c: dict) -> str:
             fate = (f"fill the pool after {secs(u['t_sat_observed_s'])} but do not collapse "
                     f"({pct(u['silent_frame_fraction'])} silent frames)")
         else:
-            fate = f"never run the pool dry in {secs(u['horizon_s'])}: enough of them end first"
+            fate = (f"never run the pool dry in {secs(u['horizon_s'])}: enough of them end first"
+                    + never_ending_words(c))
         second = (f"Without the bound, {count(n)} sessions of this mix {fate}; unbounded, the pool holds "
                   f"only {count(c['memory_ceiling_unbounded'])} sessions of {secs(c['session_duration_mean_s'])}.")
     return f"{first} {second} {regime_words(c)}"
@@ -178,6 +200,49 @@ def answer_table(data: dict) -> tuple[list[str], list[list[str]]]:
     header = [""] + [c["name"] for c in cals]
     rows = [[per[0][i][0]] + [p[i][1] for p in per] for i in range(len(per[0]))]
     return header, rows
+
+
+# ------------------------------------------------------------------------------------------ GPUs for a load
+OFFERED_LOAD_HINT = "--offered-load RATE|PATTERN|CSV"
+
+
+def gpus_table(data: dict) -> Table:
+    """GPUs for a few offered loads (concurrent sessions), calibrations side by side: Erlang B on each N*."""
+    cals = data["calibrations"]
+    g0 = cals[0]["gpus_for_loads"]
+    header = ["concurrent sessions offered", f"arrivals (sessions/s, mean {secs(g0['mean_session_s'])})"]
+    header += [f"{c['name']}: GPUs" for c in cals]
+    rows = []
+    for i, load in enumerate(g0["loads"]):
+        row = [count(load["sessions"]), f"{load['arrival_rate_per_s']:,.3g}"]
+        for c in cals:
+            e = c["gpus_for_loads"]["loads"][i]["engines"]
+            row.append(f"{e['pooled']:,} · {e['random']:,} with random routing")
+        rows.append(row)
+    return header, rows
+
+
+def gpus_note(data: dict) -> str:
+    cals = data["calibrations"]
+    g0 = cals[0]["gpus_for_loads"]
+    places = ", ".join(f"{count(c['gpus_for_loads']['n_star'])} ({c['name']})" for c in cals) if len(cals) > 1 \
+        else count(g0["n_star"])
+    where = ("the \"How many GPUs\" section sizes it" if data.get("fleet") else
+             f"add {OFFERED_LOAD_HINT} (a rate in sessions/s, a pattern of rates or a day's CSV) for a \"How many "
+             "GPUs\" section that simulates the fleet, its routers and an autoscaler, or run metronome-sim fleet")
+    return (f"GPUs for an offered load of concurrent sessions (arrival rate × mean session length, "
+            f"{secs(g0['mean_session_s'])}) with at most {pct(g0['max_refusal'])} of conversations refused at the "
+            f"door: each GPU a loss system of N* = {places} places (the answer's, with its bound), sized by Erlang B; "
+            f"the first figure for a router that finds any free GPU, the second for random routing. For your own "
+            f"load, {where}.")
+
+
+def gpus_words(c: dict) -> str:
+    """One line for the CLI: a calibration's GPUs for the answer's loads, and the flag for the planner's own."""
+    g = c["gpus_for_loads"]
+    loads = ", ".join(f"{count(x['sessions'])} → {x['engines']['pooled']:,}" for x in g["loads"])
+    return (f"GPUs at ≤ {pct(g['max_refusal'])} refused (Erlang B on N* = {count(g['n_star'])}), concurrent "
+            f"sessions → GPUs: {loads}; for your own load add {OFFERED_LOAD_HINT}")
 
 
 # ------------------------------------------------------------------------------------------ fidelity
@@ -255,6 +320,27 @@ def run_meta_words(meta: dict) -> str:
              "durations": lambda v: f"durations {v}", "session_duration": lambda v: f"durations {v}",
              "admission": lambda v: f"admission {v}", "seed": lambda v: f"seed {v}"}
     return ", ".join(words[k](v) if k in words else f"{k} {v}" for k, v in meta.items())
+
+
+def live_plan_words(c: dict, from_live: bool = False) -> str:
+    """With ``--live``: which calibration the plan used (the folder's own when none was given) and every setting the
+    live run and the plan do not share (empty when there is no live folder)."""
+    live = c.get("live")
+    if not live:
+        return ""
+    parts = []
+    if from_live:
+        parts.append(f"Planned with the calibration the live folder {live['source']} records: {c['name']} "
+                     f"({c['provenance']['kind']}, {c['provenance']['path'] or c['spec']}).")
+    diff = c.get("live_differences") or []
+    if diff:
+        parts.append(f"The live run and this plan differ in: " + "; ".join(
+            f"{d['parameter']} (run {d['run']}, plan {d['plan']}; {d['flag']} plans at the run's)" for d in diff)
+            + ". Figures that depend on them are not comparable between the two.")
+    elif not from_live:
+        parts.append(f"The live run in {live['source']} and this plan share their deadline, frame period, bound and "
+                     f"pool where the folder records them.")
+    return " ".join(parts)
 
 
 def runs_fidelity(c: dict, live: dict) -> tuple[str, list[list[str]]]:
@@ -366,18 +452,33 @@ def section_title(data: dict, key: str) -> str:
     return dict(sections(data))[key]
 
 
-def fleet_rows(c: dict, horizon_s: float) -> list[tuple[str, str]]:
+def sizing_words(sim: dict) -> str:
+    """The simulated size's refused share at the peak and how sure it is: its 95% interval over the runs drawn, or,
+    when nobody was refused, the count (a zero spread is no interval)."""
+    h = sim.get("hours_per_run")
+    runs = (f"{sim['runs']} runs of {h:g} h at the peak" if h else f"{sim.get('runs', 1)} runs at the peak")
+    ci = sim["refused_fraction_ci"]
+    if ci:
+        words = f"refused {pct(sim['refused_fraction'])}, 95% CI {pct(ci[0])}-{pct(ci[1])} over {runs}"
+        if sim.get("decided") is False:
+            words += "; the interval still holds the target"
+        return words
+    if sim.get("offered") is not None and not sim.get("refused"):
+        return f"none of {sim['offered']:,} sessions refused over {runs}"
+    return f"refused {pct(sim['refused_fraction'])} over {runs}"
+
+
+def fleet_rows(c: dict, horizon_s: float, max_refusal: float) -> list[tuple[str, str]]:
     """One calibration's fleet answer (an entry of :func:`metronome.sim.fleet_plan.plan`'s summary) as labelled lines:
     the closed form and the simulated size at the peak, the run's GPU-hours static and autoscaled, the refusals
-    and silent frames achieved, the cost when priced. ``metronome-sim fleet`` prints the same lines."""
+    and silent frames achieved, the worst hour against the target, the cost when priced. ``metronome-sim fleet``
+    prints the same lines."""
     cf = c["closed_form_engines"]
     rows = [("GPUs at peak, closed form", f"{cf['pooled']} with a router that finds any free GPU · "
                                           f"{cf['random']} with random routing (Erlang B)")]
     for r, rr in c["routers"].items():
         sim = rr["simulated"]
-        ci = sim["refused_fraction_ci"]
-        ci_txt = f", 95% CI {pct(ci[0])}-{pct(ci[1])}" if ci else ""
-        rows.append(("GPUs at peak, simulated", f"{sim['engines']} with {r} (refused {pct(sim['refused_fraction'])}{ci_txt})"))
+        rows.append(("GPUs at peak, simulated", f"{sim['engines']} with {r} ({sizing_words(sim)})"))
     for r, rr in c["routers"].items():
         st, au = rr["static"], rr.get("autoscaled")
         text = f"[{r}] static {st['gpu_hours']:,.0f} ({st['engines']} GPUs)"
@@ -393,6 +494,13 @@ def fleet_rows(c: dict, horizon_s: float) -> list[tuple[str, str]]:
                      f"(worst hour {pct(au['worst_bin_refused_fraction'])} · "
                      f"{pct(au['worst_bin_silent_frame_fraction'])})")
         rows.append(("refused · silent frames", text))
+        modes = [(mode, x) for mode, x in (("static", st), ("autoscaled", au)) if x and "bins" in x]
+        over = any(x["bins_over_target"] for _, x in modes)
+        rows.append((f"hours over the {pct(max_refusal)} target", f"[{r}] " + "; ".join(
+            f"{mode} {x['bins_over_target']} of {x['bins']} (worst {pct(x['worst_bin_refused_fraction'])})"
+            for mode, x in modes)
+            + (": the fleet is sized for the peak's mean refusal, and one hour's refusals scatter around that mean"
+               if over else "")))
         worst = max(x["worst_bin_silent_frame_fraction"] for x in (st, au) if x)
         if worst >= COLLAPSE_SILENT_FRACTION:
             rows.append(("", f"[{r}] an hour with {pct(worst)} of frames silent: sessions that run long overflow an "
@@ -403,6 +511,13 @@ def fleet_rows(c: dict, horizon_s: float) -> list[tuple[str, str]]:
             if au:
                 text += f" · autoscaled ${au['cost_per_1000_session_hours']:,.0f}"
             rows.append(("cost per 1,000 session-h", text + f" (at ${c['gpu_price_per_hour']:g} per GPU-hour)"))
+    unb = c.get("unbounded")
+    if unb:
+        ucf = unb["closed_form_engines"]
+        gpus = ("no number of GPUs: not one session fits" if ucf["pooled"] is None else
+                f"{ucf['pooled']} GPUs at peak by Erlang B ({ucf['random']} with random routing)")
+        rows.append(("unbounded KV, for comparison", f"N* = {unb['n_star']:,} sessions per GPU ({unb['binding']} "
+                                                     f"binds) → {gpus}, against {cf['pooled']} with {c['policy']}"))
     return rows
 
 
@@ -441,8 +556,9 @@ def fleet_table(data: dict) -> Table:
     """The fleet answer side by side, one column per calibration."""
     f = data["fleet"]
     cols = f["summary"]["calibrations"]
-    per = [dict(fleet_rows(c, f["summary"]["horizon_s"])) for c in cols]
-    labels = [label for label, _ in fleet_rows(cols[0], f["summary"]["horizon_s"]) if label]
+    h, target = f["summary"]["horizon_s"], f["summary"]["max_refusal"]
+    per = [dict(fleet_rows(c, h, target)) for c in cols]
+    labels = [label for label, _ in fleet_rows(cols[0], h, target) if label]
     for p in per[1:]:
         labels += [label for label in p if label and label not in labels]
     return [""] + [c["calibration"] for c in cols], [[label] + [p.get(label, "") for p in per] for label in labels]
@@ -492,11 +608,15 @@ def fill_table(data: dict) -> Table:
             rows.append([c["name"], k["label"], count(k["sessions"]), secs(k["t_sat_predicted_s"]),
                          secs(k["t_sat_observed_s"]), pct(max(k["occupancy_simulated"] or [0.0])),
                          "yes" if k["collapsed"] else "no"])
-    return ["calibration", "policy", "N", "t_sat predicted", "t_sat simulated", "peak occupancy", "collapsed"], rows
+    return ["calibration", "policy", "N (never ending)", "t_sat predicted", "t_sat simulated", "peak occupancy",
+            "collapsed"], rows
 
 
 def fill_note(data: dict) -> str:
-    parts = []
+    c0 = data["calibrations"][0]
+    parts = [f"Here N sessions start together and never end, each growing until the horizon: the pool's worst "
+             f"case. The answer's \"unbounded at N*\" is another workload: N* sessions of {c0['session_duration']}, "
+             f"which end and free their blocks, so the same N can collapse here and not there."]
     for c in data["calibrations"]:
         u = [k for k in c["fill"]["curves"] if k["policy"] == "unbounded"]
         b = [k for k in c["fill"]["curves"] if k["policy"] == "bounded"]

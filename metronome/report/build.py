@@ -40,7 +40,7 @@ from metronome.kv_policy import policy_option_values
 from metronome.workload import Durations
 
 from metronome.report.live import attach_simulation, check_resimulation, read_live, sim_side
-from metronome.report.plan import (FLEET_DAY_S, MC_FRACTIONS, MC_HORIZON_FACTOR, MC_REFINE_ROUNDS,
+from metronome.report.plan import (ANSWER_LOADS, FLEET_DAY_S, MC_FRACTIONS, MC_HORIZON_FACTOR, MC_REFINE_ROUNDS,
                                    MISS_BUDGET, OVERLOAD, PERCENTILE, TARGET_FRACTION, TUNING_GRID, WINDOW_CONTEXT_S,
                                    Plan, ReportOptions, make_plan, mc_refinement, simulation_points)
 from metronome.results import wilson_interval
@@ -228,9 +228,7 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
         cap["other_regime"] = {k: alt[k] for k in ("phases", "n_star", "deadline_n_star", "binding")}
     for plan, cap in zip(plans, caps):
         if cap["n_star"] < 1:
-            raise MetronomeError(f"{plan.calibration.name}: even one session misses the p99 target of "
-                                 f"{1e3 * TARGET_FRACTION * plan.deadline_s:.1f} ms "
-                                 f"({TARGET_FRACTION:g} x the {1e3 * plan.deadline_s:g} ms deadline): raise --deadline")
+            raise MetronomeError(no_session_fits(plan, cap, options))
 
     # 2. AIMD tuning on the overload mix
     tunings = []
@@ -286,6 +284,8 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
         raw["predicted"] = [next(preds) for _ in _prediction_tasks(plan, cap["n_star"])]
     cals = [_calibration_data(plan, cap, tun, raw, lv)
             for plan, cap, tun, raw, lv in zip(plans, caps, tunings, per_cal, live)]
+    for c, plan, cap in zip(cals, plans, caps):
+        c["gpus_for_loads"] = _gpus_for_loads(plan, cap, options.max_refusal)
     fleet = _fleet_data(options, plans, caps, executor, progress) if options.offered_load is not None else None
     return _clean({
         "title": "Capacity plan: " + " vs ".join(c["name"] for c in cals),
@@ -295,6 +295,7 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
                     "mc_runs": options.mc_runs, "mc_edge_runs": plans[0].edge_runs,
                     "live": list(options.live), "phases": options.phases,
                     "offered_load": options.offered_load, "max_refusal": options.max_refusal,
+                    "calibrations_from_live": options.calibrations_from_live,
                     "gpu_prices": dict(options.gpu_prices)},
         "command": command or reproduce_command(options),
         "reproduce": reproduce_command(options),
@@ -308,9 +309,67 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
     })
 
 
+def no_session_fits(plan: Plan, cap: dict, options: ReportOptions) -> str:
+    """The one-line error when N* is 0, naming the lever that works: the window when a shorter one lets a session
+    meet the p99 target (the report's own choice of about ``WINDOW_CONTEXT_S`` of conversation can be too long for
+    a slow engine), else the deadline. Runs only on this error path: one session, pool unlimited, per window tried."""
+    from metronome.kv_policy import cdiv, policy_class
+    from metronome.sim.capacity import p99_at
+
+    cal, pol = plan.calibration, plan.policy
+    target = TARGET_FRACTION * plan.deadline_s
+    target_words = f"the p99 target of {1e3 * target:.1f} ms ({TARGET_FRACTION:g} x the {1e3 * plan.deadline_s:g} ms deadline)"
+
+    def p99(policy) -> float:
+        return p99_at(cal, policy, 1, plan.deadline_s, PERCENTILE, plan.mean_duration_s, plan.phases)
+
+    cls = policy_class(pol.kind)
+    param = next((p for p in cls.params if p.sizes), None)  # the parameter that sets how much a session keeps
+    kept = {k: v for k, v in options.kv_params if param is None or k != param.name}
+    bs = cal.engine.block_size_tokens
+
+    def with_blocks(blocks: int):  # the policy keeping S + W = ``blocks`` whole blocks (W spans one block at least)
+        return cls.sized(bs, kept, lambda s: max(blocks, cdiv(s, bs) + 1) * bs)
+
+    def valid(blocks: int) -> bool:  # e.g. sinks needs W > S
+        try:
+            with_blocks(blocks)
+            return True
+        except MetronomeError:
+            return False
+
+    p_now = cap["evaluations"][0]["p_latency_s"]  # capacity's p99 at one session
+    first = cdiv(pol.sink_tokens, bs) + 1
+    while first * bs < pol.kept_tokens and not valid(first):
+        first += 1
+    if param is None or pol.kept_tokens <= first * bs or p99(with_blocks(first)) > target:
+        return (f"{cal.name}: even one session misses {target_words} (p99 {1e3 * p_now:.1f} ms with "
+                f"{pol.short_words()}): raise --deadline")
+    lo, hi = first, cdiv(pol.kept_tokens, bs)  # one session meets the target at lo blocks and misses it at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if p99(with_blocks(mid)) <= target else (lo, mid)
+    best = getattr(with_blocks(lo), param.attr)
+    chosen = (f"the window the report chose ({pol.short_words()}: about the last {WINDOW_CONTEXT_S:g} s of "
+              f"conversation)" if plan.window_defaulted else f"--{param.name} {getattr(pol, param.attr)}")
+    return (f"{cal.name}: N* is 0 because of {chosen}: even one session misses {target_words}, at p99 "
+            f"{1e3 * p_now:.1f} ms; a shorter window is the lever: give --{param.name} {best} or less "
+            f"(one session then meets the target)")
+
+
 def _mc_counts(mc: dict) -> dict[tuple, tuple[int, int]]:
     """(policy, N, d) -> (collapsed runs, runs) of the Monte Carlo runs so far."""
     return {key: (sum(bool(r["collapsed"]) for r in runs), len(runs)) for key, runs in mc.items()}
+
+
+def _gpus_for_loads(plan: Plan, cap: dict, max_refusal: float) -> dict:
+    """The answer's small table: GPUs for ``ANSWER_LOADS`` concurrent sessions offered, by Erlang B on the N* just
+    found (each GPU a loss system of N* places; no simulation: the closed form of the fleet section)."""
+    from metronome.erlang import engines_by_routing
+
+    return {"max_refusal": max_refusal, "n_star": cap["n_star"], "mean_session_s": plan.mean_duration_s,
+            "loads": [{"sessions": a, "arrival_rate_per_s": a / plan.mean_duration_s,
+                       "engines": engines_by_routing(a, cap["n_star"], max_refusal)} for a in ANSWER_LOADS]}
 
 
 def _fleet_data(options: ReportOptions, plans: list[Plan], caps: list[dict], executor, progress: Progress) -> dict:
@@ -368,6 +427,34 @@ def _live_data(live: dict | None, raw: dict, plan: Plan) -> dict | None:
         attach_simulation(run, res["side"], plan.calibration.name, res["n_star"], res["n_star_policy"])
         run["simulated_options"] = sc["options"]
     return live
+
+
+def live_differences(plan: Plan, live: dict | None) -> list[dict]:
+    """Every setting a ``--live`` folder ran that differs from this plan's: the deadline, the frame period, the bound
+    (the plan shows unbounded beside its own bound, so only the live bounds it does not plan are named) and the pool.
+    Each ``{"parameter", "run", "plan", "flag"}`` in words; ``flag`` is what plans at the run's setting."""
+    if not live or not live.get("parameters"):
+        return []
+    p, cal, out = live["parameters"], plan.calibration, []
+
+    def ms(x: float) -> str:
+        return f"{1e3 * x:g} ms"
+
+    if p["deadline_s"] is not None and not math.isclose(p["deadline_s"], plan.deadline_s, rel_tol=1e-6):
+        out.append({"parameter": "frame deadline", "run": ms(p["deadline_s"]), "plan": ms(plan.deadline_s),
+                    "flag": f"--deadline {p['deadline_s']:g}"})
+    if p["frame_period_s"] is not None and not math.isclose(p["frame_period_s"], cal.stream.frame_period_s,
+                                                            rel_tol=1e-6):
+        out.append({"parameter": "frame period", "run": ms(p["frame_period_s"]),
+                    "plan": ms(cal.stream.frame_period_s), "flag": "--calibration of the run's model"})
+    other = [b for b in p["bounds"] if b != plan.policy.describe()]
+    if other:
+        out.append({"parameter": "KV bound", "run": ", ".join(other), "plan": plan.policy.describe(),
+                    "flag": "--kv and its parameters"})
+    if p["num_blocks"] is not None and p["num_blocks"] != cal.engine.num_blocks:
+        out.append({"parameter": "KV pool", "run": f"{p['num_blocks']:,} blocks",
+                    "plan": f"{cal.engine.num_blocks:,} blocks", "flag": "a calibration of the run's pool"})
+    return out
 
 
 def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | None) -> dict:
@@ -499,4 +586,5 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
         "metastability": meta,
         "admission": admission,
         "live": _live_data(live, raw, plan),
+        "live_differences": live_differences(plan, live),
     }

@@ -89,12 +89,21 @@ def render_html(data: dict) -> str:
     def h2(key: str) -> str:
         return f'<section id="{key}"><h2>{esc(A.section_title(data, key))}</h2>'
 
+    from_live = data["options"].get("calibrations_from_live", False)
+    live_words = "".join(f'<p class="note live-plan" data-calibration="{esc(c["name"])}"><b>{esc(c["name"])}, beside '
+                         f'the live run.</b> {esc(w)}</p>' for c in cals if (w := A.live_plan_words(c, from_live)))
     header, rows = A.answer_table(data)
-    classes = ["key" if r[0] in KEY_ROWS else ("danger" if r[0] == "unbounded at N*" else "") for r in rows]
+    # red only for a collapse: "no collapse" of the mix in red read as an alarm beside the pool-fill section's
+    collapsed = any(c["unbounded_at_n_star"]["collapsed"] for c in cals)
+    classes = ["key" if r[0] in KEY_ROWS else ("danger" if r[0] == "unbounded at N*" and collapsed else "")
+               for r in rows]
     body.append(h2("answer")
                 + "".join(f'<p class="headline" data-calibration="{esc(c["name"])}">{esc(A.headline(c))}</p>'
                           for c in cals)
-                + html_table(header, rows, cls="answer", table_id="answer-table", row_classes=classes) + "</section>")
+                + live_words
+                + html_table(header, rows, cls="answer", table_id="answer-table", row_classes=classes)
+                + f'<p class="note">{esc(A.gpus_note(data))}</p>' + html_table(*A.gpus_table(data), table_id="gpus-table")
+                + "</section>")
 
     if data.get("fleet"):
         fh, frows = A.fleet_table(data)
@@ -119,7 +128,8 @@ def render_html(data: dict) -> str:
     fid = []
     for c in cals:
         text, frows = A.fidelity(c)
-        fid.append(f"<div><p><b>{esc(c['name'])}.</b> {esc(text)}</p>"
+        plan_words = A.live_plan_words(c, from_live)
+        fid.append(f"<div><p><b>{esc(c['name'])}.</b> {esc(text)}{' ' + esc(plan_words) if plan_words else ''}</p>"
                    + (html_table(A.FIDELITY_HEADER, frows) if frows else "") + "</div>")
     live_fig = _figure(figs["live"], "live") if "live" in figs else ""
     body.append(h2("fidelity") + '<div class="grid2">' + "".join(fid) + "</div>"

@@ -215,6 +215,68 @@ def attach_simulation(entry: dict, side: dict, calibration: str, n_star: int | N
     return finish_run(entry)
 
 
+# ------------------------------------------------------------------------------------------ what it ran
+def _parameters(deadline_s, frame_period_s, bounds, num_blocks) -> dict:
+    """The settings a live folder ran that a plan sets too (None where the folder does not say): the frame deadline,
+    the stream's frame period, the bounded KV policies (descriptions) and the pool in blocks."""
+    def num(v):
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+    blocks = num_blocks if isinstance(num_blocks, int) and not isinstance(num_blocks, bool) else None
+    return {"deadline_s": num(deadline_s), "frame_period_s": num(frame_period_s),
+            "bounds": sorted(set(bounds)), "num_blocks": blocks}
+
+
+def _run_parameters(runs: list[dict], obj: dict) -> dict:
+    """A run or benchmark folder's parameters: each run's options where it has them, else the folder's summary."""
+    first = next((e["options"] for e in runs if e.get("options")), None) or {}
+    stream = first.get("stream") if isinstance(first.get("stream"), dict) else obj.get("stream")
+    period = stream.get("period_s", stream.get("frame_period_s")) if isinstance(stream, dict) else None
+    deadline = first.get("deadline_s") or obj.get("deadline_s") or period  # a run's default: one frame period
+    bounds = [e["label"].split(" · ")[0] for e in runs if e["bounded"]]
+    return _parameters(deadline, period, bounds, first.get("num_blocks") or obj.get("num_blocks"))
+
+
+def recorded_calibration(folder: str | Path) -> str | None:
+    """The calibration a ``--live`` folder ran with, as a path or a preset name (None when it records none):
+    validate's ``calibration/calibration.json``; the benchmark's pooled one or its ``calibration/calibration.json``;
+    a run's ``sim/`` calibration (``sim/calibration.json``, or the preset its ``sim/summary.json`` names). An
+    in-process ``metronome-probe run`` measures none."""
+    from metronome import calibration as calmod
+
+    d = Path(folder)
+    for f in (d / "calibration-before-pooled.json", d / "calibration" / "calibration.json",
+              d / "sim" / "calibration.json"):
+        if f.is_file():
+            return str(f)
+    try:
+        name = json.loads((d / "sim" / "summary.json").read_text()).get("calibration")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name in calmod.preset_names() else None
+
+
+def calibrations_for(given: list[str] | tuple[str, ...] | None, live: list[str] | tuple[str, ...] | None,
+                     default: str) -> tuple[tuple[str, ...], bool]:
+    """The calibrations a report plans with: those given; else each ``--live`` folder's own
+    (:func:`recorded_calibration`; one line naming the folder when it records none); else ``default``. Returns them
+    and whether they came from the live folders."""
+    if given:
+        return tuple(given), False
+    if not live:
+        return (default,), False
+    out = []
+    for folder in live:
+        read_live(folder)  # a bad folder is named for what is wrong with it first
+        spec = recorded_calibration(folder)
+        if spec is None:
+            raise MetronomeError(f"--live {folder}: the folder records no calibration to plan with (an in-process "
+                                 "metronome-probe run measures none): give --calibration NAME|FILE, e.g. the "
+                                 "calibration.json metronome-probe calibrate wrote for the same engine")
+        out.append(spec)
+    return tuple(out), True
+
+
 # ------------------------------------------------------------------------------------------ run folders
 def _policy_label(origin: str, opts: dict | None, steps: pd.DataFrame, sim_summary: dict | None, name: str) -> str:
     if opts is not None and isinstance(opts.get("kv"), str):
@@ -361,18 +423,21 @@ def _read_run(d: Path, obj: dict | None = None, horizon_s: float | None = None) 
         "live": _side(figures, steps["t_s"].to_numpy(), steps["sessions"].to_numpy(), ctl, horizon),
         "simulated": sim, "simulated_with": sim_summary.get("calibration") if sim_summary else None,
         "simulated_by": "sim/" if sim is not None else None, "scenario": scenario,
-        "n_star": None, "n_star_policy": None,
+        "n_star": None, "n_star_policy": None, "options": opts,
     }
     return finish_run(entry)
 
 
-def _runs(d: Path, origin: str, kind: str, runs: list[dict], meta: dict) -> dict:
+def _runs(d: Path, origin: str, kind: str, runs: list[dict], meta: dict, obj: dict) -> dict:
     runs = sorted(runs, key=lambda e: not e["bounded"])  # the bounded runs first, as the benchmark plots them
+    params = _run_parameters(runs, obj)
     same = Counter(e["label"] for e in runs)
     for e in runs:  # several runs of one policy (a benchmark's --repeat): each row and panel names its folder
         if same[e["label"]] > 1:
             e["label"] = f"{e['label']} · {e['name']}"
-    return {"kind": "runs", "origin": kind, "source": str(d), "runs": {e["name"]: e for e in runs}, "meta": meta}
+        e.pop("options", None)
+    return {"kind": "runs", "origin": kind, "source": str(d), "runs": {e["name"]: e for e in runs}, "meta": meta,
+            "parameters": params}
 
 
 def _read_benchmark(d: Path, obj: dict) -> dict:
@@ -417,7 +482,7 @@ def _read_benchmark(d: Path, obj: dict) -> dict:
         runs.append(e)
     meta = {k: obj[k] for k in ("deadline_s", "num_blocks", "window", "arrival_rate", "durations") if
             isinstance(obj.get(k), (str, int, float)) and not isinstance(obj.get(k), bool)}
-    return _runs(d, origin, "benchmark", runs, meta)
+    return _runs(d, origin, "benchmark", runs, meta, obj)
 
 
 def _is_validate(origin: str, obj: dict) -> bool:
@@ -444,7 +509,20 @@ def _read_validate(d: Path, obj: dict) -> dict:
         policies[str(name)] = fig
     meta = {k: obj[k] for k in ("model", "calibration", "num_blocks", "device", "hardware") if
             isinstance(obj.get(k), (str, int, float))}
-    return {"kind": "validate", "source": str(d), "policies": policies, "meta": meta}
+    stream = obj.get("stream") if isinstance(obj.get("stream"), dict) else {}
+    bounds = []
+    if isinstance(obj.get("window"), int) and isinstance(obj.get("block_size"), int):
+        from metronome.kv_policy import make_policy
+
+        for kind in ("window", "sinks"):
+            if kind in policies:
+                try:
+                    bounds.append(make_policy(kind, obj["block_size"], window=obj["window"],
+                                              sinks=obj.get("sinks") if kind == "sinks" else None).describe())
+                except MetronomeError:
+                    pass
+    params = _parameters(obj.get("deadline_s"), stream.get("frame_period_s"), bounds, obj.get("num_blocks"))
+    return {"kind": "validate", "source": str(d), "policies": policies, "meta": meta, "parameters": params}
 
 
 def read_live(folder: str | Path) -> dict:
@@ -472,7 +550,7 @@ def read_live(folder: str | Path) -> dict:
                                          "deadline_s", "seed") if isinstance(opts.get(k), (str, int, float))}
         if isinstance(obj.get("num_blocks"), int):
             meta["num_blocks"] = obj["num_blocks"]
-        return _runs(d, origin, "run", [_read_run(d, obj)], meta)
+        return _runs(d, origin, "run", [_read_run(d, obj)], meta, obj)
     if isinstance(obj.get("results"), dict) or any(p.is_dir() and (p / "controller.parquet").is_file()
                                                    for p in d.iterdir()):
         return _read_benchmark(d, obj)

@@ -18,7 +18,10 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 
 def answer_markdown(data: dict) -> str:
     """The answer section alone (the README quotes it)."""
+    from_live = data["options"].get("calibrations_from_live", False)
     parts = [A.headline(c) for c in data["calibrations"]]
+    parts += [f"**{c['name']}, beside the live run.** {w}" for c in data["calibrations"]
+              if (w := A.live_plan_words(c, from_live))]
     header, rows = A.answer_table(data)
     return "\n\n".join(parts + [md_table(header, rows)])
 
@@ -28,7 +31,8 @@ def render_markdown(data: dict) -> str:
     s = [f"# {data['title']}", "",
          f"Built by `metronome-sim report` in {data['wall_s']:.0f} s ({data['simulated_runs']} simulated runs). "
          "The same numbers, with figures, are in report.html.", "",
-         f"## {A.section_title(data, 'answer')}", "", answer_markdown(data), ""]
+         f"## {A.section_title(data, 'answer')}", "", answer_markdown(data), "",
+         A.gpus_note(data), "", md_table(*A.gpus_table(data)), ""]
     if data.get("fleet"):
         s += [f"## {A.section_title(data, 'gpus')}", "", A.fleet_note(data), "", md_table(*A.fleet_table(data)), "",
               "Per hour of the run:", "", md_table(*A.fleet_hours_table(data["fleet"]["series"])), ""]
@@ -41,7 +45,8 @@ def render_markdown(data: dict) -> str:
     s += [f"## {A.section_title(data, 'fidelity')}", ""]
     for c in cals:
         text, rows = A.fidelity(c)
-        s += [f"**{c['name']}.** {text}", ""]
+        plan_words = A.live_plan_words(c, data["options"].get("calibrations_from_live", False))
+        s += [f"**{c['name']}.** {text}" + (f" {plan_words}" if plan_words else ""), ""]
         if rows:
             s += [md_table(A.FIDELITY_HEADER, rows), ""]
     s += [f"## {A.section_title(data, 'provenance')}", ""]

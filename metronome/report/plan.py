@@ -50,6 +50,8 @@ OVERLOAD = 1.5
 REGIME_GAP = 0.10  # N* under the two phase regimes: shown side by side when they differ by more than this
 MISS_BUDGET = 0.01
 FLEET_DAY_S = 86400.0  # a constant offered rate is sized and costed over one day
+# the answer's "GPUs for an offered load" table: concurrent sessions offered (Erlangs), sized by Erlang B on N*
+ANSWER_LOADS = (100, 1_000, 10_000)
 
 SIGNAL_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
 FILL_FRACTIONS = (0.25, 0.5, 1.0, 1.5)
@@ -82,6 +84,7 @@ class ReportOptions:
     offered_load: str | None = None  # a rate, a rate pattern or a load CSV: the "How many GPUs" section
     max_refusal: float = DEFAULT_MAX_REFUSAL
     gpu_prices: tuple[tuple[str, float], ...] = ()  # (calibration name, USD per GPU-hour)
+    calibrations_from_live: bool = False  # the calibrations are those the --live folders recorded (none given)
 
     def offered(self) -> Arrivals | None:
         """The offered load the fleet section sizes for (None: no such section)."""
@@ -315,11 +318,19 @@ def default_window_tokens(cal: Calibration, sink_tokens: int) -> int:
     return int(blocks * bs - sink_tokens)
 
 
+def recommended_policy(cal: Calibration, kind: str = DEFAULT_KV, given: dict | None = None) -> tuple[KVPolicy, bool]:
+    """The bound a report recommends for ``cal`` (and ``metronome-sim fleet`` plans with by default): ``kind``
+    with the parameters ``given`` as they are and the others sized to about the last ``WINDOW_CONTEXT_S`` of
+    conversation (:func:`default_window_tokens`). Returns the policy and whether its window was chosen here."""
+    cls, given = policy_class(kind), dict(given or {})
+    check_policy_options(kind, given)
+    policy = cls.sized(cal.engine.block_size_tokens, given, lambda s: s + default_window_tokens(cal, s))
+    return policy, not any(p.sizes and p.name in given for p in cls.params)
+
+
 def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
     """Resolve the defaults for one calibration (one-line errors for a bad combination)."""
-    cls, given = policy_class(options.kv), dict(options.kv_params)
-    check_policy_options(options.kv, given)
-    policy = cls.sized(cal.engine.block_size_tokens, given, lambda s: s + default_window_tokens(cal, s))
+    policy, window_defaulted = recommended_policy(cal, options.kv, dict(options.kv_params))
     durations = Durations.parse(options.session_duration)
     if not math.isfinite(durations.mean_s):
         raise MetronomeError(f"--session-duration {options.session_duration!r}: needs a finite mean")
@@ -331,4 +342,4 @@ def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
                 session_duration=options.session_duration,
                 deadline_s=float(options.deadline_s or cal.stream.frame_period_s), seed=options.seed,
                 mc_runs=options.mc_runs, mc_edge_runs=options.mc_edge_runs, arrival_rate=options.arrival_rate,
-                window_defaulted=not any(p.sizes and p.name in given for p in cls.params), phases=options.phases)
+                window_defaulted=window_defaulted, phases=options.phases)
