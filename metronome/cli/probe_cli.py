@@ -93,6 +93,7 @@ def check_deadline(args) -> None:
 # options that act only with another (alone they would change nothing): (dest, flag, applies(args), what it needs)
 ONLY_WITH = (
     ("poll", "--poll", lambda a: a.target is not None, "--target"),
+    ("api_key", "--api-key", lambda a: a.target is not None, "--target (the server's token)"),
     ("max_restarts", "--max-restarts", lambda a: a.restart, "--restart"),
     ("kv_cache_gib", "--kv-cache-gib", lambda a: a.num_blocks is None, "no --num-blocks (that sets the pool itself)"),
 )

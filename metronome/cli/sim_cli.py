@@ -854,6 +854,8 @@ ONLY_WITH = (
                          ("scale_out_utilization", "--scale-out-utilization"),
                          ("scale_in_utilization", "--scale-in-utilization"), ("engine_start_s", "--engine-start-s"))),
     ("aimd_params", "--aimd-params", lambda a: a.command != "fleet" or a.admission == "aimd", "--admission aimd"),
+    ("ramp_s", "--ramp", lambda a: a.sessions is not None and a.arrival_rate is None and a.rate_pattern is None,
+     "--sessions (it spreads their starts), not with --arrival-rate or --rate-pattern"),
 )
 
 
