@@ -171,7 +171,8 @@ def figures(runner) -> dict:
     cap = _json(runner.run(CAPACITY + " --out cap"), "capacity.json")
     report = _json(runner.run(REPORT), "report.json")["calibrations"][0]
     fleet = _json(runner.run(FLEET + " --out fleet"), "fleet.json")
-    engines = fleet["calibrations"][0]
+    # the row of the bound the README passes (the fleet may print other policies beside it)
+    engines = next(c for c in fleet["calibrations"] if c["policy"] == "sinks(S=16, W=368)")
     presets = runner.run("metronome-sim calibrations")
     return {
         "n_star": cap["n_star"],
