@@ -40,6 +40,7 @@ from metronome.serve.gateway import Client, Gateway
 
 ERROR_TYPES = {"invalid_request_error", "server_error"}
 SCOPE_KEY = "metronome.protocol"  # a WebSocket's protocol in its ASGI scope (metronome.serve.transport's)
+SHUTDOWN_GRACE_S = 5.0  # after the drain, uvicorn's wait for connections still open
 STALL_S = 5.0  # seconds a client's socket may take nothing (its buffers full) before it is closed
 ACCOUNTS_KEPT = 1000  # ended sessions' rows the server keeps in memory (all go to the journal)
 BUFFERED_BYTES_MAX = 1 << 20  # more than a socket's buffers hold (metronome.serve.transport bounds them)
@@ -113,8 +114,11 @@ def server_config(app, host: str, port: int, max_message_bytes: int, log_level: 
     from metronome.serve.transport import HttpProtocol, WebSocketProtocol
 
     # (lifespan "on": the app's lifespan runs the status page's sampler)
+    # (timeout_graceful_shutdown: after the drain, uvicorn waits at most this long for connections still open,
+    # e.g. one whose client reads nothing, before it stops: the drain closed every session already)
     return uvicorn.Config(app, host=host, port=port, http=HttpProtocol, ws=WebSocketProtocol,
-                          ws_max_size=max_message_bytes, lifespan="on", log_level=log_level)
+                          ws_max_size=max_message_bytes, lifespan="on", log_level=log_level,
+                          timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
 
 def error_event(code: str, message: str, type_: str = "invalid_request_error") -> dict:
@@ -216,12 +220,13 @@ async def _session(state: ServeState, ws: WebSocket, client: Client, deny) -> No
         state.clients.add(client)
         proto = ws.scope.get(SCOPE_KEY)  # (uvicorn's protocol, as metronome.serve.transport runs it)
 
-        def kick(reason: str) -> None:
-            log.warning("%s: closed with 1008: %s", client.sid, reason)
+        def kick(code: int, reason: str) -> None:
+            log.warning("%s: closed with %d: %s", client.sid, code, reason)
             if proto is not None:
-                proto.kick(1008, reason)
+                proto.kick(code, reason)
 
-        client.on_limit = kick
+        client.kick = kick if proto is not None else None
+        client.on_limit = lambda reason: kick(1008, reason)
         sender = asyncio.create_task(_send(ws, client, state.tokenizer, state.stall_s, proto))
         client.shape = state.shape()
         await ws.send_text(json.dumps({"type": "session.created",
@@ -502,7 +507,10 @@ def _account(state: ServeState, client: Client) -> None:
 
 async def drain(state: ServeState) -> None:
     """SIGTERM: take no more sessions, tell each its time left, end them as their clients leave, close the rest
-    with 1001 at the drain timeout, then stop the gateway (every session still in ends ``stopped``)."""
+    with 1001 at the drain timeout, then stop the gateway (every session still in ends ``stopped``). The close at
+    the timeout does not wait on the client: the close frame goes out behind what it has not read, and its
+    connection is reset if it has not closed it a second later (``Client.kick``), so that a client that does not
+    read holds neither the drain nor the server's exit."""
     state.draining = True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.drain_timeout_s
@@ -512,7 +520,10 @@ async def drain(state: ServeState) -> None:
     while state.clients and loop.time() < deadline:
         await asyncio.sleep(0.05)
     for c in list(state.clients):
-        c.out.put_nowait(("close", 1001))
+        if c.kick is not None:
+            c.kick(1001, "drain_timeout")
+        else:  # (an ASGI server without metronome.serve.transport's protocol: the sender closes it)
+            c.out.put_nowait(("close", 1001))
     grace = loop.time() + 5.0
     while state.clients and loop.time() < grace:
         await asyncio.sleep(0.05)

@@ -62,6 +62,7 @@ class Client:
         self.errors = 0  # error events it earned
         self.bad_in_a_row = 0  # its last messages that each earned an error (the app's count)
         self.on_limit = None  # called with the reason when it passes a limit (the app closes its socket)
+        self.kick = None  # the app's: close its socket now, kick(code, reason) (None: not possible)
 
     # -- on the event loop ----------------------------------------------------------------------------------
     def decide(self, verdict: str) -> None:

@@ -193,3 +193,33 @@ def test_a_client_that_sends_without_reading_is_closed_and_its_unsent_answers_co
         row = srv.state.accounts[0]
         assert row["closed"] == "not_reading", row
         assert row["counted_undelivered"] >= 1 and row["sent"] == row["answered"] + row["counted"], row
+
+
+def test_the_drain_ends_a_client_that_does_not_read_and_the_server_stops(monkeypatch):
+    """A client that stopped reading, its socket's buffers full, when the server drains: at the drain timeout its
+    socket is closed at once (1001, then reset), not politely waited on, so the drain ends and uvicorn stops (it
+    waits for every connection to close)."""
+    from metronome.serve import transport
+    from metronome.serve.app import drain
+
+    monkeypatch.setattr(transport, "SEND_BUFFER_BYTES", 4096)
+    srv = h.Served(cap=4, stall_s=3600.0)  # (only the drain may close it)
+    try:
+        s = h.connect(srv.port)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(h.upgrade(srv.port))
+        assert h.read_response(s)[0] == 101
+        assert h.wait_for(lambda: len(srv.state.clients) == 1)
+        c = next(iter(srv.state.clients))
+        assert h.wait_for(lambda: c.out.qsize() >= 3, cap_s=120)  # (its answers pile up: the sender is stuck)
+        srv.state.drain_timeout_s = 0.2
+        done = asyncio.run_coroutine_threadsafe(drain(srv.state), c.loop)
+        done.result(h.WAIT_S)
+        assert h.wait_for(lambda: srv.sessions() == 0) and len(srv.state.accounts) == 1
+        srv.gw_thread.join(h.WAIT_S)
+        srv.server.should_exit = True
+        srv.thread.join(h.WAIT_S)
+        assert not srv.thread.is_alive()  # uvicorn stopped: no connection held it
+        s.close()
+    finally:
+        srv.stop()
