@@ -7,9 +7,15 @@ import os
 from metronome.errors import MetronomeError
 
 # A process vLLM spawns (its engine, its workers) imports the command's module before vLLM: its loggers get the
-# level the command chose (see quiet) before vLLM logs its first line, which it does before it configures logging.
-if os.environ.get("VLLM_LOGGING_LEVEL"):
-    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+# level the command chose (see quiet) before vLLM logs its first line, which it does before it configures logging,
+# and its warnings are hidden as the command's are.
+_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL", "").upper()
+if _LEVEL:
+    logging.getLogger("vllm").setLevel(_LEVEL)
+if _LEVEL in ("ERROR", "CRITICAL"):
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"(numba|vllm|torch)(\.|$)")
 
 
 class ErrorParser(argparse.ArgumentParser):

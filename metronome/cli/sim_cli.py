@@ -787,7 +787,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in (*policy_params(), "num_blocks", "phases"):
         f.add_argument(flag(name), dest=name, default=None, help=SCENARIO_OPTIONS[name][1])
     f.add_argument("--deadline", type=units.argtype(units.duration, "--deadline"), default=None, help=DEADLINE_HELP)
-    f.add_argument("--arrival-rate", dest="arrival_rate", default=None, help="offered load: constant sessions/s")
+    f.add_argument("--arrival-rate", dest="arrival_rate", default=None,
+                   help="offered load: a constant rate, 2 or 2/s, 120/min (a bare number is sessions per second)")
     f.add_argument("--rate-pattern", dest="rate_pattern", default=None,
                    help="offered load: SECONDS:RATE,... or a file of it (as run takes it)")
     f.add_argument("--load-csv", dest="load_csv", default=None,
@@ -796,7 +797,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--session-duration", dest="session_duration", default="exp:300",
                    help="SECONDS, exp:MEAN, lognormal:MEAN:SIGMA or list:A,B,... (default exp:300)")
     f.add_argument("--horizon", default=None,
-                   help="simulated seconds of the whole run (default: the pattern's length, or 86400 for a constant rate)")
+                   help="simulated time of the whole run: 86400, 86400s or 24h (default: the pattern's length, or 24 h "
+                        "for a constant rate)")
     f.add_argument("--max-refusal", dest="max_refusal", type=_refusal,
                    default=DEFAULT_MAX_REFUSAL,
                    help=f"the share of sessions that may be refused at the door, 0.01 or 1%% (default "
