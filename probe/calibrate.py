@@ -449,6 +449,9 @@ def _paced_engine(opts: CalibrateOptions, engine: Engine, out_dir: Path, needed:
         own.close()
 
 
+PACED_CAP = 20  # a paced run waits for its frames at most this many times its length on a quiet host
+
+
 def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: CalibrateOptions, n: int,
                   journal: Journal | None, attempt: int, key: str, out_dir: Path | None = None) -> dict:
     """N sessions on the frame clock for ``paced_seconds``; journals each step (kind ``paced``) and returns the
@@ -457,7 +460,7 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
     With ``out_dir`` the driver records its frames, steps and sessions there (run ``key``) exactly as a live run
     records them (``metronome-probe run``/``validate``), so the steps timed here carry the same bookkeeping a
     live run's do."""
-    from metronome.probe.driver import Driver, DriverConfig, SessionPlan
+    from metronome.probe.driver import Driver, DriverConfig, SessionPlan, frames_before
     from metronome.workload import draw_phases
 
     engine.reset()
@@ -465,9 +468,21 @@ def measure_paced(engine: Engine, policy: KVPolicy, stream: TokenStream, opts: C
     chunk = cdiv(engine.config.max_num_batched_tokens, engine.block_size) + 1
     prompts = paced_prompts(policy, engine.max_model_len, stream, n, room_blocks=room, chunk_blocks=chunk)
     prefill_s = 2.0 if max(prompts) > 1 else 0.0  # time for the histories' prefill, on top of paced_seconds
-    cfg = DriverConfig(stream=stream, horizon_s=opts.paced_seconds + prefill_s, run=key, seed=opts.seed + n,
-                       policy=policy, cap="rebase" if policy.bounded else "finish",
-                       rebase_tokens=policy.rebase_tokens() if policy.bounded else None, phases=opts.phases)
+    warm_at: list[float] = []
+
+    def paced_done(d) -> bool:
+        """The run lasts until every frame ticking in the ``paced_seconds`` after the warm-up (3 frames after the
+        last first frame is answered, as measured below) is answered: the same frames on a host of any speed."""
+        if not warm_at:
+            if (d.s_frames[:n] >= 1).all():
+                warm_at.append(d.now + 3 * stream.frame_period_s)
+            return False
+        return frames_before(d, warm_at[0] + opts.paced_seconds)
+
+    cfg = DriverConfig(stream=stream, horizon_s=PACED_CAP * (opts.paced_seconds + prefill_s + 1.0), run=key,
+                       seed=opts.seed + n, policy=policy, cap="rebase" if policy.bounded else "finish",
+                       rebase_tokens=policy.rebase_tokens() if policy.bounded else None, phases=opts.phases,
+                       until=paced_done)
     slots = draw_phases(n, opts.phases, opts.seed + n)
     res = Driver(engine, cfg, out_dir=out_dir, retain=out_dir is None).run(
         [SessionPlan(f"paced{n}.{i}", prompt_tokens=p, phase_slot=int(slots[i])) for i, p in enumerate(prompts)])
