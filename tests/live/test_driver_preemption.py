@@ -16,8 +16,12 @@ from metronome.calibration import TokenStream
 
 NUM_BLOCKS = 33
 MAX_LEN = 992
-STREAM = TokenStream(0.1, 14, 2)
-CAP_S = 300.0  # only a cap: the run ends when the victim is back and talking (a quiet host: ~3 s)
+# A quarter-second frame: a waiting session's silent input (14 tokens a tick) piles up by the clock while the
+# others' frames take the engine's time, and the victim must still fit the pool when they leave. At 0.1 s it did
+# not at load ~20 (a step 0.5-2 s: readmission came ~75 ticks after the start, its history past max_model_len);
+# at 0.25 s it fits while a frame takes under ~2.5 s
+STREAM = TokenStream(0.25, 14, 2)
+CAP_S = 300.0  # only a cap: the run ends when the victim is back and talking (a quiet host: ~5 s)
 # a, b and c leave after 4 answered frames: the pool ran dry in their third (frame 2: 224 + 14 + 16 + 16 tokens
 # pass 8 blocks), so the victim waited at least one tick. It leaves soon after that by frames, not seconds: a
 # waiting session's silent input (14 tokens a tick) piles up by the clock, and on a slow host by the time of a
@@ -56,12 +60,12 @@ def test_vllm_alone_deadlocks_when_paused_sessions_fill_the_pool(engine):
 
 def _victim_talks_again(driver) -> bool:
     """The first session preempted re-prefilled and then got the tokens of a frame ticking a period later; and d
-    answered 30 frames (3 s of ticks, the horizon this run had on a quiet host)."""
+    answered 20 frames (5 s of ticks: frames past 2 s for test_no_deadlock)."""
     from metronome.probe.driver import frames_answered
 
     victim = next((e["session"] for e in driver.events if e["event"] == "preempt"), None)
     back = next((e["t_s"] for e in driver.events if e["event"] == "prefilled" and e["session"] == victim), None)
-    return back is not None and frames_answered(driver, 30, sessions=["d"]) and any(
+    return back is not None and frames_answered(driver, 20, sessions=["d"]) and any(
         f["session"] == victim and f["tick_s"] > back + STREAM.frame_period_s + 0.15 and not f["silent"]
         and f["done_s"] is not None for f in driver.frames[-40:])
 
