@@ -41,6 +41,7 @@ from metronome.serve.gateway import Client, Gateway
 ERROR_TYPES = {"invalid_request_error", "server_error"}
 SCOPE_KEY = "metronome.protocol"  # a WebSocket's protocol in its ASGI scope (metronome.serve.transport's)
 SHUTDOWN_GRACE_S = 5.0  # after the drain, uvicorn's wait for connections still open
+IDLE_S = 60.0  # seconds a session's client may send nothing before it is closed
 STALL_S = 5.0  # seconds a client's socket may take nothing (its buffers full) before it is closed
 ACCOUNTS_KEPT = 1000  # ended sessions' rows the server keeps in memory (all go to the journal)
 BUFFERED_BYTES_MAX = 1 << 20  # more than a socket's buffers hold (metronome.serve.transport bounds them)
@@ -67,6 +68,7 @@ class ServeState:
     # the last ended sessions' rows (sent = answered + counted), newest last; all of them go to on_account
     accounts: deque = field(default_factory=lambda: deque(maxlen=ACCOUNTS_KEPT))
     stall_s: float = STALL_S  # a client whose socket takes nothing for this long is closed (not_reading)
+    idle_s: float = IDLE_S  # a client that sends nothing for this long is closed (idle)
     on_account: object | None = None  # called with each row (the CLI journals them)
     # what the server runs, told each session in session.created (a client that plans or re-simulates the same
     # workload needs it: metronome-probe run --target): the admission spec, the KV policy's options, the pool
@@ -104,7 +106,8 @@ class ServeState:
                 "limits": self.shape_limits(), "server": self.server}
 
 
-def server_config(app, host: str, port: int, max_message_bytes: int, log_level: str = "warning"):
+def server_config(app, host: str, port: int, max_message_bytes: int, log_level: str = "warning",
+                  headers_timeout_s: float | None = None):
     """uvicorn's settings for the app: the CLI's and the tests' (one place, so that a test serves what users run).
     The protocols are uvicorn's (httptools, and the sans-I/O WebSocket over ``websockets``) with the changes of
     :mod:`metronome.serve.transport`; ``max_message_bytes``: a longer message closes its socket with 1009 before it
@@ -116,7 +119,10 @@ def server_config(app, host: str, port: int, max_message_bytes: int, log_level: 
     # (lifespan "on": the app's lifespan runs the status page's sampler)
     # (timeout_graceful_shutdown: after the drain, uvicorn waits at most this long for connections still open,
     # e.g. one whose client reads nothing, before it stops: the drain closed every session already)
-    return uvicorn.Config(app, host=host, port=port, http=HttpProtocol, ws=WebSocketProtocol,
+    http = HttpProtocol
+    if headers_timeout_s is not None:
+        http = type("HttpProtocol", (HttpProtocol,), {"headers_timeout_s": float(headers_timeout_s)})
+    return uvicorn.Config(app, host=host, port=port, http=http, ws=WebSocketProtocol,
                           ws_max_size=max_message_bytes, lifespan="on", log_level=log_level,
                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
 
@@ -232,10 +238,18 @@ async def _session(state: ServeState, ws: WebSocket, client: Client, deny) -> No
         await ws.send_text(json.dumps({"type": "session.created",
                                        "session": {"id": client.sid, **state.session_info(client.shape)}}))
         while True:
-            if watch is not None:  # (a message that came before the accept, or the first after it)
-                msg, watch = await watch, None
-            else:
-                msg = await ws.receive()
+            if watch is None:
+                watch = asyncio.ensure_future(ws.receive())
+            await asyncio.wait({watch}, timeout=state.idle_s)  # (a message, from before the accept or after it)
+            if not watch.done():
+                client.past_limit("idle")
+                if proto is not None:  # (kicked: the receive hears the disconnect)
+                    await asyncio.wait({watch}, timeout=state.stall_s)
+                if not watch.done():
+                    with suppress(Exception):
+                        await asyncio.wait_for(ws.close(1008), state.stall_s)
+                    break
+            msg, watch = watch.result(), None
             if msg["type"] == "websocket.disconnect":
                 break
             text = msg.get("text")

@@ -4,6 +4,8 @@ protocol (``websockets``), each with what a server facing hostile clients needs 
 * **Bytes after the upgrade request.** A client may send its first frames in the same TCP write as the upgrade
   request; uvicorn's HTTP protocol hands the WebSocket protocol the request alone and drops the rest
   (:class:`HttpProtocol` passes it on), so those frames are answered or counted like any other.
+* **Slow headers.** A request whose headers are not complete within :data:`HEADERS_TIMEOUT_S` (a slowloris
+  client, a connection that never sends one) is closed.
 * **Invalid UTF-8 in a text frame.** The socket closes with 1007, as uvicorn does, but the server logs one line
   (uvicorn logs a traceback per message, which a client can make it write as often as it likes).
 * **A client that does not read.** The kernel's send buffer of a WebSocket is held to :data:`SEND_BUFFER_BYTES`
@@ -29,11 +31,50 @@ from metronome.serve.app import SCOPE_KEY
 
 log = logging.getLogger("metronome.serve")
 SEND_BUFFER_BYTES = 64 * 1024  # SO_SNDBUF of a WebSocket (Linux doubles it), and its transport's high-water mark
+HEADERS_TIMEOUT_S = 10.0  # a request's headers, from the connection (or its first byte): else it is closed
 KICK_GRACE_S = 1.0  # a kicked client's time to close after the close frame, before its connection is reset
 
 
 class HttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, except that the bytes after an upgrade request go to the WebSocket."""
+    """uvicorn's httptools protocol, except that the bytes after an upgrade request go to the WebSocket, and a
+    request's headers must be complete within :attr:`headers_timeout_s` of the connection (or of the request's
+    first byte, on a kept-alive one), else the connection is closed (uvicorn waits for them for ever)."""
+
+    headers_timeout_s = HEADERS_TIMEOUT_S
+    _headers_timer = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._start_headers_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._headers_timer is None:
+            self._start_headers_timer()
+
+    def on_headers_complete(self) -> None:
+        self._stop_headers_timer()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc) -> None:
+        self._stop_headers_timer()
+        super().connection_lost(exc)
+
+    def _start_headers_timer(self) -> None:
+        self._headers_timer = self.loop.call_later(self.headers_timeout_s, self._headers_late)
+
+    def _stop_headers_timer(self) -> None:
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+
+    def _headers_late(self) -> None:
+        self._headers_timer = None
+        if not self.transport.is_closing():
+            c = self.client
+            log.warning("%s: no complete request headers within %g s: closed",
+                        f"{c[0]}:{c[1]}" if c else "a client", self.headers_timeout_s)
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()

@@ -47,7 +47,8 @@ class Served:
     both. ``cap``: the admission gate's static limit; ``gateway=False``: a server still starting."""
 
     def __init__(self, cap: int = 32, api_key: str | None = None, max_message_bytes: int = 65536,
-                 gateway: bool = True, engine=None, deadline_s: float = P, stall_s: float = 5.0):
+                 gateway: bool = True, engine=None, deadline_s: float = P, stall_s: float = 5.0,
+                 idle_s: float = 60.0, headers_timeout_s: float | None = None):
         import uvicorn
 
         self.metrics = LiveMetrics(None)
@@ -57,11 +58,12 @@ class Served:
         self.gw_thread = threading.Thread(target=self.gateway.serve, daemon=True)
         self.gw_thread.start()
         self.state = ServeState(api_key=api_key, vocab_size=VOCAB, metrics=self.metrics,
-                                gateway=self.gateway if gateway else None, stall_s=stall_s)
+                                gateway=self.gateway if gateway else None, stall_s=stall_s, idle_s=idle_s)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(server_config(make_app(self.state), "127.0.0.1", self.port, max_message_bytes))
+        self.server = uvicorn.Server(server_config(make_app(self.state), "127.0.0.1", self.port, max_message_bytes,
+                                                   headers_timeout_s=headers_timeout_s))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         if not wait_for(lambda: self.server.started):

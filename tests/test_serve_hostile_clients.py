@@ -223,3 +223,24 @@ def test_the_drain_ends_a_client_that_does_not_read_and_the_server_stops(monkeyp
         s.close()
     finally:
         srv.stop()
+
+
+def test_slow_headers_and_an_idle_session_are_closed():
+    """A client that sends half its request headers, one that connects and sends nothing, and an admitted one that
+    sends nothing: each is closed (the first two at the headers timeout; the third with 1008, its accounts saying
+    ``idle``), and a client that keeps sending stays."""
+    with h.Served(cap=4, idle_s=2.0, headers_timeout_s=0.5) as srv:
+        half = h.connect(srv.port)
+        half.sendall(h.upgrade(srv.port)[:40])
+        silent = h.connect(srv.port)
+        idle, r, _ = h.open_session(srv.port)
+        for s in (half, silent):
+            assert s.recv(1024) == b""  # (closed by the server: end of stream)
+            s.close()
+        evs = r.until(lambda ev: not isinstance(ev, dict), cap=5000)
+        idle.close()
+        assert evs[-1] == ("close", 1008), evs[-1:]
+        assert h.wait_for(lambda: len(srv.state.accounts) == 1)
+        assert srv.state.accounts[0]["closed"] == "idle"
+        created, answered = asyncio.run(h.real_client(srv.url, frames=60))  # (60 periods: longer than idle_s)
+        assert answered == list(range(60))
