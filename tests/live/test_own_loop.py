@@ -62,10 +62,10 @@ def test_the_client_breaks_the_deadlock_at_the_first_stall(run):
 
 
 def test_sessions_keep_streaming_after_it(run):
-    """No deadlock: a second after the pool ran dry, the sessions still in the engine get their tokens."""
+    """No deadlock: ten frames after the one that ran the pool dry (frame 30), the sessions still in the engine get
+    their tokens. (Counted in frames: a busy host runs frame 30 well after its tick.)"""
     res, _, _ = run
-    t_sat = res.summary["t_sat_observed_s"]
-    late = [f for f in res.frames if f["tick_s"] > t_sat + 1.0 and f["tokens_delivered"] == STREAM.output_tokens_per_frame]
+    late = [f for f in res.frames if f["frame"] >= 40 and f["tokens_delivered"] == STREAM.output_tokens_per_frame]
     assert len({f["session"] for f in late}) >= 3, len(late)
     assert sum(1 for f in res.frames if f["silent"]) > 0  # the victims' frames, answered empty on time
 
