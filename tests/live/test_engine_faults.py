@@ -97,17 +97,17 @@ def test_engine_killed_without_restart_stops_and_keeps_data(tmp_path):
     assert (out / "controller.parquet").exists() and (out / "engine.log").exists()
 
 
-AFTER_BACK = 60  # frames ticking a second after the engine is back that the restart test waits for
+AFTER_BACK = 60  # spoken frames ticking a second after the engine is back that the restart test waits for
 
 
 def _wait_back_and_talking(proc, out, timeout: float = 600.0) -> None:
-    """Wait until the engine restarted and AFTER_BACK frames ticking a second after that were answered (a restart
+    """Wait until the engine restarted and AFTER_BACK frames ticking a second after that got tokens (a restart
     takes ~35 s on a quiet host, minutes on a busy one: no fixed horizon fits both)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         back = [e["t_s"] for e in _jsonl(out / "events.jsonl") if e["event"] == "engine_restarted"]
-        if back and sum(not f["censored"] and f["tick_s"] > back[0] + 1.0
+        if back and sum(not f["censored"] and not f["silent"] and f["tick_s"] > back[0] + 1.0
                         for f in _jsonl(out / "frames.jsonl")) >= AFTER_BACK:
             return
         time.sleep(0.5)
@@ -142,13 +142,14 @@ def test_engine_killed_with_restart_readmits_and_counts_the_outage(tmp_path):
     assert set(lost.session) <= set(rebased.session), (lost.session.tolist(), rebased.session.tolist())
     frames = pd.read_parquet(out / "frames.parquet")
     done = frames[~frames.censored]
-    # while the engine was down frames were answered silent, on time (within a frame period of their tick)
+    # while the engine was down frames were answered silent, at their tick, not held until it was back: within a
+    # second (a period, and the driver's own process starved by a busy host; the outage lasts tens of seconds)
     outage = done[(done.tick_s > down + PERIOD) & (done.tick_s < up - PERIOD)]
     assert len(outage) > 0 and outage.silent.all(), outage.head().to_string()
-    assert (outage.latency_s <= PERIOD + 0.1).all(), outage.latency_s.max()
-    # and after it the sessions spoke again
+    assert (outage.latency_s <= PERIOD + 1.0).all(), outage.latency_s.max()
+    # and after it the sessions spoke again (the run was stopped once AFTER_BACK frames had: _wait_back_and_talking)
     after = done[done.tick_s > up + 1.0]
-    assert len(after) > 0 and (~after.silent).mean() > 0.9
+    assert (~after.silent).sum() >= AFTER_BACK
     sessions = pd.read_parquet(out / "sessions.parquet")
     _frames_complete(frames, sessions)
     assert len(frames) == len(_jsonl(out / "frames.jsonl"))
