@@ -126,7 +126,8 @@ def _erlang_b_by_logs(servers: int, erlangs: float) -> float:
     return math.exp(logs[-1] - top) / sum(math.exp(x - top) for x in logs)
 
 
-def test_fleet_defaults_to_the_reports_bound_and_prints_the_unbounded_figure_beside_it(tmp_path):
+def test_fleet_defaults_to_the_reports_bound_and_prints_the_unbounded_figure_beside_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # each answer on one line, as a wide terminal shows it
     from metronome import calibration
     from metronome.fill_model import FillModel
     from metronome.kv_policy import KVPolicy
@@ -155,7 +156,8 @@ def test_fleet_defaults_to_the_reports_bound_and_prints_the_unbounded_figure_bes
     assert "unbounded KV, for comparison" not in plain.stdout and "· unbounded · N* = " in plain.stdout
 
 
-def test_fleet_reports_an_interval_that_means_something_and_the_worst_hour_against_the_target(tmp_path):
+def test_fleet_reports_an_interval_that_means_something_and_the_worst_hour_against_the_target(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # each answer on one line, as a wide terminal shows it
     # Unbounded Moshi on a small pool (N* = its memory ceiling for a 120 s session) offered near its 1% point:
     # one simulated hour's four quarters can all refuse nobody and print "95% CI 0.00%-0.00%" beside an hour at
     # over 1% in the day's run. The sizing now draws independent runs until its interval leaves the target (at most
@@ -182,7 +184,8 @@ def test_fleet_reports_an_interval_that_means_something_and_the_worst_hour_again
     assert f"hours over the 1.00% target  [least-loaded] static {over} of 4" in r.stdout
 
 
-def test_a_fleet_no_one_is_refused_in_says_so_without_an_interval(tmp_path):
+def test_a_fleet_no_one_is_refused_in_says_so_without_an_interval(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # each answer on one line, as a wide terminal shows it
     r = run_cli("fleet", *SMALL, "--arrival-rate", "0.05", "--session-duration", "exp:120", "--horizon", "3600",
                 "--peak-window", "1800", "--workers", "1", "--out", str(tmp_path / "f"))
     assert r.returncode == 0, r.stderr
