@@ -189,6 +189,8 @@ def figures(runner) -> dict:
         "gpus_pooled": engines["closed_form_engines"]["pooled"],
         "gpus_random": engines["closed_form_engines"]["random"],
         "gpus_simulated": engines["routers"]["least-loaded"]["simulated"]["engines"],
+        "gpus_unbounded": engines["unbounded"]["closed_form_engines"]["pooled"],
+        "n_star_unbounded": engines["unbounded"]["n_star"],
         "presets": len(re.findall(r"\b(?:moshi|qwen|minicpm)[\w.-]*-[bh]200\b", presets.output)),
     }
 
@@ -214,6 +216,8 @@ QUOTED = [
     ("GPUs for the load, random routing", r"H200s\*\* with a router\s+that finds any free GPU, (\d+) with random",
      "gpus_random"),
     ("GPUs for the load, simulated", r"confirms (\d+) with least-loaded", "gpus_simulated"),
+    ("GPUs for the load without the bound", r"needs (\d+) H200s", "gpus_unbounded"),
+    ("sessions per GPU without the bound", r"only the (\d+) unbounded sessions", "n_star_unbounded"),
     ("the load in Erlangs", r"1,000 / 300 s = ([\d.]+) sessions/s", None),
     ("places per GPU", r"a loss system with N\\\* = (\d+) places", "n_star"),
     ("the mix's mean length", r"sessions of (\d+) s on average", "mean_session_s"),
