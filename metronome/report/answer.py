@@ -4,6 +4,7 @@ so the two can never disagree."""
 from __future__ import annotations
 
 from metronome.calibration import COEFFICIENT_UNITS
+from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.report.plan import OVERLOAD, REGIME_GAP, TARGET_FRACTION
 from metronome.results import COLLAPSE_SILENT_FRACTION
 
@@ -468,7 +469,7 @@ def sizing_words(sim: dict) -> str:
     return f"refused {pct(sim['refused_fraction'])} over {runs}"
 
 
-def fleet_rows(c: dict, horizon_s: float, max_refusal: float) -> list[tuple[str, str]]:
+def fleet_rows(c: dict, horizon_s: float, max_refusal: float = DEFAULT_MAX_REFUSAL) -> list[tuple[str, str]]:
     """One calibration's fleet answer (an entry of :func:`metronome.sim.fleet_plan.plan`'s summary) as labelled lines:
     the closed form and the simulated size at the peak, the run's GPU-hours static and autoscaled, the refusals
     and silent frames achieved, the worst hour against the target, the cost when priced. ``metronome-sim fleet``
