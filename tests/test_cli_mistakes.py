@@ -10,6 +10,7 @@ check comes after vLLM's logging is set (a subprocess keeps that setting out of 
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -110,6 +111,8 @@ CASES = [
     ("probe", ["--model", "tiny", "--out", "USERDIR", "--replace"], "did not write"),
     ("probe", ["validate", "--model", "tiny", "--out", ".", "--replace"], "--out"),
     ("serve", ["--model", "tiny", "--out", "USERDIR"], "did not write"),
+    # a folder an earlier run wrote: the server has no --replace, so it must not advise one
+    ("serve", ["--model", "tiny", "--out", "PREVRUN"], "choose another --out"),
 ]
 
 
@@ -128,6 +131,12 @@ def workdir(tmp_path, monkeypatch):
     (user / "notes.txt").write_text("my notes\n")
     (user / "sub" / "keep.py").write_text("print('keep me')\n")
     (tmp_path / "userfile.txt").write_text("not a folder\n")
+    prev = tmp_path / "prev"  # what an earlier metronome-serve wrote, marked as metronome.outputs marks it
+    prev.mkdir()
+    (prev / "accounts.jsonl").write_text("{}\n")
+    (prev / ".metronome.json").write_text(json.dumps({"program": "metronome", "command": "metronome-serve",
+                                                     "version": "0.1.0", "written_at": "2026-12-04T00:00:00+00:00",
+                                                     "files": ["accounts.jsonl"]}))
     monkeypatch.chdir(tmp_path)
     # what a live command sets for the engine it would start stays out of the test process
     for name in ("VLLM_LOGGING_LEVEL", "OMP_WAIT_POLICY"):
@@ -138,7 +147,7 @@ def workdir(tmp_path, monkeypatch):
 
 
 def _argv(argv: list[str], root: Path) -> list[str]:
-    names = {"OUT": "out", "OUT.json": "out.json", "USERDIR": "mine", "USERFILE": "userfile.txt",
+    names = {"OUT": "out", "OUT.json": "out.json", "USERDIR": "mine", "USERFILE": "userfile.txt", "PREVRUN": "prev",
              "BROKEN": "broken.json", "PARAMS": "params.json"}
     return [str(root / names[a]) if a in names else a for a in argv]
 

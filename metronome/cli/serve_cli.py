@@ -134,7 +134,7 @@ def _check(args):
         if not mine - args.engine_cpus:
             raise MetronomeError("--engine-cpus takes every CPU this process may use: leave one for the server")
     if args.out is not None:
-        check_out(args.out, False)
+        check_out(args.out, None)  # the server has no --replace: a folder it wrote before is refused too
     kv_params = given_params(args)
     policy = policy_for(CalibrateOptions(model=args.model, out=args.out or "-", kv=args.kv, kv_params=kv_params,
                                          block_size=args.block_size))

@@ -517,8 +517,9 @@ def _read_validate(d: Path, obj: dict) -> dict:
         for kind in ("window", "sinks"):
             if kind in policies:
                 try:
+                    # (make_policy takes from the run's options only what the policy declares)
                     bounds.append(make_policy(kind, obj["block_size"], window=obj["window"],
-                                              sinks=obj.get("sinks") if kind == "sinks" else None).describe())
+                                              sinks=obj.get("sinks")).describe())
                 except MetronomeError:
                     pass
     params = _parameters(obj.get("deadline_s"), stream.get("frame_period_s"), bounds, obj.get("num_blocks"))
