@@ -185,3 +185,6 @@ def test_a_gpu_preset_on_a_machine_without_one_says_so_once(tmp_path):
 
 def test_the_sweep_holds_at_least_40_mistakes_over_the_three_clis():
     assert len(CASES) >= 40 and {c for c, _, _ in CASES} == set(CLIS)
+    # the README says how many mistakes the sweep tries: the parametrised cases and the GPU preset's own test
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"tries {len(CASES) + 1} such mistakes" in readme
