@@ -71,6 +71,17 @@ def let_vllm_scan_modules() -> None:
         give_llvmlite_a_dict()
 
 
+def preemption_order(preempted, waiting) -> list[str]:
+    """A step's preempted request ids in the order vLLM preempted them. Its scheduler hands them over as a set,
+    but it took them one by one from the end of ``running`` (the newest first) and prepended each to ``waiting``,
+    so the last one preempted stands first there: the order is the ids' places in ``waiting`` (the ids of the
+    queue, head first), deepest first. The front end requeues its sessions in this order, as the simulator's
+    engine model reports it. An id no longer waiting (finished or aborted in the same step) comes last, by id."""
+    place = {rid: k for k, rid in enumerate(waiting)}
+    gone = sorted(r for r in preempted if r not in place)
+    return sorted((r for r in preempted if r in place), key=place.__getitem__, reverse=True) + gone
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ResolvedModel
@@ -369,10 +380,14 @@ class Engine:
         """Capture each SchedulerOutput: which requests ran, how many tokens, who was preempted."""
         original = self.scheduler.schedule
         pending = self._pending_schedule
+        sched = self.scheduler
 
         def schedule(*args, **kwargs):
             out = original(*args, **kwargs)
-            pending.append(out)
+            # the victims' order is read now, from the waiting queue as this schedule() left it (see
+            # preemption_order); a later schedule() may already have readmitted some of them
+            victims = out.preempted_req_ids or ()
+            pending.append((out, preemption_order(victims, (r.request_id for r in sched.waiting)) if victims else []))
             return out
 
         self.scheduler.schedule = schedule
@@ -383,7 +398,7 @@ class Engine:
         results = self.llm.step()
         dt = time.perf_counter() - t0
         info = StepInfo(t_start=t0, duration_s=dt, batch=0, new_tokens=0, context_tokens=0, prefill_tokens=0)
-        for so in self._pending_schedule:
+        for so, victims in self._pending_schedule:
             info.batch += len(so.num_scheduled_tokens)
             info.new_tokens += so.total_num_scheduled_tokens
             for rid, n in so.num_scheduled_tokens.items():
@@ -396,7 +411,7 @@ class Engine:
                 info.context_tokens += done
                 if n > 1:
                     info.prefill_tokens += n
-            info.preempted.extend(sorted(so.preempted_req_ids or ()))
+            info.preempted.extend(victims)
         for out in results:
             toks = list(out.outputs[0].token_ids) if out.outputs else []
             if toks:

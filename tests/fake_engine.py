@@ -218,7 +218,7 @@ class FakeEngine:
         rec = self.model.step()
         info = StepInfo(t_start=t0, duration_s=0.0, batch=len(rec.scheduled), new_tokens=rec.new_tokens,
                         context_tokens=0, prefill_tokens=sum(n for n in rec.scheduled.values() if n > 1),
-                        preempted=[] if self.own_loop else sorted(rec.preempted), scheduled=dict(rec.scheduled))
+                        preempted=[] if self.own_loop else list(rec.preempted), scheduled=dict(rec.scheduled))
         for rid in rec.scheduled:
             info.computed[rid] = self.model.computed(rid)
             info.context_tokens += info.computed[rid]

@@ -275,16 +275,13 @@ def test_the_driver_and_the_simulator_serve_alike_on_random_scenarios():
     assert min(ids[c] for c in ("refeed", "readmit", "rebase")) >= ID_CHECKS, ids  # the token ids were checked
 
 
-@pytest.mark.xfail(strict=True, reason="known divergence: a step's engine preemptions are requeued in another order "
-                                       "live (vLLM reports them as a set; probe/engine.py sorts its ids)")
 def test_sessions_the_engine_preempts_in_one_step_are_requeued_alike():
     """Six unbounded sessions (11 tokens in, 6 out a frame) on 19 blocks, stepped by the driver: at 0.27 s the engine
     preempts two sessions in one step (running[-1] first: the newer, then the older). The simulator's front end
     requeues them in that order, each at the head of its queue, so the older ends first in line; the live driver
-    gets them from ``probe/engine.py`` as ``sorted(preempted_req_ids)`` (vLLM hands it a set) and requeues them in
-    the order of their ids, so at 0.4 s it readmits the newer first and the steps part from 0.448 s on. Strict: the
-    fix (the front end ordering a step's victims itself, whatever order its engine reports them in) makes it fail,
-    and it goes."""
+    got them from ``probe/engine.py`` as ``sorted(preempted_req_ids)`` (vLLM hands it a set) and requeued them in
+    the order of their ids, so at 0.4 s it readmitted the newer first and the steps parted from 0.448 s on. The live
+    engine now reports them in vLLM's order (``probe.engine.preemption_order``), as the fake engine here does."""
     cal = calibration(period=0.2, n_in=11, n_out=6, prompt=16, blocks=19, maxlen=512, budget=64, seqs=64, watermark=1,
                       slow=0.3)
     compare(sc_mod.make_scenario(calibration=cal, kv="unbounded", horizon=4.728653817189326, seed=114,
