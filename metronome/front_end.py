@@ -117,6 +117,8 @@ class FrontEnd:
         self.cap_blocks = policy.admission_cap_blocks(limits.in_flight_tokens, self.maxlen)
         self.outcome = serving.length_outcome(policy, cap)
         self.keep_tokens = serving.rebase_keep_tokens(policy, self.maxlen, unbounded=rebase_tokens)
+        if self.outcome == "rebase":  # (a reshaped session streams no more tokens a frame than this: serve's limits)
+            serving.check_rebase_room(policy, self.keep_tokens, self.n_in, self.n_out, self.maxlen)
 
         order = np.argsort(arrival_s, kind="stable")
         self.arrival = np.asarray(arrival_s, dtype=np.float64)[order]

@@ -184,6 +184,21 @@ def rebase_keep_tokens(policy: KVPolicy, max_model_len: int, unbounded: int | No
     return unbounded if unbounded else max_model_len // 2
 
 
+def check_rebase_room(policy: KVPolicy, keep: int, input_tokens: int, output_tokens: int, max_model_len: int) -> None:
+    """A rebased session must hold one frame on top of what it keeps: its ``keep`` tokens
+    (:func:`rebase_keep_tokens`), the token sampled last, the frame's input and its outputs, strictly below
+    ``max_model_len`` (:func:`frame_fits`). Otherwise every rebase meets the length limit again at once: vLLM
+    stops the request part-way through the frame (the engine model's room in its running pass), the session
+    stalls and is rebased over and over, and half its frames come back silent. Such a bound is refused as bad
+    input, in one line naming what does fit."""
+    frame = 1 + input_tokens + output_tokens
+    if not frame_fits(keep + frame, max_model_len):
+        raise MetronomeError(f"{policy.describe()} keeps {keep} tokens: with a frame of {frame} more ({input_tokens} "
+                             f"in, {output_tokens} out, the token sampled last) a rebased session reaches "
+                             f"max_model_len {max_model_len}; keep at most {max_model_len - 1 - frame} tokens "
+                             "(a smaller --window or --sinks) or raise max_model_len")
+
+
 def rebase_ids(policy: KVPolicy, tokens: list[int], keep: int) -> list[int]:
     """What a rebased session keeps of its token ids ``tokens``: ``keep`` of them (:func:`rebase_keep_tokens`), its
     sinks first (the policy's S, none unbounded) and then its last tokens, so that under the bound the new

@@ -79,6 +79,9 @@ CASES = [
     ("probe", ["--model", "tiny", "--num-blocks", "64", "--kv-cache-gib", "2", "--out", "OUT"], "--num-blocks"),
     ("serve", ["--model", "tiny", "--queue-timeout", "5"], "--admission"),
     ("serve", ["--model", "tiny", "--window", "128"], "bounded --kv"),
+    # -- a bound that cannot work: what a rebase keeps plus one frame passes the model's max_model_len (65,536)
+    ("sim", ["run", "--sessions", "2", "--kv", "sinks", "--sinks", "16", "--window", "65530", "--out", "OUT"],
+     "max_model_len"),
     # -- typos in commands, flags, choices and preset names
     ("sim", ["capcity"], "invalid choice"),
     ("sim", ["run", "--sesions", "5"], "unrecognized"),

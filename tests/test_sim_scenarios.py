@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metronome import calibration, serving
+from metronome.errors import MetronomeError
 from metronome.kv_policy import KVPolicy
 from metronome.workload import Arrivals, Durations
 from metronome.sim.scenario import Scenario, run, write
@@ -537,21 +538,19 @@ class _PeakComputed(serving.EngineModel):
         return rec
 
 
-@pytest.mark.parametrize("window,reached", [(236, True), (200, False)])
-def test_a_rebase_that_keeps_too_much_meets_the_engines_max_model_len_room(window, reached):
-    """The front end rebases a frame that would reach max_model_len (256 here) before the engine sees it, so the
-    engine's own cap (a running request gets at most max_model_len - computed - 1 tokens, as vLLM's running pass)
-    is met only by a rebased request that cannot hold its frame: a sinks policy keeping S + W = 16 + 236 = 252
-    tokens, with 4 tokens in and 8 out a frame. A session's history grows 12 tokens a frame (the re-fed token, 4 in,
-    7 of its 8 out kept): frame 21 finds 252 and would reach 252 + 5 + 8 >= 256, so it is rebased to min(252 + 5,
-    252) = 252 tokens, and those plus the 8 it samples pass 256: the engine stops it at 255 computed (after 4 of
-    its tokens). With W = 200 (216 kept: 216 + 5 + 8 < 256) the rebased frame fits and the cap never decides.
-    Whatever the front end then makes of that session, no request ever has max_model_len tokens computed."""
+def test_a_bound_whose_rebase_cannot_hold_a_frame_is_refused():
+    """The front end rebases a frame that would reach max_model_len (256 here) before the engine sees it. A sinks
+    policy keeping S + W = 16 + 236 = 252 tokens, with 4 tokens in and 8 out a frame, cannot hold one frame after a
+    rebase (252 + 1 re-fed + 4 + 8 = 265 >= 256): vLLM would stop the request part-way through every such frame.
+    It is refused before the run, naming the most that fits, 256 - 1 - 13 = 242 tokens. With W = 200 (216 kept,
+    216 + 13 < 256) the run goes on, rebases, and no request ever has max_model_len tokens computed."""
     c = fast_moshi()
     c = replace(c, model=replace(c.model, max_model_len_tokens=256), stream=calibration.TokenStream(0.1, 4, 8, 0))
+    with pytest.raises(MetronomeError, match="keeps 252 tokens.*keep at most 242 tokens"):
+        run(Scenario(c, KVPolicy.sinks(16, 16, 236), Arrivals("all", sessions=2), 6.0, seed=1), fast_forward=False)
     _PeakComputed.peak = 0
-    sc = Scenario(c, KVPolicy.sinks(16, 16, window), Arrivals("all", sessions=2), 6.0, seed=1)
+    sc = Scenario(c, KVPolicy.sinks(16, 16, 200), Arrivals("all", sessions=2), 6.0, seed=1)
     res = run(sc, fast_forward=False, check_invariants=True, engine_model=_PeakComputed)
     assert res.summary["rebases"] > 0
-    assert (res.rules_reached["length_limit"] > 0) is reached, res.rules_reached
+    assert res.rules_reached["length_limit"] == 0, res.rules_reached  # the front end's rebase came first
     assert 200 < _PeakComputed.peak < 256
