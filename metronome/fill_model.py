@@ -631,6 +631,11 @@ class FillModel:
         * the backlog of a running session that leaves, answered silent as it departs (``FrontEnd._end``): frames,
           but flushed at departure, not silent after a preemption, so not in the share's numerator.
 
+        A backlog is that of a session running since t=0. One readmitted after a preemption queues its frames anew
+        from its readmission, and it is the first victim when the pool runs dry again (vLLM preempts the most
+        recently admitted): its backlog is left out, and so, when the ceiling drops, the backlog of as many of the
+        pushed out as there are readmitted sessions running.
+
         A frame still in a backlog at the horizon is never answered and not counted."""
         st = self.calibration.stream
         P, tpf = st.frame_period_s, st.kv_tokens_per_frame
@@ -663,6 +668,7 @@ class FillModel:
         silent = np.zeros(runs)
         a_prev = np.full(runs, n)
         run_prev = np.full(runs, n)
+        first = np.full(runs, float(n))  # running sessions never preempted (the rest running were readmitted)
         k_prev = int(k[0])
         for c in range(n_cells):
             active = s < H
@@ -678,14 +684,24 @@ class FillModel:
             s_next = np.maximum((c + 1) * g * P, s + per_cell[c] * serve[run, c])
             on = sat & active
             if on.any():
-                # running sessions that left or were preempted since the last cell: their backlog, silent
+                # running sessions that left or were pushed out since the last cell, with their backlog: those
+                # running since t=0 owe every frame ticked since t_sat; a readmitted one's queue started anew at
+                # its readmission and is left out. The departures are spread over both kinds; the victims are the
+                # most recently admitted (vLLM's order): the readmitted ones first
                 left = np.where(a_prev > 0, (a_prev - a) * run_prev / np.maximum(a_prev, 1), 0.0)
+                left_first = np.where(run_prev > 0, left * first / np.maximum(run_prev, 1), 0.0)
+                readmitted = np.maximum(run_prev - left - (first - left_first), 0.0)
                 pushed = np.where(a > kc, max(k_prev - kc, 0), 0)
+                pushed_first = np.maximum(pushed - readmitted, 0.0)
                 owed = np.maximum(s - np.maximum(t_sat, tick0), 0.0) / P
                 excess = np.maximum(a - kc, 0) * (np.minimum(s_next, H) - s) / P
                 served = np.where(tick0 >= t_sat, run * per_cell[c], 0)
-                silent += np.where(on, pushed * owed + excess, 0.0)
-                frames += np.where(on, (left + pushed) * owed + excess + served, 0.0)
+                # the pushed out's backlog is silent after a preemption; the departed's is answered, flushed silent
+                silent += np.where(on, pushed_first * owed + excess, 0.0)
+                frames += np.where(on, (left_first + pushed_first) * owed + excess + served, 0.0)
+                first = np.where(on, np.clip(first - left_first - pushed_first, 0.0, run), run)
+            else:
+                first = run.astype(float)
             a_prev, run_prev, k_prev = a, run, kc
             s = np.where(active, s_next, s)
         phi = np.where(frames > 0, silent / np.maximum(frames, 1e-300), 0.0)
