@@ -32,8 +32,9 @@ arrivals (M/G/∞ shot noise, normal approximation).
 
 Saturating is not collapsing. After the pool first runs dry the survivors keep growing while some of
 them leave; the pool holds at most ``K(t) = floor(B / blocks(t))`` of them, and the others are silent
-(preempted, waiting for blocks). A run *collapses* (the rule of :mod:`metronome.sim.scenario`) when those
-silenced frames are at least 1% of the frames answered from ``t_sat`` to the horizon — a pool that runs
+(preempted, waiting for blocks). A run *collapses* (the rule of :mod:`metronome.results`) when those frames,
+silent after a preemption, are at least 1% of the frames answered from ``t_sat`` to the horizon (frames an
+engine behind the frame clock flushes silent as their session departs are answered, not silenced): a pool that runs
 dry once and recovers after a few departures does not. :meth:`FillModel.silenced_fraction` gives that
 fraction for given durations, :meth:`FillModel.p_collapse_fixed` the probability that it reaches the
 threshold.
@@ -385,9 +386,11 @@ class FillModel:
                 hi = int(src.max())
                 a = np.arange(hi + 1)[None, :]
                 n_ = src[:, None]
-                logp = (lgam[n_] - lgam[np.minimum(a, n_)] - lgam[np.maximum(n_ - a, 0)]
-                        + a * np.log(q[:, None]) + (n_ - a) * np.log1p(-q[:, None]))
-                w = pi[src][:, None] * np.where(a <= n_, np.exp(logp), 0.0)
+                # (a > n: no such outcome. Its formula's (n − a)·log(1 − q) is large and positive, and exp of it
+                # overflowed: it is masked to log 0 first, not exponentiated and thrown away)
+                logp = np.where(a <= n_, lgam[n_] - lgam[np.minimum(a, n_)] - lgam[np.maximum(n_ - a, 0)]
+                                + a * np.log(q[:, None]) + (n_ - a) * np.log1p(-q[:, None]), -np.inf)
+                w = pi[src][:, None] * np.exp(logp)
                 mass = w.sum(axis=0)
                 pi = np.zeros_like(pi)
                 pi[:hi + 1] = mass
@@ -567,10 +570,10 @@ class FillModel:
             f_sat = min{f : A_f > K_f}                       (t_sat = f_sat·P; none: never saturated)
             φ     = Σ_{f ≥ f_sat} (A_f − K_f)⁺  /  Σ_{f ≥ f_sat} A_f
 
-        ``φ`` is the share of the frames answered from ``t_sat`` on that are silent: the sessions past the
-        pool's ceiling are preempted and wait. It is the fraction the collapse rule of
-        :mod:`metronome.sim.scenario` measures (silent frames of admitted sessions over all frames from
-        the first preemption to the horizon), with the simulator's engine detail left out: a preempted
+        ``φ`` is the share of the frames answered from ``t_sat`` on that are silent after a preemption: the
+        sessions past the pool's ceiling are preempted and wait. It is the fraction the collapse rule of
+        :mod:`metronome.results` measures (frames silent after a preemption over all frames ticked from the first
+        preemption to the horizon), with the simulator's engine detail left out: a preempted
         session's history does not grow while it is silent, so it comes back holding fewer blocks and the
         engine fits slightly more than ``K_f`` — ``φ`` runs a few percent (relative) above the simulated
         fraction. The model also assumes the N sessions all fit at their first frame (admitted at t=0).
@@ -622,9 +625,16 @@ class FillModel:
         the throughput a running session answers frames of old ticks (its backlog), so they are:
 
         * frames served with their tick at or after ``t_sat``;
-        * the silent sessions' frames, answered at their ticks, ``(A − K)⁺`` a period;
-        * the backlog of a running session that leaves or is preempted: the front end answers its due frames
-          silent at once (``FrontEnd._end``, ``FrontEnd._preempt``), those ticked from ``t_sat`` to now.
+        * the silent sessions' frames, answered at their ticks, ``(A − K)⁺`` a period: silent after a preemption;
+        * the backlog of a running session that is preempted: the front end answers its due frames silent at once
+          (``FrontEnd._preempt``), those ticked from ``t_sat`` to now: silent after a preemption;
+        * the backlog of a running session that leaves, answered silent as it departs (``FrontEnd._end``): frames,
+          but flushed at departure, not silent after a preemption, so not in the share's numerator.
+
+        A backlog is that of a session running since t=0. One readmitted after a preemption queues its frames anew
+        from its readmission, and it is the first victim when the pool runs dry again (vLLM preempts the most
+        recently admitted): its backlog is left out, and so, when the ceiling drops, the backlog of as many of the
+        pushed out as there are readmitted sessions running.
 
         A frame still in a backlog at the horizon is never answered and not counted."""
         st = self.calibration.stream
@@ -658,6 +668,7 @@ class FillModel:
         silent = np.zeros(runs)
         a_prev = np.full(runs, n)
         run_prev = np.full(runs, n)
+        first = np.full(runs, float(n))  # running sessions never preempted (the rest running were readmitted)
         k_prev = int(k[0])
         for c in range(n_cells):
             active = s < H
@@ -673,15 +684,24 @@ class FillModel:
             s_next = np.maximum((c + 1) * g * P, s + per_cell[c] * serve[run, c])
             on = sat & active
             if on.any():
-                # running sessions that left or were preempted since the last cell: their backlog, silent
+                # running sessions that left or were pushed out since the last cell, with their backlog: those
+                # running since t=0 owe every frame ticked since t_sat; a readmitted one's queue started anew at
+                # its readmission and is left out. The departures are spread over both kinds; the victims are the
+                # most recently admitted (vLLM's order): the readmitted ones first
                 left = np.where(a_prev > 0, (a_prev - a) * run_prev / np.maximum(a_prev, 1), 0.0)
+                left_first = np.where(run_prev > 0, left * first / np.maximum(run_prev, 1), 0.0)
+                readmitted = np.maximum(run_prev - left - (first - left_first), 0.0)
                 pushed = np.where(a > kc, max(k_prev - kc, 0), 0)
+                pushed_first = np.maximum(pushed - readmitted, 0.0)
                 owed = np.maximum(s - np.maximum(t_sat, tick0), 0.0) / P
-                dump = (left + pushed) * owed
                 excess = np.maximum(a - kc, 0) * (np.minimum(s_next, H) - s) / P
                 served = np.where(tick0 >= t_sat, run * per_cell[c], 0)
-                silent += np.where(on, dump + excess, 0.0)
-                frames += np.where(on, dump + excess + served, 0.0)
+                # the pushed out's backlog is silent after a preemption; the departed's is answered, flushed silent
+                silent += np.where(on, pushed_first * owed + excess, 0.0)
+                frames += np.where(on, (left_first + pushed_first) * owed + excess + served, 0.0)
+                first = np.where(on, np.clip(first - left_first - pushed_first, 0.0, run), run)
+            else:
+                first = run.astype(float)
             a_prev, run_prev, k_prev = a, run, kc
             s = np.where(active, s_next, s)
         phi = np.where(frames > 0, silent / np.maximum(frames, 1e-300), 0.0)

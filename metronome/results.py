@@ -15,10 +15,25 @@ statistic, the live Prometheus gauges, calibration summaries) is :func:`weighted
 ("inverted CDF") percentile, always one of the observed values, never an interpolation, so "p99 frame latency"
 is one number for one set of samples wherever it is computed.
 
+**Silent frames, by what they are** (:func:`silent_cause`; the frames tables' ``silent_preempted``,
+``silent_waiting`` and ``silent_departed`` columns and the summaries' ``*_fraction`` keys, live and simulated). A
+silent frame got no token at all. It is exactly one of:
+
+* *silent after a preemption* (``silent_preempted``): its session had been admitted (given blocks) before the
+  frame ticked and then stopped getting tokens, because it was preempted (by the engine, or by the deadlock rule
+  when it was starved of blocks) or lost its KV with the engine: the frames owed when it lost its place, and those
+  ticking while it waits to be readmitted and re-prefills;
+* *silent while waiting to be admitted* (``silent_waiting``): its session had not yet been admitted when the frame
+  ticked (past the gate, waiting in the front end's queue for the blocks its first frame needs);
+* *flushed silent at departure* (``silent_departed``): answered as its session ended, with nothing for it yet (the
+  backlog of frames an engine slower than the frame clock owes a session, answered silent when it departs). No
+  preemption is involved: a departing session that had lost its place owes none.
+
 **Collapsed** (the definition every report uses): the pool saturated (``t_sat_observed_s`` is set) *and*
-afterwards at least :data:`COLLAPSE_SILENT_FRACTION` (1%) of all frames answered were silent frames of sessions
-that had been admitted and then lost their place (preempted sessions waiting or re-prefilling). A run that only
-queues new arrivals at the memory ceiling is not collapsed: nobody already talking went silent.
+afterwards at least :data:`COLLAPSE_SILENT_FRACTION` (1%) of all frames answered were silent after a preemption:
+sessions already talking stopped getting tokens. Frames flushed silent at departure do not count (an engine
+behind the frame clock answers them so whether or not the pool ran dry), nor do frames of sessions waiting for
+their first admission: a run that only queues new arrivals at the memory ceiling is not collapsed.
 """
 
 from __future__ import annotations
@@ -35,6 +50,9 @@ __all__ = [
     "COLLAPSE_SILENT_FRACTION",
     "LIVE_ONLY_KEYS",
     "REFUSED_REASONS",
+    "SILENT_DEPARTED",
+    "SILENT_PREEMPTED",
+    "SILENT_WAITING",
     "SIM_ONLY_KEYS",
     "SUMMARY_KEYS",
     "SummaryKey",
@@ -46,12 +64,15 @@ __all__ = [
     "percentiles",
     "shared_keys",
     "shared_summary",
+    "silent_cause",
     "weighted_percentile",
     "weighted_percentiles",
     "wilson_interval",
 ]
 
 COLLAPSE_SILENT_FRACTION = 0.01
+# what a silent frame is (module docstring; :func:`silent_cause`): 0 not silent
+SILENT_PREEMPTED, SILENT_WAITING, SILENT_DEPARTED = 1, 2, 3
 # sessions-table end reasons that mean the admission gate turned the session away (``sessions_refused``)
 REFUSED_REASONS = EndReason.NOT_ADMITTED
 DIGITS = 6  # figures in seconds and fractions are rounded to 1e-6 (a microsecond) in both summaries
@@ -133,8 +154,15 @@ SUMMARY_KEYS: tuple[SummaryKey, ...] = (
                "not counted (censored)"),
     SummaryKey("silent_frames", "frames", "answered frames that got no token at all"),
     SummaryKey("silent_frame_fraction", "fraction", "silent_frames / frames (0 without frames)"),
-    SummaryKey("silent_preempted_fraction", "fraction", "silent frames of sessions that had been admitted and "
-               "then lost their place (preempted: waiting or re-prefilling), over frames"),
+    SummaryKey("silent_preempted_fraction", "fraction", "silent after a preemption: silent frames of sessions "
+               "admitted before the frame's tick that then lost their place (preempted, also when starved of "
+               "blocks, or their KV lost with the engine) and wait or re-prefill, not answered at departure; "
+               "over frames"),
+    SummaryKey("silent_waiting_fraction", "fraction", "silent while waiting to be admitted: silent frames that "
+               "ticked before their session was first admitted, not answered at departure; over frames"),
+    SummaryKey("silent_departed_fraction", "fraction", "flushed silent at departure: silent frames answered as "
+               "their session ended (the backlog an engine behind the frame clock owed it); over frames. The three "
+               "silent_*_fraction keys sum to silent_frame_fraction (each rounded)"),
     SummaryKey("deadline_miss_fraction", "fraction", "frames not done within the deadline of their tick "
                "(silent ones answered on time do not miss), over frames"),
     SummaryKey("p50_frame_latency_s", "s", "nearest-rank p50 of answered frames' latency (done − tick), silent "
@@ -143,7 +171,7 @@ SUMMARY_KEYS: tuple[SummaryKey, ...] = (
     SummaryKey("t_sat_observed_s", "s", "start of the first step that found the pool dry: some session needed a "
                "block and none was free (None: never)", nullable=True),
     SummaryKey("collapsed", "bool", "the pool saturated and afterwards >= COLLAPSE_SILENT_FRACTION of frames were "
-               "silent frames of preempted sessions (module docstring)"),
+               "silent after a preemption (module docstring; not those flushed at departure)"),
     SummaryKey("preemptions", "preemptions", "preemptions (recompute: all the session's blocks freed); a session "
                "preempted twice counts twice"),
     SummaryKey("rebases", "rebases", "restarts of a session near max_model_len (or after an engine death) as a new "
@@ -214,8 +242,24 @@ def _r(x, nd: int = DIGITS):
     return None if x is None else round(float(x), nd)
 
 
+def silent_cause(tokens: int, departed: bool, tick_s: float, admitted_s: float) -> int:
+    """What a frame answered with ``tokens`` tokens is (module docstring): 0, not silent; else
+    :data:`SILENT_DEPARTED` when it is answered as its session ends (``departed``), :data:`SILENT_WAITING` when its
+    tick (``tick_s``) came before its session was first admitted (``admitted_s``; NaN: never admitted), and
+    :data:`SILENT_PREEMPTED` otherwise: an admitted session's frame is silent only once it lost its place. The live
+    driver asks it of each frame, the simulator's records (compiled) of each answer."""
+    if tokens != 0:  # serving.frame_is_silent
+        return 0
+    if departed:
+        return SILENT_DEPARTED
+    if not tick_s >= admitted_s:  # (NaN: never admitted)
+        return SILENT_WAITING
+    return SILENT_PREEMPTED
+
+
 def collapsed(t_sat_s: float | None, tick_s, frames, silent_preempted) -> bool:
-    """The collapse verdict (module docstring) from frame rows: tick time, frames, silent preempted frames."""
+    """The collapse verdict (module docstring) from frame rows: tick time, frames, frames silent after a
+    preemption."""
     if t_sat_s is None:
         return False
     after = np.asarray(tick_s, dtype=float) >= t_sat_s
@@ -232,7 +276,7 @@ def _counts(x) -> np.ndarray:
 
 
 def collapse_decided(silent_after: int, frames_after: int, frames_left: int) -> bool:
-    """Collapsed whatever happens next: ``silent_after`` silent frames of admitted sessions among ``frames_after``
+    """Collapsed whatever happens next: ``silent_after`` frames silent after a preemption among ``frames_after``
     frames answered since t_sat, and even if all of the at most ``frames_left`` frames still to be answered came
     back non-silent the share would stay at or above :data:`COLLAPSE_SILENT_FRACTION`. With ``frames_left = 0``
     this is the verdict itself (:func:`collapsed`), so a run stopped on it ends as the full run would."""
@@ -253,14 +297,16 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, late, tokens, t_sat_s,
+def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, silent_waiting, silent_departed, late,
+                   tokens, t_sat_s,
                    step_s, peak_used_blocks: int, usable_blocks: int, preemptions: int, rebases: int,
                    sessions_offered: int, sessions_admitted: int, sessions_refused: int) -> dict:
     """The shared keys (:data:`SUMMARY_KEYS`, in that order) from a run's answered frames and its steps.
 
     Frame arguments are equal-length arrays, one entry per frame row: a row stands for ``frames[i]`` frames
-    of one tick (the simulator's rows aggregate a tick's sessions; a live row is one frame), ``silent``,
-    ``silent_preempted`` and ``late`` of which were silent, silent after a preemption, or missed the deadline,
+    of one tick (the simulator's rows aggregate a tick's sessions; a live row is one frame), ``silent`` and
+    ``late`` of which were silent or missed the deadline, and ``silent_preempted``, ``silent_waiting`` and
+    ``silent_departed`` the silent ones by what they are (:func:`silent_cause`),
     with latency ``latency_s[i]`` (``NaN``: not answered with a time, left out of the percentiles) and
     ``tokens[i]`` output tokens. ``step_s`` holds every step's duration."""
     n = len(np.atleast_1d(frames))
@@ -288,6 +334,8 @@ def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, late,
         "silent_frames": n_silent,
         "silent_frame_fraction": frac(n_silent),
         "silent_preempted_fraction": frac(int(sp.sum())),
+        "silent_waiting_fraction": frac(int(arr(silent_waiting).sum())),
+        "silent_departed_fraction": frac(int(arr(silent_departed).sum())),
         "deadline_miss_fraction": frac(int(arr(late).sum())),
         "p50_frame_latency_s": _r(p50),
         "p99_frame_latency_s": _r(p99),

@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from metronome import serving
+from metronome import results, serving
 from metronome.calibration import TokenStream
 from metronome.front_end import ENDED, PREFILL, REFUSED, RUNNING, WAITING, FrontEnd
 from metronome.kv_policy import KVPolicy
@@ -378,11 +378,15 @@ class Driver(FrontEnd):
         done = None if censored or self._leaving else now
         latency = None if censored else now - tick
         silent = serving.frame_is_silent(tokens) and not censored
+        # what a silent frame is (results.silent_cause; the simulator's frames table has the same three columns)
+        cause = results.silent_cause(tokens, self._leaving, tick, float(self.s_admitted[i])) if silent else 0
         row = {
             "session": self._label(i), "frame": f - int(self.join[i]), "tick_s": tick, "submitted_s": submitted,
             "first_token_s": first, "done_s": done, "latency_s": latency,
             "tokens_expected": int(self.n_out_of[i]), "tokens_delivered": tokens, "tokens_by_deadline": by_deadline,
-            "silent": silent, "silent_by_deadline": by_deadline == 0,
+            "silent": silent, "silent_preempted": cause == results.SILENT_PREEMPTED,
+            "silent_waiting": cause == results.SILENT_WAITING, "silent_departed": cause == results.SILENT_DEPARTED,
+            "silent_by_deadline": by_deadline == 0,
             "met_deadline": done is not None and latency <= self.deadline_of[i] + _EPS, "censored": censored,
             "state": RUNNING_S if book is not None else state, "period_s": float(self.P_of[i]), "rebased": rebased,
         }

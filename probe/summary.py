@@ -22,9 +22,10 @@ def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_b
 
     ``t_sat_observed_s`` is the start of the first step after which the driver (or vLLM) had to preempt, or
     that left requests waiting on an empty pool, or stalled: the moment some session needed a block and none
-    was free, the simulator's ``t_sat``. A frame is *silent after a preemption* (``silent_preempted_fraction``,
-    ``collapsed``) when it is silent and its session had been preempted (or lost its KV with the engine) by
-    the time the frame was answered. ``num_blocks`` is vLLM's pool, its null block included."""
+    was free, the simulator's ``t_sat``. What each silent frame is (``silent_preempted``, ``silent_waiting``,
+    ``silent_departed``; the first decides ``collapsed``) the driver wrote in its row
+    (:func:`metronome.results.silent_cause`); a remote client's rows (:mod:`metronome.probe.ws_client`) cannot
+    tell, and count in none of the three. ``num_blocks`` is vLLM's pool, its null block included."""
     events = events or []
     done = [f for f in frames if not f["censored"]]
     n = len(done)
@@ -34,22 +35,17 @@ def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_b
     first_full = next((s["t_s"] for s in steps if (s["free_blocks"] == 0 and s["waiting"] > 0) or s["stalled"]),
                       None)
     sat = [t for t in (first_preempt, first_full) if t is not None]
-    lost_at: dict = {}  # session -> when it first lost its place (preempted, or its KV died with the engine)
-    for e in events:
-        if e["event"] in ("preempt", "lost") and e.get("session") is not None:
-            lost_at.setdefault(e["session"], e["t_s"])
 
-    def silent_preempted(f) -> bool:
-        t = lost_at.get(f["session"])
-        answered = f["done_s"] if f["done_s"] is not None else math.inf
-        return bool(f["silent"]) and t is not None and t <= answered
+    def cause(what: str) -> list[bool]:
+        return [bool(f.get(what, False)) for f in done]
 
     not_running = [f for f in done if f["state"] != "running"]
     shared = shared_summary(
         tick_s=[f["tick_s"] for f in done],
         latency_s=[math.nan if f["latency_s"] is None else f["latency_s"] for f in done],
         frames=np.ones(n, dtype=np.int64), silent=[bool(f["silent"]) for f in done],
-        silent_preempted=[silent_preempted(f) for f in done], late=[not f["met_deadline"] for f in done],
+        silent_preempted=cause("silent_preempted"), silent_waiting=cause("silent_waiting"),
+        silent_departed=cause("silent_departed"), late=[not f["met_deadline"] for f in done],
         tokens=[f["tokens_delivered"] for f in done], t_sat_s=min(sat) if sat else None,
         step_s=[s["step_s"] for s in steps], peak_used_blocks=max((s["used_blocks"] for s in steps), default=0),
         usable_blocks=num_blocks - 1,

@@ -312,7 +312,8 @@ def compare(live, sim, policy: KVPolicy, spread: dict | None = None) -> dict:
         "preemptions": {"live": ls["preemptions"], "simulated": ss["preemptions"]},
         # the summaries share these keys, with one meaning (metronome.results): no translation between them
         **{k: {"live": ls[k], "simulated": ss[k]} for k in ("frames", "peak_used_blocks", "peak_pool_occupancy",
-                                                            "silent_preempted_fraction", "collapsed")},
+                                                            "silent_preempted_fraction", "silent_waiting_fraction",
+                                                            "silent_departed_fraction", "collapsed")},
         "cliff_live": bool(ls["preemptions"] > 0 and ls["silent_frame_fraction"] > 0),
         "cliff_simulated": bool(ss["preemptions"] > 0 and ss["silent_frame_fraction"] > 0),
         "live": {k: ls[k] for k in ("preemptions_by_reason", "readmissions", "stalls", "steps", "p50_step_latency_s",

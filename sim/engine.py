@@ -173,9 +173,9 @@ class SimEngine(FrontEnd):
         fr = self.frames
         fr.reserve(n)
         r0 = fr.rows
-        fr.commit(fp.flush(now, n, key, who, tok, self.admitted, self.P, float(serving.phase_offset_s(1, self.P)),
-                           self.deadline, _EPS, self.s_late, *self._frame_stores(), r0, -1,  # (-1: told below)
-                           serving.key_order_work(n)))
+        fr.commit(fp.flush(now, n, key, who, tok, self.state, self.s_admitted, self.P,
+                           float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS, self.s_late,
+                           *self._frame_stores(), r0, -1, serving.key_order_work(n)))  # (-1: told below)
         lat, nn, silent = (fr.column(c)[r0:] for c in ("latency_s", "frames", "silent"))
         if self.controller is not None:
             for lt, k, sl in zip(lat.tolist(), nn.tolist(), silent.tolist()):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from metronome import compiled, control_kernel, jitter_kernel, kv_policy, serving
+from metronome import compiled, control_kernel, jitter_kernel, kv_policy, results, serving
 from metronome import control_kernel as ck
 from metronome.compiled import borrowed, hold
 from metronome.calibration import step_inputs
@@ -59,8 +59,9 @@ N_ICONF = 11
 CTL_NONE, CTL_AFTER, CTL_COMPILED = 0, 1, 2
 # frame rows' integer columns (fr_i); R_INFLIGHT: sessions in flight at the front end when the row was answered (what
 # an admission controller is told with it)
-R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_INFLIGHT = (
-    FRAME_BLOCK.index(c) for c in ("frames", "late", "tokens", "silent", "silent_preempted", "in_flight"))
+R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_SILENT_WAIT, R_SILENT_DEP, R_INFLIGHT = (
+    FRAME_BLOCK.index(c) for c in ("frames", "late", "tokens", "silent", "silent_preempted", "silent_waiting",
+                                   "silent_departed", "in_flight"))
 # a step row's integer columns (st_i), likewise the steps table's block
 (Q_BATCH, Q_NEW, Q_CTX, Q_USED, Q_OUT, Q_DONE, Q_RUNNING, Q_WAITING, Q_SILENT, Q_FREE, Q_PRE) = (
     STEP_BLOCK.index(c) for c in ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out",
@@ -77,6 +78,7 @@ NO_JITTER, INDEPENDENT, CORRELATED = 0, 1, 2
 # the step model's form and a session's first frame, compiled from their one statement
 _step_inputs = nb.njit(cache=True)(step_inputs)
 _join_frame = nb.njit(cache=True)(serving.join_frame)
+_silent_cause = nb.njit(cache=True)(results.silent_cause)
 # istate[S_TURNED]: 0 the caller takes the turn at fstate[0]; 1 the turn there is taken, the step is the caller's;
 # 2 a step (or a wait) starts at fstate[0] and ends at fstate[1], at or past the horizon, where SimPy stops the
 # run (the step-by-step path never gets to its records either); 3 the turn at fstate[0] is taken and the loop
@@ -109,12 +111,13 @@ def _tick(f, P, ph):
 
 
 @compiled.inlined
-def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i,
-          nrows, in_flight, work):
+def flush(now, n, keys, who, toks, state, s_admitted, P, Pq, deadline, eps, s_late, fr_f, fr_tick, fr_done, fr_lat,
+          fr_i, nrows, in_flight, work):
     """``n`` answers (tick key, session, tokens got) become one row per tick, in tick order, all answered at
     ``now`` with ``in_flight`` sessions in flight (-1: nobody reads it, not written); a late frame counts against its
-    session (``s_late``). Both paths record their rows with it (SimEngine._flush_answers). ``work``: room to sort in
-    (serving.key_order_in). Returns the rows written so far."""
+    session (``s_late``), a silent one is counted by what it is (results.silent_cause: a session that ended now was
+    answered at its departure). Both paths record their rows with it (SimEngine._flush_answers). ``work``: room to
+    sort in (serving.key_order_in). Returns the rows written so far."""
     if n == 0:
         return nrows
     # rows are sums over a tick: the order within one does not matter
@@ -131,15 +134,21 @@ def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f,
         latency = now - tick
         late = latency > deadline + eps
         tk = 0
-        sil = 0
         pre = 0
+        wait = 0
+        dep = 0
         for q in range(j, e):
             i = who[order[q]]
-            tk += toks[order[q]]
-            if toks[order[q]] == 0:  # serving.frame_is_silent
-                sil += 1
-                if admitted[i]:
+            tok = toks[order[q]]
+            tk += tok
+            if tok == 0:  # serving.frame_is_silent
+                cause = _silent_cause(tok, state[i] == ENDED_STATE, tick, s_admitted[i])
+                if cause == results.SILENT_PREEMPTED:
                     pre += 1
+                elif cause == results.SILENT_WAITING:
+                    wait += 1
+                else:
+                    dep += 1
             if late:
                 s_late[i] += 1
         fr_f[nrows] = f
@@ -149,8 +158,10 @@ def flush(now, n, keys, who, toks, admitted, P, Pq, deadline, eps, s_late, fr_f,
         fr_i[R_FRAMES, nrows] = e - j
         fr_i[R_LATE, nrows] = (e - j) if late else 0
         fr_i[R_TOKENS, nrows] = tk
-        fr_i[R_SILENT, nrows] = sil
+        fr_i[R_SILENT, nrows] = pre + wait + dep
         fr_i[R_SILENT_PRE, nrows] = pre
+        fr_i[R_SILENT_WAIT, nrows] = wait
+        fr_i[R_SILENT_DEP, nrows] = dep
         if in_flight >= 0:
             fr_i[R_INFLIGHT, nrows] = in_flight
         nrows += 1
@@ -838,23 +849,23 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
     if lockstep:
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n0)
-    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done,
-                      fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
+    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f,
+                      fr_tick, fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
     return True, n_sub, latest, nrows, n_pend, n_new
 
 
 @compiled.inlined
-def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done, fr_lat,
-              fr_i, nrows, cs, cp, clat, cw, ctr):
+def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f, fr_tick,
+              fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr):
     """The moment's answers recorded (:func:`flush`) and told to a compiled controller as SimEngine._flush_answers
     tells it (row by row; all at one moment: control_kernel.observe_moment). Returns the rows."""
     if n_ans == 0:
         return nrows
     r0 = nrows
     in_flight = fc[C_NRUN] + fc[C_NWAIT]
-    nrows = flush(now, n_ans, a_key, a_who, a_tok, admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE], fconf[F_EPS],
-                  s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, in_flight if iconf[I_CTL] == CTL_AFTER else -1,
-                  work)
+    nrows = flush(now, n_ans, a_key, a_who, a_tok, state, s_admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE],
+                  fconf[F_EPS], s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows,
+                  in_flight if iconf[I_CTL] == CTL_AFTER else -1, work)
     if iconf[I_CTL] == CTL_COMPILED:  # (the rows were all answered at `now` with `in_flight` in flight)
         ck.observe_moment(cs, cp, clat, cw, ctr, now, in_flight, fr_lat[r0:nrows], fr_i[R_FRAMES][r0:nrows],
                           fr_i[R_SILENT][r0:nrows])
@@ -906,7 +917,7 @@ def _preempt_all(step_start, vic, n_vic, iconf, fstate, fc, fq, state, sslot, ps
 
 @compiled.inlined
 def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_out, n_vic, pslot, state, inflight,
-                 backlog, next_frame, s_frames, s_silent, s_late, admitted, a_key, a_who, a_tok, work, run_sess, pend,
+                 backlog, next_frame, s_frames, s_silent, s_late, s_admitted, a_key, a_who, a_tok, work, run_sess, pend,
                  n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_t, st_lat, st_i, k, o_n, cs, cp, clat, cw,
                  ctr):
     """A step that started at ``step_start``, took ``lat`` and ended at ``now``, its tokens gone to their frames
@@ -916,8 +927,8 @@ def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_o
     if n_pend:
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n_ans)
-    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, admitted, s_late, fr_f, fr_tick, fr_done,
-                      fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
+    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f,
+                      fr_tick, fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
     _record_step(st_i, k, fc, o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], o_n[O_USED], tokens_out, n_ans,
                  a_tok[n_done:n_ans], n_vic)
     st_t[k], st_lat[k] = step_start, lat
@@ -1120,9 +1131,9 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                 inflight_tok, hist, last_tok, pending_in, s_preempt, s_frames, s_silent, fresh, cnt, status, slots,
                 held, run, kw, wq, a_key, a_who, a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new)
         n_pend, nrows = _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_out, n_vic, pslot,
-                                     state, inflight, backlog, next_frame, s_frames, s_silent, s_late, admitted, a_key,
-                                     a_who, a_tok, work, run_sess, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i,
-                                     nrows, st_t, st_lat, st_i, s0 + nsteps, o_n, cs, cp, clat, cw, ctr)
+                                     state, inflight, backlog, next_frame, s_frames, s_silent, s_late, s_admitted,
+                                     a_key, a_who, a_tok, work, run_sess, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat,
+                                     fr_i, nrows, st_t, st_lat, st_i, s0 + nsteps, o_n, cs, cp, clat, cw, ctr)
         peak, nsteps = max(peak, o_n[O_USED]), nsteps + 1
     istate[S_SFRAME], istate[S_PEAK], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED], istate[S_IDLE], \
         istate[S_NPEND], istate[S_NNEW], istate[S_PRELAST], fstate[0] = sframe, peak, nsteps, nrows, turned, idle, \
@@ -1131,6 +1142,6 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
 
 
 # what run_span compiles into itself from other modules: the engine step (with the residency it calls), the step
-# model's form, the jitter ratio, the admission controllers and the hold on borrowed arrays
-FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, compiled)
+# model's form, the jitter ratio, the admission controllers, the hold on borrowed arrays and what a silent frame is
+FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, compiled, results.silent_cause)
 STEP_FORM = compiled.guard(run_span, FORM_PARTS)  # before any loop is called, so none has loaded its cache yet

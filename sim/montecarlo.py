@@ -6,7 +6,8 @@ Two figures, two predictions (see :mod:`metronome.fill_model`):
 * **saturated** — the pool ran dry at least once (a preemption). ``saturated_fraction`` is the share of
   runs that did; ``predicted_saturation_probability`` is the fill model's exact P(saturate).
 * **collapsed** — saturated *and* at least ``COLLAPSE_SILENT_FRACTION`` (1%) of the frames answered from
-  then to the horizon were silent frames of admitted sessions (:mod:`metronome.sim.scenario`).
+  then to the horizon were silent after a preemption (:mod:`metronome.results`; not the frames flushed silent
+  at departure).
   ``collapse_fraction`` is the share of runs that did; ``predicted_collapse_probability`` is
   :meth:`FillModel.p_collapse_fixed`: P(saturate) times the chance that the sessions past the pool's
   ceiling after ``t_sat`` silence at least that share of the frames.
@@ -34,8 +35,9 @@ from metronome.sim import scenario as scn
 from metronome.sim.executors import LocalExecutor
 
 RUN_COLUMNS = ("seed", "collapsed", "t_sat_observed_s", "silent_frame_fraction", "silent_preempted_fraction",
-               "deadline_miss_fraction", "p99_frame_latency_s", "preemptions", "peak_pool_occupancy",
-               "sessions_offered", "sessions_admitted", "frames")
+               "silent_waiting_fraction", "silent_departed_fraction", "deadline_miss_fraction",
+               "p99_frame_latency_s", "preemptions", "peak_pool_occupancy", "sessions_offered", "sessions_admitted",
+               "frames")
 
 
 def run_one(point: dict[str, Any], stop_when_decided: bool = False) -> dict[str, Any]:

@@ -19,13 +19,16 @@ STEP_COLUMNS = (
     "t_s", "step_s", "batch", "new_tokens", "context_tokens", "resident_blocks", "free_blocks",
     "tokens_out", "frames_done", "silent_frames", "preemptions", "running", "waiting",
 )
-FRAME_COLUMNS = ("frame", "tick_s", "done_s", "latency_s", "frames", "silent", "silent_preempted", "late", "tokens")
+# silent_preempted, silent_waiting, silent_departed: the silent frames by what they are (metronome.results)
+FRAME_COLUMNS = ("frame", "tick_s", "done_s", "latency_s", "frames", "silent", "silent_preempted", "silent_waiting",
+                 "silent_departed", "late", "tokens")
 # the integer columns a compiled writer takes as one array, one row each, in its order (metronome.sim.fastpath
 # indexes them by these names); "in_flight" is the writer's own: what a controller deciding in Python is told with a
 # frame row, no column of the table, and written only for one (a row of storage never written costs nothing)
 STEP_BLOCK = ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out", "frames_done", "running",
               "waiting", "silent_frames", "free_blocks", "preemptions")
-FRAME_BLOCK = ("frames", "late", "tokens", "silent", "silent_preempted", "in_flight")
+FRAME_BLOCK = ("frames", "late", "tokens", "silent", "silent_preempted", "silent_waiting", "silent_departed",
+               "in_flight")
 
 
 def _fresh(shape, dtype) -> np.ndarray:

@@ -287,7 +287,8 @@ def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.Data
     shared = shared_summary(
         tick_s=frames["tick_s"].to_numpy(), latency_s=frames["latency_s"].to_numpy(),
         frames=frames["frames"].to_numpy(), silent=frames["silent"].to_numpy(),
-        silent_preempted=frames["silent_preempted"].to_numpy(), late=frames["late"].to_numpy(),
+        silent_preempted=frames["silent_preempted"].to_numpy(), silent_waiting=frames["silent_waiting"].to_numpy(),
+        silent_departed=frames["silent_departed"].to_numpy(), late=frames["late"].to_numpy(),
         tokens=frames["tokens"].to_numpy(), t_sat_s=eng.t_sat, step_s=steps["step_s"].to_numpy(),
         peak_used_blocks=eng.peak_used, usable_blocks=eng.num_blocks,
         preemptions=int(sessions["preemptions"].sum()), rebases=int(sessions["rebases"].sum()),

@@ -100,11 +100,15 @@ def live_steps(res, until):
                          "context_tokens": s.context_tokens.values, "preemptions": s.preemptions.values})
 
 
+SILENT_CAUSES = ("silent_preempted", "silent_waiting", "silent_departed")  # what each silent frame is (results)
+
+
 def sim_frames(res, until):
     f = res.frames
     f = f[f.tick_s + f.latency_s < until]
     g = pd.DataFrame({"tick_s": _t(f.tick_s), "done_s": _t(f.tick_s + f.latency_s), "frames": f.frames.values,
-                      "silent": f.silent.values, "late": f.late.values, "tokens": f.tokens.values})
+                      "silent": f.silent.values, **{c: f[c].values for c in SILENT_CAUSES}, "late": f.late.values,
+                      "tokens": f.tokens.values})
     return g.groupby(["tick_s", "done_s"], as_index=False).sum().sort_values(["tick_s", "done_s"], ignore_index=True)
 
 
@@ -114,8 +118,8 @@ def live_frames(res, until, deadline):
     done = f.tick_s + f.latency_s.astype(float)  # (a frame its session left before it was done: done_s null)
     f, done = f[done < until], done[done < until]
     g = pd.DataFrame({"tick_s": _t(f.tick_s), "done_s": _t(done), "frames": 1,
-                      "silent": f.silent.astype(int).values, "late": (~f.met_deadline).astype(int).values,
-                      "tokens": f.tokens_delivered.values})
+                      "silent": f.silent.astype(int).values, **{c: f[c].astype(int).values for c in SILENT_CAUSES},
+                      "late": (~f.met_deadline).astype(int).values, "tokens": f.tokens_delivered.values})
     return g.groupby(["tick_s", "done_s"], as_index=False).sum().sort_values(["tick_s", "done_s"], ignore_index=True)
 
 
@@ -235,6 +239,7 @@ N_SCENARIOS = 240
 MUST_REACH = ("preempt:engine", "preempt:pool_dry", "preempt:stall", "readmit", "rebase", "end:departed",
               "end:refused", "end:length", "rule:preemption", "rule:window_free", "rule:token_budget",
               "rule:max_num_seqs", "rule:full_sequence_gate", "rule:watermark", "frames:silent", "frames:late",
+              *(f"frames:{c}" for c in SILENT_CAUSES),
               "kv:unbounded", "kv:sinks", "kv:window", "admission:aimd", "admission:static", "admission:gradient",
               "gate:queue", "end:queue_timeout")
 REACH = 10
@@ -255,6 +260,7 @@ def reached(sc, live, sim) -> set[str]:
     if len(f):
         f = f[~f.censored]
         out |= {"frames:silent"} if f.silent.any() else set()
+        out |= {f"frames:{c}" for c in SILENT_CAUSES if f[c].any()}
         out |= {"frames:late"} if (~f.met_deadline).any() else set()
     queued = getattr(sc.admission() if callable(sc.admission) else None, "on_refuse", "") == "queue"
     return out | {f"kv:{sc.policy.kind}", f"admission:{sc.admission_label.split(':')[0]}"} | (

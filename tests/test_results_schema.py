@@ -24,46 +24,56 @@ PERIOD = 0.1  # the hand-made run's frame period and deadline
 
 
 # ------------------------------------------------------------------------------ the hand-made run, both ways
-# Three sessions arrive at t=0: A and B are admitted, C is refused. Frames tick every 0.1 s, 4 ticks each.
-# B's frame of tick 0.1 is late (0.15 s); B is preempted by the step that starts at 0.18 s (the pool ran dry),
-# so its frames of ticks 0.2 and 0.3 are silent, answered with their tick's lockstep. Four steps, 6 of 9 usable
+# Four sessions arrive at t=0: A and B are admitted, C is refused, D waits for blocks. Frames tick every 0.1 s,
+# 4 ticks each for A and B. B's frame of tick 0.1 is late (0.15 s); B is preempted by the step that starts at
+# 0.18 s (the pool ran dry), so its frames of ticks 0.2 and 0.3 are silent after a preemption, answered with their
+# tick's lockstep. D's frame of tick 0.1 is silent while it waits (answered 0.01 s after its tick); D is admitted
+# at 0.15 s, and its frame of tick 0.2 is still queued when it departs at 0.4 s: flushed silent then (0.2 s after
+# its tick, so late). Four steps, 6 of 9 usable
 # blocks at the peak (vLLM's pool: 10 blocks with its null block).
-FRAMES = [  # session, frame, tick, latency, tokens
-    ("A", 0, 0.0, 0.02, 2), ("B", 0, 0.0, 0.03, 2),
-    ("A", 1, 0.1, 0.04, 2), ("B", 1, 0.1, 0.15, 2),
-    ("A", 2, 0.2, 0.05, 2), ("B", 2, 0.2, 0.05, 0),
-    ("A", 3, 0.3, 0.06, 2), ("B", 3, 0.3, 0.06, 0),
+FRAMES = [  # session, frame, tick, latency, tokens, what a silent one is (results.silent_cause)
+    ("A", 0, 0.0, 0.02, 2, None), ("B", 0, 0.0, 0.03, 2, None),
+    ("A", 1, 0.1, 0.04, 2, None), ("B", 1, 0.1, 0.15, 2, None), ("D", 0, 0.1, 0.01, 0, "waiting"),
+    ("A", 2, 0.2, 0.05, 2, None), ("B", 2, 0.2, 0.05, 0, "preempted"), ("D", 1, 0.2, 0.20, 0, "departed"),
+    ("A", 3, 0.3, 0.06, 2, None), ("B", 3, 0.3, 0.06, 0, "preempted"),
 ]
+CAUSES = ("preempted", "waiting", "departed")
 STEPS = [(0.0, 0.01, 4), (0.05, 0.02, 5), (0.18, 0.03, 6), (0.25, 0.10, 3)]  # start, duration, used blocks
 T_PREEMPT = 0.18
 
 # what both summaries must say, computed by hand
 EXPECTED = {
-    "frames": 8, "silent_frames": 2, "silent_frame_fraction": 0.25, "silent_preempted_fraction": 0.25,
-    "deadline_miss_fraction": 0.125,
-    # latencies sorted: .02 .03 .04 .05 .05 .06 .06 .15; nearest rank: p50 the 4th, p99 the 8th
-    "p50_frame_latency_s": 0.05, "p99_frame_latency_s": 0.15,
+    "frames": 10, "silent_frames": 4, "silent_frame_fraction": 0.4, "silent_preempted_fraction": 0.2,
+    "silent_waiting_fraction": 0.1, "silent_departed_fraction": 0.1,
+    "deadline_miss_fraction": 0.2,  # B's of tick 0.1 and D's flushed one
+    # latencies sorted: .01 .02 .03 .04 .05 .05 .06 .06 .15 .20; nearest rank: p50 the 5th, p99 the 10th
+    "p50_frame_latency_s": 0.05, "p99_frame_latency_s": 0.20,
     "t_sat_observed_s": T_PREEMPT,
-    "collapsed": True,  # after 0.18: 4 frames answered, 2 of them silent after a preemption (50% >= 1%)
+    # ticked from 0.18 on: 5 frames answered, 2 of them silent after a preemption (40% >= 1%); D's flushed one is
+    # silent too but does not count
+    "collapsed": True,
     "preemptions": 1, "rebases": 0,
     # steps .01 .02 .03 .10: nearest rank p50 = the 2nd (linear interpolation would say .025), p99 = the 4th
     "steps": 4, "p50_step_latency_s": 0.02, "p99_step_latency_s": 0.10,
     "peak_used_blocks": 6, "usable_blocks": 9, "peak_pool_occupancy": round(6 / 9, 6),
-    "sessions_offered": 3, "sessions_admitted": 2, "sessions_refused": 1, "tokens_total": 12,
+    "sessions_offered": 4, "sessions_admitted": 3, "sessions_refused": 1, "tokens_total": 12,
 }
 
 
 def live_rows():
     """The run as the live driver records it (``Driver._record_frame``, ``_step``, ``_end``, ``_event``)."""
     frames = []
-    for sid, k, tick, lat, tok in FRAMES:
+    for sid, k, tick, lat, tok, cause in FRAMES:
         silent = tok == 0
+        gone = cause == "departed"  # (answered as its session left: never done)
         frames.append({
             "run": "r", "session": sid, "frame": k, "tick_s": tick, "submitted_s": tick, "first_token_s": None,
-            "done_s": tick + lat, "latency_s": lat, "tokens_expected": 2, "tokens_delivered": tok,
-            "tokens_by_deadline": 0 if lat > PERIOD else tok, "silent": silent, "silent_by_deadline": silent,
-            "met_deadline": lat <= PERIOD, "censored": False, "state": "waiting" if silent else "running",
-            "period_s": PERIOD, "rebased": False})
+            "done_s": None if gone else tick + lat, "latency_s": lat, "tokens_expected": 2, "tokens_delivered": tok,
+            "tokens_by_deadline": 0 if lat > PERIOD else tok, "silent": silent,
+            **{f"silent_{c}": cause == c for c in CAUSES}, "silent_by_deadline": silent,
+            "met_deadline": lat <= PERIOD and not gone, "censored": False,
+            "state": "waiting" if cause in ("preempted", "waiting") else "running", "period_s": PERIOD,
+            "rebased": False})
     frames.append({**frames[-1], "frame": 4, "tick_s": 0.4, "done_s": None, "latency_s": None,  # still due:
                    "censored": True, "tokens_delivered": 0})                                    # not counted
     steps = [{"run": "r", "t_s": t, "t_end_s": t + d, "stalled": False, "step_s": d, "batch": 2, "new_tokens": 2,
@@ -78,6 +88,8 @@ def live_rows():
         {"run": "r", "session": "B", "arrival_s": 0.0, "admitted": True, "start_s": 0.0, "end_s": 0.4,
          "reason": "horizon", "frames": 4, "silent_frames": 2, "rebases": 0, "preemptions": 1, "readmissions": 0},
         {"run": "r", "session": "C", "arrival_s": 0.0, "admitted": False, "reason": "refused"},
+        {"run": "r", "session": "D", "arrival_s": 0.0, "admitted": True, "start_s": 0.0, "end_s": 0.4,
+         "reason": "departed", "frames": 2, "silent_frames": 2, "rebases": 0, "preemptions": 0, "readmissions": 0},
     ]
     events = [{"run": "r", "t_s": T_PREEMPT, "event": "preempt", "session": "B", "rid": "B", "reason": "pool_dry",
                "blocks_freed": 3, "history_tokens": 40}]
@@ -87,17 +99,17 @@ def live_rows():
 def sim_tables():
     """The same run as the simulator records it (``sim.recorder`` tables, ``scenario.run``'s sessions table)."""
     frames = pd.DataFrame([{"frame": k, "tick_s": tick, "done_s": tick + lat, "latency_s": lat, "frames": 1,
-                            "silent": int(tok == 0), "silent_preempted": int(tok == 0), "late": int(lat > PERIOD),
-                            "tokens": tok} for sid, k, tick, lat, tok in FRAMES])
+                            "silent": int(tok == 0), **{f"silent_{c}": int(cause == c) for c in CAUSES},
+                            "late": int(lat > PERIOD), "tokens": tok} for sid, k, tick, lat, tok, cause in FRAMES])
     steps = pd.DataFrame([{"t_s": t, "step_s": d, "batch": 2, "new_tokens": 2, "context_tokens": 100,
                            "resident_blocks": used, "free_blocks": 9 - used} for t, d, used in STEPS])
     sessions = pd.DataFrame({
-        "session": [0, 1, 2], "arrival_s": [0.0, 0.0, 0.0], "admitted_s": [0.0, 0.0, math.nan],
-        "ended_s": [0.4, 0.4, 0.0], "end_reason": ["horizon", "horizon", "refused"], "frames": [4, 4, 0],
-        "silent_frames": [0, 2, 0], "deadline_misses": [0, 1, 0], "tokens": [8, 4, 0], "preemptions": [0, 1, 0],
-        "rebases": [0, 0, 0]})
+        "session": [0, 1, 2, 3], "arrival_s": [0.0, 0.0, 0.0, 0.0], "admitted_s": [0.0, 0.0, math.nan, 0.15],
+        "ended_s": [0.4, 0.4, 0.0, 0.4], "end_reason": ["horizon", "horizon", "refused", "departed"],
+        "frames": [4, 4, 0, 2], "silent_frames": [0, 2, 0, 2], "deadline_misses": [0, 1, 0, 1],
+        "tokens": [8, 4, 0, 0], "preemptions": [0, 1, 0, 0], "rebases": [0, 0, 0, 0]})
     eng = SimpleNamespace(t_sat=T_PREEMPT, peak_used=6, num_blocks=9)
-    sc = sim.make_scenario(sessions=3, horizon=0.4, deadline=PERIOD, num_blocks=2000)
+    sc = sim.make_scenario(sessions=4, horizon=0.4, deadline=PERIOD, num_blocks=2000)
     return sc, eng, steps, frames, sessions
 
 
@@ -117,6 +129,35 @@ def test_the_hand_made_run_gives_the_same_shared_figures_live_and_simulated():
         assert ls[key] == pytest.approx(EXPECTED[key]) and type(ls[key]) is type(EXPECTED[key]), ("live", key)
         assert ss[key] == pytest.approx(EXPECTED[key]) and type(ss[key]) is type(EXPECTED[key]), ("sim", key)
         assert ls[key] == ss[key], key
+
+
+def test_each_silent_frame_is_one_thing_and_only_a_preemption_counts_towards_collapse():
+    # the rule, case by case: a frame with a token is not silent; one answered as its session departs is flushed
+    # (whatever the session was doing); else it waited when it ticked before its session's first admission (NaN:
+    # never admitted), and was silent after a preemption when the session had been admitted by its tick
+    cause = results.silent_cause
+    assert cause(1, True, 0.5, 0.0) == 0 and cause(3, False, 0.5, math.nan) == 0
+    assert cause(0, True, 0.5, 0.0) == results.SILENT_DEPARTED
+    assert cause(0, True, 0.5, math.nan) == results.SILENT_DEPARTED
+    assert cause(0, False, 0.5, math.nan) == results.SILENT_WAITING
+    assert cause(0, False, 0.5, 0.6) == results.SILENT_WAITING
+    assert cause(0, False, 0.5, 0.5) == results.SILENT_PREEMPTED
+    assert cause(0, False, 0.5, 0.1) == results.SILENT_PREEMPTED
+    # the hand-made run with B never preempted: its two silent frames flushed at its departure instead. The pool
+    # still ran dry at 0.18 and 60% of the frames ticked since are silent, none after a preemption: not collapsed
+    frames, steps, sessions, events = live_rows()
+    for f in frames:
+        if f["session"] == "B" and f["silent"]:
+            f.update(silent_preempted=False, silent_departed=True, done_s=None, met_deadline=False)
+    ls = probe_summary.summarize(frames, steps, sessions, num_blocks=10, events=events)
+    assert ls["silent_frame_fraction"] == 0.4 and ls["silent_preempted_fraction"] == 0.0
+    assert ls["silent_departed_fraction"] == 0.3 and ls["t_sat_observed_s"] == T_PREEMPT
+    assert ls["collapsed"] is False
+    sc, eng, st, fr, se = sim_tables()
+    b = fr.silent_preempted.to_numpy() == 1
+    fr.loc[b, "silent_preempted"], fr.loc[b, "silent_departed"] = 0, 1
+    ss = sim.summarize(sc, eng, st, fr, se)
+    assert (ss["silent_preempted_fraction"], ss["silent_departed_fraction"], ss["collapsed"]) == (0.0, 0.3, False)
 
 
 def test_summaries_of_both_runs_share_the_keys_with_their_units_and_document_the_rest():
@@ -203,7 +244,8 @@ def test_prometheus_gauge_run_summary_and_controller_report_one_p99():
                                "silent_preempted": 0, "late": 0, "tokens": 1})
     sim_s = results.shared_summary(
         tick_s=sim_frames.tick_s, latency_s=sim_frames.latency_s, frames=sim_frames.frames, silent=sim_frames.silent,
-        silent_preempted=sim_frames.silent_preempted, late=sim_frames.late, tokens=sim_frames.tokens, t_sat_s=None,
+        silent_preempted=sim_frames.silent_preempted, silent_waiting=sim_frames.silent_preempted,
+        silent_departed=sim_frames.silent_preempted, late=sim_frames.late, tokens=sim_frames.tokens, t_sat_s=None,
         step_s=SAMPLES, peak_used_blocks=1, usable_blocks=9, preemptions=0, rebases=0, sessions_offered=1,
         sessions_admitted=1, sessions_refused=0)
 
