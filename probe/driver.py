@@ -192,6 +192,8 @@ class Driver(FrontEnd):
         self._book: dict[tuple[int, int], list] = {}
         self._silent_state: dict[tuple[int, int], str] = {}  # a frame to be answered silent: the state at its tick
         self._leaving = False  # the answers being recorded are a departing session's frames never done
+        self._leave_after = np.zeros(0, dtype=np.int64)  # each session's frames before it leaves (0: by its duration)
+        self._until_met = False  # the run ended because cfg.until held
         self._step_victims: list[str] = []  # sessions the current step preempted
         self.frames, self.steps, self.sessions, self.events = (self.sink.tables[t] for t in
                                                                ("frames", "steps", "sessions", "events"))
