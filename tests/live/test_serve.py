@@ -106,8 +106,8 @@ async def _until(cond, what: str, cap_s: float = 120.0) -> None:
 
 
 def _answered(seen: dict) -> int:
-    """Input frames answered so far to a client of ``_stream``."""
-    return sum(f["input"] is not None for f in seen["frames"])
+    """Input frames answered so far to a client of ``_stream`` (0 before its task has started)."""
+    return sum(f["input"] is not None for f in seen.get("frames", []))
 
 
 async def _stream(url, frames: int, *, bad_events=(), headers=AUTH, stop=None, on_closing=None, seen=None):
