@@ -17,6 +17,8 @@ import socket
 import struct
 import threading
 import time
+import urllib.error
+import urllib.request
 
 from fake_engine import FakeEngine
 
@@ -268,3 +270,19 @@ HOSTILE = [  # (message, the error event's code)
     ("{not json", "invalid_json"),
     ("[1, 2]", "invalid_event"),
 ]
+
+
+def http_get(port: int, path: str, timeout_s: float = 10.0) -> tuple[int, str]:
+    """GET ``path`` of the server on 127.0.0.1:``port``: (status, body), an HTTP error's too."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout_s) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def metric(port: int, name: str) -> float:
+    """The sum of a Prometheus series' samples on ``/metrics`` (all label sets)."""
+    _, text = http_get(port, "/metrics")
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ") or
+               ln.startswith(name + "{"))

@@ -21,9 +21,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (tests/: the servers' HTTP helpers)
+import serve_harness as h  # noqa: E402
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -38,21 +41,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def _metric(port: int, name: str) -> float:
-    _, text = _get(port, "/metrics")
-    vals = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ") or
-            ln.startswith(name + "{")]
-    return sum(vals)
 
 
 class Server:
@@ -76,10 +64,10 @@ def server(tmp_path_factory):
         if proc.poll() is not None:
             pytest.fail(f"metronome-serve exited {proc.returncode}: {(out.parent / 'server.log').read_text()}")
         try:
-            code, _ = _get(port, "/ready")
+            code, _ = h.http_get(port, "/ready")
             if code == 200:
                 break
-            assert _get(port, "/health")[0] == 200  # alive while the engine starts, and not ready
+            assert h.http_get(port, "/health")[0] == 200  # alive while the engine starts, and not ready
         except OSError:
             pass
         time.sleep(0.5)
@@ -269,11 +257,11 @@ def test_the_engine_and_the_server_keep_to_their_own_cpus(server):
 
 
 def test_no_token_gets_401_and_nothing_reaches_the_engine(server):
-    before = _metric(server.port, "metronome_sessions_admitted_total")
+    before = h.metric(server.port, "metronome_sessions_admitted_total")
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = asyncio.run(asyncio.wait_for(_refused(server.url, headers), 30))
         assert r.status_code == 401
-    assert _metric(server.port, "metronome_sessions_admitted_total") == before
+    assert h.metric(server.port, "metronome_sessions_admitted_total") == before
 
 
 def test_an_oversized_message_closes_only_its_own_session(server):
@@ -321,13 +309,13 @@ def test_a_client_killed_mid_frame_frees_its_blocks(server):
         a = asyncio.create_task(_stream(server.url, None, stop=stop, seen=sa))
         # a's window is full after 10 frames (S + W = 160 tokens at 16 a frame): from there its blocks stay put
         await _until(lambda: _answered(sa) >= 12, "12 frames of a answered")
-        baseline = _metric(server.port, "metronome_kv_pool_usage")
+        baseline = h.metric(server.port, "metronome_kv_pool_usage")
         await killed(30)
-        during = _metric(server.port, "metronome_kv_pool_usage")  # (shown on failure)
+        during = h.metric(server.port, "metronome_kv_pool_usage")  # (shown on failure)
         # the server notices the dead socket and aborts its request: its blocks come back (a fails here if never)
-        await _until(lambda: _metric(server.port, "metronome_kv_pool_usage") <= baseline + block + 1e-9,
+        await _until(lambda: h.metric(server.port, "metronome_kv_pool_usage") <= baseline + block + 1e-9,
                      f"the killed session's blocks freed (usage {baseline:.4f} before it)")
-        after = _metric(server.port, "metronome_kv_pool_usage")
+        after = h.metric(server.port, "metronome_kv_pool_usage")
         stop.set()
         a.cancel()
         return baseline, during, after
@@ -347,7 +335,7 @@ def test_metrics_carries_vllms_own_series_beside_the_gateways_and_no_session_con
     from prometheus_client.parser import text_string_to_metric_families
 
     seen = asyncio.run(asyncio.wait_for(_stream(server.url, 10), 60))
-    code, text = _get(server.port, "/metrics")
+    code, text = h.http_get(server.port, "/metrics")
     assert code == 200
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("metronome_sessions_active", "metronome_admission_limit", "metronome_frame_latency_seconds",
@@ -384,7 +372,7 @@ def test_the_status_page_shows_the_servers_figures_in_a_browser(server):
         dom = await asyncio.to_thread(
             subprocess.run, [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000",
                              "--dump-dom", url], capture_output=True, text=True, timeout=1800)
-        _, status = _get(server.port, "/status.json")
+        _, status = h.http_get(server.port, "/status.json")
         stop.set()
         for t in streams:
             t.cancel()

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,20 +25,6 @@ import serve_harness as h  # noqa: E402
 CPUS = sorted(os.sched_getaffinity(0))
 ENGINE_CPUS = ["--engine-cpus", str(CPUS[-1])] if len(CPUS) > 1 else []
 DRAIN_S = 5.0
-
-
-def _get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def _metric(port: int, name: str) -> float:
-    _, text = _get(port, "/metrics")
-    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + " ") or
-               ln.startswith(name + "{"))
 
 
 def _rows(out: Path) -> list[dict]:
@@ -63,7 +48,7 @@ def server(tmp_path_factory):
         if proc.poll() is not None:
             pytest.fail(f"metronome-serve exited {proc.returncode}: {(out.parent / 'server.log').read_text()}")
         try:
-            if _get(port, "/ready")[0] == 200:
+            if h.http_get(port, "/ready")[0] == 200:
                 break
         except OSError:
             pass
@@ -84,8 +69,8 @@ def server(tmp_path_factory):
 
 def _idle(port: int, out: Path) -> bool:
     """No session held, and every admitted one has its accounts row."""
-    return (_metric(port, "metronome_sessions_active") == 0
-            and len(_rows(out)) == _metric(port, "metronome_sessions_admitted_total"))
+    return (h.metric(port, "metronome_sessions_active") == 0
+            and len(_rows(out)) == h.metric(port, "metronome_sessions_admitted_total"))
 
 
 def test_100_clients_that_vanish_around_the_handshake_leave_no_session(server):
@@ -93,7 +78,7 @@ def test_100_clients_that_vanish_around_the_handshake_leave_no_session(server):
     hows = ["rst", "fin", "rst", "half", "midframe"]
     for k in range(100):
         h.vanish(port, hows[k % len(hows)])
-    assert h.wait_for(lambda: _idle(port, out), cap_s=120), (_metric(port, "metronome_sessions_active"),
+    assert h.wait_for(lambda: _idle(port, out), cap_s=120), (h.metric(port, "metronome_sessions_active"),
                                                              len(_rows(out)))
     created, answered = asyncio.run(h.real_client(f"ws://127.0.0.1:{port}/v1/realtime", frames=3))
     assert created["type"] == "session.created" and answered == [0, 1, 2]
