@@ -33,6 +33,7 @@ from one place.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -440,6 +441,21 @@ class AdmissionController(ABC):
             return bool(ck.may_admit(self.cs, self.cp, self.lat, self.w, self.tr, now_s, float(in_flight)))
         self.advance(now_s, in_flight)
         return (not self.dead) and int(in_flight) < self.limit
+
+    def compile_now(self) -> None:
+        """Compile what this controller's live calls run (:meth:`advance`, :meth:`observe`, :meth:`may_admit`) now,
+        on a copy of it: a live driver calls it before its clock starts. On an empty numba cache the compiled
+        controllers take tens of seconds to compile; inside a live turn that would stop the frame clock, and the
+        engine would look silent to the supervisor. A controller that decides in Python has nothing of its own to
+        compile and is not run (its :meth:`_decide` is the user's code)."""
+        if not self.compiled:
+            return
+        c = copy.deepcopy(self)
+        for k in range(3):  # intervals open, close, are decided and recorded, with a frame observed in each
+            t = k * float(self.interval_s)
+            c.advance(t, 1)
+            c.observe(t, 0.001, frames=1, silent=0)
+            c.may_admit(t, 1)
 
     def trace(self) -> list[dict]:
         """One dict per closed interval, oldest first.

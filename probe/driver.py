@@ -170,6 +170,7 @@ class Driver(FrontEnd):
         self.clock, self.sleep = clock, sleep  # injectable: tests run the driver on a fake engine's virtual time
         serving.compile_front_end_rules()  # (before the clock starts)
         self.admission = admission if admission is not None else AdmitAll()
+        self.admission.compile_now()  # (before the clock starts, as the front end's rules)
         self.policy = config.policy or engine.policy
         self.rng = np.random.default_rng(config.seed)
         # what the front end reads of the engine's limits (max_num_seqs is the engine's own business: unread)
