@@ -74,6 +74,8 @@ class AdmissionController(Protocol):
 
     def may_admit(self, now_s: float, in_flight: int) -> bool: ...
 
+    def compile_now(self) -> None: ...  # compile what the calls above run, before the driver's clock starts
+
 
 class AdmitAll:
     """The default controller: admit every session."""
@@ -90,6 +92,9 @@ class AdmitAll:
 
     def may_admit(self, now_s: float, in_flight: int) -> bool:
         return True
+
+    def compile_now(self) -> None:
+        pass  # (nothing compiled)
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,9 @@ class _Cap:
     def may_admit(self, now_s, in_flight):
         return in_flight < self.limit
 
+    def compile_now(self):
+        pass
+
 
 def test_driver_uses_the_admission_controller(windowed):
     from metronome.probe.driver import Driver, DriverConfig, SessionPlan, frames_answered
