@@ -17,6 +17,7 @@ import copy
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -263,6 +264,7 @@ class Engine:
             where = f" (log: {self.log_path})" if self.log_path else ""
             raise MetronomeError(
                 f"the vLLM engine failed to start: {type(exc).__name__}: {_one_line(exc)}{where}") from None
+        _OPEN.add(self)
         self.scheduler = self.llm.engine_core.engine_core.scheduler
         self._wrap_schedule()
         self._supported = self.llm.get_supported_tasks()
@@ -498,10 +500,38 @@ class Engine:
                              "(probe.remote.RemoteEngine)")
 
     def close(self) -> None:
+        """Shut vLLM's engine down. Its in-process EngineCore tears down the process's distributed state (the
+        model-parallel groups) as it goes, which every engine in the process shares: while another engine here is
+        still open, that teardown is skipped, else that engine's next step fails (``pipeline model parallel group
+        is not initialized``)."""
+        _OPEN.discard(self)
+        if self.llm is None:
+            return
         try:
-            self.llm.engine_core.shutdown()
+            with _keep_dist_state(bool(_OPEN)):
+                self.llm.engine_core.shutdown()
         except Exception:
             pass
+        self.llm = None
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # the in-process engines started and not closed yet
+
+
+@contextlib.contextmanager
+def _keep_dist_state(keep: bool):
+    """With ``keep``, EngineCore's shutdown leaves the process's distributed state alone."""
+    if not keep:
+        yield
+        return
+    import vllm.v1.engine.core as core
+
+    before = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        core.cleanup_dist_env_and_memory = before
 
 
 @contextlib.contextmanager

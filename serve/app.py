@@ -267,8 +267,9 @@ async def _session(state: ServeState, ws: WebSocket, client: Client, deny) -> No
         if watch is not None:
             watch.cancel()
         state.gateway.close(client)  # (at the gate: it leaves the queue; admitted: its session ends)
-        if sender is not None:
+        if sender is not None:  # (stopped before the accounts settle: an answer it held is counted by then)
             sender.cancel()
+            await asyncio.wait({sender})
         client.socket_done()
         state.clients.discard(client)
         if not client.decision.done() or client.decision.result() == "admit":  # (undecided: it may be admitted)
@@ -288,8 +289,10 @@ async def _send(ws, client: Client, tokenizer=None, stall_s: float = math.inf, p
     says how many bytes; the answers sent last, that many bytes back, were not delivered). A close that cannot be
     sent for as long is forced."""
     sent, total = deque(), 0  # (end of each recent answer in the bytes written, total written)
+    answer = False  # the message taken from the queue is an answer not yet written
     try:
         while True:
+            answer = False
             m = await client.out.get()
             if isinstance(m, tuple):
                 try:
@@ -298,9 +301,9 @@ async def _send(ws, client: Client, tokenizer=None, stall_s: float = math.inf, p
                     if proto is not None:
                         proto.kick(m[1], "not_reading")
                 return
+            answer = m.get("type") == "response.frame" and m["input"] is not None
             if tokenizer is not None and m.get("type") == "response.frame" and m["token_ids"]:
                 m["text"] = tokenizer.decode(m["token_ids"])
-            answer = m.get("type") == "response.frame" and m["input"] is not None
             text = json.dumps(m)
             try:
                 await asyncio.wait_for(ws.send_text(text), stall_s)
@@ -313,11 +316,16 @@ async def _send(ws, client: Client, tokenizer=None, stall_s: float = math.inf, p
                 return
             total += _frame_bytes(len(text.encode()))
             if answer:
+                answer = False
                 client.answered += 1
                 sent.append(total)
             while sent and sent[0] <= total - BUFFERED_BYTES_MAX:  # (older ones left the buffers)
                 sent.popleft()
     except (asyncio.CancelledError, Exception):  # cancelled, or the socket broke mid-send: the receiver sees it
+        # an answer taken from the queue and not written (uvicorn writes at once after its only wait) is neither
+        # answered nor, once out of the queue, counted when the accounts settle: counted here, as they would
+        if answer:
+            client.counted["undelivered" if client.closed is not None else "session_ended"] += 1
         return
 
 

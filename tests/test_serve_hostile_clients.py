@@ -244,3 +244,31 @@ def test_slow_headers_and_an_idle_session_are_closed():
         assert srv.state.accounts[0]["closed"] == "idle"
         created, answered = asyncio.run(h.real_client(srv.url, frames=60))  # (60 periods: longer than idle_s)
         assert answered == list(range(60))
+
+
+def test_an_answer_the_sender_held_when_it_was_stopped_is_counted():
+    """The sender takes an answer from the queue, then waits for the socket to be writable; stopped there (its
+    client left: the session's handler cancels it), the answer was neither written nor left in the queue, and the
+    accounts must still say what became of it: sent = answered + counted."""
+    from metronome.serve.app import _send
+    from metronome.serve.gateway import Client
+
+    class Blocked:  # a socket that never becomes writable
+        async def send_text(self, text):
+            await asyncio.Event().wait()
+
+    async def main():
+        c = Client("c1", asyncio.get_running_loop())
+        c.sent_in = 2
+        c.frame({"type": "response.frame", "input": 0, "token_ids": []})
+        c.frame({"type": "response.frame", "input": 1, "token_ids": []})
+        sender = asyncio.create_task(_send(Blocked(), c))
+        await asyncio.sleep(0.05)  # (it took the first answer and waits on the socket)
+        sender.cancel()
+        await asyncio.wait({sender})
+        c.gateway_done()
+        c.socket_done()  # (settles: the second answer, still queued, is counted there)
+        return c.accounts
+
+    row = asyncio.run(main())
+    assert row["sent"] == 2 and row["answered"] == 0 and row["counted_session_ended"] == 2, row

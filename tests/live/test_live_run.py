@@ -89,6 +89,22 @@ def test_plans_are_the_simulators_workload():
     assert [p.arrival_s for p in plans] == list(t) and [p.duration_s for p in plans] == list(d)
 
 
+# -- engines in one process ------------------------------------------------------------------------------
+def test_closing_an_engine_leaves_another_in_the_process_running(engine, tiny_model):
+    """vLLM's in-process EngineCore tears the process's distributed state down as it shuts; an engine still open
+    beside it stepped next with ``pipeline model parallel group is not initialized`` (a shared test engine broke
+    after another test's engine closed)."""
+    from metronome.probe.engine import Engine, EngineConfig
+
+    other = Engine(EngineConfig(tiny_model, num_blocks=16, max_model_len=14 * 32))
+    other.close()
+    engine.reset()
+    engine.append("after-close", [1] * 14, max_tokens=2)
+    steps = engine.drain()
+    engine.reset()
+    assert steps and sum(s.new_tokens for s in steps) >= 14 + 1  # the prompt and a decode, on the open engine
+
+
 # -- a run with AIMD, scraped over HTTP while it runs -----------------------------------------------------
 def _scrape(port):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
