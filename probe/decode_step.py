@@ -9,7 +9,9 @@ is the term the presets can cite (``scripts/gpu_check.sh`` writes it to ``gpu_ch
 
 What it leaves out, by design: vLLM's own per-step cost (scheduling, sampling, the Python between steps) and
 paged-kernel details (the attention here reads contiguous KV: the same bytes a paged kernel reads). So it is a
-floor for the model's compute and memory traffic, a measured anchor beside the datasheet roofline.
+floor for the model's compute and memory traffic, a measured anchor beside the datasheet roofline. The rest of each
+model's frame pipeline (Moshi's depformer and Mimi, the talkers, the vocoders) and the MoE's curve in batch are
+timed by ``metronome.probe.stage_timers``.
 """
 
 from __future__ import annotations
@@ -119,32 +121,52 @@ def _choose_moe(p: dict, x) -> str:
     return "grouped" if float((got - want).abs().max()) <= 0.02 * float(want.abs().max()) + 1e-6 else "loop"
 
 
-def _timer(device: str, reps: int):
-    """time(fn) -> median seconds of ``reps`` calls: CUDA events on a GPU (the GPU's own clock, launch gaps
-    included), the wall clock on a CPU."""
+def _samples(device: str, fn, reps: int) -> list[float]:
+    """Seconds each of ``reps`` calls of ``fn`` took: CUDA events on a GPU (the GPU's own clock, launch gaps
+    included, synchronised after each call), the wall clock on a CPU."""
     import torch
 
-    if not device.startswith("cuda"):
-        def time_cpu(fn):
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return float(np.median(times))
-        return time_cpu
-
-    def time_cuda(fn):
-        times = []
-        for _ in range(reps):
+    times = []
+    for _ in range(reps):
+        if device.startswith("cuda"):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
-        return float(np.median(times))
-    return time_cuda
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _timer(device: str, reps: int):
+    """time(fn) -> median seconds of ``reps`` calls (:func:`_samples`)."""
+    return lambda fn: float(np.median(_samples(device, fn, reps)))
+
+
+def run_provenance(device: str, dtype: str) -> dict:
+    """What a measurement file says about where and when it was taken: the device, its driver (nvidia-smi's,
+    None where there is none), PyTorch and its CUDA, the date (UTC) and the dtype."""
+    import shutil
+    import subprocess
+
+    import torch
+
+    cuda = device.startswith("cuda")
+    driver = None
+    if cuda and shutil.which("nvidia-smi"):
+        try:
+            res = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30)
+            driver = res.stdout.strip().splitlines()[0] if res.returncode == 0 and res.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            driver = None
+    return {"device": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine() or "cpu",
+            "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "dtype": dtype}
 
 
 def _graphed(fn):
@@ -176,10 +198,9 @@ def _fit(points, key, terms: dict) -> dict:
             "fit_max_abs_rel_error": float(np.max(np.abs(A @ coef - y) / y))}
 
 
-# the decode step's terms, and the depformer frame's
+# the decode step's terms
 STEP_TERMS = {"base_s": lambda p: 1.0, "per_seq_s": lambda p: p["batch"],
               "per_context_token_s": lambda p: p["batch"] * p["context"]}
-FRAME_TERMS = {"per_frame_s": lambda p: 1.0, "per_session_s": lambda p: p["batch"]}
 
 
 def measure(cfg: dict, batches, contexts, device: str = "cpu", dtype: str = "bfloat16", reps: int = 20,
@@ -230,73 +251,6 @@ def measure(cfg: dict, batches, contexts, device: str = "cpu", dtype: str = "bfl
             "eager_fit": _fit(points, "eager_step_s", STEP_TERMS)}
 
 
-# Moshi's depformer (kyutai-labs/moshi, loaders._lm_kwargs): 8 sequential steps a frame, one per audio codebook,
-# each through 6 layers of dim 1024 (16 heads) with weights of its own (weights_per_step), a gated FFN of
-# 2/3 · 4.125 · 1024 = 2816, the temporal transformer's output (4096) projected in and each codebook's 2048 logits
-# out; its context (the frame's steps so far) resets each frame.
-DEPFORMER = {"dim": 1024, "heads": 16, "layers": 6, "steps": 8, "ffn": 2816, "in_dim": 4096, "card": 2048}
-DEPFORMER_SMALL = {"dim": 64, "heads": 4, "layers": 2, "steps": 3, "ffn": 128, "in_dim": 128, "card": 100}
-
-
-def measure_depformer(cfg: dict, batches, device: str = "cpu", dtype: str = "bfloat16", reps: int = 20,
-                      seed: int = 0) -> dict:
-    """Median time of one frame of a Moshi-shaped depformer (all its sequential steps) for B sessions batched,
-    eager and from a CUDA graph, and the fit ``frame = per_frame + per_session·B`` (of the graph's times on a
-    GPU): what the preset's per-session depformer term (``metronome.models``, priced per forward pass, a session's
-    passes not batched) can be set against."""
-    import torch
-    import torch.nn.functional as F
-
-    dt = getattr(torch, dtype)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    D, H, L, S, Fh = cfg["dim"], cfg["heads"], cfg["layers"], cfg["steps"], cfg["ffn"]
-
-    def w(*shape):
-        return torch.randn(*shape, device=device, dtype=dt, generator=gen) * 0.02
-
-    steps = [{"in": w(cfg["in_dim"], D), "emb": w(cfg["card"], D), "head": w(D, cfg["card"]),
-              "layers": [{"qkv": w(D, 3 * D), "o": w(D, D), "gu": w(D, 2 * Fh), "down": w(Fh, D)} for _ in range(L)]}
-             for _ in range(S)]
-
-    def frame(h, k_cache, v_cache):
-        tok = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
-        B = h.shape[0]
-        for s, st in enumerate(steps):
-            x = h @ st["in"] + st["emb"][tok]
-            for li, p in enumerate(st["layers"]):
-                q, k, v = (F.rms_norm(x, (D,)) @ p["qkv"]).view(B, 3, H, 1, D // H).unbind(1)
-                k_cache[li][:, :, s:s + 1] = k
-                v_cache[li][:, :, s:s + 1] = v
-                att = F.scaled_dot_product_attention(q, k_cache[li][:, :, :s + 1], v_cache[li][:, :, :s + 1])
-                x = x + att.reshape(B, D) @ p["o"]
-                a, b = (F.rms_norm(x, (D,)) @ p["gu"]).chunk(2, -1)
-                x = x + (F.silu(a) * b) @ p["down"]
-            tok = (x @ st["head"]).argmax(-1)
-        return tok
-
-    timed = _timer(device, reps)
-    points = []
-    with torch.no_grad():
-        for B in batches:
-            h = torch.randn(B, cfg["in_dim"], device=device, dtype=dt, generator=gen)
-            kc = [torch.zeros(B, H, S, D // H, device=device, dtype=dt) for _ in range(L)]
-            vc = [torch.zeros(B, H, S, D // H, device=device, dtype=dt) for _ in range(L)]
-
-            def run(h=h, kc=kc, vc=vc):
-                return frame(h, kc, vc)
-
-            for _ in range(2):
-                run()
-            eager = timed(run)
-            point = {"batch": B, "frame_s": eager, "eager_frame_s": eager, "graph": False}
-            graph = _graphed(run) if device.startswith("cuda") else None
-            if graph:
-                point.update(frame_s=timed(graph), graph=True)
-            points.append(point)
-    return {"points": points, "fit": _fit(points, "frame_s", FRAME_TERMS),
-            "eager_fit": _fit(points, "eager_frame_s", FRAME_TERMS)}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m metronome.probe.decode_step", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -311,6 +265,10 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("decode_step: error: --device cuda but no CUDA device is visible", file=sys.stderr)
         return 2
+    if not args.device.startswith("cuda"):
+        # One thread: the small shape gains nothing from two, and on a shared box a descheduled OpenMP worker
+        # stalls the other at every barrier (stage_timers does the same).
+        torch.set_num_threads(1)
     if args.small:
         shapes = {"small": SMALL}
         batches, contexts, dtype = (1, 4), (64, 256), "float32"
@@ -323,9 +281,7 @@ def main(argv=None) -> int:
             return 2
         shapes = {n: PRESETS[n].hf_config for n in names}
         batches, contexts, dtype = (1, 8, 32, 64, 128, 256), (512, 2048, 8192), "bfloat16"
-    device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor() or "cpu"
-    out = {"device": device_name, "torch": torch.__version__, "dtype": dtype,
-           "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    out = {**run_provenance(args.device, dtype),
            "what": "one decode step in plain PyTorch: all layers (attention over contiguous KV, MLP or MoE) + LM head; "
                    "no vLLM scheduling or sampling", "models": {}}
     for name, cfg in shapes.items():
@@ -347,21 +303,6 @@ def main(argv=None) -> int:
                     f"eager base {e['base_s'] * 1e3:.3f} ms, per seq {e['per_seq_s'] * 1e6:.2f} us, per context token "
                     f"{e['per_context_token_s'] * 1e9:.3f} ns; {res['seconds']:.0f} s")
         print(line, flush=True)
-    t0 = time.perf_counter()
-    try:
-        dep = measure_depformer(DEPFORMER_SMALL if args.small else DEPFORMER,
-                                (1, 4) if args.small else (1, 8, 32, 64, 128, 256), device=args.device, dtype=dtype)
-        f, e = dep["fit"], dep["eager_fit"]
-        line = (f"moshi depformer ({'CUDA graphs' if all(p['graph'] for p in dep['points']) else 'eager'}): a frame "
-                f"{f['per_frame_s'] * 1e3:.3f} ms + {f['per_session_s'] * 1e6:.2f} us per session (fit max err "
-                f"{f['fit_max_abs_rel_error']:.0%}); eager {e['per_frame_s'] * 1e3:.3f} ms + "
-                f"{e['per_session_s'] * 1e6:.2f} us per session")
-    except RuntimeError as exc:
-        dep = {"error": str(exc).splitlines()[0]}
-        line = f"moshi depformer: {dep['error']}"
-    dep["seconds"] = round(time.perf_counter() - t0, 1)
-    out["depformer"] = dep
-    print(f"{line}; {dep['seconds']:.0f} s", flush=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {args.out}")
