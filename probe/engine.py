@@ -543,17 +543,12 @@ def _sinks_plugin(c: EngineConfig):
         yield
         return
     from metronome.probe import plugin
+    from metronome.probe.lifetime import restoring_env
     from metronome.probe.plugin.semantics import ENV_VAR
 
-    before = os.environ.get(ENV_VAR)
-    plugin.activate(c.sinks, c.sliding_window)
-    try:
+    with restoring_env(ENV_VAR):
+        plugin.activate(c.sinks, c.sliding_window)
         yield
-    finally:
-        if before is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = before
 
 
 def _engine_args(c: EngineConfig) -> dict:

@@ -61,6 +61,7 @@ class LiveMetrics:
         self.restarts = Counter("metronome_engine_restarts", "Times the engine came back after dying", registry=r)
         self.engine_silent = Gauge("metronome_engine_silent", "1 while frames wait and the engine produces no token",
                                    registry=r)
+        self.nstar = None  # metronome_n_star, once a server knows its N* (n_star): no series until then
         self._recent = deque(maxlen=RECENT_FRAMES)
         self._recent_silent = deque(maxlen=RECENT_FRAMES)
         self.server, self.thread = (start_http_server(port, registry=r) if port is not None else None) or (None, None)
@@ -68,7 +69,8 @@ class LiveMetrics:
     def status(self) -> dict:
         """The figures a server's status page shows (metronome.serve.status), read back from the series, so they
         are what ``/metrics`` says and, like it, carry no session content. ``admission_limit``: None when there is
-        no limit; ``p50_ms``/``p99_ms``: None before the first non-silent frame."""
+        no limit; ``p50_ms``/``p99_ms``: None before the first non-silent frame; ``n_star``: None without a
+        calibration (:meth:`n_star`)."""
 
         def value(metric, suffix: str = "") -> float:
             return sum(s.value for fam in metric.collect() for s in fam.samples if s.name == fam.name + suffix)
@@ -79,6 +81,7 @@ class LiveMetrics:
                 if s.name == fam.name + "_total":
                     refused[s.labels["reason"]] = int(s.value)
         limit = value(self.limit)
+        nstar = value(self.nstar) if self.nstar is not None else None
         seen = bool(self._recent)  # (the gauges read 0 before any frame: that is no latency, not a fast one)
         return {"sessions_active": int(value(self.active)),
                 "admission_limit": None if math.isinf(limit) else int(limit),
@@ -87,7 +90,13 @@ class LiveMetrics:
                 "refused": sum(refused.values()), "refused_by_reason": refused,
                 "admitted": int(value(self.admitted, "_total")), "frames": int(value(self.frames, "_total")),
                 "silent_rate": value(self.silent_rate), "kv_pool_usage": value(self.usage),
-                "engine_up": bool(value(self.engine_up))}
+                "engine_up": bool(value(self.engine_up)), "n_star": None if nstar is None else int(nstar)}
+
+    def compile_now(self) -> None:
+        """Compile what :meth:`frame` runs (the percentile, :func:`metronome.results.percentile`, compiled by numba)
+        now: a live server calls it before it says ready, else its first frame would wait inside the gateway's
+        turn for numba (seconds on an empty cache)."""
+        percentile([0.001, 0.002], 99)
 
     def close(self) -> None:
         if self.server is not None:
@@ -100,6 +109,18 @@ class LiveMetrics:
         if limit is not None:
             self.limit.set(_limit_value(limit))
         self.dead.set(1 if controller.dead else 0)
+
+    def n_star(self, n: int) -> None:
+        """The N* of the server's own engine, from its calibration (``metronome-serve --calibrate-first`` or
+        ``--calibration``): the sessions ``metronome-sim capacity`` says it holds at the controller's latency target,
+        beside the limit the controller finds live."""
+        from prometheus_client import Gauge
+
+        if self.nstar is None:
+            self.nstar = Gauge("metronome_n_star", "Sessions the calibration of this engine says it holds at the "
+                               "admission controller's latency target (metronome-sim capacity's N*)",
+                               registry=self.registry)
+        self.nstar.set(n)
 
     def entered(self) -> None:
         """A session was admitted (at once, or from the gate's queue)."""
@@ -133,6 +154,14 @@ class LiveMetrics:
         if self._recent:  # the one percentile (metronome.results): the summary's and the controller's p99
             self.p99.set(percentile(self._recent, 99))
             self.p50.set(percentile(self._recent, 50))
+
+    def pool(self, p) -> None:
+        """The engine's pool now (``probe.engine.PoolState``), read while no step runs: a step sets these gauges
+        from its row (:meth:`step`), and an idle engine steps no more, so without this they would keep the last
+        step's values (the pool of sessions long gone)."""
+        self.usage.set(p.kv_usage)
+        self.running.set(p.running)
+        self.waiting.set(p.waiting)
 
     def step(self, row: dict, limit: int | None) -> None:
         """An engine step (the driver's ``steps`` row) and the controller's limit after it."""

@@ -36,8 +36,10 @@ from collections import deque
 
 from metronome.errors import MetronomeError
 from metronome.kv_policy import cdiv
+from metronome.probe import lifetime
 from metronome.probe.engine import (EngineConfig, PoolState, StepInfo, _engine_args, _fds_to, _one_line,
                                     _sinks_plugin, check_build, check_version, let_vllm_scan_modules)
+from metronome.probe.lifetime import ENGINE_CLOSE_S  # (the bound on close(), which a server's drain names)
 
 POLL_S = 0.002  # how long step() waits for vLLM's next step report before handing the driver its clock back
 START_TIMEOUT_S = 600.0
@@ -75,6 +77,7 @@ class OwnLoopEngine:
         self._busy = False  # work was owed when the last report came in
         self._error: str | None = None  # a failure of this client: raised as MetronomeError
         self._dead: str | None = None  # the engine's process died: raised as EngineDied
+        self._closed = False
         # set by _start() on the loop thread: vLLM's client, the classes its requests use, the pool's shape
         self.llm = None
         self._SP = self._TP = self._SI = self._DELTA = None
@@ -135,7 +138,9 @@ class OwnLoopEngine:
         args["disable_log_stats"] = True  # the quiet logger above turns stats on
         args["enable_logging_iteration_details"] = True  # each step's duration and token counts
         let_vllm_scan_modules()  # a forked engine process inherits this process's modules
-        with _sinks_plugin(self.config):  # the engine process inherits METRONOME_KV_SINKS at its start
+        # The engine process inherits METRONOME_KV_SINKS at its start, and dies with this process (however it ends)
+        # and with this loop thread, which started it and ends in close(): probe/lifetime.py.
+        with _sinks_plugin(self.config), lifetime.engine_children():
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_Quiet])
         vc = self.llm.vllm_config
         self.num_blocks = int(vc.cache_config.num_gpu_blocks)
@@ -362,8 +367,7 @@ class OwnLoopEngine:
 
     @property
     def pid(self) -> int | None:
-        procs = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
-        for p in getattr(procs, "processes", ()) or ():
+        for p in self._processes():
             return p.pid
         return None
 
@@ -398,14 +402,31 @@ class OwnLoopEngine:
             self._reports.clear()
             self._fresh.clear()
 
+    def _processes(self) -> list:
+        """vLLM's EngineCore processes (``multiprocessing`` Process objects, this process's children)."""
+        procs = getattr(getattr(getattr(self.llm, "engine_core", None), "resources", None), "engine_manager", None)
+        return list(getattr(procs, "processes", ()) or ())
+
     def close(self) -> None:
-        if not hasattr(self, "llm"):
+        """Stop the engine: returns within ``ENGINE_CLOSE_S``, every process of the engine ended or SIGKILLed, and
+        EngineCore reaped (by a thread of its own if the kernel takes longer to free it).
+
+        vLLM's shutdown asks EngineCore to exit (SIGTERM), waits ``lifetime.GRACE_S`` and then SIGKILLs it with its
+        workers; its own default waits 5 s. Any process of the engine still running after it (a worker whose
+        EngineCore exited before it) is SIGKILLed here."""
+        if self._closed:
             return
+        self._closed = True
+        end = time.monotonic() + ENGINE_CLOSE_S  # (the wind-down's share is what is left of it)
+        procs = self._processes()
+        engine = lifetime.tree([p.pid for p in procs])  # seen before any of them ends (a worker is reparented then)
         with _fds_to(self.log_path):  # vLLM's shutdown messages go to the log too
-            try:
-                self.llm.shutdown()
-            except Exception:
-                pass
+            if self.llm is not None:
+                try:
+                    self.llm.shutdown(timeout=lifetime.GRACE_S)
+                except Exception:
+                    pass
+            lifetime.kill_and_reap(engine, procs)
 
             async def drain():  # end the client's own tasks and vLLM's, so none is left pending at exit
                 tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -413,11 +434,12 @@ class OwnLoopEngine:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-            try:
-                asyncio.run_coroutine_threadsafe(drain(), self._loop).result(timeout=10)
-            except Exception:
-                pass
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            if not self._loop.is_closed():
+                try:
+                    asyncio.run_coroutine_threadsafe(drain(), self._loop).result(max(0.1, end - time.monotonic()))
+                except Exception:
+                    pass
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(max(0.1, end - time.monotonic()))
             if not self._thread.is_alive():
                 self._loop.close()

@@ -5,8 +5,10 @@
 accessors), with the in-process engine living in a spawned child that serves one request at a time over a
 pipe. If that process dies (killed, out of memory, a crash inside vLLM), the next call raises
 :class:`EngineDied` with one line saying how it ended, while everything the driver recorded stays in the
-driver's process. :meth:`RemoteEngine.restart` starts a fresh child without blocking, so the driver can keep
-its frame clock (answering frames silent) while the new engine loads.
+driver's process. The child dies with the driver's process, however that ends (``probe/lifetime.py``), and
+:meth:`RemoteEngine.close` ends it within ``lifetime.ENGINE_CLOSE_S``. :meth:`RemoteEngine.restart` starts a
+fresh child without blocking, so the driver can keep its frame clock (answering frames silent) while the new
+engine loads.
 
 Cost: a step is one round trip (the reply carries the step's :class:`StepInfo` and a snapshot of the pool
 and of every request, so the driver's per-session questions are answered locally). ``append`` and ``abort``
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from metronome.errors import MetronomeError
+from metronome.probe import lifetime
 from metronome.probe.engine import Engine, EngineConfig, PoolState, StepInfo, _one_line
 
 
@@ -79,6 +82,7 @@ def _own_resource_tracker() -> None:
 def _serve(config: EngineConfig, conn, log_path: str | None, env: dict) -> None:
     """The child: start the engine, then answer requests until told to close or the pipe breaks."""
     os.environ.update(env)
+    lifetime.arm_from_env()  # first: it dies with the driver, however the driver ends (probe/lifetime.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle (it closes us)
     if log_path:  # everything vLLM prints goes to the log, for the engine's whole life
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -167,9 +171,10 @@ class RemoteEngine:
     def _start(self) -> None:
         parent, child = self._ctx.Pipe()
         env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "METRONOME_", "KMP_"))}
+        env[lifetime.ENV_VAR] = "1"  # the child, and any process it starts, dies with its parent
         self._proc = self._ctx.Process(target=_serve, args=(self.config, child, self.log_path, env),
                                        name="metronome-engine", daemon=True)
-        self._proc.start()
+        lifetime.start_process(self._proc)  # (from a thread that lives as long as this process)
         child.close()
         self._conn = parent
         self._info = None
@@ -228,13 +233,17 @@ class RemoteEngine:
         self._start()
 
     def _kill(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=10)
+        """SIGKILL the engine's process and reap it. (Its resource tracker, if it started one, is not killed: it
+        exits by itself once the engine is gone, after unlinking what the engine left.)"""
+        if self._proc is not None and self._proc.pid is not None:
+            me = lifetime.seen(self._proc.pid)
+            lifetime.kill_and_reap([me] if me else [], [self._proc])
         if self._conn is not None:
             self._conn.close()
 
     def close(self) -> None:
+        """Ask the engine's process to close its engine, wait ``lifetime.GRACE_S``, then SIGKILL it if it is still
+        there: within ``lifetime.ENGINE_CLOSE_S`` it has ended and is reaped."""
         if self._proc is None:
             return
         if self._proc.is_alive():
@@ -242,7 +251,7 @@ class RemoteEngine:
                 self._conn.send(("close", ()))
             except (OSError, ValueError):
                 pass
-            self._proc.join(timeout=30)
+            self._proc.join(timeout=lifetime.GRACE_S)
         self._kill()
 
     # -- calls ---------------------------------------------------------------------------------------------

@@ -107,13 +107,14 @@ class ServeState:
 
 
 def server_config(app, host: str, port: int, max_message_bytes: int, log_level: str = "warning",
-                  headers_timeout_s: float | None = None):
+                  headers_timeout_s: float | None = None, shutdown_grace_s: float = SHUTDOWN_GRACE_S):
     """uvicorn's settings for the app: the CLI's and the tests' (one place, so that a test serves what users run).
     The protocols are uvicorn's (httptools, and the sans-I/O WebSocket over ``websockets``) with the changes of
     :mod:`metronome.serve.transport`; ``max_message_bytes``: a longer message closes its socket with 1009 before it
     is parsed."""
     import uvicorn
 
+    from metronome.serve import transport
     from metronome.serve.transport import HttpProtocol, WebSocketProtocol
 
     # (lifespan "on": the app's lifespan runs the status page's sampler)
@@ -123,8 +124,9 @@ def server_config(app, host: str, port: int, max_message_bytes: int, log_level: 
     if headers_timeout_s is not None:
         http = type("HttpProtocol", (HttpProtocol,), {"headers_timeout_s": float(headers_timeout_s)})
     return uvicorn.Config(app, host=host, port=port, http=http, ws=WebSocketProtocol,
-                          ws_max_size=max_message_bytes, lifespan="on", log_level=log_level,
-                          timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+                          ws_max_size=max_message_bytes, ws_ping_interval=transport.PING_S,
+                          ws_ping_timeout=transport.PING_S, lifespan="on", log_level=log_level,
+                          timeout_graceful_shutdown=shutdown_grace_s)
 
 
 def error_event(code: str, message: str, type_: str = "invalid_request_error") -> dict:
@@ -233,6 +235,8 @@ async def _session(state: ServeState, ws: WebSocket, client: Client, deny) -> No
 
         client.kick = kick if proto is not None else None
         client.on_limit = lambda reason: kick(1008, reason)
+        if proto is not None:
+            proto.on_unresponsive = client.past_limit
         sender = asyncio.create_task(_send(ws, client, state.tokenizer, state.stall_s, proto))
         client.shape = state.shape()
         await ws.send_text(json.dumps({"type": "session.created",
@@ -308,8 +312,7 @@ async def _send(ws, client: Client, tokenizer=None, stall_s: float = math.inf, p
             try:
                 await asyncio.wait_for(ws.send_text(text), stall_s)
             except TimeoutError:
-                unsent = proto.unsent_bytes() if proto is not None else 0
-                lost = sum(end > total - unsent for end in sent)
+                lost = _in_buffers(sent, total, proto.unsent_bytes() if proto is not None else 0)
                 client.answered -= lost
                 client.counted["undelivered"] += lost + answer
                 client.past_limit("not_reading")
@@ -327,6 +330,12 @@ async def _send(ws, client: Client, tokenizer=None, stall_s: float = math.inf, p
         if answer:
             client.counted["undelivered" if client.closed is not None else "session_ended"] += 1
         return
+
+
+def _in_buffers(sent, total: int, unsent: int) -> int:
+    """Answers still in the socket's buffers: those that end within the last ``unsent`` of ``total`` bytes
+    written (``sent``: where each recent answer ended)."""
+    return sum(end > total - unsent for end in sent)
 
 
 def _frame_bytes(n: int) -> int:

@@ -37,6 +37,7 @@ from metronome.serving import EndReason
 INPUT_QUEUE_FRAMES = 32  # input frames a client may have waiting for their ticks; more are refused and counted
 SEND_QUEUE_FRAMES = 64  # answers waiting for a slow client; more are counted, never buffered
 SEND_QUEUE_MESSAGES = 96  # messages of any kind waiting for it (answers, errors, updates); past it, it is closed
+GAUGES_EVERY_S = 0.5  # while the gateway naps (no step runs), the pool's gauges are read again this often
 DROP_REASONS = ("input_queue_full", "send_queue_full", "session_ended", "undelivered")
 GATEWAY_ERROR = "gateway_error"  # why sessions end, and the server stops, when the gateway itself fails
 
@@ -153,6 +154,8 @@ class Gateway(Driver):
         self._closed: str | None = None  # set once the gateway stopped: why
         super().__init__(engine, config, admission=admission, out_dir=out_dir, retain=False, notify=notify,
                          sleep=self._wait, metrics=metrics)
+        if self.sink.metrics is not None:
+            self.sink.metrics.compile_now()  # (before the clock starts, as the front end's rules and the controller)
         self.silence_token = int(silence_token)
         self.clients: dict[int, Client] = {}  # by front-end session
         self.labels: list[str] = []  # per front-end session: its client's id
@@ -160,6 +163,7 @@ class Gateway(Driver):
         self._input_of: dict[tuple[int, int], int] = {}  # (session, frame) -> the client's input frame number
         self._reshaping: set[int] = set()  # sessions with a session.update in their input queue
         self.t0 = 0.0  # the gateway's clock starts here (perf_counter)
+        self._gauges_at = -math.inf  # when the pool's gauges were last read while napping (clock())
         self.error: str | None = None  # why the gateway itself failed (serve), if it did
 
     # -- the app's side (any thread) -----------------------------------------------------------------------------
@@ -193,6 +197,18 @@ class Gateway(Driver):
     def _wait(self, seconds: float) -> None:
         self._wake.wait(seconds)
         self._wake.clear()
+        self._idle_gauges()
+
+    def _idle_gauges(self) -> None:
+        """While no step runs, the pool's gauges (usage, running, waiting) are read from the engine at least every
+        :data:`GAUGES_EVERY_S`: a step sets them, and once every session left no step runs to set them to the
+        idle pool (not while the engine is down: the supervisor looks at it)."""
+        m = self.sink.metrics
+        now = self.clock()
+        if m is None or now - self._gauges_at < GAUGES_EVERY_S or self.supervisor.down_since is not None:
+            return
+        self._gauges_at = now
+        m.pool(self.engine.pool())
 
     def _interrupted(self) -> bool:
         return bool(self._inbox)

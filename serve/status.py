@@ -4,7 +4,8 @@ and ``GET /status.json``, the figures it draws.
 :class:`StatusHistory` keeps one sample a second for the last ten minutes in a ring buffer (a bounded ``deque``),
 taken by a task on the app's event loop (:meth:`StatusHistory.run`, started with the app). A sample is what
 ``/metrics`` already says (:meth:`metronome.probe.metrics.LiveMetrics.status`): sessions active, the admission
-limit, the p99 frame latency. Like ``/metrics`` it carries no session content: no session ids, no token ids,
+limit, the p99 frame latency. The current figures include the N* of the engine's calibration when the server has
+one (a line beside the limit on the page). Like ``/metrics`` it carries no session content: no session ids, no token ids,
 no text, only counts and latencies over all sessions.
 
 The page is kept here as a string rather than as a file beside this module so that it is installed wherever the
@@ -21,7 +22,7 @@ PERIOD_S = 1.0  # one sample a second ...
 SPAN_S = 600.0  # ... for the last ten minutes
 SERIES = ("t", "sessions_active", "admission_limit", "p99_ms")  # a sample, in this order
 FIGURES = ("sessions_active", "admission_limit", "p99_ms", "p50_ms", "refused", "refused_by_reason", "admitted",
-           "frames", "silent_rate", "kv_pool_usage", "engine_up")  # LiveMetrics.status()'s keys
+           "frames", "silent_rate", "kv_pool_usage", "engine_up", "n_star")  # LiveMetrics.status()'s keys
 
 
 class StatusHistory:
@@ -101,6 +102,8 @@ PAGE = r"""<!doctype html>
   .limit { stroke: #d9822b; border-color: #d9822b; stroke-dasharray: 6 4; }
   .p99 { stroke: #7b3fc4; border-color: #7b3fc4; }
   .deadline { stroke: #c43f3f; border-color: #c43f3f; stroke-dasharray: 4 4; stroke-width: 1.5; }
+  .nstar { stroke: #2e9a5b; border-color: #2e9a5b; stroke-dasharray: 2 4; stroke-width: 1.5; }
+  .legend i.nstar { border-top-style: dotted; }
   footer { color: #667; font-size: 12px; }
 </style>
 </head>
@@ -116,6 +119,8 @@ PAGE = r"""<!doctype html>
     <div class="s" id="admitted"></div></div>
   <div class="card"><div class="k">admission limit</div><div class="v" id="limit">&ndash;</div>
     <div class="s" id="engine"></div></div>
+  <div class="card"><div class="k">N* (calibration)</div><div class="v" id="nstar">&ndash;</div>
+    <div class="s">the limit the calibration predicts</div></div>
   <div class="card"><div class="k">p99 frame latency</div><div class="v" id="p99">&ndash;</div>
     <div class="s" id="p50"></div></div>
   <div class="card"><div class="k">sessions refused</div><div class="v" id="refused">&ndash;</div>
@@ -127,7 +132,7 @@ PAGE = r"""<!doctype html>
 <section class="chart">
   <h2>Sessions active and the admission limit</h2>
   <div class="legend"><span><i class="sessions"></i>sessions active</span>
-    <span><i class="limit"></i>admission limit</span></div>
+    <span><i class="limit"></i>admission limit</span><span id="nstar-key" hidden><i class="nstar"></i>N*</span></div>
   <svg id="chart-sessions" viewBox="0 0 1000 220" role="img" aria-label="sessions active and admission limit"></svg>
 </section>
 <section class="chart">
@@ -216,6 +221,8 @@ function render(s) {
   $("limit").textContent = c.admission_limit === null ? (c.sessions_active === null ? "\u2013" : "none")
                                                       : String(c.admission_limit);
   $("engine").textContent = c.engine_up === false ? "engine down" : "";
+  $("nstar").textContent = num(c.n_star);
+  $("nstar-key").hidden = c.n_star === null || c.n_star === undefined;
   $("p99").textContent = ms(c.p99_ms);
   $("p50").textContent = "p50 " + ms(c.p50_ms) + (c.deadline_ms === null ? "" : ", deadline " + ms(c.deadline_ms));
   $("refused").textContent = num(c.refused);
@@ -225,7 +232,8 @@ function render(s) {
   $("frames").textContent = c.frames === null ? "" : c.frames + " frames in all";
   $("kv").textContent = pct(c.kv_pool_usage);
   draw($("chart-sessions"), s, [{key: "sessions_active", cls: "sessions"},
-                                {key: "admission_limit", cls: "limit", step: true}], [], true);
+                                {key: "admission_limit", cls: "limit", step: true}],
+       [{value: c.n_star === undefined ? null : c.n_star, cls: "nstar"}], true);
   draw($("chart-p99"), s, [{key: "p99_ms", cls: "p99"}], [{value: c.deadline_ms, cls: "deadline"}], false);
   document.body.dataset.samples = String(s.series.t.length);
   $("updated").textContent = "updated " + new Date(s.now * 1000).toLocaleTimeString();

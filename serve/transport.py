@@ -33,6 +33,7 @@ log = logging.getLogger("metronome.serve")
 SEND_BUFFER_BYTES = 64 * 1024  # SO_SNDBUF of a WebSocket (Linux doubles it), and its transport's high-water mark
 HEADERS_TIMEOUT_S = 10.0  # a request's headers, from the connection (or its first byte): else it is closed
 KICK_GRACE_S = 1.0  # a kicked client's time to close after the close frame, before its connection is reset
+PING_S = 20.0  # a ping every PING_S; a client that has not answered one within PING_S is not reading (uvicorn's timing)
 
 
 class HttpProtocol(HttpToolsProtocol):
@@ -123,6 +124,23 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
             self.queue.put_nowait({"type": "websocket.disconnect", "code": code, "reason": reason})
             self.writable.set()  # (a send waiting on a full buffer goes on, and finds the socket closed)
         self.loop.call_later(KICK_GRACE_S, self._reset)
+
+    def keepalive_timeout(self) -> None:
+        """A ping went unanswered for ``PING_S``: the client reads nothing (a pong needs a read). uvicorn would
+        fail the connection with 1011 behind the app's back, and the session's accounts would call it a client
+        that left; it is closed instead as any client that does not read (``on_unresponsive``: the app's
+        ``not_reading`` limit, 1008), and what it was not given is counted ``undelivered``."""
+        self.pong_timer = None
+        self.pending_ping_payload = None
+        if self.close_sent or self.transport.is_closing():
+            return
+        log.warning("%s: no answer to a ping in %g s: closed with 1008 (not_reading)", _peer(self), self.ping_timeout)
+        if self.on_unresponsive is not None:
+            self.on_unresponsive("not_reading")
+        else:
+            self.kick(1008, "not_reading")
+
+    on_unresponsive = None  # set by the app once the session is accepted: called with the limit's name
 
     def unsent_bytes(self) -> int:
         """Bytes written to this socket that its client has not acknowledged: the transport's buffer and the

@@ -162,7 +162,7 @@ def test_a_client_that_floods_errors_without_reading_is_closed_with_1008_and_its
         r = h.Frames(s)
         evs = r.until(lambda ev: not isinstance(ev, dict), cap=200)
         s.close()
-        errors = [ev for ev in evs if isinstance(ev, dict)]
+        errors = [ev for ev in evs if isinstance(ev, dict) and ev.get("type") == "error"]  # (not the answers)
         assert errors and all(len(ev["error"]["message"]) < 200 for ev in errors)
         assert evs[-1] == ("close", 1008) or r.eof, evs[-1:]
 
@@ -193,6 +193,41 @@ def test_a_client_that_sends_without_reading_is_closed_and_its_unsent_answers_co
         row = srv.state.accounts[0]
         assert row["closed"] == "not_reading", row
         assert row["counted_undelivered"] >= 1 and row["sent"] == row["answered"] + row["counted"], row
+
+
+def test_a_client_that_never_answers_a_ping_is_closed_as_not_reading_with_1008(monkeypatch):
+    """A client that streams input but reads nothing, its buffers far from full (small answers, a short run):
+    its first ping goes unanswered, and at the ping's timeout it is closed with 1008 ``not_reading``, its accounts
+    say why, and every answer the accounts call answered is one it can read (uvicorn alone failed such a
+    connection with 1011, and the accounts called it a client that left)."""
+    from metronome.serve import transport
+
+    monkeypatch.setattr(transport, "PING_S", 0.5)
+    with h.Served(cap=4, stall_s=3600.0) as srv:  # (only the ping may find it)
+        s = h.connect(srv.port)
+        s.sendall(h.upgrade(srv.port))
+        assert h.read_response(s)[0] == 101
+        for k in range(400):
+            if srv.state.accounts:
+                break
+            try:
+                s.sendall(_input(k))
+            except OSError:
+                break
+            time.sleep(h.P)
+        assert h.wait_for(lambda: len(srv.state.accounts) == 1 and srv.sessions() == 0)
+        row = srv.state.accounts[0]
+        assert row["closed"] == "not_reading", row
+        assert row["sent"] == row["answered"] + row["counted"], row
+        # what it can still read (its kernel took them: delivered, if late): the answers the accounts say were
+        # answered, then the close frame's 1008
+        r = h.Frames(s)
+        evs = r.until(lambda ev: not isinstance(ev, dict), cap=2000)
+        s.close()
+        assert evs and evs[-1] == ("close", 1008), evs[-3:]
+        got = sum(isinstance(ev, dict) and ev.get("type") == "response.frame" and ev["input"] is not None
+                  for ev in evs)
+        assert got == row["answered"], (got, row)
 
 
 def test_the_drain_ends_a_client_that_does_not_read_and_the_server_stops(monkeypatch):

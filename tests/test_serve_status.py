@@ -94,6 +94,19 @@ def test_no_limit_no_frames_and_a_starting_server_read_as_null():
         "stopped"
 
 
+def test_the_servers_n_star_is_on_metrics_and_the_status_page_beside_the_limit_and_absent_without_one():
+    st = _state()
+    client = TestClient(make_app(st))
+    assert _json(client)["current"]["n_star"] is None  # no calibration: no N*, and no series claims one
+    assert "metronome_n_star" not in client.get("/metrics").text
+    st.metrics.n_star(27)  # (the CLI's, once its calibration's capacity is known)
+    c = _json(client)["current"]
+    assert c["n_star"] == 27 and c["admission_limit"] == 3
+    assert re.search(r"^metronome_n_star 27\.0$", client.get("/metrics").text, re.M)
+    html = client.get("/").text  # the page shows it: a card, and a line on the sessions chart
+    assert 'id="nstar"' in html and "c.n_star" in html and 'cls: "nstar"' in html
+
+
 def test_the_history_is_a_bounded_ring():
     st = _state(status=StatusHistory(period_s=1.0, span_s=10.0))
     client = TestClient(make_app(st))

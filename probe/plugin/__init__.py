@@ -34,7 +34,13 @@ def register() -> None:
     """vLLM's entry point: install the plugin when ``METRONOME_KV_SINKS`` asks for it, else do nothing.
 
     A malformed value stops the process that loads it (``vllm serve``'s API server first, before any engine
-    starts) with one line and exit code 2, rather than a traceback or, worse, an engine without the bound."""
+    starts) with one line and exit code 2, rather than a traceback or, worse, an engine without the bound.
+
+    First, in a process vLLM starts for an engine metronome started, it arms that process to die with its parent
+    (vLLM runs this at the start of each of them: probe/lifetime.py)."""
+    from metronome.probe import lifetime
+
+    lifetime.arm_from_env()
     text = os.environ.get(ENV_VAR, "").strip()
     if not text:
         return

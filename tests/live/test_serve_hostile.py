@@ -8,13 +8,7 @@ The same paths without vLLM, in seconds: tests/test_serve_hostile_clients.py and
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,55 +16,27 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (tests/: the raw-socket helpers)
 import serve_harness as h  # noqa: E402
 
-CPUS = sorted(os.sched_getaffinity(0))
-ENGINE_CPUS = ["--engine-cpus", str(CPUS[-1])] if len(CPUS) > 1 else []
 DRAIN_S = 5.0
-
-
-def _rows(out: Path) -> list[dict]:
-    f = out / "clients.jsonl"
-    return [json.loads(ln) for ln in f.read_text().splitlines()] if f.exists() else []
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hostile") / "out"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(out.parent / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "metronome.cli.serve_cli", "--model", "tiny", "--kv", "sinks", "--sinks", "32",
-         "--window", "128", "--num-blocks", "256", "--admission", "static:32", "--port", str(port), "--host",
-         "127.0.0.1", "--drain-timeout", str(DRAIN_S), "--out", str(out), *ENGINE_CPUS],
-        stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(600):  # (300 s at most: an engine start on a busy host)
-        if proc.poll() is not None:
-            pytest.fail(f"metronome-serve exited {proc.returncode}: {(out.parent / 'server.log').read_text()}")
+    srv = h.ServerProcess(tmp_path_factory.mktemp("hostile") / "out", *h.TINY_SINKS, "--admission", "static:32",
+                          *h.ENGINE_CPUS, drain_s=DRAIN_S)
+    with srv:
         try:
-            if h.http_get(port, "/ready")[0] == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("metronome-serve was not ready in 300 s")
-    # the first session compiles what the live turn needs: served once before the checks
-    asyncio.run(asyncio.wait_for(h.real_client(f"ws://127.0.0.1:{port}/v1/realtime", frames=1), 600))
-    yield port, out, out.parent / "server.log"
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=DRAIN_S + 120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+            srv.wait_ready(cap_s=300)  # (an engine start on a busy host)
+        except h.ServerFailed as exc:
+            pytest.fail(str(exc))
+        # the first session compiles what the live turn needs: served once before the checks
+        asyncio.run(asyncio.wait_for(h.real_client(srv.url, frames=1), 600))
+        yield srv.port, srv.out, srv.log_path
 
 
 def _idle(port: int, out: Path) -> bool:
     """No session held, and every admitted one has its accounts row."""
     return (h.metric(port, "metronome_sessions_active") == 0
-            and len(_rows(out)) == h.metric(port, "metronome_sessions_admitted_total"))
+            and len(h.accounts(out)) == h.metric(port, "metronome_sessions_admitted_total"))
 
 
 def test_100_clients_that_vanish_around_the_handshake_leave_no_session(server):
@@ -79,7 +45,7 @@ def test_100_clients_that_vanish_around_the_handshake_leave_no_session(server):
     for k in range(100):
         h.vanish(port, hows[k % len(hows)])
     assert h.wait_for(lambda: _idle(port, out), cap_s=120), (h.metric(port, "metronome_sessions_active"),
-                                                             len(_rows(out)))
+                                                             len(h.accounts(out)))
     created, answered = asyncio.run(h.real_client(f"ws://127.0.0.1:{port}/v1/realtime", frames=3))
     assert created["type"] == "session.created" and answered == [0, 1, 2]
 
@@ -126,7 +92,7 @@ def test_an_error_flood_without_reading_is_closed_with_1008(server):
         except OSError:
             break
     sid = created["session"]["id"]
-    assert h.wait_for(lambda: any(row["session"] == sid for row in _rows(out)), cap_s=120)
+    assert h.wait_for(lambda: any(row["session"] == sid for row in h.accounts(out)), cap_s=120)
     s.close()
-    row = next(row for row in _rows(out) if row["session"] == sid)
+    row = next(row for row in h.accounts(out) if row["session"] == sid)
     assert row["closed"] == "errors" and row["sent"] == row["answered"] + row["counted"], row
