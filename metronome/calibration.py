@@ -26,13 +26,18 @@ SCHEMA = "metronome.calibration/1"
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
 PROVENANCE_KINDS = ("measured", "estimated")
-COEFFICIENTS = ("base_s", "per_seq_s", "per_context_token_s", "per_new_token_s")
+COEFFICIENTS = ("base_s", "per_seq_s", "per_context_token_s", "per_new_token_s", "moe_experts_s")
 # what each coefficient is charged per (the report's terms table, the probe's printout)
 COEFFICIENT_UNITS = {"base_s": "per step", "per_seq_s": "per sequence", "per_context_token_s": "per context token",
-                     "per_new_token_s": "per computed token"}
+                     "per_new_token_s": "per computed token", "moe_experts_s": "per share of the experts read"}
 # how a step-latency term was obtained: a vendor figure, fitted to a published measurement of real serving, a
 # measurement of this project's own code, or reasoned from a model's shape without a measurement to lean on
 TERM_BASES = ("datasheet", "anchored", "measured", "estimated")
+# An estimated term without stated bounds ranges over value/F .. value·F: a term reasoned from a model's shape with an
+# assumed efficiency or rate is rarely more than 2x off its truth where a measurement has since checked one
+# (docs/gpu-pricing.md: weights 1.2-1.4x datasheet, attention 1.02-1.10x). A term known to be further off states its
+# own low/high (the matmul charge; Moshi's former per-pass depformer estimate was 0.03-7x off, by serving mode).
+ESTIMATE_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -45,17 +50,45 @@ class StepTerm:
     value: float
     basis: str
     source: str = ""
+    low: float | None = None  # the term's range (:meth:`bounds`); written to a file only when set
+    high: float | None = None
+
+    def bounds(self) -> tuple[float, float]:
+        """The range the term's truth plausibly lies in: ``low``/``high`` when given; else by basis, an
+        ``estimated`` term ``value/ESTIMATE_FACTOR .. value·ESTIMATE_FACTOR`` (:data:`ESTIMATE_FACTOR`), any other
+        (measured: the spread between runs; datasheet/anchored: what the source supports, which the roofline states
+        on each such term) ``value .. value`` when it states none."""
+        if self.basis == "estimated":
+            lo, hi = self.value / ESTIMATE_FACTOR, self.value * ESTIMATE_FACTOR
+        else:
+            lo = hi = self.value
+        return (lo if self.low is None else self.low, hi if self.high is None else self.high)
+
+    def with_value(self, value: float) -> "StepTerm":
+        """The same term priced at ``value`` (its stated range kept)."""
+        return replace(self, value=float(value))
+
+    def scaled(self, factor: float) -> "StepTerm":
+        """Value and stated range times ``factor``."""
+        return replace(self, value=self.value * factor, low=None if self.low is None else self.low * factor,
+                       high=None if self.high is None else self.high * factor)
 
 
-def step_inputs(batch, context_tokens, new_tokens):
+def step_inputs(batch, context_tokens, new_tokens, moe_route):
     """What each of :data:`COEFFICIENTS` multiplies, in order, for a step of ``batch`` sequences attending over
-    ``context_tokens`` and computing ``new_tokens`` (scalars or numpy arrays).
+    ``context_tokens`` and computing ``new_tokens`` (scalars or numpy arrays), on a backbone whose MoE layers route
+    each token to ``moe_route`` = k/E of their experts (0 for a dense model).
+
+    The MoE input is the expected share of the experts a step reads: each of the step's tokens picks k of E
+    experts, so an expert goes unread with probability ``(1 − k/E)^new_tokens`` and the step streams
+    ``E·(1 − (1 − k/E)^new_tokens)`` experts' weights once (``moe_experts_s`` prices all of them). A dense model's
+    input is 0.
 
     The one statement of the model's form: :meth:`StepLatencyModel.step_s`, the fit's design matrix
     (:func:`metronome.fit.fit_step_latency`) and the simulator's compiled loop (which compiles this very
     function) all read it, so a new term is a coefficient, its unit and its input here. Plain arithmetic
     only, for the compiler."""
-    return (1.0, batch, context_tokens, new_tokens)
+    return (1.0, batch, context_tokens, new_tokens, 1.0 - (1.0 - moe_route) ** new_tokens)
 
 
 def sum_terms(terms) -> dict[str, float]:
@@ -140,10 +173,13 @@ class StepLatencyModel:
     """Latency of one engine step (form ``linear/1``; :func:`step_inputs` is its one statement)::
 
         step_s = base_s + per_seq_s·batch + per_context_token_s·context_tokens + per_new_token_s·new_tokens
+                 + moe_experts_s·(1 − (1 − moe_route)^new_tokens)
 
     ``batch`` is the number of sequences in the step, ``context_tokens`` the KV they attend over
     (resident tokens, summed), ``new_tokens`` the tokens computed in the step (decode positions plus
-    prefill chunks). ``fitted_range`` gives the ``[min, max]`` of each input the coefficients were
+    prefill chunks). On an MoE backbone (``moe_route`` = k/E > 0) ``moe_experts_s`` streams every routed expert
+    once and the step pays for the share it reads; a dense model has neither (both 0, absent from its file).
+    ``fitted_range`` gives the ``[min, max]`` of each input the coefficients were
     fitted on; outside it the model extrapolates and the simulator counts such steps.
 
     Two optional terms describe a real-time engine (``metronome-probe calibrate`` fits them from its paced runs;
@@ -176,6 +212,7 @@ class StepLatencyModel:
     per_seq_s: float
     per_context_token_s: float
     per_new_token_s: float
+    moe_experts_s: float = 0.0
     fitted_range: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     form: str = "linear/1"
     fit_error: Mapping[str, float] = field(default_factory=dict)
@@ -186,6 +223,7 @@ class StepLatencyModel:
     jitter_frame: float = 0.0
     terms: tuple[StepTerm, ...] = ()
     plugin_terms: tuple[StepTerm, ...] = ()
+    moe_route: float = 0.0  # k/E of the backbone's MoE layers (step_inputs); 0: dense
 
     def ratio(self, index, seed: int = 0) -> np.ndarray:
         """The independent jitter ratio of step(s) ``index`` (an int or an array of ints) in a run seeded
@@ -215,8 +253,8 @@ class StepLatencyModel:
         every coefficient, term and the first-step extra times ``factor``; the jitter, a ratio, stays."""
         if not (factor > 0 and math.isfinite(factor)):
             raise ValueError(f"a speed factor must be a positive number, got {factor}")
-        terms = tuple(replace(t, value=t.value * factor) for t in self.terms)
-        plugin = tuple(replace(t, value=t.value * factor) for t in self.plugin_terms)
+        terms = tuple(t.scaled(factor) for t in self.terms)
+        plugin = tuple(t.scaled(factor) for t in self.plugin_terms)
         return replace(self, **{k: getattr(self, k) * factor for k in COEFFICIENTS},
                        frame_first_s=self.frame_first_s * factor, terms=terms, plugin_terms=plugin)
 
@@ -225,10 +263,17 @@ class StepLatencyModel:
         """The coefficients in :data:`COEFFICIENTS` order (what :func:`step_inputs` pairs with)."""
         return tuple(getattr(self, k) for k in COEFFICIENTS)
 
+    def with_terms(self, terms: tuple[StepTerm, ...], plugin_terms: tuple[StepTerm, ...] | None = None
+                   ) -> "StepLatencyModel":
+        """The model whose coefficients are the sums of ``terms`` (and whose plugin terms are ``plugin_terms``, the
+        current ones when None)."""
+        plugin = self.plugin_terms if plugin_terms is None else tuple(plugin_terms)
+        return replace(self, **sum_terms(terms), terms=tuple(terms), plugin_terms=plugin)
+
     def step_s(self, batch, context_tokens, new_tokens):
         """Σ coefficient × :func:`step_inputs`, summed in order. Vectorised: scalars and numpy arrays alike."""
         total = 0.0
-        for c, x in zip(self.coefficients, step_inputs(batch, context_tokens, new_tokens)):
+        for c, x in zip(self.coefficients, step_inputs(batch, context_tokens, new_tokens, self.moe_route)):
             total = total + c * x
         return total
 
@@ -251,7 +296,23 @@ class Provenance:
 
 
 @dataclass(frozen=True)
+class StackPricing:
+    """What one serving stack adds to the backbone's step: the terms of the frame pipeline's other stages as that
+    stack runs them (batched across a step's sessions or one session at a time; CUDA graphs or eager), with what the
+    stack is and what it is based on (``source``). A preset offers several (:attr:`Calibration.stacks`)."""
+
+    name: str
+    description: str
+    terms: tuple[StepTerm, ...]
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class Calibration:
+    """One model on one engine and machine. A priced preset offers serving stacks (``stack_options``; their names
+    :attr:`stacks`): ``step_latency`` holds the backbone's terms followed by the terms of the stack in use
+    (``stack``; "" for a calibration with none, e.g. a measured one), and :meth:`with_stack` swaps them."""
+
     name: str
     model: ModelShape
     stream: TokenStream
@@ -260,10 +321,92 @@ class Calibration:
     provenance: Provenance
     description: str = ""
     path: str = ""  # where it was loaded from (not serialised)
+    stack: str = ""
+    stack_options: tuple[StackPricing, ...] = ()
+
+    def __post_init__(self):
+        # a step model without terms is a fit (a preset's engine given a measured step model, as pooling does): it
+        # holds whatever its engine's stack did, so no stack can be swapped into it
+        if self.stack_options and not self.step_latency.terms:
+            object.__setattr__(self, "stack", "")
+            object.__setattr__(self, "stack_options", ())
 
     @property
     def kv_bytes_per_token(self) -> int:
         return self.model.kv_bytes_per_token
+
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        """The names of the stacks this calibration offers (the first is the default); none once its step model is
+        a fit (:meth:`__post_init__`)."""
+        return tuple(s.name for s in self.stack_options)
+
+    def stack_pricing(self, name: str) -> StackPricing:
+        """Stack ``name``'s pricing; a one-line CalibrationError naming the choices when it offers none such."""
+        for s in self.stack_options:
+            if s.name == name:
+                return s
+        if not self.stacks:
+            raise CalibrationError(f"calibration {self.name!r} offers no serving stacks (it prices no stage but "
+                                   f"the backbone); drop --stack")
+        raise CalibrationError(f"calibration {self.name!r} has no stack {name!r} (stacks: {', '.join(self.stacks)})")
+
+    def stack_description(self, name: str) -> str:
+        """What stack ``name`` is, and what it is based on."""
+        s = self.stack_pricing(name)
+        return f"{s.description} (based on: {s.source})" if s.source else s.description
+
+    @property
+    def backbone_terms(self) -> tuple[StepTerm, ...]:
+        """``step_latency``'s terms less those of the stack in use."""
+        if not self.stack:
+            return self.step_latency.terms
+        own = {t.name for t in self.stack_pricing(self.stack).terms}
+        return tuple(t for t in self.step_latency.terms if t.name not in own)
+
+    def with_stack(self, name: str | None) -> "Calibration":
+        """This calibration priced for serving stack ``name`` (None or "": as it is)."""
+        if not name or name == self.stack:
+            if name:
+                self.stack_pricing(name)
+            return self
+        new = self.stack_pricing(name)
+        step = self.step_latency.with_terms(self.backbone_terms + new.terms)
+        return replace(self, step_latency=step, stack=name)
+
+    def with_term(self, name: str, value: float) -> "Calibration":
+        """This calibration with every term called ``name`` (the backbone's, a stack's or the plugin's) priced at
+        ``value`` and the coefficients re-summed. CalibrationError when no term has that name."""
+        value = float(value)
+        if not (value >= 0 and math.isfinite(value)):
+            raise CalibrationError(f"term {name!r}: a term's value must be a finite number >= 0, got {value!r}")
+        found = False
+
+        def swap(terms):
+            nonlocal found
+            out = []
+            for t in terms:
+                if t.name == name:
+                    found = True
+                    t = t.with_value(value)
+                out.append(t)
+            return tuple(out)
+
+        stacks = tuple(replace(s, terms=swap(s.terms)) for s in self.stack_options)
+        terms, plugin = swap(self.step_latency.terms), swap(self.step_latency.plugin_terms)
+        if not found:
+            known = sorted({t.name for t in self.step_latency.terms + self.step_latency.plugin_terms}
+                           | {t.name for s in self.stack_options for t in s.terms})
+            raise CalibrationError(f"calibration {self.name!r} has no term {name!r}"
+                                   + (f" (terms: {'; '.join(known)})" if known else " (it lists no terms)"))
+        step = self.step_latency.with_terms(terms, plugin) if self.step_latency.terms else replace(
+            self.step_latency, plugin_terms=plugin)
+        return replace(self, step_latency=step, stack_options=stacks)
+
+    def terms_for(self, policy) -> tuple[StepTerm, ...]:
+        """Every term that prices a step of this engine serving ``policy``: the backbone's, the stack in use's, and
+        the plugin's when the policy runs through the plugin (:meth:`step_latency_for`'s terms)."""
+        return self.step_latency_for(policy).terms
 
     def step_latency_for(self, policy) -> StepLatencyModel:
         """The step-latency model of this engine serving ``policy`` (a :class:`~metronome.kv_policy.KVPolicy`):
@@ -273,6 +416,10 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("path")
+        stack, options = d.pop("stack"), d.pop("stack_options")
+        if options:  # files without stacks stay as they were
+            d["stack"] = stack
+            d["stacks"] = [{**o, "terms": [_term_dict(t) for t in o["terms"]]} for o in options]
         d["provenance"]["notes"] = list(self.provenance.notes)
         d["step_latency"]["fitted_range"] = {k: list(v) for k, v in self.step_latency.fitted_range.items()}
         d["step_latency"]["fit_error"] = dict(self.step_latency.fit_error)
@@ -285,12 +432,21 @@ class Calibration:
             d["step_latency"].pop("jitter")
             d["step_latency"].pop("frame_first_s")
         for key in ("terms", "plugin_terms"):
+            sl[key] = [_term_dict(t) for t in sl[key]]
+            if not sl[key]:
+                sl.pop(key)
+        for key in ("moe_experts_s", "moe_route"):  # a dense model's file stays as it was
             if not sl[key]:
                 sl.pop(key)
         return {"schema": SCHEMA, **d}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
+
+
+def _term_dict(t: Mapping[str, Any]) -> dict[str, Any]:
+    """A term as a file holds it: its range only when stated."""
+    return {k: v for k, v in t.items() if not (k in ("low", "high") and v is None)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -390,9 +546,50 @@ def _terms(sl: "_Reader", key: str) -> tuple[StepTerm, ...]:
             t._fail("coefficient", f"must be one of {', '.join(COEFFICIENTS)}, got {coefficient!r}")
         if basis not in TERM_BASES:
             t._fail("basis", f"must be one of {', '.join(TERM_BASES)}, got {basis!r}")
-        out.append(StepTerm(name=t.get("name", str), coefficient=coefficient, value=t.get("value", float, nonneg=True),
-                            basis=basis, source=t.get("source", str, default="")))
+        value = t.get("value", float, nonneg=True)
+        low, high = t.get("low", float, default=None, nonneg=True), t.get("high", float, default=None, nonneg=True)
+        if low is not None and low > value:
+            t._fail("low", f"must be <= value ({value!r}), got {low!r}")
+        if high is not None and high < value:
+            t._fail("high", f"must be >= value ({value!r}), got {high!r}")
+        out.append(StepTerm(name=t.get("name", str), coefficient=coefficient, value=value, basis=basis,
+                            source=t.get("source", str, default=""), low=low, high=high))
     return tuple(out)
+
+
+def _stacks(r: "_Reader", step: StepLatencyModel) -> dict[str, Any]:
+    """The serving stacks a file offers and the one its ``step_latency`` is priced for (whose terms it must list)."""
+    raw = r.obj.get("stacks")
+    if raw is None:
+        if r.obj.get("stack"):
+            r._fail("stack", "names a stack but the file lists no stacks")
+        return {}
+    if not isinstance(raw, list) or not raw:
+        r._fail("stacks", "must be a non-empty list of {name, description, source, terms} objects")
+    options = []
+    for k, item in enumerate(raw):
+        s = _Reader(r.origin, item, f"stacks[{k}].")
+        name = s.get("name", str)
+        if not name or name in {o.name for o in options}:
+            s._fail("name", f"must be a non-empty name no other stack has, got {name!r}")
+        options.append(StackPricing(name=name, description=s.get("description", str, default=""),
+                                    terms=_terms(s, "terms"), source=s.get("source", str, default="")))
+    stack = r.get("stack", str, default=options[0].name)
+    chosen = [o for o in options if o.name == stack]
+    if not chosen:
+        r._fail("stack", f"must be one of the listed stacks ({', '.join(o.name for o in options)}), got {stack!r}")
+    have = {t.name: t for t in step.terms}
+    for t in chosen[0].terms:
+        if have.get(t.name) != t:
+            r._fail("stack", f"stack {stack!r}'s term {t.name!r} is not among step_latency.terms as the stack lists it")
+    return {"stack": stack, "stack_options": tuple(options)}
+
+
+def _moe_route(sl: "_Reader") -> float:
+    route = sl.get("moe_route", float, default=0.0, nonneg=True)
+    if not route < 1:
+        sl._fail("moe_route", f"must be k/E of the MoE layers, in [0, 1), got {route!r}")
+    return route
 
 
 def _check_terms(sl: "_Reader", step: StepLatencyModel) -> None:
@@ -480,6 +677,7 @@ def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
         **_jitter_correlation(sl),
         terms=_terms(sl, "terms"),
         plugin_terms=_terms(sl, "plugin_terms"),
+        moe_route=_moe_route(sl),
     )
     _check_terms(sl, step)
     if step.step_s(1, 0, 1) <= 0:
@@ -510,6 +708,7 @@ def from_dict(obj: Any, origin: str = "<calibration>") -> Calibration:
         provenance=prov,
         description=r.get("description", str, default=""),
         path=origin,
+        **_stacks(r, step),
     )
 
 
@@ -541,12 +740,34 @@ def load_file(path: str | Path) -> Calibration:
     return _parse(text, str(p))
 
 
-def load(name_or_path: str | Path) -> Calibration:
-    """A preset name (``moshi-7b-h200``) or a path to a calibration JSON file."""
-    s = str(name_or_path)
+STACK_SEP = "@"  # a calibration spec NAME_OR_PATH@STACK names the serving stack too (what --stack makes of a name)
+
+
+def split_spec(spec: str | Path) -> tuple[str, str | None]:
+    """``(name or path, stack or None)`` of a calibration spec ``NAME_OR_PATH[@STACK]`` (an existing file whose name
+    holds the separator is a path)."""
+    s = str(spec)
+    if STACK_SEP in s and not Path(s).is_file():
+        name, _, stack = s.rpartition(STACK_SEP)
+        return name, stack or None
+    return s, None
+
+
+def with_stack_spec(spec: str, stack: str) -> str:
+    """The spec of calibration ``spec`` priced for ``stack`` (replacing any stack the spec names)."""
+    return f"{split_spec(spec)[0]}{STACK_SEP}{stack}"
+
+
+def load(name_or_path: str | Path, stack: str | None = None) -> Calibration:
+    """A preset name (``moshi-7b-h200``) or a path to a calibration JSON file, either optionally followed by
+    ``@STACK``, priced for serving stack ``stack`` (else the spec's; None: the one the file is priced for, its
+    default). An unknown stack is a one-line CalibrationError naming the choices."""
+    s, spec_stack = split_spec(name_or_path)
     if s.endswith(".json") or "/" in s or Path(s).is_file():
-        return load_file(s)
-    return load_preset(s)
+        cal = load_file(s)
+    else:
+        cal = load_preset(s)
+    return cal.with_stack(stack or spec_stack)
 
 
 def _parse(text: str, origin: str) -> Calibration:

@@ -207,13 +207,35 @@ def jitter_correlation(grid: pd.DataFrame, frame_period_s: float) -> dict | None
 
 
 def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares on relative error (each row divided by its y)."""
-    return nnls(X / y[:, None], np.ones_like(y))[0]
+    """Non-negative least squares on relative error (each row divided by its y). A column that is 0 at every point
+    (a dense model's MoE input) gets coefficient 0 and is left out of the solve."""
+    coef = np.zeros(X.shape[1])
+    live = np.any(X != 0, axis=0)
+    coef[live] = nnls(X[:, live] / y[:, None], np.ones_like(y))[0]
+    return coef
 
 
-def fit_step_latency(grid: pd.DataFrame, frame_period_s: float | None = None) -> dict:
+def design_matrix(batch, context_tokens, new_tokens, moe_route: float = 0.0) -> np.ndarray:
+    """One row per point, one column per coefficient (:func:`~metronome.calibration.step_inputs`)."""
+    inputs = step_inputs(np.asarray(batch, float), np.asarray(context_tokens, float), np.asarray(new_tokens, float),
+                         float(moe_route))
+    return np.column_stack(np.broadcast_arrays(*inputs)).astype(float)
+
+
+def fit_points(batch, context_tokens, new_tokens, step_s, moe_route: float = 0.0) -> tuple[dict, np.ndarray]:
+    """The step model's coefficients fitted to measured steps (≥ 0, on relative error, no outlier pass) and each
+    point's relative error (predicted − measured) / measured: what a micro-benchmark's curve (e.g.
+    ``docs/measured/decode_step-*.json``) says about the model's form."""
+    X = design_matrix(batch, context_tokens, new_tokens, moe_route)
+    y = np.asarray(step_s, float)
+    coef = _nnls_rel(X, y)
+    return dict(zip(COEFFICIENTS, map(float, coef))), (X @ coef - y) / y
+
+
+def fit_step_latency(grid: pd.DataFrame, frame_period_s: float | None = None, moe_route: float = 0.0) -> dict:
     """Fit the step model (:func:`~metronome.calibration.step_inputs`: ``base + per_seq·batch + per_ctx·context +
-    per_new·new``), plus ``frame_first`` for a step that comes after an idle gap, all ≥ 0, on relative error;
+    per_new·new + moe·share of experts read``, the last for an MoE backbone whose layers route ``moe_route`` = k/E
+    of their experts), plus ``frame_first`` for a step that comes after an idle gap, all ≥ 0, on relative error;
     also the paced steps' jitter (:func:`step_jitter`) and, given the frame period, how it hangs together in time
     (:func:`jitter_correlation`).
 
@@ -224,8 +246,8 @@ def fit_step_latency(grid: pd.DataFrame, frame_period_s: float | None = None) ->
     if grid.empty:
         raise MetronomeError("no step-latency samples to fit")
     pts = _groups(grid)
-    inputs = step_inputs(pts.batch.to_numpy(float), pts.context_tokens.to_numpy(float), pts.new_tokens.to_numpy(float))
-    X = np.column_stack([*np.broadcast_arrays(*inputs), pts["first"].to_numpy(float)]).astype(float)
+    X = np.column_stack([design_matrix(pts.batch, pts.context_tokens, pts.new_tokens, moe_route),
+                         pts["first"].to_numpy(float)])
     y = pts.step_s.to_numpy(float)
     paced = pts.label.str.startswith("paced").to_numpy()
     # With paced runs, decode and chunk steps come from them: the grid's back-to-back steps are a busier,
@@ -243,6 +265,7 @@ def fit_step_latency(grid: pd.DataFrame, frame_period_s: float | None = None) ->
     decode = pts.label.str.startswith("decode").to_numpy()
     return {
         **{k: float(c) for k, c in zip(COEFFICIENTS, coef)}, "frame_first_s": float(coef[len(COEFFICIENTS)]),
+        "moe_route": float(moe_route),
         "jitter": step_jitter(grid),
         "jitter_correlation": jitter_correlation(grid, frame_period_s) if frame_period_s else None,
         "fitted_range": {"batch": [float(pts.batch.min()), float(pts.batch.max())],
@@ -262,7 +285,8 @@ def fit_step_latency(grid: pd.DataFrame, frame_period_s: float | None = None) ->
 def step_latency_model(fit: dict) -> StepLatencyModel:
     """The calibration's step-latency model from a :func:`fit_step_latency` result."""
     return StepLatencyModel(
-        **{k: fit[k] for k in COEFFICIENTS}, frame_first_s=fit.get("frame_first_s", 0.0),
+        **{k: fit.get(k, 0.0) for k in COEFFICIENTS}, frame_first_s=fit.get("frame_first_s", 0.0),
+        moe_route=fit.get("moe_route", 0.0),
         jitter=tuple(tuple(pt) for pt in fit.get("jitter", ())),
         **_correlation_fields(fit),
         fitted_range={k: tuple(v) for k, v in fit["fitted_range"].items()},

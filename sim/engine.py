@@ -424,7 +424,7 @@ class SimEngine(FrontEnd):
         kind, *draws, weights = self._span_draws(n_max, sess, t_next)
         pause = math.inf if not self.pause_every_s else (math.floor(now / self.pause_every_s) + 1) * self.pause_every_s
         fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, self.first_s, _EPS,
-                          float(kind), self.horizon, *weights, pause])
+                          float(kind), self.horizon, *weights, pause, self.lat.moe_route])
         coef = np.array(self.lat.coefficients, dtype=np.float64)
         istate = np.array([self.serving_frame, self.peak_used, 0, 0, 0, int(self.idle), len(self.silent_pending), 0,
                            int(self.preempted_last)], dtype=np.int64)

@@ -71,7 +71,8 @@ WAITING_STATE, PREFILL_STATE, R_STATE, ENDED_STATE, REFUSED_STATE = 1, 2, 3, 4, 
 # fconf: times and the step-latency model's real-time terms (its coefficients come as their own array, ``coef``)
 # (F_TPAUSE: the loop hands back after the first turn from then on, so a caller can look at the run, e.g. whether
 # its outcome is decided; unlike F_TNEXT it is no event, and nothing waits for it)
-F_P, F_PQ, F_DEADLINE, F_TNEXT, F_FIRST, F_EPS, F_JITTER, F_HORIZON, F_WZ, F_WSHARED, F_WOWN, F_TPAUSE = range(12)
+# (F_ROUTE: the step model's moe_route, the MoE input of step_inputs)
+F_P, F_PQ, F_DEADLINE, F_TNEXT, F_FIRST, F_EPS, F_JITTER, F_HORIZON, F_WZ, F_WSHARED, F_WOWN, F_TPAUSE, F_ROUTE = range(13)
 # fconf[F_JITTER]: no jitter; independent (each step's ratio given, ``jit``); correlated (a step's ratio from its own
 # score ``jz`` and the parts ``ja``/``jb`` of the frame it is taken on, frames iconf[I_FLO] on)
 NO_JITTER, INDEPENDENT, CORRELATED = 0, 1, 2
@@ -383,7 +384,7 @@ def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog
 @compiled.uncounted
 def _step_latency(coef, fconf, nS, ctx, new_tokens, first, jitter, step_no, sframe, f_lo, jit, jz, ja, jb, jp, jr):
     """StepLatencyModel.step_s (the same sums in the same order, bit for bit), the first-step term, the jitter."""
-    xs = _step_inputs(float(nS), float(ctx), float(new_tokens))
+    xs = _step_inputs(float(nS), float(ctx), float(new_tokens), fconf[F_ROUTE])
     lat = 0.0
     for i in range(coef.size):
         lat += coef[i] * xs[i]

@@ -86,7 +86,7 @@ CASES = [
     ("sim", ["capcity"], "invalid choice"),
     ("sim", ["run", "--sesions", "5"], "unrecognized"),
     ("sim", ["run", "--sessions", "5", "--kv", "sink"], "unknown KV policy"),
-    ("sim", ["run", "--sessions", "5", "--calibration", "moshi-7b-h100"], "moshi-7b-h100"),
+    ("sim", ["run", "--sessions", "5", "--calibration", "moshi-7b-a100"], "moshi-7b-a100"),
     ("sim", ["what-if", "--sessions", "10", "--phases", "independant", "--out", "OUT"], "--phases"),
     ("sim", ["fleet", "--arrival-rate", "1", "--routers", "least_loaded", "--out", "OUT"], "least_loaded"),
     ("probe", ["calbrate", "--model", "tiny"], "did you mean calibrate"),

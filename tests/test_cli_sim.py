@@ -16,10 +16,10 @@ SUMMARY_KEYS = {"t_sat_predicted_s", "t_sat_observed_s", "silent_frame_fraction"
 
 def test_run_prints_t_sat_and_writes_its_files(tmp_path):
     out = tmp_path / "run"
-    r = run_cli("run", "--sessions", "300", "--horizon", "90", "--num-blocks", "6000", "--out", str(out))
+    r = run_cli("run", "--sessions", "800", "--horizon", "90", "--num-blocks", "16000", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    # 300 sessions are past this preset's throughput (N* 122), so their KV grows on the engine's clock, not the
-    # stream's 25.7 s (20 blocks each of 6000, 321 tokens at 12.5 tokens/s): the line prints both t_sat, and they
+    # 800 sessions are past this preset's throughput (N* 263), so their KV grows on the engine's clock, not the
+    # stream's 25.7 s (20 blocks each of 16000, 321 tokens at 12.5 tokens/s): the line prints both t_sat, and they
     # agree to within a frame period (the simulator's sessions join up to one period late)
     m = re.search(r"predicted ([0-9.]+) s · observed ([0-9.]+) s", r.stdout)
     assert m, r.stdout
@@ -35,7 +35,7 @@ def test_run_prints_t_sat_and_writes_its_files(tmp_path):
             "preemptions"} <= set(steps.columns)
     sessions = pd.read_parquet(out / "sessions.parquet")
     assert {"admitted_s", "ended_s", "frames", "silent_frames", "deadline_misses"} <= set(sessions.columns)
-    assert len(sessions) == 300
+    assert len(sessions) == 800
 
 
 def test_run_bounded_is_healthy():

@@ -225,15 +225,15 @@ def test_poisson_clock_is_its_definition(monkeypatch):
     arrived at s has been served min over r in [s, t] of (r − s)/P + V(t) − V(r) frames (one queue per session,
     behind the clock while overloaded) and at most V(t) − s/P (frames served in the order of their ticks: one that
     arrives while the engine is behind the stream's clock waits for it to catch up), and V grows by
-    dt / T(alive, mean context). Moshi at 1.5 sessions/s
-    lasting exp(300 s) is overloaded within a minute (about 450 alive against an N* near 120), so the minimum is
+    dt / T(alive, mean context). Moshi at 8 sessions/s
+    lasting exp(300 s) is overloaded within a minute (about 480 alive against an N* near 260), so the minimum is
     not the trivial one. Tolerance: the compiled sums run in another order than numpy's (1e-9 relative)."""
     monkeypatch.setattr(FillModel, "POISSON_CLOCK_POINTS", 61)
     cal = calibration.load("moshi-7b-h200")
     bs = cal.engine.block_size_tokens
     for policy in (KVPolicy.unbounded(bs), KVPolicy.sinks(bs, 16, 368)):
         fm = FillModel(cal, policy, "independent")
-        rate, dur = 4.0, Durations("exponential", 300.0)
+        rate, dur = 8.0, Durations("exponential", 300.0)
         grid, V = fm._poisson_clock(rate, dur, 600.0)
         st = cal.stream
         P, tpf, prompt = st.frame_period_s, st.kv_tokens_per_frame, st.prompt_tokens

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -191,11 +193,12 @@ def figures(runner) -> dict:
         "gpus_simulated": engines["routers"]["least-loaded"]["simulated"]["engines"],
         "gpus_unbounded": engines["unbounded"]["closed_form_engines"]["pooled"],
         "n_star_unbounded": engines["unbounded"]["n_star"],
-        "presets": len(re.findall(r"\b(?:moshi|qwen|minicpm)[\w.-]*-[bh]200\b", presets.output)),
+        "presets": len(re.findall(r"\b(?:moshi|qwen|minicpm)[\w.-]*-(?:h100|h200|b200)\b", presets.output)),
     }
 
 
-_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten",
+          11: "eleven", 12: "twelve"}
 
 # (what, a pattern of the README's prose whose groups are the figure, the figure's key). Every pattern must match
 # at least once, and every match must equal today's figure.
@@ -238,3 +241,29 @@ def test_readme_figure_is_what_the_command_gives(figures, what, pattern, key):
         want = figures[key]
         got = float(value) if re.fullmatch(r"[\d.]+", value) else next(n for n, w in _WORDS.items() if w == value)
         assert got == pytest.approx(want), f"README quotes {what} as {value}; the command gives {want}"
+
+
+# --- the public figures it quotes (benchmarks/bench_anchors.py) -------------------------------------------------
+
+ANCHORS_BENCH = "python benchmarks/bench_anchors.py"
+# "... ticks in 28.0 ms at 2 sessions and 70.2 ms at 32 on its own lockstep server ... where `PRESET` prices A and
+# B ms": the published figures and the preset's, as the bench prints them in its rows for those session counts
+_ANCHOR_QUOTE = re.compile(r"ticks in ([\d.]+) ms at (\d+) sessions and ([\d.]+) ms at (\d+) on its own lockstep "
+                           r"server .*? where `([\w.-]+)` prices ([\d.]+) and ([\d.]+) ms")
+
+
+def test_readme_quotes_the_anchors_bench_as_it_prints():
+    prose = re.sub(r"\s+", " ", TEXT)
+    m = _ANCHOR_QUOTE.search(prose)
+    assert m and ANCHORS_BENCH in prose, "the README no longer quotes the bench's PersonaPlex ticks: update this test"
+    ran = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_anchors.py")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    published_a, n_a, published_b, n_b, preset, predicted_a, predicted_b = m.groups()
+    for n, published, predicted in ((n_a, published_a, predicted_a), (n_b, published_b, predicted_b)):
+        row = next((line for line in ran.stdout.splitlines() if re.search(rf"lockstep tick, {n} sessions ", line)),
+                   None)
+        assert row, f"the bench prints no lockstep tick at {n} sessions"
+        assert f" {published} ms" in row and f" {predicted} ms" in row and f"{preset} ·" in row, (
+            f"README quotes {published} ms published and {predicted} ms by {preset} at {n} sessions; the bench "
+            f"prints: {row.strip()}")

@@ -144,7 +144,7 @@ def test_report_writes_a_self_contained_page_and_markdown(report):
     out, page = report["out"], report["html"]
     assert sorted(p.name for p in out.iterdir()) == [".metronome.json", "report.html", "report.json", "report.md"]
     assert (out / "report.html").stat().st_size < 10e6
-    assert page.count("Plotly.newPlot(") == 5  # five figures (with "How many GPUs") ...
+    assert page.count("Plotly.newPlot(") == 6  # six figures (with "How many GPUs" and the tornado) ...
     assert len(re.findall(r"plotly\.js v\d", page)) == 1  # ... drawn by one inlined copy of plotly.js
     assert not re.search(r"<script[^>]+src=|<link[^>]+href=", page), "the page must open offline"
     for sid in ("answer", "gpus", "fill", "metastability", "signal", "admission", "fidelity", "provenance"):
@@ -324,7 +324,9 @@ def test_provenance_lists_what_each_step_term_is_and_where_it_comes_from(report)
             "anchored"] in [r[:4] for r in rows]
     fid = md_section(md, "Fidelity")
     # small-b200 has no --live: its sentence says what its terms are made of; the report's policy is sinks
-    assert "Its step model is 11 named terms (" in fid and "so they are priced in" in fid
+    b200 = calibration.load("moshi-7b-b200")  # small-b200 is this preset with a smaller pool
+    named = len(b200.step_latency.terms) + len(b200.step_latency.plugin_terms)
+    assert f"Its step model is {named} named terms (" in fid and "so they are priced in" in fid
 
 
 def _erlang_b_by_logs(servers: int, erlangs: float) -> float:

@@ -43,6 +43,13 @@ INSPECT_JS = r"""
       hasLayout: !!gd._fullLayout, traces,
       scatterPaths: gd.querySelectorAll('.scatterlayer .trace path.js-line').length,
       scatterPoints: gd.querySelectorAll('.scatterlayer .trace .points path').length,
+      barPaths: Array.from(gd.querySelectorAll('.barlayer .trace .point path')).filter(p => {
+        const b = p.getBBox(); return b.width > 0 && b.height > 0; }).length,
+      barTexts: Array.from(gd.querySelectorAll('.barlayer .trace .point text')).map(e => e.textContent),
+      // every y axis's category labels, top of the page first (subplot k's ticks are classed "y<k>tick")
+      ylabels: Array.from(gd.querySelectorAll('text')).filter(e => [e, e.parentNode].some(x =>
+          /^y\d*tick$/.test(((x && x.getAttribute && x.getAttribute('class')) || '').trim())))
+        .map(e => [e.getBoundingClientRect().top, e.textContent]).sort((a, b) => a[0] - b[0]).map(p => p[1]),
       heatmapImages: gd.querySelectorAll('.heatmaplayer image, .hm image').length,
       xtitles: Array.from(gd.querySelectorAll('.g-xtitle text, .g-x2title text, [class^="g-x"][class$="title"] text')).map(e => e.textContent),
       ytitles: Array.from(gd.querySelectorAll('[class^="g-y"][class$="title"] text')).map(e => e.textContent),
@@ -221,8 +228,11 @@ def test_no_javascript_errors(page):
 
 def test_every_figure_is_drawn_with_data(page):
     figs = page["state"]["figures"]
-    assert [f["id"] for f in figs] == ["fig-gpus", "fig-fill", "fig-metastability", "fig-signal", "fig-admission"]
+    assert [f["id"] for f in figs] == ["fig-tornado", "fig-gpus", "fig-fill", "fig-metastability", "fig-signal",
+                                       "fig-admission"]
     for f in figs:
+        if f["id"] == "fig-tornado":
+            continue  # bars, not lines: test_the_tornado_is_drawn_with_the_reports_numbers
         assert f["hasLayout"] and f["width"] > 800 and f["height"] > 400, f["id"]
         data = [t for t in f["traces"] if t["points"] > 0]
         assert len(data) >= 8, f"{f['id']}: only {len(data)} traces with data"
@@ -255,3 +265,26 @@ def test_screenshot_is_saved(page):
     top = page["artifacts"] / "report-top.png"
     full = page["artifacts"] / "report-full.png"
     assert top.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and full.stat().st_size > top.stat().st_size > 50_000
+
+
+def test_the_tornado_is_drawn_with_the_reports_numbers(page):
+    """The sensitivity chart: for each calibration, a bar to each ranged term's N* at its low and at its high, in
+    report.json's order (widest swing on top), each labelled with its N*; a bar that moves N* is painted."""
+    data = json.loads((page["out"] / "report.json").read_text())
+    (fig,) = [f for f in page["state"]["figures"] if f["id"] == "fig-tornado"]
+    assert fig["hasLayout"] and fig["width"] > 800 and fig["height"] > 400
+    texts, terms, moving = [], [], 0
+    for c in data["calibrations"]:
+        r = c["capacity"]["ranges"]
+        for b in r["tornado"][:12]:  # the chart's widest twelve
+            terms.append(b["term"])
+            for end in ("low", "high"):
+                n = b[f"deadline_n_star_at_{end}_sessions"]
+                texts.append(f"{n:,}")
+                moving += n != r["deadline_n_star_sessions"]
+    assert fig["barPaths"] >= moving > 4, (fig["barPaths"], moving)
+    assert sorted(fig["barTexts"]) == sorted(texts)
+    bars = [t for t in fig["traces"] if t["type"] == "bar"]
+    assert len(bars) == 2 * len(data["calibrations"]) and all(t["points"] > 0 for t in bars)
+    shown = [t.rstrip("…") for t in fig["ylabels"]]  # (a long name is cut short on the axis)
+    assert len(shown) == len(terms) and all(w.startswith(s) for w, s in zip(terms, shown)), shown

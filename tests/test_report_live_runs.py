@@ -458,7 +458,7 @@ def test_the_fidelity_sentence_says_where_the_simulation_comes_from(report, fold
 
 def test_report_html_shows_the_live_vs_simulated_figure(report):
     page, data = report["html"], report["data"]
-    assert page.count("Plotly.newPlot(") == 5 and 'data-figure="live"' in page
+    assert page.count("Plotly.newPlot(") == 6 and 'data-figure="live"' in page  # (the tornado first)
     fidelity = page.split('<section id="fidelity">', 1)[1].split("</section>", 1)[0]
     assert 'id="fig-live"' in fidelity
     for t in md_tables(report["md"]):
@@ -507,7 +507,7 @@ def test_the_live_figure_draws_in_a_browser(report, tmp_path):
     result = render(report["out"] / "report.html", tmp_path)
     assert result["errors"] == []
     figs = {f["id"]: f for f in result["state"]["figures"]}
-    assert list(figs) == ["fig-fill", "fig-metastability", "fig-signal", "fig-admission", "fig-live"]
+    assert list(figs) == ["fig-tornado", "fig-fill", "fig-metastability", "fig-signal", "fig-admission", "fig-live"]
     live = figs["fig-live"]
     assert live["hasLayout"] and live["width"] > 800 and live["height"] > 400
     assert sum(t["points"] > 0 for t in live["traces"]) == 12 and live["scatterPaths"] >= 12

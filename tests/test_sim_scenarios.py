@@ -446,7 +446,7 @@ def test_a_controller_deciding_in_python_is_fed_after_each_span(monkeypatch):
             return self.n
 
         def _decide(self, in_flight, p_latency_s, frames, silent):
-            if p_latency_s is not None and p_latency_s > 0.03 and self.n > 4:
+            if p_latency_s is not None and p_latency_s > 0.015 and self.n > 4:
                 self.n //= 2
                 return "decrease"
             self.n += 1

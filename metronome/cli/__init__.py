@@ -56,3 +56,32 @@ def refuse_unused(args, parser: argparse.ArgumentParser, argv, rules) -> None:
     for dest, flag, applies, needs in rules:
         if hasattr(args, dest) and given(args, parser, dest, flag, argv) and not applies(args):
             raise MetronomeError(f"{flag} only applies with {needs}; alone it would change nothing")
+
+
+STACK_HELP = ("the serving stack the calibration is priced for, one its preset ships (metronome-sim calibrations lists "
+              "them; default: the preset's first, every stage batched with CUDA graphs; docs/presets.md)")
+
+
+def add_calibration_options(p: argparse.ArgumentParser, help_: str, *, append: bool = False,
+                            metavar: str | None = None) -> None:
+    """``--calibration`` and ``--stack``, added together: every command that takes a calibration takes the serving
+    stack it is priced for (:func:`stack_specs` applies it)."""
+    p.add_argument("--calibration", dest="calibration", default=None, help=help_, metavar=metavar,
+                   **({"action": "append"} if append else {}))
+    p.add_argument("--stack", dest="stack", default=None, metavar="NAME", help=STACK_HELP)
+
+
+def stack_specs(specs, stack: str | None) -> list[str]:
+    """Calibration specs (preset names or files) as ``--stack`` prices them (``NAME@STACK``,
+    :func:`metronome.calibration.load` reads it), each checked: a calibration that does not ship the stack is one
+    line naming the ones it does."""
+    specs = list(specs)
+    if not stack:
+        return specs
+    from metronome import calibration as calmod
+
+    out = []
+    for s in specs:
+        calmod.load(s, stack=stack)
+        out.append(calmod.with_stack_spec(s, stack))
+    return out

@@ -22,7 +22,7 @@ import sys
 from metronome.admission import PARAMS_HELP, controller_specs
 from metronome.kv_policy import given_params, policy_kinds, policy_params
 from metronome import units
-from metronome.cli import ErrorParser, quiet, refuse_unused
+from metronome.cli import ErrorParser, add_calibration_options, quiet, refuse_unused, stack_specs
 from metronome.errors import MetronomeError, run_command
 from metronome.outputs import check_out, stamped
 
@@ -295,7 +295,8 @@ def _print_step_model(cal, err: dict) -> None:
     from metronome.report.answer import duration
 
     sl = cal.step_latency
-    terms = " + ".join(f"{duration(c)} {COEFFICIENT_UNITS[k]}" for k, c in zip(COEFFICIENTS, sl.coefficients))
+    terms = " + ".join(f"{duration(c)} {COEFFICIENT_UNITS[k]}" for k, c in zip(COEFFICIENTS, sl.coefficients)
+                       if c or k == COEFFICIENTS[0])  # (a dense model's MoE coefficient is 0: not printed)
     print(f"step: {terms}; |rel err| median {err['median_abs_rel']:.3f} p90 {err['p90_abs_rel']:.3f} "
           f"max {err['max_abs_rel']:.3f} ({int(err['points'])} points)")
     if sl.frame_first_s or sl.jitter:
@@ -423,9 +424,9 @@ def run_parser() -> argparse.ArgumentParser:
                    help="with --target: the server's bearer token (default: $METRONOME_API_KEY)")
     p.add_argument("--poll", type=_seconds("--poll"), default=1.0, metavar="S",
                    help="with --target: read the server's /metrics every S (1, 1s or 500ms; default 1 s)")
-    p.add_argument("--calibration", metavar="NAME|FILE", help="with --target: also simulate the same workload "
-                   "with this calibration of the server's engine, into DIR/sim/ (what metronome-sim report --live "
-                   "puts beside the run)")
+    add_calibration_options(p, "with --target: also simulate the same workload with this calibration of the "
+                            "server's engine, into DIR/sim/ (what metronome-sim report --live puts beside the run)",
+                            metavar="NAME|FILE")
     _pool_options(p)
     p.add_argument("--admission", default="none", metavar="|".join(controller_specs()))
     p.add_argument("--aimd-params", metavar="FILE", help=PARAMS_HELP)
@@ -468,10 +469,13 @@ def run_main(argv: list[str]) -> int:
     elif args.calibration is not None:
         raise MetronomeError("--calibration needs --target (an in-process run is compared by metronome-sim report "
                              "--live, which re-simulates it)")
+    if args.stack is not None and args.calibration is None:
+        raise MetronomeError("--stack prices a --calibration: give the calibration with it")
     if args.calibration is not None:
         from metronome import calibration as cal_mod
 
-        calibration = cal_mod.load(args.calibration)  # a bad calibration fails here, before the run
+        (spec,) = stack_specs([args.calibration], args.stack)
+        calibration = cal_mod.load(spec)  # a bad calibration or stack fails here, before the run
 
     opts = live_run.RunOptions(
         model=args.model, out=args.out, admission=args.admission, aimd_params=args.aimd_params,

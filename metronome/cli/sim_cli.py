@@ -16,7 +16,7 @@ from typing import Any, Callable
 from metronome import serving, units
 from metronome.admission import PARAMS_HELP, check_params_apply, controller_specs
 from metronome.erlang import DEFAULT_MAX_REFUSAL
-from metronome.cli import quiet, refuse_unused
+from metronome.cli import STACK_HELP, add_calibration_options, quiet, refuse_unused, stack_specs
 from metronome.errors import MetronomeError, run_command
 from metronome.kv_policy import (bounded_kinds, check_policy_options, given_params, policy_kinds,
                                  policy_option_values, policy_params)
@@ -122,8 +122,11 @@ def out_dir(args) -> Path | None:
 
 def add_scenario_options(p: argparse.ArgumentParser, lists: bool, out_default: str | None = None):
     for name, (_, help_) in SCENARIO_OPTIONS.items():
-        p.add_argument(flag(name), dest=name, default=None,
-                       help=help_ + (" — a list a,b,c or a range start:stop:step" if lists else ""))
+        help_ = help_ + (" — a list a,b,c or a range start:stop:step" if lists else "")
+        if name == "calibration":
+            add_calibration_options(p, help_)
+            continue
+        p.add_argument(flag(name), dest=name, default=None, help=help_)
     p.add_argument("--aimd-params", dest="aimd_params", default=None, help=PARAMS_HELP)
     add_out_options(p, "output folder", out_default)
 
@@ -357,7 +360,35 @@ def _calibration_and_policy(args, name: str):
     return cal, make_policy(args.kv or "unbounded", cal.engine.block_size_tokens, **values)
 
 
+def print_ranges(con, res: dict) -> None:
+    """``capacity``'s answer with its interval over the step terms' ranges, and the terms that move it."""
+    from rich.markup import escape
+
+    from metronome.report.answer import duration as short
+    from metronome.sim.capacity import interval_words
+
+    r = res["ranges"]
+    con.print(f"  [bold]N* = {res['n_star']:,} sessions[/] ({escape(interval_words(res))})", highlight=False)
+    moving = [b for b in r["tornado"] if b["swing_sessions"]]
+    if not moving:
+        return
+    con.print("  deadline-bound N* with one term at its low · at its high (the others at their values; every term "
+              "at once gives the interval):", highlight=False)
+    width = min(max(len(b["term"]) for b in moving), 48)
+    for b in moving:
+        unit = b["unit"][2:]
+        con.print(f"    {b['term'][:width]:<{width}}  {b['deadline_n_star_at_low_sessions']:>7,} · "
+                  f"{b['deadline_n_star_at_high_sessions']:<7,} {b['basis']}, "
+                  f"{short(b['low_s'])}–{short(b['high_s'])} {unit}", markup=False, highlight=False)
+    still = len(r["tornado"]) - len(moving)
+    if still:
+        con.print(f"    ({still} more ranged term{'s move' if still > 1 else ' moves'} it by less than one session)",
+                  highlight=False)
+
+
 def cmd_capacity(args) -> int:
+    from rich.markup import escape
+
     from metronome.sim.capacity import capacity
     from metronome.workload import Durations
 
@@ -370,18 +401,21 @@ def cmd_capacity(args) -> int:
         raise MetronomeError(f"--deadline must be positive seconds, got {args.deadline}")
     compile_notice()
     con = _console()
-    with con.status("bisecting on N ...") as status:
+    with con.status("bisecting on N, then over the step terms' ranges ...") as status:
         res = capacity(cal, policy, args.deadline, args.target_fraction, args.percentile, duration,
-                       phases=serving.check_phases(args.phases or "independent"),
+                       phases=serving.check_phases(args.phases or "independent"), ranges=True,
                        progress=lambda n, v: status.update(f"N={n}: p{args.percentile:g} {1e3 * v:.1f} ms"))
     con.print(f"[bold]capacity[/] · {res['calibration']} ({res['provenance']}) · {res['policy']} · "
               f"{res['phases']} phases · "
-              f"deadline {1e3 * res['deadline_s']:g} ms, target p{res['percentile']:g} <= {1e3 * res['target_latency_s']:.1f} ms")
+              f"deadline {1e3 * res['deadline_s']:g} ms, target p{res['percentile']:g} <= {1e3 * res['target_latency_s']:.1f} ms"
+              + (f" · stack {escape(cal.stack)}" + (" (the default)" if cal.stack == cal.stacks[0] else "")
+                 if cal.stack else ""))
     mc = res["memory_ceiling"]
     con.print(f"  memory ceiling      {mc if mc is not None else 'n/a'} sessions"
               + ("" if policy.bounded else f" (sessions of {duration or 600:g} s)"))
     con.print(f"  deadline-bound N*   {res['deadline_n_star']} sessions")
     con.print(f"  binds               [bold]{res['binding']}[/]: N* = {res['n_star']} sessions")
+    print_ranges(con, res)
     if out:
         write_outputs(out, {"capacity.json": res}, args.replace)
         con.print(f"  wrote {out}/capacity.json")
@@ -615,6 +649,10 @@ def cmd_fleet(args) -> int:
 
 
 def cmd_calibrations(args) -> int:
+    if args.terms is not None:
+        return print_terms(args.terms, args.stack)
+    if args.stack is not None:
+        raise MetronomeError("--stack only applies with --terms NAME here; alone it would change nothing")
     from rich.table import Table
 
     from metronome import calibration as calmod
@@ -622,7 +660,7 @@ def cmd_calibrations(args) -> int:
     from metronome.kv_policy import KVPolicy
 
     header = ("name", "provenance", "hardware", "KiB per token", "pool blocks", "pool tokens", "frame ms",
-              "growth tok/s", "t_sat s at N=100")
+              "growth tok/s", "t_sat s at N=100", "stacks (default first)")
     rows = []
     for name in calmod.preset_names():
         cal = calmod.load_preset(name)
@@ -630,12 +668,12 @@ def cmd_calibrations(args) -> int:
         rows.append((name, cal.provenance.kind, cal.provenance.hardware, f"{cal.kv_bytes_per_token / 1024:g}",
                      f"{cal.engine.num_blocks:,}", f"{cal.engine.num_blocks * cal.engine.block_size_tokens:,}",
                      f"{cal.stream.frame_period_s * 1e3:g}", f"{cal.stream.kv_tokens_per_s:g}",
-                     "never" if ts is None else f"{ts:.0f}"))
+                     "never" if ts is None else f"{ts:.0f}", ", ".join(cal.stacks) or "-"))
     con = _console()
     # a preset's name is what the user types next and a number is read whole: no column is narrower than its
     # widest cell (rich would cut it) and the headers wrap instead; the hardware (the name's last part says which
     # GPU) is left out where the terminal has no room for it
-    shown = [i for i in range(len(header)) if i != 2 or con.width >= 110]
+    shown = [i for i in range(len(header)) if i != 2 or con.width >= 150]
     t = Table(title="calibration presets (t_sat: N sessions, unbounded KV)", box=None, pad_edge=False,
               padding=(0, 1, 0, 0),
               header_style="bold")
@@ -643,11 +681,46 @@ def cmd_calibrations(args) -> int:
     whole = sum(max(cells[i], len(header[i])) + 1 for i in shown) <= con.width  # (room for one-line headers)
     for i in shown:
         widest = max([cells[i], len(header[i]) if whole else 0] + [len(w) for w in header[i].split()])
-        t.add_column(header[i], justify="left" if i < 3 else "right", overflow="fold",
-                     width=widest if i != 2 else None)
+        t.add_column(header[i], justify="left" if i < 3 or i == len(header) - 1 else "right", overflow="fold",
+                     width=widest if i not in (2, len(header) - 1) else None)
     for r in rows:
         t.add_row(*(r[i] for i in shown))
     con.print(t)
+    con.print("a preset's step terms, their provenance and ranges: metronome-sim calibrations --terms NAME "
+              "[--stack S]", highlight=False)
+    return 0
+
+
+def print_terms(spec: str, stack: str | None) -> int:
+    """``calibrations --terms NAME``: each step term of the calibration (priced for its default stack or ``stack``)
+    with its coefficient, value, range, basis and source; the plugin's apart."""
+    from metronome import calibration as calmod
+    from metronome.report.answer import duration
+
+    cal = calmod.load(spec, stack=stack)
+    con = _console()
+    con.print(f"[bold]{cal.name}[/] ({cal.provenance.kind}) · {cal.provenance.hardware}", highlight=False)
+    if cal.stack:
+        default = cal.stack == cal.stacks[0]
+        con.print(f"stack {cal.stack}{' (the default)' if default else ''}: {cal.stack_description(cal.stack)}",
+                  markup=False, highlight=False)
+        others = [s for s in cal.stacks if s != cal.stack]
+        con.print(f"other stacks: {', '.join(others)} (--stack NAME)", markup=False, highlight=False)
+    sl = cal.step_latency
+    if not sl.terms and not sl.plugin_terms:
+        con.print("no terms: a measured calibration's coefficients are fitted as a whole", highlight=False)
+    for title, terms in (("step terms (summed into the coefficients)", sl.terms),
+                         ("plugin terms (added when the sink+window plugin serves the policy)", sl.plugin_terms)):
+        if not terms:
+            continue
+        con.print(f"[bold]{title}[/]", highlight=False)
+        for t in terms:
+            lo, hi = t.bounds()
+            unit = calmod.COEFFICIENT_UNITS[t.coefficient]
+            con.print(f"  {t.name}: {duration(t.value)} {unit} (range {duration(lo)}–{duration(hi)}) · {t.basis}",
+                      markup=False, highlight=False)
+            if t.source:
+                con.print(f"      {t.source}", markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
@@ -713,7 +786,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_executor_options(m)
     m.set_defaults(fn=cmd_metastability)
     cp = sub.add_parser("capacity", help="memory ceiling, deadline-bound N* and which binds")
-    for name in ("calibration", "kv", *policy_params(), "session_duration", "num_blocks", "phases"):
+    add_calibration_options(cp, SCENARIO_OPTIONS["calibration"][1])
+    for name in ("kv", *policy_params(), "session_duration", "num_blocks", "phases"):
         cp.add_argument(flag(name), dest=name, default=None, help=SCENARIO_OPTIONS[name][1])
     cp.add_argument("--deadline", type=units.argtype(units.duration, "--deadline"), default=None, help=DEADLINE_HELP)
     cp.add_argument("--target-fraction", type=units.argtype(units.share, "--target-fraction"), default=0.8,
@@ -733,9 +807,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_executor_options(t)
     t.set_defaults(fn=cmd_tune_aimd)
     rp = sub.add_parser("report", help="capacity-planning report (report.html + report.md) for one or more calibrations")
-    rp.add_argument("--calibration", action="append", default=None,
-                    help="preset name or calibration JSON; repeat to compare side by side (default: the calibration "
-                         "each --live folder records, else moshi-7b-h200)")
+    add_calibration_options(rp, "preset name or calibration JSON; repeat to compare side by side (default: the "
+                                "calibration each --live folder records, else moshi-7b-h200)", append=True)
     rp.add_argument("--kv", choices=bounded_kinds(), default="sinks", help="the bounded policy to recommend")
     for name, param in policy_params().items():
         rp.add_argument(f"--{name}", dest=name, type=int, default=None,
@@ -779,8 +852,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.set_defaults(fn=cmd_report)
     f = sub.add_parser("fleet", help="how many GPUs: fleet size at peak (Erlang B and simulation), GPU-hours static "
                                      "vs autoscaled, refusals and silent frames per hour, cost")
-    f.add_argument("--calibration", action="append", default=None,
-                   help=f"preset name or calibration JSON; repeat to compare (default {DEFAULT_CALIBRATION})")
+    add_calibration_options(f, f"preset name or calibration JSON; repeat to compare (default {DEFAULT_CALIBRATION})",
+                            append=True)
     f.add_argument("--kv", dest="kv", default=None,
                    help=f"KV policy: {' | '.join(policy_kinds())} (default: the bound the report recommends, sinks "
                         "with S=16 and W about the last 30 s of conversation; the unbounded figure is printed beside it)")
@@ -837,7 +910,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_out_options(f, "output folder: fleet.json, bins and engines tables")
     add_executor_options(f)
     f.set_defaults(fn=cmd_fleet)
-    c = sub.add_parser("calibrations", help="list the calibration presets with their provenance")
+    c = sub.add_parser("calibrations", help="list the calibration presets with their provenance and serving stacks; "
+                                            "--terms NAME: one calibration's step terms")
+    c.add_argument("--terms", metavar="NAME|FILE", default=None,
+                   help="print this preset's (or calibration file's) step terms: coefficient, value, range, basis and "
+                        "source, for its default stack or --stack")
+    c.add_argument("--stack", dest="stack", default=None, metavar="NAME", help=STACK_HELP + "; with --terms")
     c.set_defaults(fn=cmd_calibrations)
     for command in sub.choices.values():
         command.add_argument("--verbose", action="store_true",
@@ -908,6 +986,21 @@ def check_deadlines(args) -> None:
             units.check_deadline(v, cal.stream.frame_period_s, cal.name)
 
 
+def _apply_stack(args) -> None:
+    """``--stack``: each calibration the command plans with, priced for that stack (``NAME@STACK``; one line for a
+    calibration that does not ship it). ``calibrations`` reads it with ``--terms`` itself."""
+    stack = getattr(args, "stack", None)
+    if not stack or args.command == "calibrations":
+        return
+    names = _calibration_names(args)
+    if names is None:
+        raise MetronomeError("--stack prices a --calibration: give the calibration with it (a --live folder's own "
+                             "calibration is measured, with no stacks)")
+    specs = stack_specs(names, stack)
+    args.calibration = specs if isinstance(getattr(args, "calibration", None), list) or args.command in (
+        "report", "fleet") else ",".join(specs)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -922,6 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "session_duration", None):
             args.session_duration = units.seconds_spec(args.session_duration, "--session-duration")
         check_given(args, parser, argv)
+        _apply_stack(args)
         return args.fn(args)
 
     return run_command("metronome-sim", command, args, command=f"metronome-sim {args.command}")

@@ -3,7 +3,7 @@ so the two can never disagree."""
 
 from __future__ import annotations
 
-from metronome.calibration import COEFFICIENT_UNITS
+from metronome.calibration import COEFFICIENT_UNITS, ESTIMATE_FACTOR
 from metronome.erlang import DEFAULT_MAX_REFUSAL
 from metronome.report.plan import OVERLOAD, REGIME_GAP, TARGET_FRACTION
 from metronome.results import COLLAPSE_SILENT_FRACTION
@@ -119,6 +119,58 @@ def regime_gap_words(c: dict) -> str:
     return f"{abs(gap):.0%} {'more' if gap > 0 else 'fewer'} than under {cap['phases']} phases"
 
 
+def span(pair: list[int]) -> str:
+    """An interval of sessions: ``64–219``, one number when its ends meet."""
+    lo, hi = pair
+    return count(lo) if lo == hi else f"{count(lo)}–{count(hi)}"
+
+
+def stack_words(c: dict) -> str:
+    """The serving stack the answer prices, named (empty for a calibration that names none)."""
+    rows = c.get("stacks") or []
+    s = next((r for r in rows if r["answer"]), None)
+    if s is None:
+        return ""
+    return f", served by the {s['stack']} stack" + (" (the default)," if s["default"] else ",")
+
+
+def dominant_bar(r: dict) -> dict | None:
+    return next((b for b in r["tornado"] if b["term"] == r["dominant_term"]), None)
+
+
+def bar_span(b: dict) -> str:
+    """A tornado bar's N* with its term at its high and at its low, as an interval."""
+    return span(sorted([b["deadline_n_star_at_high_sessions"], b["deadline_n_star_at_low_sessions"]]))
+
+
+def range_sentence(c: dict) -> str:
+    """N*'s interval over the step terms' ranges and the term that moves it most, in a sentence (see
+    :mod:`metronome.sim.capacity`: every ranged term at its slow end, then at its fast end, at once)."""
+    cap = c["capacity"]
+    r = cap.get("ranges")
+    if not r:
+        return ""
+    if not r["ranged_terms"]:
+        return "No step term of this calibration states a range, so N* has no interval here."
+    b = dominant_bar(r)
+    most = (f"\"{b['term']}\" moves it most ({bar_span(b)} with it alone at its high and its low)" if b
+            else "no single term moves it")
+    dl = r["deadline_n_star_interval_sessions"]
+    if cap["binding"] == "deadline":
+        words = (f"Over the step terms' ranges N* lies in {span(r['n_star_interval_sessions'])} (every term at its "
+                 f"slow end, then at its fast end); {most}")
+        if r["n_star_interval_sessions"][1] < dl[1]:
+            words += f"; at the fast end memory caps it"
+        return words + "."
+    words = (f"The step terms' ranges move only the deadline-bound N*, {count(cap['deadline_n_star'])}: it lies in "
+             f"{span(dl)} (every term at its slow end, then at its fast end); {most}")
+    if r["n_star_interval_sessions"][0] < cap["n_star"]:
+        words += f"; at the slow end the deadline binds first and N* is {count(r['n_star_interval_sessions'][0])}"
+    else:
+        words += f"; {cap['binding']} binds across them"
+    return words + "."
+
+
 def headline(c: dict) -> str:
     """The answer in plain words, one paragraph per calibration."""
     cap, u = c["capacity"], c["unbounded_at_n_star"]
@@ -135,8 +187,10 @@ def headline(c: dict) -> str:
                f"{ms(cap['target_latency_s'])}, {TARGET_FRACTION:g} × the deadline; "
                + (f"max_num_seqs would allow {count(cap['memory_ceiling'])} and memory {count(c['pool_ceiling'])}"
                   if c["seqs_bind"] else f"memory would hold {count(cap['memory_ceiling'])}"))
-    first = (f"One {c['hardware']} carries {count(n)} concurrent {c['model']} sessions at a frame deadline "
-             f"of {deadline_words(c)} with {bound_words(c)} ({why}).")
+    first = (f"One {c['hardware']} carries {count(n)} concurrent {c['model']} sessions{stack_words(c)} at a frame "
+             f"deadline of {deadline_words(c)} with {bound_words(c)} ({why}).")
+    if range_sentence(c):
+        first += " " + range_sentence(c)
     if u["collapsed"]:
         second = (f"Without the bound, {count(n)} sessions run the pool dry after {secs(u['t_sat_predicted_s'])} "
                   f"and {pct(u['silent_frame_fraction'])} of frames go silent, while deadline misses stay at "
@@ -152,6 +206,44 @@ def headline(c: dict) -> str:
         second = (f"Without the bound, {count(n)} sessions of this mix {fate}; unbounded, the pool holds "
                   f"only {count(c['memory_ceiling_unbounded'])} sessions of {secs(c['session_duration_mean_s'])}.")
     return f"{first} {second} {regime_words(c)}"
+
+
+INTERVAL_ROW = "N* over the terms' ranges"
+
+
+def interval_row(c: dict) -> str:
+    """The answer table's interval: N* with every ranged step term at its slow end · at its fast end, and the term
+    that moves it most."""
+    cap, r = c["capacity"], c["capacity"]["ranges"]
+    if not r["ranged_terms"]:
+        return f"{count(cap['n_star'])} sessions: no step term states a range"
+    b = dominant_bar(r)
+    most = f"moved most by \"{b['term']}\" ({bar_span(b)} alone)" if b else "no single term moves it"
+    if cap["binding"] == "deadline":
+        return (f"{span(r['n_star_interval_sessions'])} sessions (every ranged step term at its slow end · at its "
+                f"fast end); {most}")
+    return (f"{span(r['n_star_interval_sessions'])} sessions ({cap['binding']} binds; the ranges move the "
+            f"deadline-bound N* over {span(r['deadline_n_star_interval_sessions'])}); {most}")
+
+
+def stack_rows(c: dict) -> list[tuple[str, str]]:
+    """One row per serving stack the calibration ships: its N* with its interval, the default named and the
+    answer's marked."""
+    rows = []
+    for s in c.get("stacks") or []:
+        r = s["ranges"]
+        b = dominant_bar(r)
+        words = f"N* = {count(s['n_star'])} sessions"
+        if r["ranged_terms"] and r["n_star_interval_sessions"] != [s["n_star"]] * 2:
+            words += f" ({span(r['n_star_interval_sessions'])})"
+        words += f", {s['binding']} binds"
+        if b:
+            words += f"; moved most by \"{b['term']}\""
+        if s["answer"]:
+            words += "; the answer above"
+        rows.append((f"stack {s['stack']}" + (" (default)" if s["default"] else ""),
+                     f"{words} — {s['description']}"))
+    return rows
 
 
 def answer_rows(c: dict) -> list[tuple[str, str]]:
@@ -178,6 +270,8 @@ def answer_rows(c: dict) -> list[tuple[str, str]]:
         ("deadline-bound N*", f"{count(cap['deadline_n_star'])} sessions (p{cap['percentile']:g} ≤ "
                               f"{ms(cap['target_latency_s'])} = {TARGET_FRACTION:g} × deadline)"),
         ("which binds", f"{cap['binding']} → N* = {count(cap['n_star'])} sessions"),
+        *([(INTERVAL_ROW, interval_row(c))] if cap.get("ranges") else []),
+        *stack_rows(c),
         ("phase regime", f"{cap['phases']}" + (f"; under {cap['other_regime']['phases']}: N* = "
                                                 f"{count(cap['other_regime']['n_star'])} "
                                                 f"({cap['other_regime']['binding']} binds, {regime_gap_words(c)})"
@@ -195,12 +289,53 @@ def answer_rows(c: dict) -> list[tuple[str, str]]:
 
 
 def answer_table(data: dict) -> tuple[list[str], list[list[str]]]:
-    """Header and rows, calibrations side by side (the first column is the question)."""
+    """Header and rows, calibrations side by side (the first column is the question; a row only some calibrations
+    have, such as a stack another model does not ship, sits after the row it follows there, blank elsewhere)."""
     cals = data["calibrations"]
-    per = [answer_rows(c) for c in cals]
+    per = [dict(answer_rows(c)) for c in cals]
+    labels: list[str] = []
+    for p in per:
+        for k, label in enumerate(p):
+            if label not in labels:
+                labels.insert(labels.index(list(p)[k - 1]) + 1 if k else 0, label)
     header = [""] + [c["name"] for c in cals]
-    rows = [[per[0][i][0]] + [p[i][1] for p in per] for i in range(len(per[0]))]
-    return header, rows
+    return header, [[label] + [p.get(label, "") for p in per] for label in labels]
+
+
+# ------------------------------------------------------------------------------------------ how sure N* is
+TORNADO_HEADER = ["term", "basis", "value", "range (low–high)", "N* at its low", "N* at its high", "swing"]
+
+
+def tornado_tables(data: dict) -> list[tuple[str, Table]]:
+    """One table per calibration with ranged terms (the answer's stack): each ranged step term, its range, and the
+    deadline-bound N* with it alone at its low and at its high, widest swing first (the sensitivity chart's
+    numbers)."""
+    out = []
+    for c in data["calibrations"]:
+        r = c["capacity"].get("ranges")
+        if not r or not r["tornado"]:
+            continue
+        rows = [[b["term"], b["basis"], f"{duration(b['value_s'])} {b['unit'][2:]}",
+                 f"{duration(b['low_s'])}–{duration(b['high_s'])}", count(b["deadline_n_star_at_low_sessions"]),
+                 count(b["deadline_n_star_at_high_sessions"]), count(b["swing_sessions"])] for b in r["tornado"]]
+        out.append((f"{c['name']} · deadline-bound N* {count(r['deadline_n_star_sessions'])} with one term moved; "
+                    f"every term at once: {span(r['deadline_n_star_interval_sessions'])}", (TORNADO_HEADER, rows)))
+    return out
+
+
+def tornado_note(data: dict) -> str:
+    parts = [f"How sure is N*? Every step term carries a range: a measured term the spread between its runs, a "
+             f"datasheet or anchored term what its source supports, an estimated term its value ÷ or × "
+             f"{ESTIMATE_FACTOR:g}. The chart moves one term at a time to its low and to its high, the others at their "
+             f"values, and shows the deadline-bound N* (widest swing on top); the shaded band is the interval: every "
+             f"term at its slow end at once, then at its fast end. That is a worst and a best case over the ranges, "
+             f"not a confidence interval: the terms' errors are not known to be independent, so they are not let to "
+             f"cancel. The memory ceiling does not depend on step time: when memory binds, the ranges move the "
+             f"deadline-bound N* alone."]
+    for c in data["calibrations"]:
+        if c["capacity"].get("ranges"):
+            parts.append(f"{c['name']}: {range_sentence(c)}")
+    return " ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------ GPUs for a load
@@ -394,6 +529,10 @@ def provenance_rows(c: dict) -> list[tuple[str, str]]:
         rows.append(("engine", p["engine"]))
     if p["weights"]:
         rows.append(("weights", p["weights"]))
+    stack = next((s for s in c.get("stacks") or [] if s["answer"]), None)
+    if stack:
+        rows.append(("serving stack", f"{stack['stack']}" + (" (the default)" if stack["default"] else "")
+                     + f": {stack['about']}"))
     rows.append(("pool", f"{c['pool']['num_blocks']:,} blocks × {c['pool']['block_size_tokens']} tokens "
                          f"({c['pool']['pool_bytes'] / 1e9:.1f} GB)"))
     rows.append(("stream", f"a frame every {1e3 * c['stream']['frame_period_s']:g} ms, "

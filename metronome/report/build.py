@@ -2,7 +2,10 @@
 
 Phases, each fanned out over the executor with its own progress:
 
-1. **capacity** per calibration: memory ceiling, deadline-bound N*, which binds;
+1. **capacity** per calibration: memory ceiling, deadline-bound N*, which binds, under both phase regimes and with
+   each serving stack the calibration ships; then N* over the step terms' ranges (the interval, the tornado and
+   the dominant term, :func:`metronome.sim.capacity.sensitivity`) for every stack, each variant searched from near
+   its central N*;
 2. **AIMD tuning** per calibration on an overload mix at 1.5× N* (a small grid);
 3. **simulation**: :func:`metronome.report.plan.simulation_points` lists everything else once N* and the tuned
    controller are known — the unbounded verdict at N*, pool fill for several N, the latency signal against N,
@@ -46,7 +49,7 @@ from metronome.report.plan import (ANSWER_LOADS, FLEET_DAY_S, MC_FRACTIONS, MC_H
 from metronome.results import wilson_interval
 from metronome.sim import scenario as scn
 from metronome.sim.cache import ResultCache
-from metronome.sim.capacity import capacity
+from metronome.sim.capacity import CENTRAL_KEYS, capacity, range_variants, sensitivity, variant_n_star
 from metronome.sim.executors import LocalExecutor
 from metronome.sim.montecarlo import run_decided as mc_run_decided
 from metronome.sim.tuning import tune_aimd
@@ -62,9 +65,36 @@ TRACE_POINTS = 300  # buckets per admission trace
 # ------------------------------------------------------------------------------------------- tasks
 # Module-level so that a process pool or Ray can pickle them. Each returns plain numbers.
 def _capacity_task(task: dict) -> dict:
-    """``task``: :meth:`Plan.capacity_task` (calibration spec, policy, deadline, mean duration, phases)."""
-    return capacity(calmod.load(task["calibration"]), task["policy"], task["deadline_s"], TARGET_FRACTION, PERCENTILE,
-                    task["duration_s"], phases=task["phases"])
+    """``task``: :meth:`Plan.capacity_task` (calibration spec and stack, policy, deadline, mean duration, phases)."""
+    return capacity(calmod.load(task["calibration"], stack=task["stack"] or None), task["policy"], task["deadline_s"],
+                    TARGET_FRACTION, PERCENTILE, task["duration_s"], phases=task["phases"])
+
+
+def _range_task(task: dict) -> dict:
+    """One variant of N* over the step terms' ranges: the calibration (with its stack) with the task's terms moved,
+    searched from near the central N* (:func:`metronome.sim.capacity.variant_n_star`)."""
+    cal = calmod.load(task["calibration"], stack=task["stack"] or None)
+    return variant_n_star(cal, task["policy"], task["central"], tuple((n, v) for n, v in task["overrides"]))
+
+
+def _attach_ranges(plans: list[Plan], stack_caps: list[dict[str, dict]], executor, progress: Progress,
+                   cache: ResultCache) -> None:
+    """Each capacity of ``stack_caps`` (per plan, stack name -> its capacity under the answer's regime) gains its
+    ``ranges`` (:func:`metronome.sim.capacity.sensitivity`); every variant of every calibration and stack runs in
+    one batch, through the cache."""
+    jobs = []  # (calibration with the stack, policy, capacity, spec, stack)
+    for plan, by_stack in zip(plans, stack_caps):
+        for stack, cap in by_stack.items():
+            jobs.append((plan.calibration.with_stack(stack or None), plan.policy, cap, plan.spec, stack))
+    variants = [range_variants(cal, pol) for cal, pol, *_ in jobs]
+    tasks = [{"calibration": spec, "stack": stack, "policy": pol, "overrides": [list(o) for o in ov],
+              "central": {k: cap[k] for k in CENTRAL_KEYS}}
+             for (cal, pol, cap, spec, stack), vs in zip(jobs, variants) for ov in vs]
+    results = iter(cache.map(executor, _range_task, tasks,
+                             progress=progress("capacity: N* over the step terms' ranges", len(tasks))))
+    for (cal, pol, cap, _, _), vs in zip(jobs, variants):
+        solved = {ov: next(results) for ov in vs}
+        cap["ranges"] = sensitivity(cal, pol, cap, solve=lambda wanted: [solved[ov] for ov in wanted])
 
 
 def _prediction_task(task: dict) -> list[float]:
@@ -219,16 +249,24 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
 
     # 1. capacity, under the regime the answer assumes and under the other one (the report shows both when
     # they differ by more than REGIME_GAP)
+    # and, under the answer's regime, with each other serving stack the calibration ships
     other = {"independent": "aligned", "aligned": "independent"}[options.phases]
     tasks = [p.capacity_task(ph) for ph in (options.phases, other) for p in plans]
+    stack_tasks = [(i, s) for i, p in enumerate(plans) for s in p.calibration.stacks if s != p.calibration.stack]
+    tasks += [plans[i].capacity_task(options.phases, stack=s) for i, s in stack_tasks]
     both = cache.map(executor, _capacity_task, tasks,
-                     progress=progress("capacity: N* per calibration and regime", len(tasks)))
-    caps, caps_other = copy.deepcopy(both[:len(plans)]), both[len(plans):]
+                     progress=progress("capacity: N* per calibration, regime and stack", len(tasks)))
+    caps, caps_other = copy.deepcopy(both[:len(plans)]), both[len(plans):2 * len(plans)]
     for cap, alt in zip(caps, caps_other):
         cap["other_regime"] = {k: alt[k] for k in ("phases", "n_star", "deadline_n_star", "binding")}
     for plan, cap in zip(plans, caps):
         if cap["n_star"] < 1:
             raise MetronomeError(no_session_fits(plan, cap, options))
+    # 1b. N* over the step terms' ranges: the interval, the tornado and the dominant term, for every stack
+    stack_caps = [{p.calibration.stack: cap} for p, cap in zip(plans, caps)]
+    for (i, s), cap in zip(stack_tasks, both[2 * len(plans):]):
+        stack_caps[i][s] = cap
+    _attach_ranges(plans, stack_caps, executor, progress, cache)
 
     # 2. AIMD tuning on the overload mix
     tunings = []
@@ -284,8 +322,9 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
         raw["predicted"] = [next(preds) for _ in _prediction_tasks(plan, cap["n_star"])]
     cals = [_calibration_data(plan, cap, tun, raw, lv)
             for plan, cap, tun, raw, lv in zip(plans, caps, tunings, per_cal, live)]
-    for c, plan, cap in zip(cals, plans, caps):
+    for c, plan, cap, by_stack in zip(cals, plans, caps, stack_caps):
         c["gpus_for_loads"] = _gpus_for_loads(plan, cap, options.max_refusal)
+        c["stacks"] = _stack_data(plan, by_stack)
     fleet = _fleet_data(options, plans, caps, executor, progress) if options.offered_load is not None else None
     return _clean({
         "title": "Capacity plan: " + " vs ".join(c["name"] for c in cals),
@@ -360,6 +399,16 @@ def no_session_fits(plan: Plan, cap: dict, options: ReportOptions) -> str:
 def _mc_counts(mc: dict) -> dict[tuple, tuple[int, int]]:
     """(policy, N, d) -> (collapsed runs, runs) of the Monte Carlo runs so far."""
     return {key: (sum(bool(r["collapsed"]) for r in runs), len(runs)) for key, runs in mc.items()}
+
+
+def _stack_data(plan: Plan, by_stack: dict[str, dict]) -> list[dict]:
+    """N* with each serving stack the calibration ships (the default first; the answer's marked), with its interval
+    over the step terms' ranges; empty for a calibration that names no stacks."""
+    cal = plan.calibration
+    return [{"stack": s, "default": k == 0, "answer": s == cal.stack, "description": cal.stack_pricing(s).description,
+             "about": cal.stack_description(s),
+             **{key: by_stack[s][key] for key in ("n_star", "deadline_n_star", "memory_ceiling", "binding", "ranges")}}
+            for k, s in enumerate(cal.stacks)]
 
 
 def _gpus_for_loads(plan: Plan, cap: dict, max_refusal: float) -> dict:

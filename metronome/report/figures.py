@@ -13,6 +13,7 @@ from metronome.report.answer import PAST_N_STAR, mc_sessions_labels
 UNBOUNDED = "#d62728"
 BOUNDED = "#1f77b4"
 GREY = "#7f7f7f"
+N_STAR = "#2ca02c"
 # shades for several N: light (few sessions) to dark (many)
 SHADES = {"unbounded": ["#fc9272", "#fb6a4a", "#de2d26", "#a50f15", "#67000d"],
           "bounded": ["#9ecae1", "#6baed6", "#3182bd", "#08519c", "#08306b"]}
@@ -34,6 +35,71 @@ def _titles(cals: list[dict], rows: list[str]) -> list[str]:
 
 def _policy_label(c: dict, key: str) -> str:
     return "unbounded" if key == "unbounded" else c["policy"]["describe"]
+
+
+# ------------------------------------------------------------------------------------------ 1. how sure N* is
+FAST = "#6a51a3"  # a term at its low: steps faster, N* up
+SLOW = "#e6550d"  # a term at its high
+TORNADO_BARS = 12  # the widest swings; the table under the figure lists every ranged term
+TERM_LABEL = 44  # characters of a term's name on the axis (the hover and the table give it whole)
+
+
+def _term_label(name: str) -> str:
+    return name if len(name) <= TERM_LABEL else name[:TERM_LABEL - 1] + "…"
+
+
+def tornado(data: dict) -> go.Figure | None:
+    """The sensitivity (tornado) chart: per calibration (one row each: the terms' names need the width), each ranged
+    step term of the answer's stack as a horizontal bar from the central deadline-bound N* to N* with that term alone
+    at its low (faster) and at its high (slower), widest swing on top; the interval (every term at once) shaded
+    behind, N* and the memory ceiling marked. None when no calibration has a ranged term."""
+    cals = [c for c in data["calibrations"] if (c["capacity"].get("ranges") or {}).get("tornado")]
+    if not cals:
+        return None
+    # N* and the interval are named in the titles: inside the plot their labels would sit on the bars' own numbers
+    titles = []
+    for c in cals:
+        r = c["capacity"]["ranges"]
+        slow, fast = r["deadline_n_star_interval_sessions"]
+        titles.append(f"<b>{c['name']}</b> · deadline-bound N* {r['deadline_n_star_sessions']:,} (green line), one "
+                      f"term moved at a time · every term at once: {slow:,}–{fast:,} (shaded)")
+    counts = [min(len(c["capacity"]["ranges"]["tornado"]), TORNADO_BARS) for c in cals]
+    fig = make_subplots(rows=len(cals), cols=1, subplot_titles=titles, vertical_spacing=0.24 / len(cals),
+                        row_heights=[n + 2 for n in counts])
+    for i, c in enumerate(cals, start=1):
+        r = c["capacity"]["ranges"]
+        bars = r["tornado"][:TORNADO_BARS]
+        central = r["deadline_n_star_sessions"]
+        labels = [_term_label(b["term"]) for b in bars]
+        info = [[b["term"], b["basis"], f"{1e6 * b['value_s']:.3g}", f"{1e6 * b['low_s']:.3g}",
+                 f"{1e6 * b['high_s']:.3g}", b["unit"][2:]] for b in bars]
+        for key, name, color in (("low", "a term at its low (faster steps)", FAST),
+                                 ("high", "a term at its high (slower steps)", SLOW)):
+            ns = [b[f"deadline_n_star_at_{key}_sessions"] for b in bars]
+            fig.add_trace(go.Bar(
+                y=labels, x=[n - central for n in ns], base=central, orientation="h", name=name, legendgroup=key,
+                showlegend=i == 1, marker=dict(color=color), text=[f"{n:,}" for n in ns], textposition="outside",
+                cliponaxis=False, customdata=[row + [n] for row, n in zip(info, ns)],
+                hovertemplate=("%{customdata[0]}<br>%{customdata[1]}: %{customdata[2]} µs %{customdata[5]} "
+                               "(range %{customdata[3]}–%{customdata[4]})<br>at its " + key
+                               + ": N* = %{customdata[6]:,}<extra></extra>")), i, 1)
+        slow, fast = r["deadline_n_star_interval_sessions"]
+        fig.add_vrect(x0=slow, x1=fast, fillcolor=GREY, opacity=0.13, line_width=0, layer="below", row=i, col=1)
+        fig.add_vline(x=central, line=dict(color=N_STAR, width=2), row=i, col=1)
+        ceiling = r["memory_ceiling_sessions"]
+        if ceiling is not None and ceiling <= 1.1 * fast:  # labelled on the side away from the bars
+            fig.add_vline(x=ceiling, line=dict(color=BOUNDED, dash="dot"), row=i, col=1,
+                          annotation_text=f"memory ceiling {ceiling:,}", annotation_font_color=BOUNDED,
+                          annotation_position="bottom right" if ceiling < central else "bottom left")
+        lo = min([slow, ceiling or slow] + [b["deadline_n_star_at_high_sessions"] for b in bars])
+        hi = max([fast, ceiling or fast] + [b["deadline_n_star_at_low_sessions"] for b in bars])
+        pad = 0.08 * max(hi - lo, 1)
+        fig.update_xaxes(title_text="deadline-bound N* (sessions)" if i == len(cals) else None,
+                         range=[max(0, lo - pad), hi + pad], row=i, col=1)
+        fig.update_yaxes(title_text="step term (widest swing on top)", autorange="reversed", type="category",
+                         automargin=True, row=i, col=1)
+    fig.update_layout(barmode="overlay", bargap=0.35)
+    return _layout(fig, max(420, 90 + 34 * sum(counts) + 110 * len(cals)))
 
 
 # ------------------------------------------------------------------------------------------ 2. pool fill
@@ -225,7 +291,6 @@ def admission(data: dict) -> go.Figure:
 
 
 # ------------------------------------------------------------------------------------------ 6. fidelity
-N_STAR = "#2ca02c"
 
 
 def live_runs(data: dict) -> go.Figure | None:
@@ -327,9 +392,12 @@ def fleet(data: dict) -> go.Figure:
 
 
 def all_figures(data: dict) -> dict[str, go.Figure]:
-    """Section id -> figure, in page order (``gpus`` only with an offered load, ``live`` only with live admission
-    runs)."""
-    figs = {"gpus": fleet(data)} if data.get("fleet") else {}
+    """Figure key -> figure, in page order (``tornado``, in the answer's section, only when a term has a range;
+    ``gpus`` only with an offered load, ``live`` only with live admission runs)."""
+    sure = tornado(data)
+    figs = {"tornado": sure} if sure is not None else {}
+    if data.get("fleet"):
+        figs["gpus"] = fleet(data)
     figs.update({"fill": pool_fill(data), "metastability": metastability(data), "signal": signal(data),
                  "admission": admission(data)})
     live = live_runs(data)

@@ -46,7 +46,7 @@ pre { background: #f1f3f7; padding: 10px 12px; border-radius: 6px; overflow-x: a
 ul.notes { font-size: 13px; color: var(--muted); }
 """ % {"red": UNBOUNDED, "blue": BOUNDED}
 
-KEY_ROWS = {"which binds", "recommended S, W", "recommended admission"}
+KEY_ROWS = {"which binds", A.INTERVAL_ROW, "recommended S, W", "recommended admission"}
 
 
 def esc(s) -> str:
@@ -102,6 +102,10 @@ def render_html(data: dict) -> str:
                           for c in cals)
                 + live_words
                 + html_table(header, rows, cls="answer", table_id="answer-table", row_classes=classes)
+                + (f'<p class="note" id="tornado-note">{esc(A.tornado_note(data))}</p>'
+                   + _figure(figs["tornado"], "tornado")
+                   + "".join(_numbers(*tb, title=f"the numbers behind the figure: {t}")
+                             for t, tb in A.tornado_tables(data)) if "tornado" in figs else "")
                 + f'<p class="note">{esc(A.gpus_note(data))}</p>' + html_table(*A.gpus_table(data), table_id="gpus-table")
                 + "</section>")
 

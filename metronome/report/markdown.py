@@ -31,8 +31,13 @@ def render_markdown(data: dict) -> str:
     s = [f"# {data['title']}", "",
          f"Built by `metronome-sim report` in {data['wall_s']:.0f} s ({data['simulated_runs']} simulated runs). "
          "The same numbers, with figures, are in report.html.", "",
-         f"## {A.section_title(data, 'answer')}", "", answer_markdown(data), "",
-         A.gpus_note(data), "", md_table(*A.gpus_table(data)), ""]
+         f"## {A.section_title(data, 'answer')}", "", answer_markdown(data), ""]
+    tornado = A.tornado_tables(data)
+    if tornado:
+        s += [A.tornado_note(data), ""]
+        for title, table in tornado:
+            s += [f"**{title}**", "", md_table(*table), ""]
+    s += [A.gpus_note(data), "", md_table(*A.gpus_table(data)), ""]
     if data.get("fleet"):
         s += [f"## {A.section_title(data, 'gpus')}", "", A.fleet_note(data), "", md_table(*A.fleet_table(data)), "",
               "Per hour of the run:", "", md_table(*A.fleet_hours_table(data["fleet"]["series"])), ""]

@@ -216,10 +216,12 @@ class Plan:
                          horizon=len(ADMISSION_PATTERN) * self.mean_duration_s, admission="aimd")
 
 
-    def capacity_task(self, phases: str) -> dict:
-        """The capacity phase's task for one phase regime (``build._capacity_task``)."""
-        return {"calibration": self.spec, "policy": self.policy, "deadline_s": self.deadline_s,
-                "duration_s": self.mean_duration_s, "phases": phases}
+    def capacity_task(self, phases: str, stack: str | None = None) -> dict:
+        """The capacity phase's task for one phase regime (``build._capacity_task``), with the calibration's stack in
+        use or ``stack``."""
+        return {"calibration": self.spec, "stack": self.calibration.stack if stack is None else stack,
+                "policy": self.policy, "deadline_s": self.deadline_s, "duration_s": self.mean_duration_s,
+                "phases": phases}
 
 
 @dataclass(frozen=True)
