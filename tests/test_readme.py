@@ -267,3 +267,22 @@ def test_readme_quotes_the_anchors_bench_as_it_prints():
         assert f" {published} ms" in row and f" {predicted} ms" in row and f"{preset} ·" in row, (
             f"README quotes {published} ms published and {predicted} ms by {preset} at {n} sessions; the bench "
             f"prints: {row.strip()}")
+
+
+# "... leaked N sessions, the server grew by M MiB (bound B), ... exited T s after SIGTERM (bound: the D s drain
+# + 5 s)": the figures docs/serve.md records from benchmarks/bench_serve_faults.py (too slow to rerun here)
+_FAULTS_QUOTE = re.compile(r"it leaked (\d+) sessions, the server grew by ([\d.]+) MiB \(bound (\d+)\).*? exited "
+                           r"([\d.]+) s after SIGTERM \(bound: the (\d+) s drain \+ 5 s\)")
+
+
+def test_readme_quotes_the_serve_faults_bench_as_the_docs_record_it():
+    prose = re.sub(r"\s+", " ", TEXT)
+    m = _FAULTS_QUOTE.search(prose)
+    assert m, "the README no longer quotes bench_serve_faults.py: update this test"
+    leaked, growth, bound, exit_s, drain = m.groups()
+    serve = (ROOT / "docs" / "serve.md").read_text()
+    table = serve[serve.index("## Hostile clients and faults (measured)"):]
+    assert re.search(rf"\| leaked sessions: 0 \| {leaked}: ", table), leaked
+    assert re.search(rf"\| RSS growth < {bound} MiB \| {re.escape(growth)} MiB ", table), growth
+    assert re.search(rf"\| exit ≤ drain \+ 5 s = {int(drain) + 5} s \| {re.escape(exit_s)} s ", table), exit_s
+    assert f"--drain-timeout {drain} " in table.replace("\n", " ")
