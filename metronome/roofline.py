@@ -161,9 +161,36 @@ def _measured_range(value: float, spread: float, g: GPU) -> dict:
     return {"low": value / OTHER_GPU_FACTOR, "high": value * OTHER_GPU_FACTOR}
 
 
+def units_per_step(units_per_frame: float, steps_per_frame: int) -> float:
+    """How many of a stage's units (passes, frames, chunks, calls) one backbone step carries: a session takes
+    ``steps_per_frame`` (``output_tokens_per_frame``) backbone steps a frame, and the stage runs
+    ``units_per_frame`` of its units in that frame."""
+    return units_per_frame / steps_per_frame
+
+
+def fold_stage(units: float, duty: float, per_launch_s: float, per_session_s: float) -> tuple[float, float]:
+    """``(base_s, per_seq_s)``: what a stage costing ``per_launch_s + per_session_s·B`` a unit for the B sessions
+    of a step adds to that step when the step carries ``units`` of its units (:func:`units_per_step`). The launch
+    is paid whenever any session runs the stage (at hundreds of sessions, all the time: ``base_s``); each session's
+    part only for the ``duty`` share of the conversation it runs the stage (``per_seq_s``). The one statement of
+    it: the estimated stages here and the measured ones (:func:`metronome.probe.stage_timers.stage_terms`)."""
+    return units * per_launch_s, units * duty * per_session_s
+
+
+def folded_stage_terms(st: Stage, mode: Mode, launch: tuple[float, float, float],
+                       session: tuple[float, float, float], basis: str, source: str) -> tuple[StepTerm, StepTerm]:
+    """A stage's two terms from what :func:`fold_stage` made of it, each ``(value, low, high)``: its launch part
+    per step and its per-session part per sequence (the range widened to hold the value)."""
+    return tuple(StepTerm(f"{st.name}: {what} ({mode.label})", coefficient, v, basis, source,
+                          low=min(lo, v), high=max(hi, v))
+                 for what, coefficient, (v, lo, hi) in (("per launch", "base_s", launch),
+                                                        ("per session", "per_seq_s", session)))
+
+
 def _measured_stage_terms(m: Model, st: Stage, mode: Mode, g: GPU) -> tuple[StepTerm, ...]:
     """Moshi's depformer as measured (:data:`DEPFORMER_H200`)."""
-    frames = st.rate * m.stream.frame_period_s / m.stream.output_tokens_per_frame / DEPFORMER_PASSES_PER_FRAME
+    frames = units_per_step(st.rate * m.stream.frame_period_s, m.stream.output_tokens_per_frame) \
+        / DEPFORMER_PASSES_PER_FRAME
     d = DEPFORMER_H200[mode.launch]
     bw = GPUS[MEASURED_GPU].hbm_bytes_per_s / g.hbm_bytes_per_s
     where = "" if g.key == MEASURED_GPU else (
@@ -171,8 +198,8 @@ def _measured_stage_terms(m: Model, st: Stage, mode: Mode, g: GPU) -> tuple[Step
         f"bandwidth (x {bw:.3g}), range x/{OTHER_GPU_FACTOR:g}..x{OTHER_GPU_FACTOR:g}")
     label = mode.label
     if mode.batching == BATCHED:
-        launch = frames * d["frame_s"]
-        per = frames * st.duty * d["session_s"] * bw
+        launch, per = fold_stage(frames, st.duty, d["frame_s"], d["session_s"])
+        per *= bw  # (the per-session work scales with HBM bandwidth; the launches do not)
         return (
             StepTerm(f"{st.name}: per launch ({label})", "base_s", launch, "measured",
                      f"{st.source}; {frames:g} frame a step x {d['frame_s'] * 1e3:.4g} ms a frame for any batch "
@@ -182,7 +209,7 @@ def _measured_stage_terms(m: Model, st: Stage, mode: Mode, g: GPU) -> tuple[Step
                      f"{frames:g} frame a step x {d['session_s'] * 1e6:.3g} us per session a frame ({DEPFORMER_SOURCE})"
                      f"{where}", **_measured_range(per, d["spread"], g)),
         )
-    alone = frames * st.duty * d["alone_s"]
+    alone = fold_stage(frames, st.duty, 0.0, d["alone_s"])[1]
     return (StepTerm(f"{st.name}: per session ({label})", "per_seq_s", alone, "measured",
                      f"{st.source}; {frames:g} frame a step x {d['alone_s'] * 1e3:.4g} ms, one session's frame alone "
                      f"({DEPFORMER_SOURCE}; range: the batched fit's max error, {d['spread']:.1%}){where}",
@@ -206,7 +233,7 @@ def stage_terms(m: Model, st: Stage, mode: Mode, g: GPU) -> tuple[StepTerm, ...]
         return MEASURED_STAGES[m.key, st.name](m, st, mode, g)
     steps = m.stream.output_tokens_per_frame
     period = m.stream.frame_period_s
-    passes = (st.rate * period if st.kind == "decode" else 1.0) / steps
+    passes = units_per_step(st.rate * period if st.kind == "decode" else 1.0, steps)
     floor = st.layers * launch_per_layer_s(mode.launch)
     how_floor = (f"{passes:g} {'passes' if st.kind == 'decode' else 'calls'} a step x {st.layers} layers x "
                  f"{launch_per_layer_s(mode.launch) * 1e6:.1f} us a layer ({mode.launch}: Moshi's depformer frame "
@@ -214,13 +241,14 @@ def stage_terms(m: Model, st: Stage, mode: Mode, g: GPU) -> tuple[StepTerm, ...]
                  f"{DEPFORMER_PASSES_PER_FRAME * DEPFORMER_LAYERS} layers; launch-bound, carried to every GPU as it "
                  f"is)")
     if mode.batching == BATCHED:
-        launch = StepTerm(f"{st.name}: per launch ({mode.label})", "base_s", passes * floor, "estimated", how_floor)
+        launch = StepTerm(f"{st.name}: per launch ({mode.label})", "base_s",
+                          fold_stage(passes, st.duty, floor, 0.0)[0], "estimated", how_floor)
     else:
-        launch = StepTerm(f"{st.name}: launches per session ({mode.label})", "per_seq_s", passes * st.duty * floor,
-                          "estimated", f"{st.duty:g} duty x {how_floor}")
+        launch = StepTerm(f"{st.name}: launches per session ({mode.label})", "per_seq_s",
+                          fold_stage(passes, st.duty, 0.0, floor)[1], "estimated", f"{st.duty:g} duty x {how_floor}")
     if st.kind == "decode":
         anchored = st.name in ("talker", "code predictor", "Code2Wav") and m.key == "qwen3-omni-30b-a3b"
-        value = passes * st.duty * pass_s(g)
+        value = fold_stage(passes, st.duty, 0.0, pass_s(g))[1]
         how = (f"{st.duty:g} duty x {st.rate:g} passes/s x {pass_s(g) * 1e6:.1f} us per pass per session "
                f"(anchor: {ANCHORS['speech'][1]}; spread over {QWEN3_OMNI_SPEECH_PASSES_PER_S:g} passes/s, "
                f"scaled by HBM bandwidth from the H100)")
@@ -232,7 +260,8 @@ def stage_terms(m: Model, st: Stage, mode: Mode, g: GPU) -> tuple[StepTerm, ...]
         work = StepTerm(f"{st.name}: work per session", "per_seq_s", value, "anchored" if anchored else "estimated",
                         f"{st.source}; {how}; x {period:g} s frame / {steps} backbone steps per frame", **rng)
     else:
-        value = st.duty * st.rate * 2 * st.params / (g.bf16_flops * MFU) * period / steps
+        positions = units_per_step(st.rate * period, steps)
+        value = fold_stage(positions, st.duty, 0.0, 2 * st.params / (g.bf16_flops * MFU))[1]
         work = StepTerm(f"{st.name}: work per session", "per_seq_s", value, "estimated",
                         f"{st.source}; {st.duty:g} duty x {st.rate:g} positions/s x 2 x {st.params / 1e9:g}e9 params / "
                         f"({g.bf16_flops / 1e12:g} TFLOP/s x {MFU} MFU); x {period:g} s frame / {steps} backbone "

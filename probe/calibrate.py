@@ -93,6 +93,10 @@ class CalibrateOptions:
     replace: bool = False  # measure into a temporary folder that replaces out only once the run completes
     progress: bool = True
     seed: int = 0
+    # after the backbone: time the model's other pipeline stages (metronome.probe.stage_timers) and price them into
+    # the calibration as `stack` runs them (None: the model's default stack); the CLI turns it on on CUDA
+    time_stages: bool = False
+    stack: str | None = None
 
     def identity(self) -> dict:
         """The options that must match for --resume to continue a run."""
@@ -258,6 +262,12 @@ def _measure(opts: CalibrateOptions, policy: KVPolicy, config: EngineConfig | No
             "host": {"cpus": os.cpu_count(), "load_avg_start": load_before, "load_avg_end": os.getloadavg()[0]},
         }
         cal = build_calibration(engine, opts, policy, stream, pool, fit, measurements)
+        if opts.time_stages:
+            device = engine.config.device
+            if own_engine:  # the stages' weights need the device memory the engine holds
+                engine.close()
+                engine = None
+            cal = _measure_stages(opts, cal, run, device, measurements)
         out = run.dir / "calibration.json"
         out.write_text(cal.to_json())
         load_file(out)  # what we write must load (raises CalibrationError otherwise)
@@ -652,6 +662,135 @@ def build_calibration(engine: Engine, opts: CalibrateOptions, policy: KVPolicy, 
             weights=m.weights, notes=tuple(notes)),
         description=f"Measured on the live engine: {m.name} ({m.weights}), {policy.describe()}",
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. The frame pipeline's other stages, in the stack the user names
+
+
+def pipeline_model(model: str):
+    """The :data:`metronome.models.MODELS` entry whose frame pipeline ``--model`` runs (a preset's probe name), or
+    None for a model with none besides the backbone (``tiny``, ``smollm2``, a checkpoint directory)."""
+    from metronome.models import MODELS
+
+    return next((m for m in MODELS.values() if m.probe_name == model and m.pipeline), None)
+
+
+def stage_choice(model: str, device: str, stack: str | None, time_stages: bool) -> tuple[bool, str | None]:
+    """Whether ``calibrate`` times ``model``'s pipeline stages on ``device`` and in which stack: on CUDA always,
+    on a CPU with ``--time-stages`` (small shapes, eager only). One-line MetronomeError for a choice that cannot
+    be kept: ``--time-stages`` or ``--stack`` for a model with no stage but the backbone, an unknown stack,
+    ``--stack`` on a CPU without ``--time-stages``, a stack with CUDA graphs on a CPU."""
+    from metronome.models import EAGER, STACKS
+
+    m = pipeline_model(model)
+    if m is None:
+        if time_stages or stack:
+            flags = " and ".join(f for f, on in (("--time-stages", time_stages), ("--stack", stack)) if on)
+            raise MetronomeError(f"{flags}: --model {model} has no pipeline stage besides the backbone vLLM serves, "
+                                 f"so there is nothing to time")
+        return False, None
+    stacks = STACKS[m.key]
+    if stack is not None and stack not in [s.name for s in stacks]:
+        raise MetronomeError(f"--stack {stack}: --model {model} has no such stack (stacks: "
+                             f"{', '.join(s.name for s in stacks)})")
+    cuda = device.startswith("cuda")
+    if not (cuda or time_stages):
+        if stack:
+            raise MetronomeError("--stack prices the stages calibrate times on CUDA; on a CPU add --time-stages")
+        return False, None
+    chosen = next(s for s in stacks if s.name == (stack or stacks[0].name))
+    graphs = [name for name, mode in chosen.modes if mode.launch != EAGER]
+    if not cuda and graphs:
+        eager = [s.name for s in stacks if all(mo.launch == EAGER for _, mo in s.modes)]
+        raise MetronomeError(f"--time-stages on a CPU times eager modes only (CUDA graphs need a CUDA device), and "
+                             f"stack {chosen.name!r} runs {', '.join(graphs)} with CUDA graphs; "
+                             + (f"choose --stack {' or '.join(eager)}" if eager else
+                                f"no stack of --model {model} runs all eager"))
+    return True, chosen.name
+
+
+def time_stages(model_key: str, device: str, out_path: Path) -> dict:
+    """Time ``model_key``'s pipeline stages with :mod:`metronome.probe.stage_timers` (their shapes on CUDA, the
+    small ones elsewhere) into ``out_path`` (``stages.json``); the document."""
+    from metronome.probe import stage_timers
+
+    return stage_timers.run(device, not device.startswith("cuda"), str(out_path), models=[model_key],
+                            command=f"metronome-probe calibrate (stages of {model_key})", stages_only=True)
+
+
+def backbone_fit_terms(cal: Calibration) -> tuple:
+    """The backbone's step model as terms: those it lists, or one ``measured`` term per fitted coefficient (a
+    calibration's terms must add up to its coefficients, and the stage terms join them)."""
+    from metronome.calibration import COEFFICIENT_UNITS, COEFFICIENTS, StepTerm
+
+    if cal.step_latency.terms:
+        return cal.backbone_terms
+    sl, prov = cal.step_latency, cal.provenance
+    return tuple(StepTerm(f"backbone step, fitted on the live engine ({COEFFICIENT_UNITS[k]})", k, getattr(sl, k),
+                          "measured", f"{prov.source}: the linear/1 step model fitted to vLLM's steps on "
+                                      f"{prov.hardware}, {prov.date}")
+                 for k in COEFFICIENTS if getattr(sl, k) or k == COEFFICIENTS[0])  # (a step has a base)
+
+
+def with_measured_stages(cal: Calibration, model_key: str, stack: str | None, timings: dict) -> Calibration:
+    """``cal`` with ``model_key``'s pipeline stages priced from measured ``timings`` (a ``stages.json``,
+    :func:`metronome.probe.stage_timers.stage_terms`) for the calibration's own stream: its step model becomes the
+    backbone's fit (:func:`backbone_fit_terms`) plus the terms of ``stack`` (None: the model's default), which
+    it is priced for and lists first; every other stack of the model whose modes were timed rides along (on a
+    CPU, the all-eager ones). MetronomeError when ``stack``'s modes have no fit."""
+    from metronome.calibration import StackPricing
+    from metronome.models import STACKS
+    from metronome.probe.stage_timers import stage_terms
+
+    stacks = STACKS[model_key]
+    name = stack or stacks[0].name
+    period, steps = cal.stream.frame_period_s, cal.stream.output_tokens_per_frame
+    priced, unpriced = {}, {}
+    for sk in stacks:
+        try:
+            terms = stage_terms(model_key, sk, timings, period, steps)
+        except ValueError as exc:
+            unpriced[sk.name] = str(exc)
+            continue
+        priced[sk.name] = StackPricing(name=sk.name, description=sk.description, terms=terms,
+                                       source=f"{sk.source}; its stages timed on {timings.get('device')} "
+                                              f"({timings.get('shapes')} shapes, {timings.get('measured_at')})")
+    if name not in priced:
+        raise MetronomeError(f"stack {name!r}: {unpriced.get(name, 'no such stack')}")
+    options = (priced[name], *(p for k, p in priced.items() if k != name))
+    step = cal.step_latency.with_terms(backbone_fit_terms(cal) + priced[name].terms)
+    note = (f"stages: {model_key}'s pipeline timed by metronome.probe.stage_timers on {timings.get('device')} "
+            f"(torch {timings.get('torch')}, {timings.get('dtype')}, {timings.get('shapes')} shapes, "
+            f"{timings.get('measured_at')}; stages.json) and priced as measured terms for stack {name!r} (in use); "
+            f"stacks priced: {', '.join(p.name for p in options)}"
+            + (f"; not priced: {'; '.join(f'{k} ({v})' for k, v in unpriced.items())}" if unpriced else ""))
+    if timings.get("shapes") == "small":
+        note += "; small shapes (a CPU check that every timer runs): their numbers price no GPU"
+    notes = tuple(n for n in cal.provenance.notes if not n.startswith("stages: ")) + (note,)
+    return replace(cal, step_latency=step, stack=name, stack_options=options,
+                   provenance=replace(cal.provenance, notes=notes))
+
+
+def _measure_stages(opts: CalibrateOptions, cal: Calibration, run: "_Run", device: str,
+                    measurements: dict) -> Calibration:
+    """Phase ``stages`` of a run: time the pipeline (kept in ``stages.json``; a ``--resume`` reuses a completed
+    one) and price ``opts.stack`` from it."""
+    _, stack = stage_choice(opts.model, device, opts.stack, True)
+    key = pipeline_model(opts.model).key
+    path = run.dir / "stages.json"
+    if "stages" in run.done and path.is_file():
+        doc = json.loads(path.read_text())
+    else:
+        doc = time_stages(key, device, path)
+        if doc["failed"]:  # not marked done: --resume times them again
+            kept = (f"{opts.out} is as it was" if opts.replace
+                    else f"the backbone's phases are kept in {run.dir}: rerun with --resume")
+            raise MetronomeError(f"stage timers failed ({', '.join(doc['failed'])}); {kept}")
+        run.mark_done("stages", {"file": path.name, "device": doc["device"], "shapes": doc["shapes"]})
+    measurements["stages"] = {"file": path.name, "model": key, "stack": stack, "device": doc["device"],
+                              "shapes": doc["shapes"], "measured_at": doc["measured_at"]}
+    return with_measured_stages(cal, key, stack, doc)
 
 
 def calibration_name(model: str, device: str, policy: KVPolicy) -> str:

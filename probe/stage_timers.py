@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from metronome.calibration import StepTerm
 from metronome.errors import MetronomeError, run_command
-from metronome.models import MODELS
+from metronome.models import BATCHED, MODELS, PER_SESSION, STACKS, Mode, Stack
 
 FIT_TERMS = {"per_launch_s": lambda p: 1.0, "per_session_s": lambda p: p["batch"]}
 
@@ -1114,12 +1115,14 @@ def _summary(name: str, res: dict) -> str:
 
 
 def run(device: str, small: bool, out_path: str, models=None, budget_s: float | None = None,
-        command: str = "") -> dict:
+        command: str = "", stages_only: bool = False) -> dict:
+    """Time the timers of ``models`` (all by default) and write ``out_path``; ``stages_only``: the pipeline
+    stages only, not the MoE backbone's curve (``metronome-probe calibrate`` times the backbone on vLLM itself)."""
     import torch
 
     from metronome.probe.decode_step import run_provenance
 
-    timers = _selected(models)
+    timers = [t for t in _selected(models) if not (stages_only and t is BACKBONE)]
     cuda = device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         raise MetronomeError("--device cuda but no CUDA device is visible")
@@ -1161,6 +1164,85 @@ def run(device: str, small: bool, out_path: str, models=None, budget_s: float | 
         torch.set_num_threads(threads)
     print(f"stage_timers: {len(timers)} timers in {clock.elapsed():.1f} s; wrote {out_path}", flush=True)
     return doc
+
+
+# --- measured stage terms: a stack priced from a stages.json -----------------------------------------------------
+
+TIMED_BATCHING = {BATCHED: "batched", PER_SESSION: "per_session"}  # metronome.models' words -> the file's
+
+
+def timing_mode(mode: Mode) -> str:
+    """The key of a stage record's ``modes`` that times a stack's :class:`~metronome.models.Mode`."""
+    return f"{TIMED_BATCHING[mode.batching]}/{mode.launch}"
+
+
+def _mode_fit(doc: dict, model_key: str, timer: str, key: str) -> dict:
+    """The fit (and its range) of one timer's mode in ``doc``; ValueError saying why there is none."""
+    rec = doc.get("models", {}).get(model_key, {}).get("stages", {}).get(timer)
+    if rec is None:
+        raise ValueError(f"{model_key}: the timings have no stage {timer!r}")
+    if "error" in rec:
+        raise ValueError(f"{model_key} {timer}: its timer failed ({rec['error']})")
+    m = rec["modes"].get(key)
+    if m is None:
+        timed = ", ".join(rec["modes"]) or "none"
+        raise ValueError(f"{model_key} {timer}: mode {key} was not timed (timed: {timed}; "
+                         f"{doc.get('timing', {}).get('graphs_note') or 'see the file'})")
+    if not m.get("fit"):
+        raise ValueError(f"{model_key} {timer}: mode {key} has no fit ({m.get('why') or 'no points'})")
+    return {**m, "units_per_s": rec["units_per_s"], "unit": rec["unit"]}
+
+
+def stage_terms(model_key: str, stack: Stack | str, timings: dict, frame_period_s: float,
+                steps_per_frame: int) -> tuple[StepTerm, ...]:
+    """The step terms of ``model_key``'s pipeline stages as ``stack`` runs them, from measured ``timings`` (a
+    ``stages.json`` document, docs/measured/README.md), basis ``measured``, for a stream of ``steps_per_frame``
+    backbone steps every ``frame_period_s``.
+
+    Each stage adds two terms (:func:`metronome.roofline.folded_stage_terms`): the fit's launch part per step and
+    its per-session part per sequence, each summed over the stage's timers and folded into a step as
+    :func:`metronome.roofline.fold_stage` folds every stage (``units_per_s · frame_period_s / steps_per_frame``
+    units a step; the session's part for the stage's ``duty``). A fit's slightly negative part is noise about zero and is priced 0. The range is the same fold of
+    the mode's ``range`` (the fits of the 10th and 90th percentile repeats), widened to hold the value. The
+    source names the device, PyTorch, the date, the dtype, the shapes and the mode. ValueError when a stage's mode
+    was not timed (on a CPU, CUDA graphs) or has no fit."""
+    from metronome.roofline import fold_stage, folded_stage_terms, units_per_step
+
+    model = MODELS[model_key]
+    if isinstance(stack, str):
+        stack = next((s for s in STACKS[model_key] if s.name == stack), None) or _unknown_stack(model_key, stack)
+    where = (f"{timings.get('device')}, torch {timings.get('torch')}"
+             + (f", CUDA {timings['cuda']}, driver {timings.get('driver')}" if timings.get("cuda") else "")
+             + f", {timings.get('measured_at')}, {timings.get('dtype')}, {timings.get('shapes')} shapes")
+    pipeline = timings.get("models", {}).get(model_key, {}).get("pipeline", {})
+    out = []
+    for st in model.pipeline:
+        mode = stack.mode(st.name)
+        key = timing_mode(mode)
+        names = pipeline.get(st.name) or timers_for(model_key, st.name)
+        launch = [0.0, 0.0, 0.0]  # value, low, high
+        session = [0.0, 0.0, 0.0]
+        parts = []
+        for name in names:
+            m = _mode_fit(timings, model_key, name, key)
+            units = units_per_step(m["units_per_s"] * frame_period_s, steps_per_frame)
+            fit, rng = m["fit"], m.get("range") or {}
+            for i, pick in enumerate((lambda k: fit[k], lambda k: min(rng.get(k, [fit[k]])),
+                                      lambda k: max(rng.get(k, [fit[k]])))):
+                base, per = fold_stage(units, st.duty, max(pick("per_launch_s"), 0.0),
+                                       max(pick("per_session_s"), 0.0))
+                launch[i] += base
+                session[i] += per
+            parts.append(f"{name} ({m['unit']}; {fit['per_launch_s'] * 1e6:.4g} us a launch + "
+                         f"{fit['per_session_s'] * 1e6:.4g} us a session, {units:g} a step)")
+        src = (f"{st.source}; measured ({key}): {' + '.join(parts)}; {st.duty:g} duty on the per-session part; "
+               f"{where}; range: the fits of the 10th and 90th percentile repeats")
+        out += folded_stage_terms(st, mode, tuple(launch), tuple(session), "measured", src)
+    return tuple(out)
+
+
+def _unknown_stack(model_key: str, name: str):
+    raise ValueError(f"{model_key} has no stack {name!r} (stacks: {', '.join(s.name for s in STACKS[model_key])})")
 
 
 def _run_timers(timers, doc: dict, small: bool, device: str, dtype: str, opts: Options, clock: _Clock,

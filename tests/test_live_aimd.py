@@ -65,19 +65,20 @@ def test_tune_interval_in_the_simulator(small_cal):
 
 
 def test_binding_deadline(small_cal):
-    """The first deadline at which the deadline binds before memory: at 80 ms memory binds (N* = the ceiling)."""
+    """The first deadline at which the deadline binds before memory: at 80 ms and 40 ms memory binds (N* = the
+    ceiling), at 20 ms the deadline does."""
     policy = KVPolicy.window(small_cal.engine.block_size_tokens, WINDOW)
     seen = []
-    cap = la.binding_deadline(small_cal, policy, (0.08, 0.04), log=seen.append)
-    assert cap["deadline_s"] == 0.04 and cap["binding"] == "deadline"
+    cap = la.binding_deadline(small_cal, policy, (0.08, 0.04, 0.02), log=seen.append)
+    assert cap["deadline_s"] == 0.02 and cap["binding"] == "deadline"
     assert cap["n_star"] <= la.HEADROOM * cap["memory_ceiling"]
-    assert len(seen) == 2 and seen[0].startswith("capacity at deadline 80 ms")
+    assert len(seen) == 3 and seen[0].startswith("capacity at deadline 80 ms")
     assert la.binding_deadline(small_cal, policy, (0.08,)) is None
     assert la.binding_deadline(small_cal, policy, (0.08,), auto=False) is None  # memory binds: asked for or not
-    # at 50 ms the deadline binds, but N* (79) sits too close to the memory ceiling (83) for AIMD's overshoot,
+    # at 25 ms the deadline binds, but N* (75) sits too close to the memory ceiling (83) for AIMD's overshoot,
     # unless the deadline was asked for (auto=False)
-    assert la.binding_deadline(small_cal, policy, (0.05, 0.04))["deadline_s"] == 0.04
-    assert la.binding_deadline(small_cal, policy, (0.05,), auto=False)["deadline_s"] == 0.05
+    assert la.binding_deadline(small_cal, policy, (0.025, 0.02))["deadline_s"] == 0.02
+    assert la.binding_deadline(small_cal, policy, (0.025,), auto=False)["deadline_s"] == 0.025
 
 
 def test_compare_run(small_cal, tmp_path):

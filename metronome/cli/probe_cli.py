@@ -204,6 +204,13 @@ def calibrate_parser() -> argparse.ArgumentParser:
                    help="length of each paced run: 3, 3s or 500ms (0: no paced runs; default 3 s)")
     _phases_option(p, "the paced runs")
     _loop_option(p, "the paced runs (the grid always steps the engine itself)")
+    p.add_argument("--stack", metavar="NAME", help="the serving stack the model's other pipeline stages (depformer, "
+                   "codec, talker, vocoder: what vLLM does not serve) are timed and priced for, one of the model's "
+                   "(metronome-sim calibrations lists them; default: the model's first, every stage batched with "
+                   "CUDA graphs); its terms go into the calibration as measured")
+    p.add_argument("--time-stages", action="store_true", help="time the pipeline stages after the backbone (on "
+                   "CUDA always; on a CPU in small shapes, eager stacks only: a check that the path runs); refused "
+                   "for a model with no stage but the backbone (tiny, smollm2, a checkpoint)")
     p.add_argument("--save", action="store_true", help="also write calibration/<name>.json (a preset)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -244,6 +251,10 @@ def calibrate_main(argv: list[str]) -> int:
         raise MetronomeError("--decode-steps and --fill-sessions must be at least 1")
     if not args.paced_seconds >= 0 or any(n < 1 for n in args.paced_sessions):
         raise MetronomeError("--paced-seconds must be >= 0 and --paced-sessions at least 1 each")
+    from metronome.probe.calibrate import stage_choice
+    from metronome.probe.engine import default_device
+
+    time_stages, stack = stage_choice(args.model, args.device or default_device(), args.stack, args.time_stages)
     _check_vllm()
     quiet(args.verbose)  # (before vLLM is imported)
     from metronome.probe.calibrate import CalibrateOptions, policy_for, run_calibration
@@ -256,7 +267,7 @@ def calibrate_main(argv: list[str]) -> int:
         grid_context=args.grid_context, decode_steps=args.decode_steps, fill_sessions=args.fill_sessions,
         fill_seconds=args.fill_seconds, paced_sessions=args.paced_sessions, paced_seconds=args.paced_seconds,
         save=args.save, resume=args.resume, replace=args.replace, progress=not args.no_progress, phases=args.phases,
-        loop=args.loop)
+        loop=args.loop, time_stages=time_stages, stack=stack)
     policy_for(opts)  # bad --kv/--window combinations fail here, before any engine starts
     try:
         res = run_calibration(opts)
@@ -282,6 +293,15 @@ def calibrate_main(argv: list[str]) -> int:
     if f.get("measured_tokens_per_s") is not None:
         print(f"fill rate: {f['measured_tokens_per_s']:.2f} tokens/s per session (nominal "
               f"{f['nominal_tokens_per_s']:.2f}), {f['measured_blocks_per_s']:.3f} blocks/s")
+    if "stages" in m:
+        from metronome.calibration import COEFFICIENT_UNITS
+        from metronome.report.answer import duration
+
+        st = m["stages"]
+        own = cal.stack_pricing(cal.stack).terms
+        print(f"stages ({st['shapes']} shapes on {st['device']}, {res.out_dir / st['file']}), priced for stack "
+              f"{cal.stack}: " + "; ".join(f"{t.name} {duration(t.value)} {COEFFICIENT_UNITS[t.coefficient]}"
+                                           for t in own))
     busy = [n for n in cal.provenance.notes if n.startswith("other processes")]
     if busy:
         print(f"warning: {busy[0]}")

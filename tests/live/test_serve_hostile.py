@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ def server(tmp_path_factory):
             pytest.fail(str(exc))
         # the first session compiles what the live turn needs: served once before the checks
         asyncio.run(asyncio.wait_for(h.real_client(srv.url, frames=1), 600))
-        yield srv.port, srv.out, srv.log_path
+        yield srv.port, srv.out, srv.log_path, srv.proc.pid
 
 
 def _idle(port: int, out: Path) -> bool:
@@ -40,7 +42,7 @@ def _idle(port: int, out: Path) -> bool:
 
 
 def test_100_clients_that_vanish_around_the_handshake_leave_no_session(server):
-    port, out, _ = server
+    port, out, *_ = server
     hows = ["rst", "fin", "rst", "half", "midframe"]
     for k in range(100):
         h.vanish(port, hows[k % len(hows)])
@@ -51,7 +53,7 @@ def test_100_clients_that_vanish_around_the_handshake_leave_no_session(server):
 
 
 def test_an_update_behind_queued_frames_takes_effect_and_every_frame_is_answered(server):
-    port, out, _ = server
+    port, out, *_ = server
     s, r, created = h.open_session(port)
     n = created["session"]["input_tokens_per_frame"]
     frames = [h.event({"type": "input_tokens.append", "token_ids": [7 + k] * n}) for k in range(6)]
@@ -66,7 +68,7 @@ def test_an_update_behind_queued_frames_takes_effect_and_every_frame_is_answered
 
 
 def test_hostile_json_gets_error_events_in_one_log_line_each(server):
-    port, out, log = server
+    port, out, log, _ = server
     s, r, created = h.open_session(port)
     sid = created["session"]["id"]
     codes = []
@@ -82,8 +84,27 @@ def test_hostile_json_gets_error_events_in_one_log_line_each(server):
     assert "Traceback" not in log.read_text()
 
 
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 def test_an_error_flood_without_reading_is_closed_with_1008(server):
-    port, out, _ = server
+    """1,000 unknown events of 60 KB, nothing read: closed with 1008 (``errors``), and the server's own process
+    (vLLM's engine runs in processes of its own) grows by less than 64 MiB while it lasts (it grew by 1 GiB before
+    the per-client bounds)."""
+    port, out, _, pid = server
+    before, peak, done = _rss_mib(pid), [0.0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mib(pid))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     s, _, created = h.open_session(port)
     junk = h.event({"type": "x" * 60_000})
     for _ in range(1000):
@@ -94,5 +115,8 @@ def test_an_error_flood_without_reading_is_closed_with_1008(server):
     sid = created["session"]["id"]
     assert h.wait_for(lambda: any(row["session"] == sid for row in h.accounts(out)), cap_s=120)
     s.close()
+    done.set()
+    sampler.join()
+    assert peak[0] - before < 64, (before, peak[0])
     row = next(row for row in h.accounts(out) if row["session"] == sid)
     assert row["closed"] == "errors" and row["sent"] == row["answered"] + row["counted"], row
