@@ -188,6 +188,8 @@ class Driver(FrontEnd):
         if metrics is None and config.prometheus_port:
             metrics = LiveMetrics(config.prometheus_port)
         self.sink = LiveSink(config.run, out_dir, retain=retain, metrics=metrics)
+        if metrics is not None:
+            metrics.compile_now()  # (before the clock starts, as the front end's rules and the controller)
         self._stop_reason: str | None = None  # set by stop() (e.g. from a SIGTERM handler): a clean stop
         silence_s = config.silence_s if config.silence_s is not None else float(self.admission.interval_s)
         self.supervisor = Supervisor(engine, self.sink.record, silence_s=silence_s, restart=config.restart,

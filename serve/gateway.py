@@ -154,8 +154,6 @@ class Gateway(Driver):
         self._closed: str | None = None  # set once the gateway stopped: why
         super().__init__(engine, config, admission=admission, out_dir=out_dir, retain=False, notify=notify,
                          sleep=self._wait, metrics=metrics)
-        if self.sink.metrics is not None:
-            self.sink.metrics.compile_now()  # (before the clock starts, as the front end's rules and the controller)
         self.silence_token = int(silence_token)
         self.clients: dict[int, Client] = {}  # by front-end session
         self.labels: list[str] = []  # per front-end session: its client's id

@@ -29,7 +29,7 @@ from metronome.cli.probe_cli import DEADLINE_HELP, _check_vllm, _pool_options, _
 from metronome.errors import MetronomeError, run_command
 from metronome.kv_policy import given_params, policy_option_values
 from metronome.outputs import start_dir
-from metronome.probe.lifetime import ENGINE_CLOSE_S
+from metronome.probe import lifetime
 
 PROG = "metronome-serve"
 # After SIGTERM the process exits within --drain-timeout plus EXIT_MARGIN_S, a bound the server holds itself: at
@@ -41,7 +41,7 @@ EXIT_PARTS_S = {
     "clients": 1.5,
     "gateway": 0.5,  # the gateway ends what is left, closes its journals and its thread returns
     "connections": 0.5,  # uvicorn closes its listener and lets go of the connections left
-    "engine": ENGINE_CLOSE_S,  # vLLM's engine stops: its EngineCore and workers end (OwnLoopEngine.close's bound)
+    "engine": lifetime.ENGINE_CLOSE_S,  # vLLM's engine stops: its EngineCore and workers end (OwnLoopEngine.close's bound)
 }
 EXIT_MARGIN_S = sum(EXIT_PARTS_S.values())  # 5 s
 EXIT_KILL_S = 0.5  # the timer's own work (kill what is left, wait for it): it fires that much before the bound
@@ -263,19 +263,10 @@ def _exit_timer(seconds: float, drained) -> threading.Timer:
 
 
 def _kill_children() -> None:
-    """SIGKILL to every process this one started, and theirs (vLLM's EngineCore and its workers)."""
-    try:
-        import psutil  # (vLLM's own dependency: installed wherever the engine is)
-    except ImportError:
-        return
-    try:
-        kids = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return
-    for k in kids:
-        with suppress(psutil.Error):
-            k.kill()
-    psutil.wait_procs(kids, timeout=EXIT_KILL_S)
+    """SIGKILL to every process this one started, and theirs (vLLM's EngineCore and its workers), waiting at most
+    ``EXIT_KILL_S`` for them to go (``metronome.probe.lifetime``, which engines close with)."""
+    me = os.getpid()
+    lifetime.kill_and_reap([p for p in lifetime.tree([me]) if p.pid != me], timeout_s=EXIT_KILL_S)
 
 
 def _vocab_size(path: str, default: int) -> int:
