@@ -22,6 +22,7 @@ def test_a_run_with_stages_writes_them_into_the_calibration(tmp_path, monkeypatc
     assert cal.provenance.kind == "measured" and cal.stack == "vllm-omni-duplex"
     stage = cal.stack_pricing("vllm-omni-duplex").terms
     assert len(stage) == 4 and all(t.basis == "measured" and t in cal.step_latency.terms for t in stage)
-    assert cal.step_latency.per_seq_s > sum(t.value for t in stage if t.coefficient == "per_seq_s") > 0
+    # (>=: the backbone's own fitted per-sequence term can come out 0 on a tiny model, and is then not listed)
+    assert cal.step_latency.per_seq_s >= sum(t.value for t in stage if t.coefficient == "per_seq_s") > 0
     assert json.loads((res.out_dir / "stages.json").read_text())["shapes"] == "small"
     assert json.loads((res.out_dir / "measurements.json").read_text())["stages"]["stack"] == "vllm-omni-duplex"
