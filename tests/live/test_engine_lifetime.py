@@ -111,6 +111,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _multiprocess_env() -> dict[str, str]:
+    """This process's environment without ``VLLM_ENABLE_V1_MULTIPROCESSING``: an in-process engine started earlier in
+    this pytest process sets it to 0 (probe/engine.py), and a server that inherits it runs its worker inside
+    EngineCore, so the grandchild this test is about would not exist."""
+    return {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+
+
 # -- a server or a probe killed with SIGKILL --------------------------------------------------------------------------
 def test_a_server_killed_with_sigkill_leaves_no_engine_process(tmp_path):
     port = _free_port()
@@ -118,7 +125,7 @@ def test_a_server_killed_with_sigkill_leaves_no_engine_process(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "metronome.cli.serve_cli", "--model", "tiny", "--kv", "sinks", "--sinks", "32",
          "--window", "128", "--num-blocks", "256", "--port", str(port), "--host", "127.0.0.1",
-         "--out", str(tmp_path / "out")], stdout=log, stderr=subprocess.STDOUT)
+         "--out", str(tmp_path / "out")], stdout=log, stderr=subprocess.STDOUT, env=_multiprocess_env())
     procs: dict[int, int] = {}
     try:
         for _ in range(int(START_S / 0.5)):
