@@ -26,10 +26,12 @@ SCHEMA = "metronome.calibration/1"
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
 PROVENANCE_KINDS = ("measured", "estimated")
-COEFFICIENTS = ("base_s", "per_seq_s", "per_context_token_s", "per_new_token_s", "moe_experts_s")
+COEFFICIENTS = ("base_s", "per_seq_s", "per_context_token_s", "per_new_token_s", "moe_experts_s",
+                "per_mean_context_token_s")
 # what each coefficient is charged per (the report's terms table, the probe's printout)
 COEFFICIENT_UNITS = {"base_s": "per step", "per_seq_s": "per sequence", "per_context_token_s": "per context token",
-                     "per_new_token_s": "per computed token", "moe_experts_s": "per share of the experts read"}
+                     "per_new_token_s": "per computed token", "moe_experts_s": "per share of the experts read",
+                     "per_mean_context_token_s": "per context token of the step's mean sequence"}
 # how a step-latency term was obtained: a vendor figure, fitted to a published measurement of real serving, a
 # measurement of this project's own code, or reasoned from a model's shape without a measurement to lean on
 TERM_BASES = ("datasheet", "anchored", "measured", "estimated")
@@ -84,11 +86,19 @@ def step_inputs(batch, context_tokens, new_tokens, moe_route):
     ``E·(1 − (1 − k/E)^new_tokens)`` experts' weights once (``moe_experts_s`` prices all of them). A dense model's
     input is 0.
 
+    The last input is the mean sequence's context, ``context_tokens / batch``: decode attention over one sequence
+    is spread over that sequence's KV heads, so while a step holds few sequences they cannot fill the GPU and the
+    step waits on one sequence's own KV read (a batch-1 step over 8,192 tokens of Qwen3-Omni's context read at
+    about 1/24 of the GPU's bandwidth on an H200, ``docs/measured/decode_step-h200-run*.json``). Its coefficient
+    prices a context token of that read; at large batches the summed read (``per_context_token_s``) dominates.
+    A step of no sequence has no mean: its input is 0.
+
     The one statement of the model's form: :meth:`StepLatencyModel.step_s`, the fit's design matrix
     (:func:`metronome.fit.fit_step_latency`) and the simulator's compiled loop (which compiles this very
     function) all read it, so a new term is a coefficient, its unit and its input here. Plain arithmetic
     only, for the compiler."""
-    return (1.0, batch, context_tokens, new_tokens, 1.0 - (1.0 - moe_route) ** new_tokens)
+    return (1.0, batch, context_tokens, new_tokens, 1.0 - (1.0 - moe_route) ** new_tokens,
+            context_tokens / (batch + (batch == 0)))
 
 
 def sum_terms(terms) -> dict[str, float]:
@@ -174,11 +184,14 @@ class StepLatencyModel:
 
         step_s = base_s + per_seq_s·batch + per_context_token_s·context_tokens + per_new_token_s·new_tokens
                  + moe_experts_s·(1 − (1 − moe_route)^new_tokens)
+                 + per_mean_context_token_s·context_tokens/batch
 
     ``batch`` is the number of sequences in the step, ``context_tokens`` the KV they attend over
     (resident tokens, summed), ``new_tokens`` the tokens computed in the step (decode positions plus
     prefill chunks). On an MoE backbone (``moe_route`` = k/E > 0) ``moe_experts_s`` streams every routed expert
     once and the step pays for the share it reads; a dense model has neither (both 0, absent from its file).
+    ``per_mean_context_token_s`` prices one sequence's own KV read, what a step of few sequences waits on (0, and
+    absent from the file, for a model fitted or priced without it).
     ``fitted_range`` gives the ``[min, max]`` of each input the coefficients were
     fitted on; outside it the model extrapolates and the simulator counts such steps.
 
@@ -213,6 +226,7 @@ class StepLatencyModel:
     per_context_token_s: float
     per_new_token_s: float
     moe_experts_s: float = 0.0
+    per_mean_context_token_s: float = 0.0
     fitted_range: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     form: str = "linear/1"
     fit_error: Mapping[str, float] = field(default_factory=dict)
@@ -435,7 +449,7 @@ class Calibration:
             sl[key] = [_term_dict(t) for t in sl[key]]
             if not sl[key]:
                 sl.pop(key)
-        for key in ("moe_experts_s", "moe_route"):  # a dense model's file stays as it was
+        for key in ("moe_experts_s", "moe_route", "per_mean_context_token_s"):  # files without them stay as they were
             if not sl[key]:
                 sl.pop(key)
         return {"schema": SCHEMA, **d}

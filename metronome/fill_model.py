@@ -502,7 +502,7 @@ class FillModel:
         # by age: the cohort of age a arrived at t − a (after grid[i]: none served yet)
         arrived = t - np.asarray(ages, dtype=float)
         got = np.where(arrived <= grid[i], np.interp(arrived, grid[:i + 1], served), 0.0)
-        n = np.minimum(np.floor(prompt + tpf * got), self.max_tokens).astype(np.int64)
+        n = np.minimum(np.floor(prompt + tpf * got + WHOLE_TOKENS_EPS), self.max_tokens).astype(np.int64)
         return self.policy.resident_blocks(n).astype(float)
 
     def p_saturate_poisson(self, rate_per_s: float, durations: Durations, horizon_s: float) -> float:
@@ -744,6 +744,12 @@ class FillModel:
         return min(p_sat, p_sat * collapsed / saturated)
 
 
+# A cohort's served frames are a difference of clock readings (its age over the period, less the engine's lag), whole
+# numbers that float arithmetic lands a hair either side of (30 s / 0.08 s is 374.9999999999999): counted as the
+# whole number they are before the tokens are floored, so the sum's order cannot move a token.
+WHOLE_TOKENS_EPS = 1e-9
+
+
 @compiled.counted
 def _cohorts(i, V, M, grid, dt, surv, P, prompt, tpf, max_tokens, bs, sink_blocks, window):
     """One point of :meth:`FillModel._poisson_clock`: first ``M`` brought up to point ``i − 1`` (the min of
@@ -758,7 +764,7 @@ def _cohorts(i, V, M, grid, dt, surv, P, prompt, tpf, max_tokens, bs, sink_block
     held = 0.0
     for j in range(i):
         served = max(V[i - 1] - grid[j] / P + M[j], 0.0)
-        n = min(math.floor(prompt + tpf * served), max_tokens)
+        n = min(math.floor(prompt + tpf * served + WHOLE_TOKENS_EPS), max_tokens)
         w = surv[i - 1 - j] * dt[j + 1]
         alive += w
         held += w * resident_tokens_jit(n, bs, sink_blocks, window)

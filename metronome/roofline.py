@@ -91,6 +91,14 @@ DEPFORMER_SOURCE = ("docs/measured/decode_step-h200-run2.json (depformer of Mosh
 # the step model's MoE coefficient fitted to it is 19.8 ms in both runs, 1.64x the 58.0 GB of routed experts at
 # datasheet bandwidth (12.1 ms): the top of the MoE term's range
 MOE_MEASURED_OVER_DATASHEET = 1.64
+# The same runs, every backbone: one sequence's own KV read, per context token of a step's mean sequence (the step
+# model's per_mean_context_token_s), fitted with the whole step model over the grid, (run 1, run 2) in seconds. The
+# probe's attention (PyTorch SDPA over contiguous KV) spreads a sequence over its KV heads only, so a batch-1 step
+# over 8,192 tokens waits on that read: Qwen3-Omni's 4 KV heads read at about 1/24 of the bandwidth, Moshi's 32
+# fill the GPU (its fit is 0 and 22 ns, noise). vLLM's decode kernels also split one sequence's KV along the
+# context, so a serving engine may wait on it less: the term's range goes down to 0.
+MEAN_CONTEXT_H200_S = {"moshi": (0.0, 22.29e-9), "qwen2.5-omni": (218.75e-9, 201.97e-9),
+                       "qwen3-omni": (442.84e-9, 442.53e-9), "minicpm-o": (239.06e-9, 265.42e-9)}
 # the same runs: weights stream at 1.20-1.42x datasheet time and attention reads the KV at 1.02-1.10x (dense
 # backbones, plain PyTorch at batch 1); eager mode costs 41-108 us a layer more than graphs on the dense backbones,
 # 303-458 us on the MoE; Moshi's batch-256 step spends 9.4 us a token outside attention where the presets charge 31
@@ -276,6 +284,22 @@ def stack_pricings(m: Model, g: GPU) -> tuple[StackPricing, ...]:
                  for sk in STACKS[m.key])
 
 
+def _mean_context_term(m: Model, g: GPU) -> StepTerm:
+    """One sequence's own KV read (:data:`MEAN_CONTEXT_H200_S`): the mean of the two H200 runs, carried to another
+    GPU by HBM bandwidth as a per-session cost is (:data:`OTHER_GPU_FACTOR` widening its top); from 0 (a kernel
+    that splits the sequence over the GPU) to the higher run."""
+    runs = MEAN_CONTEXT_H200_S[m.probe_name]
+    bw = GPUS[MEASURED_GPU].hbm_bytes_per_s / g.hbm_bytes_per_s
+    value, high = sum(runs) / len(runs) * bw, max(runs) * bw
+    where = "" if g.key == MEASURED_GPU else (f", scaled by HBM bandwidth (x {bw:.3g}), top x{OTHER_GPU_FACTOR:g}")
+    return StepTerm("attention waits on one sequence's KV read (few sequences)", "per_mean_context_token_s", value,
+                    "measured", f"decode step of {m.probe_name}'s backbone over batch 1..256 x context 512..8,192 on an "
+                    f"H200 (docs/measured/decode_step-h200-run*.json): {runs[0] * 1e9:.4g} and {runs[1] * 1e9:.4g} ns "
+                    f"a token of the mean sequence's context{where}; range 0..the higher run: vLLM's decode kernels "
+                    f"may split one sequence over the GPU", low=0.0,
+                    high=high * (1 if g.key == MEASURED_GPU else OTHER_GPU_FACTOR))
+
+
 def step_terms(m: Model, g: GPU) -> tuple[tuple[StepTerm, ...], tuple[StepTerm, ...]]:
     """The backbone's step terms and the plugin's, for model ``m`` on GPU ``g``."""
     kv_tok = m.shape.kv_bytes_per_token
@@ -313,6 +337,7 @@ def step_terms(m: Model, g: GPU) -> tuple[tuple[StepTerm, ...], tuple[StepTerm, 
                  f"{kv_tok:,} B / {g.hbm_bytes_per_s / 1e12:g} TB/s; range x1..x{KV_MEASURED_OVER_DATASHEET}: "
                  f"measured 1.02-1.10x datasheet on an H200", low=kv_tok / g.hbm_bytes_per_s,
                  high=kv_tok / g.hbm_bytes_per_s * KV_MEASURED_OVER_DATASHEET),
+        _mean_context_term(m, g),
     ]
     mm = 2 * m.shape.active_params / (g.bf16_flops * MFU)
     terms.append(StepTerm("matmul work per computed token", "per_new_token_s", mm, "estimated",

@@ -190,7 +190,7 @@ def _graphed(fn):
 
 def _fit(points, key, terms: dict) -> dict:
     """Least squares of ``point[key]`` on ``terms`` (name -> the term's input at a point), and its worst relative
-    error."""
+    error: a stage's own terms (:mod:`metronome.probe.stage_timers`)."""
     A = np.array([[f(p) for f in terms.values()] for p in points], dtype=float)
     y = np.array([p[key] for p in points])
     coef, *_ = np.linalg.lstsq(A, y, rcond=None)
@@ -198,9 +198,16 @@ def _fit(points, key, terms: dict) -> dict:
             "fit_max_abs_rel_error": float(np.max(np.abs(A @ coef - y) / y))}
 
 
-# the decode step's terms
-STEP_TERMS = {"base_s": lambda p: 1.0, "per_seq_s": lambda p: p["batch"],
-              "per_context_token_s": lambda p: p["batch"] * p["context"]}
+def _step_fit(points, key, cfg: dict) -> dict:
+    """The simulator's step model (:func:`metronome.fit.fit_points`: every coefficient, the MoE input for a
+    backbone that routes) fitted to ``point[key]`` over the grid, and its worst relative error."""
+    from metronome.fit import fit_points
+
+    route = cfg.get("num_experts_per_tok", 0) / cfg["num_experts"] if cfg.get("num_experts") else 0.0
+    b = np.array([p["batch"] for p in points], float)
+    c = np.array([p["context"] for p in points], float)
+    coef, err = fit_points(b, b * c, b, [p[key] for p in points], route)
+    return {**coef, "fit_max_abs_rel_error": float(np.max(np.abs(err)))}
 
 
 def measure(cfg: dict, batches, contexts, device: str = "cpu", dtype: str = "bfloat16", reps: int = 20,
@@ -247,8 +254,8 @@ def measure(cfg: dict, batches, contexts, device: str = "cpu", dtype: str = "bfl
                 del k, v, graph_layer, graph_head
                 if cuda:
                     torch.cuda.empty_cache()
-    return {"points": points, "moe": layer.get("moe"), **_fit(points, "step_s", STEP_TERMS),
-            "eager_fit": _fit(points, "eager_step_s", STEP_TERMS)}
+    return {"points": points, "moe": layer.get("moe"), **_step_fit(points, "step_s", cfg),
+            "eager_fit": _step_fit(points, "eager_step_s", cfg)}
 
 
 def main(argv=None) -> int:
@@ -297,9 +304,12 @@ def main(argv=None) -> int:
         else:
             mode = "CUDA graphs" if all(p["graph"] for p in res["points"]) else "eager"
             e = res["eager_fit"]
+            experts = f", all experts {res['moe_experts_s'] * 1e3:.3f} ms" if res["moe_experts_s"] else ""
             line = (f"{name} ({mode}{', MoE ' + res['moe'] if res['moe'] else ''}): base {res['base_s'] * 1e3:.3f} ms, "
                     f"per seq {res['per_seq_s'] * 1e6:.2f} us, per context token "
-                    f"{res['per_context_token_s'] * 1e9:.3f} ns (fit max err {res['fit_max_abs_rel_error']:.0%}); "
+                    f"{res['per_context_token_s'] * 1e9:.3f} ns, per token of the mean sequence's context "
+                    f"{res['per_mean_context_token_s'] * 1e9:.3f} ns{experts} "
+                    f"(fit max err {res['fit_max_abs_rel_error']:.0%}); "
                     f"eager base {e['base_s'] * 1e3:.3f} ms, per seq {e['per_seq_s'] * 1e6:.2f} us, per context token "
                     f"{e['per_context_token_s'] * 1e9:.3f} ns; {res['seconds']:.0f} s")
         print(line, flush=True)

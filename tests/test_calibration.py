@@ -115,7 +115,10 @@ def test_step_latency_is_the_linear_form():
     c = cal.load("moshi-7b-h200").step_latency
     one = c.step_s(1, 0, 1)
     assert c.step_s(2, 0, 2) - one == pytest.approx(c.per_seq_s + c.per_new_token_s)
-    assert c.step_s(1, 1000, 1) - one == pytest.approx(1000 * c.per_context_token_s)
+    # one sequence: its 1,000 context tokens are the summed read and the mean sequence's read both
+    assert c.step_s(1, 1000, 1) - one == pytest.approx(1000 * (c.per_context_token_s + c.per_mean_context_token_s))
+    two = c.step_s(2, 0, 2)
+    assert c.step_s(2, 1000, 2) - two == pytest.approx(1000 * c.per_context_token_s + 500 * c.per_mean_context_token_s)
 
 
 # ------------------------------------------------------------------------------ the GPU presets' prices
@@ -290,7 +293,12 @@ def test_step_s_is_the_coefficients_times_the_inputs():
     # hand arithmetic: 2 ms + 3 × 0.1 ms + 1000 × 1 ns + 4 × 20 us
     m = cal.StepLatencyModel(base_s=2e-3, per_seq_s=1e-4, per_context_token_s=1e-9, per_new_token_s=2e-5)
     assert m.step_s(3, 1000, 4) == pytest.approx(2e-3 + 3e-4 + 1e-6 + 8e-5, rel=1e-12)
-    assert m.coefficients == (2e-3, 1e-4, 1e-9, 2e-5, 0.0)
+    assert m.coefficients == (2e-3, 1e-4, 1e-9, 2e-5, 0.0, 0.0)
+    # + 1000 / 3 context tokens of the mean sequence x 300 ns
+    mean = cal.StepLatencyModel(base_s=2e-3, per_seq_s=1e-4, per_context_token_s=1e-9, per_new_token_s=2e-5,
+                                per_mean_context_token_s=3e-7)
+    assert mean.step_s(3, 1000, 4) == pytest.approx(2e-3 + 3e-4 + 1e-6 + 8e-5 + 1e-4, rel=1e-12)
+    assert mean.step_s(0, 0, 0) == pytest.approx(2e-3, rel=1e-12)  # (an empty step: no mean sequence)
     assert set(cal.COEFFICIENT_UNITS) == set(cal.COEFFICIENTS) == set(cal.sum_terms(()))
 
 
