@@ -270,9 +270,11 @@ class SimEngine(FrontEnd):
         istate[fp.S_NSTEPS], istate[fp.S_NROWS] = self.steps.rows, self.frames.rows
         # requests the loop adds (first frames, readmissions) and aborts (preemptions), in order
         new_i, new_s, new_k = (np.zeros(4 * sess.size + 64, dtype=np.int64) for _ in range(3))
-        # lockstep: silent frames owed until their tick's running frames are done (session, frame, tokens got)
+        # lockstep: silent frames owed until their tick's running frames are done (session, frame, tokens got); an
+        # engine behind the frame clock owes more every tick, so the room grows with them (each call copies them in
+        # and out once: twice the room, half the calls)
         owed = self.silent_pending
-        pend = np.zeros((len(owed) + 8 * sess.size + 64, 3), dtype=np.int64)
+        pend = np.zeros((2 * len(owed) + 8 * sess.size + 64, 3), dtype=np.int64)
         pend[:len(owed)] = owed
         na0 = self.next_arrival
         fp.run_span(iconf, fconf, coef, istate, fstate, sess, self.state, self.phase, self.pslot, self.slot,
@@ -292,7 +294,8 @@ class SimEngine(FrontEnd):
         end = float(fstate[0])
         if n == 0 and end == now and turned not in (fp.PAST_HORIZON, fp.PAUSED, fp.STEP_TAKEN):
             return None
-        self._pend_chunks = [pend[:n_pend].copy()] if n_pend else []
+        head = int(fc[fp.C_PHEAD])
+        self._pend_chunks = [pend[head:n_pend].copy()] if n_pend > head else []
         self.serving_frame, self.peak_used = sframe, peak
         self.n_steps += n
         self.fast_steps += n
@@ -390,8 +393,6 @@ class SimEngine(FrontEnd):
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
         run = live[self.state[live] == RUNNING]
         if live.size == 0 or run.size + len(self.waiting) != live.size:  # nobody prefilling
-            return None
-        if len(self.silent_pending) > 4 * live.size:  # frames owed behind a late one: copied in and out each call
             return None
         st = self.started[run]
         if (self.slot[run[st]] < 0).any():

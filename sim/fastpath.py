@@ -92,9 +92,10 @@ FS_TSAT = 2
 # the front end's counters (``fc``, in/out): sessions running at the front end (re-prefilling ones included),
 # departures taken (of ``dep_t``) and booked (its length), sessions waiting at the front end (its FCFS queue:
 # ``fq[C_QHEAD:C_QHEAD + C_NWAIT]``; a preempted session goes back to its head), the next arrival, the next
-# admission's sequence number, sessions re-prefilling
-C_NRUN, C_DEP, C_NDEPS, C_NWAIT, C_QHEAD, C_NARR, C_SEQ, C_NPF = range(8)
-N_FC = 8
+# admission's sequence number, sessions re-prefilling; in lockstep the frames owed (``pend``) are its rows
+# ``fc[C_PHEAD]:n_pend``, and rows ``C_PHEAD:C_PSORTED`` are known to be in frame order (see _answer_silent)
+C_NRUN, C_DEP, C_NDEPS, C_NWAIT, C_QHEAD, C_NARR, C_SEQ, C_NPF, C_PHEAD, C_PSORTED = range(10)
+N_FC = 10
 # what the loop did to a session's request, in order (``new_k``, beside ``new_i``/``new_s``): a first frame or a
 # readmission became request ``new_s`` (the caller names it), or its request was aborted (preempted)
 NEW_FIRST, NEW_READMIT, NEW_DROPPED = 0, 1, 2
@@ -550,7 +551,7 @@ def _preempt_session(i, iconf, fc, fq, state, sslot, pslot, next_frame, backlog,
 
 
 @nb.njit(cache=True)
-def _departures_due(now, dep_t, dep_i, k, n_deps, state, sslot, held, backlog, pend, n_pend):
+def _departures_due(now, dep_t, dep_i, k, n_deps, state, sslot, held, backlog, pend, head, n_pend):
     """The departures due at a turn at ``now``, in FrontEnd._turn's order (its heap's): where they end in
     ``dep_t``, the blocks they free and (at most) the frames they leave owed."""
     freed = 0
@@ -561,7 +562,7 @@ def _departures_due(now, dep_t, dep_i, k, n_deps, state, sslot, held, backlog, p
             if sslot[i] >= 0:  # (admitted, its first frame not yet due: no request yet)
                 freed += held[sslot[i]]
             owed += backlog[i] + 1
-            for q in range(n_pend):
+            for q in range(head, n_pend):
                 if pend[q, 0] == i:
                     owed += 1
         k += 1
@@ -751,14 +752,15 @@ def _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backl
         fc[C_NRUN] -= 1
         if state[i] == PREFILL_STATE:
             fc[C_NPF] -= 1
-    m = 0
-    for q in range(n_pend):
+    m = fc[C_PHEAD]
+    for q in range(m, n_pend):
         if pend[q, 0] == i:
             n_ans = _owed(i, pend[q, 1], pend[q, 2], now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who,
                           a_tok, n_ans)
         else:
             pend[m, 0], pend[m, 1], pend[m, 2] = pend[q, 0], pend[q, 1], pend[q, 2]
             m += 1
+    fc[C_PSORTED] = fc[C_PHEAD]  # (the rows moved: their order is checked again when next needed)
     if inflight[i] >= 0:
         n_ans = _owed(i, inflight[i], inflight_tok[i], now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who,
                       a_tok, n_ans)
@@ -782,7 +784,8 @@ def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state
     fits, n_ans, room = _turn_fits(now, visit, n_visit, iconf, fconf, lim[L_MAXLEN], state, phase, next_frame, backlog,
                                    inflight, hist, pending_in, running_since, started, sslot, status, n_room)
     k0 = fc[C_DEP]
-    k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, fc[C_NDEPS], state, sslot, held, backlog, pend, n_pend)
+    k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, fc[C_NDEPS], state, sslot, held, backlog, pend,
+                                      fc[C_PHEAD], n_pend)
     n_adm = _admissions(now, iconf, fconf, lim, lim[L_NB] - (cnt[E_USED] - freed), fc, fq, hist, pending_in, started,
                         next_frame, phase, room, dep_i[k0:k1], pre_last)
     taken = (fits and n_adm >= 0 and owed + n_ans <= iconf[I_ANSCAP]
@@ -848,7 +851,7 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
                                        sess_of_slot, cnt, status, computed, ntok, out, maxtok, kseq, kw, wq, new_i,
                                        new_s, new_k, n_new)
     if lockstep:
-        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
+        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n0)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f,
                       fr_tick, fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
@@ -874,11 +877,19 @@ def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_
 
 
 @nb.njit(cache=True)
-def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames, s_silent, a_key,
+def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend, s_frames, s_silent, a_key,
                    a_who, a_tok, n_ans):
-    """FrontEnd._answer_silent (lockstep): frames owed to sessions without a place (``pend``: session, frame,
-    tokens got) are answered once every running session's frame of their tick is done (``run_sess``: the sessions
-    the span may see). Appends them to the answers; returns (the answers, the frames still owed)."""
+    """FrontEnd._answer_silent (lockstep): frames owed to sessions without a place (``pend``'s rows
+    ``fc[C_PHEAD]:n_pend``: session, frame, tokens got) are answered once every running session's frame of their
+    tick is done (``run_sess``: the sessions the span may see). Appends them to the answers, in the rows' order;
+    returns (the answers, the end of the frames still owed).
+
+    Rows are owed tick after tick, so they are nearly always in frame order, and then the frames answered are the
+    rows from the head up to the first one not yet due: the head moves past them and nothing else is read. An
+    engine slower than the frame clock holds hundreds of frames owed a tick (every waiting session's), a backlog
+    that grows for as long as it stays behind; read whole at every step, it made the loop's time quadratic in the
+    run's length. Rows out of frame order (a preempted session's frames, owed late) are read whole and kept in
+    their order, as FrontEnd does."""
     unfinished = np.iinfo(np.int64).max
     for j in range(run_sess.size):
         i = run_sess[j]
@@ -888,14 +899,28 @@ def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, 
             unfinished = min(unfinished, inflight[i])
         elif backlog[i] > 0:
             unfinished = min(unfinished, next_frame[i] - backlog[i])
-    m = 0
-    for q in range(n_pend):
+    h = fc[C_PHEAD]
+    k = max(fc[C_PSORTED], h + 1)
+    while k < n_pend and pend[k - 1, 1] <= pend[k, 1]:  # (rows appended since: still in frame order?)
+        k += 1
+    if k >= n_pend:
+        while h < n_pend and pend[h, 1] < unfinished:
+            n_ans = _answer(pend[h, 0], pend[h, 1], pend[h, 2], pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
+            h += 1
+        if h == n_pend:  # none owed: the rows start again at 0
+            fc[C_PHEAD] = fc[C_PSORTED] = 0
+            return n_ans, 0
+        fc[C_PHEAD], fc[C_PSORTED] = h, n_pend
+        return n_ans, n_pend
+    m = h
+    for q in range(h, n_pend):
         i, f = pend[q, 0], pend[q, 1]
         if f < unfinished:
             n_ans = _answer(i, f, pend[q, 2], pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
         else:
             pend[m, 0], pend[m, 1], pend[m, 2] = i, f, pend[q, 2]
             m += 1
+    fc[C_PSORTED] = h  # (the rows moved)
     return n_ans, m
 
 
@@ -926,7 +951,7 @@ def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_o
     in lockstep the silent frames they held back, then all answered, one row per tick, and the step's row ``k``
     (FrontEnd._after_step). Returns (frames still owed, frame rows)."""
     if n_pend:
-        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, pend, n_pend, s_frames,
+        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend, s_frames,
                                        s_silent, a_key, a_who, a_tok, n_ans)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f,
                       fr_tick, fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
