@@ -293,10 +293,10 @@ def _mean_context_term(m: Model, g: GPU) -> StepTerm:
     value, high = sum(runs) / len(runs) * bw, max(runs) * bw
     where = "" if g.key == MEASURED_GPU else (f", scaled by HBM bandwidth (x {bw:.3g}), top x{OTHER_GPU_FACTOR:g}")
     return StepTerm("attention waits on one sequence's KV read (few sequences)", "per_mean_context_token_s", value,
-                    "measured", f"decode step of {m.probe_name}'s backbone over batch 1..256 x context 512..8,192 on an "
-                    f"H200 (docs/measured/decode_step-h200-run*.json): {runs[0] * 1e9:.4g} and {runs[1] * 1e9:.4g} ns "
-                    f"a token of the mean sequence's context{where}; range 0..the higher run: vLLM's decode kernels "
-                    f"may split one sequence over the GPU", low=0.0,
+                    "measured", f"decode step of {m.probe_name}'s backbone over batch 1..256 x context 512..8,192 "
+                    f"on an H200 (docs/measured/decode_step-h200-run*.json): {runs[0] * 1e9:.4g} and "
+                    f"{runs[1] * 1e9:.4g} ns a token of the mean sequence's context{where}; range 0..the higher run: "
+                    f"vLLM's decode kernels may split one sequence over the GPU", low=0.0,
                     high=high * (1 if g.key == MEASURED_GPU else OTHER_GPU_FACTOR))
 
 

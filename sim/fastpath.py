@@ -851,8 +851,8 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
                                        sess_of_slot, cnt, status, computed, ntok, out, maxtok, kseq, kw, wq, new_i,
                                        new_s, new_k, n_new)
     if lockstep:
-        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend, s_frames,
-                                       s_silent, a_key, a_who, a_tok, n0)
+        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend,
+                                       s_frames, s_silent, a_key, a_who, a_tok, n0)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f,
                       fr_tick, fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
     return True, n_sub, latest, nrows, n_pend, n_new
@@ -951,8 +951,8 @@ def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_o
     in lockstep the silent frames they held back, then all answered, one row per tick, and the step's row ``k``
     (FrontEnd._after_step). Returns (frames still owed, frame rows)."""
     if n_pend:
-        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend, s_frames,
-                                       s_silent, a_key, a_who, a_tok, n_ans)
+        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend,
+                                       s_frames, s_silent, a_key, a_who, a_tok, n_ans)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f,
                       fr_tick, fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
     _record_step(st_i, k, fc, o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], o_n[O_USED], tokens_out, n_ans,

@@ -14,8 +14,8 @@ from metronome import calibration as cal
 from metronome.fit import fit_points
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUTE = 8 / 128
-MOE = cal.COEFFICIENTS.index("moe_experts_s")  # the MoE input's place among step_inputs  # Qwen3-Omni's thinker: 8 of 128 experts a token
+ROUTE = 8 / 128  # Qwen3-Omni's thinker: 8 of 128 experts a token
+MOE = cal.COEFFICIENTS.index("moe_experts_s")  # (its place among step_inputs)
 MAX_ERROR = 0.15  # the bar for the step model over the measured batch grid
 
 
