@@ -413,8 +413,6 @@ class SimEngine(FrontEnd):
         engine model's own arrays; ``sess``: the sessions the loop may see)."""
         from metronome.sim import fastpath as fp
 
-        assert (fp.WAITING_STATE, fp.PREFILL_STATE, fp.R_STATE, fp.ENDED_STATE, fp.REFUSED_STATE) == (
-            WAITING, PREFILL, RUNNING, ENDED, REFUSED)
         iconf = np.zeros(fp.N_ICONF, dtype=np.int64)
         iconf[[fp.I_NIN, fp.I_NOUT, fp.I_MAXSTEPS, fp.I_PROMPT, fp.I_ANSCAP, fp.I_FLO, fp.I_LOCKSTEP, fp.I_SEES,
                fp.I_NA_END, fp.I_CTL, fp.I_TPF]] = [

@@ -32,10 +32,11 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from metronome import compiled, control_kernel, jitter_kernel, kv_policy, results, serving
+from metronome import compiled, control_kernel, front_end, jitter_kernel, kv_policy, results, serving
 from metronome import control_kernel as ck
 from metronome.compiled import borrowed, hold
 from metronome.calibration import step_inputs
+from metronome.front_end import ENDED, PREFILL, REFUSED, RUNNING, WAITING  # (the session states, declared there)
 from metronome.jitter_kernel import correlated_ratio
 from metronome.sim.recorder import FRAME_BLOCK, STEP_BLOCK
 from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, L_SINKB,
@@ -66,8 +67,6 @@ R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_SILENT_WAIT, R_SILENT_DEP,
 (Q_BATCH, Q_NEW, Q_CTX, Q_USED, Q_OUT, Q_DONE, Q_RUNNING, Q_WAITING, Q_SILENT, Q_FREE, Q_PRE) = (
     STEP_BLOCK.index(c) for c in ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out",
                                   "frames_done", "running", "waiting", "silent_frames", "free_blocks", "preemptions"))
-# SimEngine's states: waiting, re-prefilling (readmitted), running, ended, refused
-WAITING_STATE, PREFILL_STATE, R_STATE, ENDED_STATE, REFUSED_STATE = 1, 2, 3, 4, 5
 # fconf: times and the step-latency model's real-time terms (its coefficients come as their own array, ``coef``)
 # (F_TPAUSE: the loop hands back after the first turn from then on, so a caller can look at the run, e.g. whether
 # its outcome is decided; unlike F_TNEXT it is no event, and nothing waits for it)
@@ -144,7 +143,7 @@ def flush(now, n, keys, who, toks, state, s_admitted, P, Pq, deadline, eps, s_la
             tok = toks[order[q]]
             tk += tok
             if tok == 0:  # serving.frame_is_silent
-                cause = _silent_cause(tok, state[i] == ENDED_STATE, tick, s_admitted[i])
+                cause = _silent_cause(tok, state[i] == ENDED, tick, s_admitted[i])
                 if cause == results.SILENT_PREEMPTED:
                     pre += 1
                 elif cause == results.SILENT_WAITING:
@@ -225,13 +224,13 @@ def _due_sessions(now, eps, tick, start, who, ready, n_ready, state, out):
 
 @nb.njit(cache=True)
 def _live(st):
-    return WAITING_STATE <= st <= R_STATE
+    return WAITING <= st <= RUNNING
 
 
 @nb.njit(cache=True)
 def _placeless(st):
     """Waiting at the front end or re-prefilling: its frames are answered silent (FrontEnd._queues)."""
-    return st == WAITING_STATE or st == PREFILL_STATE
+    return st == WAITING or st == PREFILL
 
 
 @nb.njit(cache=True)
@@ -287,7 +286,7 @@ def _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot,
     for j in range(n_visit):
         i = visit[j]
         nf, ph = next_frame[i], phase[i]
-        if state[i] == ENDED_STATE:  # departed in this turn
+        if state[i] == ENDED:  # departed in this turn
             continue
         if _placeless(state[i]):
             while _tick(next_frame[i], P, ph) <= now + eps:
@@ -409,8 +408,8 @@ def _tokens_to_frames(now, sampled, n_sam, n_out, sess_of_slot, pslot, inflight,
     n_done = 0
     for j in range(n_sam):
         i = sess_of_slot[sampled[j]]
-        if state[i] == PREFILL_STATE:
-            state[i] = R_STATE
+        if state[i] == PREFILL:
+            state[i] = RUNNING
             last_tok[i] = True
             running_since[i] = now
             fc[C_NPF] -= 1
@@ -504,7 +503,7 @@ def _starved_need(sl, lim, status, computed, ntok, held, sslot, sess_of_slot, st
     The caller has ruled out a request scheduled or preempted in the step."""
     i = sess_of_slot[sl]
     st = status[sl]
-    if (sslot[i] == sl and (inflight[i] >= 0 or state[i] == PREFILL_STATE) and work_step[i] <= step_no
+    if (sslot[i] == sl and (inflight[i] >= 0 or state[i] == PREFILL) and work_step[i] <= step_no
             and (st == W_CODE or st == X_CODE)):
         return resume_need(ntok[sl], computed[sl], held[sl], lim[L_BS], lim[L_CAP], lim[L_SINKB], lim[L_WINDOW])
     return 0
@@ -539,9 +538,9 @@ def _preempt_session(i, iconf, fc, fq, state, sslot, pslot, next_frame, backlog,
     pending_in[i] += iconf[I_NIN] * backlog[i]
     inflight[i] = -1
     backlog[i] = 0
-    if state[i] == PREFILL_STATE:
+    if state[i] == PREFILL:
         fc[C_NPF] -= 1
-    state[i] = WAITING_STATE
+    state[i] = WAITING
     s_preempt[i] += 1
     fc[C_NRUN] -= 1
     fc[C_QHEAD] -= 1
@@ -595,10 +594,10 @@ def _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, 
         in_flight = fc[C_NRUN] + fc[C_NWAIT]
         # (the count as a float, as every other caller gives it: one compiled form of the controller's kernel)
         if iconf[I_CTL] == CTL_COMPILED and not ck.may_admit(cs, cp, clat, cw, ctr, now, float(in_flight)):
-            state[i] = REFUSED_STATE
+            state[i] = REFUSED
             s_ended[i] = now
             continue
-        state[i] = WAITING_STATE
+        state[i] = WAITING
         nf = _join_frame(arr_t[i], P, phase[i])
         next_frame[i] = nf
         fq[fc[C_QHEAD] + fc[C_NWAIT]] = i
@@ -674,7 +673,7 @@ def _admit(now, n, P, fc, fq, state, next_frame, phase, running_since, admit_seq
             s_admitted[i] = now
             admitted[i] = True
         if not started[i]:
-            state[i] = R_STATE
+            state[i] = RUNNING
             running_since[i] = _tick(next_frame[i], P, phase[i])
             continue
         hist[i] += pending_in[i]
@@ -683,7 +682,7 @@ def _admit(now, n, P, fc, fq, state, next_frame, phase, running_since, admit_seq
         sslot[i], sess_of_slot[s] = s, i
         new_i[n_new], new_s[n_new], new_k[n_new] = i, s, NEW_READMIT
         n_new += 1
-        state[i] = PREFILL_STATE
+        state[i] = PREFILL
         fc[C_NPF] += 1
         work_step[i] = cnt[E_STEPS]
     return n_new
@@ -746,11 +745,11 @@ def _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backl
         abort_slot(s, cnt, status, slots, held, run, kw, wq)
         fresh[s] = False
         sslot[i] = -1
-    if state[i] == WAITING_STATE:
+    if state[i] == WAITING:
         _leave_queue(i, fc, fq)
     else:
         fc[C_NRUN] -= 1
-        if state[i] == PREFILL_STATE:
+        if state[i] == PREFILL:
             fc[C_NPF] -= 1
     m = fc[C_PHEAD]
     for q in range(m, n_pend):
@@ -768,7 +767,7 @@ def _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backl
         n_ans = _owed(i, f, np.int64(0), now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
     inflight[i] = -1
     backlog[i] = 0
-    state[i] = ENDED_STATE
+    state[i] = ENDED
     s_ended[i] = now
     return n_ans, m
 
@@ -893,7 +892,7 @@ def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pe
     unfinished = np.iinfo(np.int64).max
     for j in range(run_sess.size):
         i = run_sess[j]
-        if state[i] != R_STATE:
+        if state[i] != RUNNING:
             continue
         if inflight[i] >= 0:
             unfinished = min(unfinished, inflight[i])
@@ -982,7 +981,7 @@ def _queued_behind(live, state, inflight, backlog):
     n = 0
     for j in range(live.size):
         i = live[j]
-        if inflight[i] < 0 and backlog[i] > 0 and state[i] == R_STATE:
+        if inflight[i] < 0 and backlog[i] > 0 and state[i] == RUNNING:
             ready[n] = i
             n += 1
     return ready, n
@@ -1168,6 +1167,7 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
 
 
 # what run_span compiles into itself from other modules: the engine step (with the residency it calls), the step
-# model's form, the jitter ratio, the admission controllers, the hold on borrowed arrays and what a silent frame is
-FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, compiled, results.silent_cause)
+# model's form, the jitter ratio, the admission controllers, the hold on borrowed arrays, what a silent frame is and
+# the session states (the front end's module: its constants are compiled in as they were)
+FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, compiled, results.silent_cause, front_end)
 STEP_FORM = compiled.guard(run_span, FORM_PARTS)  # before any loop is called, so none has loaded its cache yet
