@@ -67,11 +67,13 @@ ANCHORS = {
     "eager": (8.4e-3, "the same decode step in eager mode: 8.4 ms (same source)"),
     "host_sync": (2e-3, "a blocking device-to-host copy in a decode step stalls the step ~2 ms while the queued "
                         "kernels drain (vllm-project/vllm-omni PR #1985, Qwen3-TTS talker)"),
-    # vLLM-Omni's CI perf baselines for Qwen3-Omni-30B-A3B on one H100 (vllm-project/vllm-omni PR #3695,
-    # random 2500 tokens in / 900 out, audio out): mean audio real-time factor 0.400 at 16 concurrent requests,
-    # 0.578 at 32. One more stream costs (0.578 − 0.400) / 16 s of GPU per second of speech.
-    "speech": ((0.578 - 0.400) / 16, "Qwen3-Omni on one H100 under vLLM-Omni: audio RTF 0.400 at 16 concurrent "
-                                     "requests, 0.578 at 32 (vllm-project/vllm-omni PR #3695 perf baselines)"),
+    # vLLM-Omni's CI perf baselines for Qwen3-Omni-30B-A3B on two H100s, the thinker on one and the talker and
+    # Code2Wav on the other (vllm-project/vllm-omni PR #3695, random 2500 tokens in / 900 out, audio out): mean audio
+    # real-time factor 0.400 at 16 concurrent requests, 0.578 at 32. One more stream costs (0.578 − 0.400) / 16 s of
+    # the speech GPU's time per second of speech.
+    "speech": ((0.578 - 0.400) / 16, "Qwen3-Omni under vLLM-Omni, its speech stages on an H100 of their own: audio "
+                                     "RTF 0.400 at 16 concurrent requests, 0.578 at 32 (vllm-project/vllm-omni PR "
+                                     "#3695 perf baselines)"),
 }
 LLAMA_8B_LAYERS = 32
 
