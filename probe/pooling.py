@@ -12,7 +12,7 @@ from pathlib import Path
 from metronome.calibration import Calibration, load_file
 from metronome.errors import MetronomeError
 from metronome.fit import fit_step_latency, pool_grids, step_latency_model
-from metronome.probe.calibrate import completed_samples, utc_now
+from metronome.probe.calibrate import backbone_fit_terms, completed_samples, utc_now
 
 # What must agree for two calibrations to be of the same engine: their shape, pool, stream, how they were
 # measured (model, KV policy) and on what.
@@ -62,7 +62,14 @@ def pool_calibrations(dirs: list[str | Path]) -> tuple[Calibration, dict]:
             + ", ".join(str(d) for d in dirs) + f"): median |rel err| {err['median_abs_rel']:.3f}, "
             f"p90 {err['p90_abs_rel']:.3f}")
     keep = tuple(n for n in first.provenance.notes if not n.startswith("step fit:"))
-    cal = replace(first, step_latency=step_latency_model(fit), path="",
+    step = step_latency_model(fit)
+    if first.stack:
+        # the pipeline's stages (calibrate --time-stages, or a stack a preset prices) are not in the step samples
+        # pooled: the stack in use keeps its terms on top of the pooled backbone, as calibrate priced it
+        bare = replace(first, step_latency=step, stack="", stack_options=())
+        step = step.with_terms(backbone_fit_terms(bare) + first.stack_pricing(first.stack).terms)
+        note += f"; stack {first.stack!r}'s stage terms as the first run priced them"
+    cal = replace(first, step_latency=step, path="",
                   provenance=replace(first.provenance, date=utc_now(), notes=keep + (note,),
                                      source=first.provenance.source + f" (pooled over {len(dirs)} runs)"),
                   description=first.description + f"; step latency pooled over {len(dirs)} calibration runs")

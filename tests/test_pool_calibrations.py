@@ -24,6 +24,8 @@ from metronome.sim.capacity import capacity
 NO_VLLM = "import sys; sys.modules['vllm'] = None; from metronome.cli.probe_cli import main; sys.exit(main())"
 BASE = calibration.load("moshi-7b-h200")
 PERIOD = BASE.stream.frame_period_s
+# as metronome-probe calibrate writes it without --time-stages: no stack (the preset's own terms not listed)
+BARE = replace(BASE, stack="", stack_options=(), step_latency=replace(BASE.step_latency, terms=(), plugin_terms=()))
 
 
 def _grid(seed: int, noise: float, spells: float, ticks: int = 150) -> list[dict]:
@@ -51,7 +53,7 @@ def _grid(seed: int, noise: float, spells: float, ticks: int = 150) -> list[dict
     return rows
 
 
-def _folder(root, name, rows, cal=BASE, done=True):
+def _folder(root, name, rows, cal=BARE, done=True):
     d = root / name
     d.mkdir()
     (d / "calibration.json").write_text(cal.to_json())
@@ -136,6 +138,23 @@ def test_the_pooled_calibration_is_the_first_ones_engine_with_the_pooled_step_mo
     n_calm = capacity(calm, pol, deadline_s=0.08, phases="aligned")["deadline_n_star"]
     n_mixed = capacity(cal, pol, deadline_s=0.08, phases="aligned")["deadline_n_star"]
     assert n_mixed < n_calm
+
+
+def test_a_pooled_calibration_keeps_the_stages_of_its_stack(tmp_path):
+    """The stack's stage terms (here the preset's; calibrate --time-stages writes measured ones) are not in the
+    step samples pooled: they stay on top of the pooled backbone, and another stack swaps them as it would have."""
+    runs = [_folder(tmp_path, f"run{k}", _grid(k, 0.08, 0.0), cal=BASE) for k in (1, 2)]
+    cal, fit = pool_calibrations(runs)
+    assert cal.stack == BASE.stack == "batched-graphs"
+    stage = calibration.sum_terms(BASE.stack_pricing(BASE.stack).terms)
+    for k in calibration.COEFFICIENTS:  # the pooled fit plus the stages (as the preset adds them: 1e-12 relative)
+        assert getattr(cal.step_latency, k) == pytest.approx(fit[k] + stage[k], rel=1e-12, abs=1e-18), k
+    assert stage["per_seq_s"] > 0 and stage["base_s"] > 0
+    other = cal.with_stack("vllm-omni-duplex")
+    extra = calibration.sum_terms(BASE.stack_pricing("vllm-omni-duplex").terms)
+    assert other.step_latency.per_seq_s == pytest.approx(fit["per_seq_s"] + extra["per_seq_s"], rel=1e-12)
+    back = calibration.from_dict(json.loads(cal.to_json()))  # (the loader checks the terms add up)
+    assert back.step_latency == cal.step_latency
 
 
 @pytest.mark.parametrize("change,what", [
