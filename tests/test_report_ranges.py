@@ -119,3 +119,24 @@ def test_the_tornado_table_and_figure_carry_each_terms_n_star_at_its_low_and_hig
         assert [central + x for x in high.x] == [b["deadline_n_star_at_high_sessions"] for b in r["tornado"][:n]]
         assert [central + x for x in low.x][0] == want[0] and [central + x for x in high.x][0] == want[1]
     assert 'data-figure="tornado"' in report["html"]
+
+
+def test_the_tornados_title_says_when_memory_caps_the_interval():
+    """The chart's interval is the deadline-bound N*'s; the headline's is N*'s, capped by the memory ceiling. When the
+    fast end passes the ceiling (Moshi on an H200: 121–520 against 512), the title says that memory caps N* there,
+    so the two figures do not seem to disagree; when it does not, it says nothing of it."""
+    from metronome.report.figures import tornado
+
+    def cal(name, interval, ceiling):
+        bar = {"term": "a term", "basis": "estimated", "value_s": 1e-5, "low_s": 5e-6, "high_s": 2e-5,
+               "unit": "s per sequence", "deadline_n_star_at_low_sessions": interval[1],
+               "deadline_n_star_at_high_sessions": interval[0]}
+        return {"name": name, "capacity": {"ranges": {
+            "tornado": [bar], "deadline_n_star_sessions": 264, "deadline_n_star_interval_sessions": list(interval),
+            "memory_ceiling_sessions": ceiling}}}
+
+    fig = tornado({"calibrations": [cal("capped", (121, 520), 512), cal("free", (121, 400), 512)]})
+    titles = [a.text for a in fig.layout.annotations if "deadline-bound N*" in a.text]
+    assert len(titles) == 2
+    assert "every term at once: 121–520 (shaded) · memory caps N* at 512" in titles[0]
+    assert titles[1].endswith("every term at once: 121–400 (shaded)")

@@ -61,8 +61,11 @@ def tornado(data: dict) -> go.Figure | None:
     for c in cals:
         r = c["capacity"]["ranges"]
         slow, fast = r["deadline_n_star_interval_sessions"]
+        cap = r["memory_ceiling_sessions"]
+        # (the headline's interval is N*'s, capped by the memory ceiling; this one is the deadline-bound N*'s)
+        capped = f" · memory caps N* at {cap:,}" if cap is not None and max(slow, fast) > cap else ""
         titles.append(f"<b>{c['name']}</b> · deadline-bound N* {r['deadline_n_star_sessions']:,} (green line), one "
-                      f"term moved at a time · every term at once: {slow:,}–{fast:,} (shaded)")
+                      f"term moved at a time · every term at once: {slow:,}–{fast:,} (shaded){capped}")
     counts = [min(len(c["capacity"]["ranges"]["tornado"]), TORNADO_BARS) for c in cals]
     fig = make_subplots(rows=len(cals), cols=1, subplot_titles=titles, vertical_spacing=0.24 / len(cals),
                         row_heights=[n + 2 for n in counts])
