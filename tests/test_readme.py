@@ -286,3 +286,15 @@ def test_readme_quotes_the_serve_faults_bench_as_the_docs_record_it():
     assert re.search(rf"\| RSS growth < {bound} MiB \| {re.escape(growth)} MiB ", table), growth
     assert re.search(rf"\| exit ≤ drain \+ 5 s = {int(drain) + 5} s \| {re.escape(exit_s)} s ", table), exit_s
     assert f"--drain-timeout {drain} " in table.replace("\n", " ")
+
+
+def test_readme_quotes_the_simulator_speed_as_the_benchmarks_page_records_it():
+    """The README's speed of the realistic hour is the figure docs/benchmarks.md records from bench_sim.py (a
+    benchmark, not rerun here: timings belong to benchmarks), and its limit the one the page states."""
+    prose = re.sub(r"\s+", " ", TEXT)
+    m = re.search(r"realistic hour of Moshi traffic .*? at about ([\d,]+)× real time, .*? about ([\d,]+)×", prose)
+    assert m, "the README no longer quotes the simulator's speed: update this test"
+    page = re.sub(r"\s+", " ", (ROOT / "docs" / "benchmarks.md").read_text())
+    row = re.search(r"\| realistic: Poisson 1\.5/s, exp\(300 s\), AIMD, 40 ms deadline \| about ([\d,]+)× ", page)
+    assert row and row.group(1) == m.group(1), (m.group(1), row and row.group(1))
+    assert f"about {m.group(2)}×" in page
