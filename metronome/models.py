@@ -74,6 +74,11 @@ class Stack:
         return dict(self.modes)[stage]
 
 
+def moe_route_of(config: dict) -> float:
+    """k/E of a backbone config's MoE layers (``num_experts_per_tok`` of ``num_experts``), 0 for a dense one."""
+    return config["num_experts_per_tok"] / config["num_experts"] if config.get("num_experts") else 0.0
+
+
 @dataclass(frozen=True)
 class Model:
     key: str  # the presets' stem: calibration/{key}-{gpu}.json
@@ -93,8 +98,7 @@ class Model:
     @property
     def moe_route(self) -> float:
         """k/E of the backbone's MoE layers (0: dense): the share of its experts one token reads."""
-        c = self.backbone_config
-        return c["num_experts_per_tok"] / c["num_experts"] if c.get("num_experts") else 0.0
+        return moe_route_of(self.backbone_config)
 
     @property
     def expert_bytes(self) -> float:

@@ -202,11 +202,11 @@ def _step_fit(points, key, cfg: dict) -> dict:
     """The simulator's step model (:func:`metronome.fit.fit_points`: every coefficient, the MoE input for a
     backbone that routes) fitted to ``point[key]`` over the grid, and its worst relative error."""
     from metronome.fit import fit_points
+    from metronome.models import moe_route_of
 
-    route = cfg.get("num_experts_per_tok", 0) / cfg["num_experts"] if cfg.get("num_experts") else 0.0
     b = np.array([p["batch"] for p in points], float)
     c = np.array([p["context"] for p in points], float)
-    coef, err = fit_points(b, b * c, b, [p[key] for p in points], route)
+    coef, err = fit_points(b, b * c, b, [p[key] for p in points], moe_route_of(cfg))
     return {**coef, "fit_max_abs_rel_error": float(np.max(np.abs(err)))}
 
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from metronome import calibration
-from metronome.fill_model import FillModel
+from metronome.fill_model import WHOLE_TOKENS_EPS, FillModel
 from metronome.kv_policy import KVPolicy
 from metronome.workload import Durations
 
@@ -243,8 +243,8 @@ def test_poisson_clock_is_its_definition(monkeypatch):
             t = i - 1
             served = [max(min(min((grid[r] - grid[j]) / P + want[t] - want[r] for r in range(j, t + 1)),
                               want[t] - grid[j] / P), 0.0) for j in range(i)]
-            # (a whole number of frames, reached in float arithmetic a hair under, is that number: 1e-9 of a token)
-            n = np.minimum(np.floor(prompt + tpf * np.array(served) + 1e-9), fm.max_tokens).astype(np.int64)
+            # (a whole number of frames, reached in float arithmetic a hair under, is that number)
+            n = np.minimum(np.floor(prompt + tpf * np.array(served) + WHOLE_TOKENS_EPS), fm.max_tokens).astype(np.int64)
             w = rate * dur.survival(grid[t] - grid[:i]) * dt[1:i + 1]
             alive = w.sum()
             T = fm.frame_service_s(int(round(alive)), int(w @ policy.resident_tokens(n) / alive)) if alive >= 1 else 0

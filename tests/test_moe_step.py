@@ -19,8 +19,8 @@ MOE = cal.COEFFICIENTS.index("moe_experts_s")  # (its place among step_inputs)
 MAX_ERROR = 0.15  # the issue's bar for the step model over the measured batch grid
 
 
-def _measured(run: int):
-    pts = json.loads((ROOT / f"docs/measured/decode_step-h200-run{run}.json").read_text())["models"]["qwen3-omni"]
+def _measured(run: int, backbone: str = "qwen3-omni"):
+    pts = json.loads((ROOT / f"docs/measured/decode_step-h200-run{run}.json").read_text())["models"][backbone]
     b = np.array([p["batch"] for p in pts["points"]], float)
     c = np.array([p["context"] for p in pts["points"]], float)
     return b, c, np.array([p["step_s"] for p in pts["points"]], float)
@@ -54,8 +54,7 @@ def test_the_step_model_follows_each_dense_backbones_measured_grid(run, backbone
     """The dense backbones too: one fit over the grid within 15% (2.1-14.8% measured; 28.9-32.0% for Qwen2.5-Omni
     and MiniCPM-o without the mean-context input, whose batch-1 steps wait on one sequence's read of 4 or 8 KV
     heads; Moshi's 32 KV heads fill the GPU, and its coefficient fits to about 0)."""
-    pts = json.loads((ROOT / f"docs/measured/decode_step-h200-run{run}.json").read_text())["models"][backbone]
-    b, c, y = (np.array([p[k] for p in pts["points"]], float) for k in ("batch", "context", "step_s"))
+    b, c, y = _measured(run, backbone)
     coef, err = fit_points(b, b * c, b, y, 0.0)
     assert np.abs(err).max() <= MAX_ERROR, np.abs(err).max()
     assert coef["moe_experts_s"] == 0.0
@@ -68,8 +67,7 @@ def test_the_presets_mean_context_term_is_the_measured_fit():
 
     for backbone, runs in MEAN_CONTEXT_H200_S.items():
         for run, want in zip((1, 2), runs):
-            pts = json.loads((ROOT / f"docs/measured/decode_step-h200-run{run}.json").read_text())["models"][backbone]
-            b, c, y = (np.array([p[k] for p in pts["points"]], float) for k in ("batch", "context", "step_s"))
+            b, c, y = _measured(run, backbone)
             coef, _ = fit_points(b, b * c, b, y, ROUTE if backbone == "qwen3-omni" else 0.0)
             assert coef["per_mean_context_token_s"] == pytest.approx(want, abs=0.5e-9), (backbone, run)
     h200 = cal.load("qwen3-omni-30b-a3b-h200").step_latency
