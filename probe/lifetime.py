@@ -176,12 +176,12 @@ def tree(pids) -> list[Proc]:
             st = _stat(int(name))
             if st is not None:
                 kids.setdefault(st[1], []).append(int(name))
-    out, todo, seen = [], [p for p in pids if p], set()
+    out, todo, visited = [], [p for p in pids if p], set()
     while todo:
         pid = todo.pop()
-        if pid in seen:
+        if pid in visited:
             continue
-        seen.add(pid)
+        visited.add(pid)
         st = _stat(pid)
         if st is not None:
             out.append(Proc(pid, st[2]))
