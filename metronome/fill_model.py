@@ -465,8 +465,9 @@ class FillModel:
         # T at each (sessions, context) met: once the alive count and the contexts settle (a bounded policy's
         # window is full), the same pair comes back at nearly every point, and T costs a call into the step model
         service: dict[tuple[int, int], float] = {}
+        shape, residency = (float(P), int(prompt), int(tpf), int(self.max_tokens)), self.policy.residency()
         for i in range(1, G):
-            alive, held = _cohorts(i, V, M, grid, dt, surv, P, prompt, tpf, self.max_tokens, *self.policy.residency())
+            alive, held = _cohorts(i, V, M, grid, dt, surv, shape, residency)
             T = 0.0
             if alive >= 1.0:
                 key = (int(round(alive)), int(held / alive))
@@ -751,12 +752,16 @@ WHOLE_TOKENS_EPS = 1e-9
 
 
 @compiled.counted
-def _cohorts(i, V, M, grid, dt, surv, P, prompt, tpf, max_tokens, bs, sink_blocks, window):
+def _cohorts(i, V, M, grid, dt, surv, stream, residency):
     """One point of :meth:`FillModel._poisson_clock`: first ``M`` brought up to point ``i − 1`` (the min of
     ``r/P − V(r)`` from each cohort's arrival to it, and 0), then, over the cohorts that arrived at points
     ``0..i−1``, at point ``i − 1``: the sessions expected alive (``surv``: the arrival rate times the survival at
     each age on the grid), and their resident tokens summed by that weight, each cohort holding what the frames it
-    has been served put there. Compiled: the clock takes hundreds of points, each over every cohort before it."""
+    has been served put there (``stream``: the frame period, the first frame's tokens, a frame's KV tokens and
+    the most a session holds; ``residency``: the policy's, KVPolicy.residency). Compiled: the clock takes hundreds
+    of points, each over every cohort before it."""
+    P, prompt, tpf, max_tokens = stream
+    bs, sink_blocks, window = residency
     u = grid[i - 1] / P - V[i - 1]
     for j in range(i):
         M[j] = min(M[j], u)

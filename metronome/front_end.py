@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import deque, namedtuple
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,9 +52,41 @@ NOT_ARRIVED, WAITING, PREFILL, RUNNING, ENDED, REFUSED, QUEUED = 0, 1, 2, 3, 4, 
 _EPS = 1e-12
 
 
+# The per-session arrays a compiled loop runs the front end on (metronome.sim.fastpath), by the names of
+# FrontEnd's attributes: one record, so a loop reads a field by its name (FrontEnd.sessions).
+Sessions = namedtuple("Sessions", "state phase pslot slot next_frame backlog inflight inflight_tok hist last_tok "
+                                  "pending_in work_step running_since started admitted admit_seq s_tokens s_frames "
+                                  "s_silent s_late s_preempt s_ended s_admitted arrival duration prompt_of n_in_of "
+                                  "n_out_of")
+
+
 def _each_frame(idx: np.ndarray, first: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Session by session, ``n[k]`` frames of session ``idx[k]`` from frame ``first[k]``: (sessions, frames)."""
     return np.repeat(idx, n), np.repeat(first - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The sessions a front end is given up front (in any order; more may be offered later, :meth:`FrontEnd.offer`):
+    when each arrives and how long it stays, its phase slot (None: all 0) and its first frame's prompt (None: the
+    stream's)."""
+
+    arrival_s: np.ndarray
+    duration_s: np.ndarray
+    phase_slot: np.ndarray | None = None
+    prompt_tokens: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class FrontEndOptions:
+    """How a front end serves: ``phases`` (``serving.PHASES``); ``loop`` (``serving.LOOPS``: whose loop steps the
+    engine, does the front end see starved and preempted sessions after each step?); ``cap`` and ``rebase_tokens``,
+    what it does at the length limit (``serving.length_outcome``, ``serving.rebase_keep_tokens``)."""
+
+    phases: str = "aligned"
+    loop: str = "driver"
+    cap: str | None = None
+    rebase_tokens: int | None = None
 
 
 class FrontEnd:
@@ -93,15 +126,14 @@ class FrontEnd:
     sess_of_slot: np.ndarray
     fresh_slot: np.ndarray  # a frame submitted and not yet scheduled (first-step term)
 
-    def __init__(self, model, policy: KVPolicy, limits: EngineLimits, stream, arrival_s: np.ndarray,
-                 duration_s: np.ndarray, horizon_s: float, deadline_s: float, controller=None,
-                 phase_slot: np.ndarray | None = None, phases: str = "aligned", loop: str = "driver",
-                 check_invariants: bool = False, prompt_tokens: np.ndarray | None = None, cap: str | None = None,
-                 rebase_tokens: int | None = None):
+    def __init__(self, model, policy: KVPolicy, limits: EngineLimits, stream, roster: Roster, horizon_s: float,
+                 deadline_s: float, controller=None, options: FrontEndOptions = FrontEndOptions(),
+                 check_invariants: bool = False):
         """``model``: the engine in slots; ``stream``: the frame shape (:class:`metronome.calibration.TokenStream`);
-        ``loop``: ``serving.LOOPS``, whose loop steps the engine (does the front end see starved and preempted
-        sessions after each step?); ``prompt_tokens``: each session's first-frame prompt, when not the stream's;
-        ``cap``, ``rebase_tokens``: at the length limit (``serving.length_outcome``, ``rebase_keep_tokens``)."""
+        ``roster``: the sessions given up front; ``options``: how it serves them."""
+        arrival_s, duration_s, phase_slot, prompt_tokens = (roster.arrival_s, roster.duration_s, roster.phase_slot,
+                                                           roster.prompt_tokens)
+        phases, loop, cap, rebase_tokens = options.phases, options.loop, options.cap, options.rebase_tokens
         self.model, self.policy, self.limits = model, policy, limits
         self.horizon = float(horizon_s)
         self.deadline = float(deadline_s)
@@ -207,6 +239,10 @@ class FrontEnd:
         d.update(P_of=np.full(M, float(self.P)), deadline_of=np.full(M, self.deadline),
                  n_in_of=np.full(M, self.n_in, dtype=np.int64), n_out_of=np.full(M, self.n_out, dtype=np.int64))
         return d
+
+    def sessions(self) -> Sessions:
+        """The per-session arrays as one record (the arrays themselves, not copies)."""
+        return Sessions(*(getattr(self, name) for name in Sessions._fields))
 
     def _init_sessions(self, M: int) -> None:
         """The per-session arrays for ``M`` sessions, and the per-slot ones."""

@@ -297,18 +297,36 @@ def wilson_interval(successes: int, trials: int, z: float = 1.959964) -> tuple[f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, silent_waiting, silent_departed, late,
-                   tokens, t_sat_s,
-                   step_s, peak_used_blocks: int, usable_blocks: int, preemptions: int, rebases: int,
-                   sessions_offered: int, sessions_admitted: int, sessions_refused: int) -> dict:
+@dataclass(frozen=True)
+class RunCounts:
+    """A run's counts that :func:`shared_summary` reports as they are (blocks, preemptions, rebases, sessions)."""
+
+    peak_used_blocks: int
+    usable_blocks: int
+    preemptions: int
+    rebases: int
+    sessions_offered: int
+    sessions_admitted: int
+    sessions_refused: int
+
+
+# the frame columns shared_summary reads, one entry per frame row
+SUMMARY_FRAME_COLUMNS = ("tick_s", "latency_s", "frames", "silent", "silent_preempted", "silent_waiting",
+                         "silent_departed", "late", "tokens")
+
+
+def shared_summary(frame_rows, step_s, t_sat_s, counts: RunCounts) -> dict:
     """The shared keys (:data:`SUMMARY_KEYS`, in that order) from a run's answered frames and its steps.
 
-    Frame arguments are equal-length arrays, one entry per frame row: a row stands for ``frames[i]`` frames
-    of one tick (the simulator's rows aggregate a tick's sessions; a live row is one frame), ``silent`` and
-    ``late`` of which were silent or missed the deadline, and ``silent_preempted``, ``silent_waiting`` and
-    ``silent_departed`` the silent ones by what they are (:func:`silent_cause`),
-    with latency ``latency_s[i]`` (``NaN``: not answered with a time, left out of the percentiles) and
-    ``tokens[i]`` output tokens. ``step_s`` holds every step's duration."""
+    ``frame_rows`` maps each of :data:`SUMMARY_FRAME_COLUMNS` to an array, one entry per frame row (a table with
+    those columns will do): a row stands for ``frames[i]`` frames of one tick (the simulator's rows aggregate a
+    tick's sessions; a live row is one frame), ``silent`` and ``late`` of which were silent or missed the
+    deadline, and ``silent_preempted``, ``silent_waiting`` and ``silent_departed`` the silent ones by what they are
+    (:func:`silent_cause`), with latency ``latency_s[i]`` (``NaN``: not answered with a time, left out of the
+    percentiles) and ``tokens[i]`` output tokens. ``step_s`` holds every step's duration."""
+    (tick_s, latency_s, frames, silent, silent_preempted, silent_waiting, silent_departed, late, tokens) = (
+        np.asarray(frame_rows[c]) for c in SUMMARY_FRAME_COLUMNS)
+    c = counts
     n = len(np.atleast_1d(frames))
     tick, lat = (np.asarray(x, dtype=float).reshape(n) for x in (tick_s, latency_s))
 
@@ -341,17 +359,17 @@ def shared_summary(*, tick_s, latency_s, frames, silent, silent_preempted, silen
         "p99_frame_latency_s": _r(p99),
         "t_sat_observed_s": _r(t_sat_s),
         "collapsed": bool(collapsed(t_sat_s, tick, w, sp)),
-        "preemptions": int(preemptions),
-        "rebases": int(rebases),
+        "preemptions": int(c.preemptions),
+        "rebases": int(c.rebases),
         "steps": int(st.size),
         "p50_step_latency_s": _r(s50),
         "p99_step_latency_s": _r(s99),
-        "peak_used_blocks": int(peak_used_blocks),
-        "usable_blocks": int(usable_blocks),
-        "peak_pool_occupancy": _r(peak_used_blocks / usable_blocks if usable_blocks else 0.0),
-        "sessions_offered": int(sessions_offered),
-        "sessions_admitted": int(sessions_admitted),
-        "sessions_refused": int(sessions_refused),
+        "peak_used_blocks": int(c.peak_used_blocks),
+        "usable_blocks": int(c.usable_blocks),
+        "peak_pool_occupancy": _r(c.peak_used_blocks / c.usable_blocks if c.usable_blocks else 0.0),
+        "sessions_offered": int(c.sessions_offered),
+        "sessions_admitted": int(c.sessions_admitted),
+        "sessions_refused": int(c.sessions_refused),
         "tokens_total": int(arr(tokens).sum()),
     }
     assert tuple(out) == shared_keys()

@@ -48,7 +48,7 @@ the named reasons a session ends (:class:`EndReason`).
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import deque, namedtuple
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -312,6 +312,9 @@ _W, _R, _P, _X = 1, 2, 3, 4  # waiting, running, paused, preempted (0: no reques
 # and are only counted, since the waiting pass skips them) and ``wq`` (vLLM's waiting queue: new and
 # preempted requests). The counters (``cnt``; E_NEXT: the next request slot to hand out):
 E_USED, E_PAUSED, E_RUN, E_KW, E_WQ, E_KSEQ, E_STEPS, E_NEXT = range(8)
+# the engine's arrays by name, in engine_step's order (what EngineModel.arrays gives a compiled caller)
+EngineArrays = namedtuple("EngineArrays", "lim cnt status computed ntok slots held out maxtok kseq run kw wq o_s o_k "
+                                          "o_pre o_sam o_pau o_n reached")
 # the limits and the policy's residency, as the compiled step reads them (``lim``)
 L_NB, L_SEQS, L_BUDGET, L_MAXLEN, L_WM, L_THR, L_CAP, L_BS, L_SINKB, L_WINDOW = range(10)
 # what a step did (``o_n``): scheduled (running pass, then admitted), admitted, preempted, sampled, paused, new
@@ -547,10 +550,13 @@ def _kv_order(kw, n, kseq):
 
 
 @compiled.inlined
-def _running_pass(lim, cnt, status, computed, ntok, slots, held, run, wq, thr, o_s, o_k, o_pre, o_n, reached):
+def _running_pass(eng, thr):
     """The running requests in order, each its chunk (within the budget and below max_model_len); when the pool
     is dry the last running request is preempted and the allocation retried, and a request that would preempt
     itself ends the pass. Returns the budget left."""
+    lim, cnt, status, computed, ntok, slots, held, run, wq = (eng.lim, eng.cnt, eng.status, eng.computed, eng.ntok,
+                                                              eng.slots, eng.held, eng.run, eng.wq)
+    o_s, o_k, o_pre, o_n, reached = eng.o_s, eng.o_k, eng.o_pre, eng.o_n, eng.reached
     budget = lim[L_BUDGET]
     i = 0
     while i < cnt[E_RUN] and budget > 0:
@@ -585,12 +591,14 @@ def _running_pass(lim, cnt, status, computed, ntok, slots, held, run, wq, thr, o
 
 
 @compiled.uncounted
-def _waiting_pass(budget, lim, cnt, status, computed, ntok, slots, held, kseq, run, kw, wq, thr, o_s, o_k, o_n,
-                  reached):
+def _waiting_pass(budget, eng, thr):
     """vLLM's waiting pass: the kv-holding queue in order (its paused entries skipped in place), then ``waiting``,
     head first, each admitted to the running list while max_num_seqs (paused requests hold a place), the budget,
     the full-sequence gate, the watermark and the pool allow; the first that does not fit ends the pass (no later,
     smaller request jumps it)."""
+    lim, cnt, status, computed, ntok, slots, held, kseq, run, kw, wq = (
+        eng.lim, eng.cnt, eng.status, eng.computed, eng.ntok, eng.slots, eng.held, eng.kseq, eng.run, eng.kw, eng.wq)
+    o_s, o_k, o_n, reached = eng.o_s, eng.o_k, eng.o_n, eng.reached
     _kv_order(kw, cnt[E_KW], kseq)
     a = q = 0  # admitted from kw, from wq
     while budget > 0:
@@ -633,9 +641,12 @@ def _pop_front(queue, n, k):
 
 
 @compiled.inlined
-def _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_k, o_sam, o_pau, o_n):
+def _model_run(eng):
     """The model runs: each scheduled request computes its tokens; one whose tokens are all computed samples one;
     one that reached its frame's max_tokens pauses and joins the kv-holding queue's tail, in schedule order."""
+    lim, cnt, status, computed, ntok, out, maxtok, kseq, run = (eng.lim, eng.cnt, eng.status, eng.computed, eng.ntok,
+                                                                eng.out, eng.maxtok, eng.kseq, eng.run)
+    o_s, o_k, o_sam, o_pau, o_n = eng.o_s, eng.o_k, eng.o_sam, eng.o_pau, eng.o_n
     new = ctx = n_sam = n_pau = 0
     for j in range(o_n[O_SCHED]):
         s = o_s[j]
@@ -665,20 +676,19 @@ def _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_
 
 
 @compiled.inlined
-def engine_step(lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam,
-                o_pau, o_n, reached):
+def engine_step(eng):
     """One ``Scheduler.schedule()`` and the model run after it, on the engine's arrays (the layout above): the
     running pass, then, only in a step that preempted nothing, the waiting pass; then sampling and pausing. What
     it did is written to ``o_*`` (``o_n`` counts them) and each rule that decided something is counted in
     ``reached``. The one statement of vLLM's step: every path of the simulator and the differential test run it."""
+    lim, cnt, o_n = eng.lim, eng.cnt, eng.o_n
     o_n[:] = 0
     thr = lim[L_THR] if cnt[E_RUN] + cnt[E_WQ] + cnt[E_KW] + cnt[E_PAUSED] > 1 else 0  # paused sessions count
-    budget = _running_pass(lim, cnt, status, computed, ntok, slots, held, run, wq, thr, o_s, o_k, o_pre, o_n, reached)
+    budget = _running_pass(eng, thr)
     if o_n[O_PRE] == 0:
-        _waiting_pass(budget, lim, cnt, status, computed, ntok, slots, held, kseq, run, kw, wq, thr, o_s, o_k, o_n,
-                      reached)
+        _waiting_pass(budget, eng, thr)
     o_n[O_USED] = cnt[E_USED]
-    _model_run(lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_k, o_sam, o_pau, o_n)
+    _model_run(eng)
     cnt[E_STEPS] += 1
 
 
@@ -962,14 +972,14 @@ class EngineModel:
         return (st == _W) | (st == _X)
 
     # -- one step --------------------------------------------------------------------------------------
-    def arrays(self) -> tuple:
-        """The engine's state as :func:`engine_step` takes it, in its order (the compiled loop unpacks it)."""
-        return (self.lim, self.cnt, self.status_a, self.computed_a, self.ntok_a, self.slots_a, self.held_a,
+    def arrays(self) -> EngineArrays:
+        """The engine's state as :func:`engine_step` takes it, in its order (the compiled loop reads it by name)."""
+        return EngineArrays(self.lim, self.cnt, self.status_a, self.computed_a, self.ntok_a, self.slots_a, self.held_a,
                 self.out_a, self.maxtok_a, self.kseq_a, self.run_a, self.kw_a, self.wq_a, self.o_s, self.o_k,
                 self.o_pre, self.o_sam, self.o_pau, self.o_n, self.reached_a)
 
     def step(self) -> StepRecord:
-        self._kernel(*self.arrays())
+        self._kernel(self.arrays())
         return self.last_step()
 
     def last_step(self) -> StepRecord:

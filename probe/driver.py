@@ -33,7 +33,7 @@ import numpy as np
 
 from metronome import results, serving
 from metronome.calibration import TokenStream
-from metronome.front_end import ENDED, PREFILL, REFUSED, RUNNING, WAITING, FrontEnd
+from metronome.front_end import ENDED, PREFILL, REFUSED, RUNNING, WAITING, FrontEnd, FrontEndOptions, Roster
 from metronome.kv_policy import KVPolicy
 from metronome.probe.engine import DrivenEngine
 from metronome.probe.live_sink import LiveSink
@@ -241,13 +241,13 @@ class Driver(FrontEnd):
         """The run: until the horizon or a stop, then every session still in is ended, and the records closed."""
         cfg, clock = self.cfg, self.clock
         self.plans = sorted(plans, key=lambda p: p.arrival_s)
-        FrontEnd.__init__(self, self.slots, self.policy, self.limits, cfg.stream,
-                          np.array([p.arrival_s for p in self.plans], dtype=np.float64),
-                          np.array([p.duration_s for p in self.plans], dtype=np.float64), cfg.horizon_s,
-                          cfg.deadline, controller=self.admission,
-                          phase_slot=np.array([p.phase_slot for p in self.plans], dtype=np.int64),
-                          phases=cfg.phases, prompt_tokens=np.array([p.prompt_tokens for p in self.plans]),
-                          cap=cfg.cap, rebase_tokens=cfg.rebase_tokens)
+        roster = Roster(np.array([p.arrival_s for p in self.plans], dtype=np.float64),
+                        np.array([p.duration_s for p in self.plans], dtype=np.float64),
+                        np.array([p.phase_slot for p in self.plans], dtype=np.int64),
+                        np.array([p.prompt_tokens for p in self.plans]))
+        FrontEnd.__init__(self, self.slots, self.policy, self.limits, cfg.stream, roster, cfg.horizon_s, cfg.deadline,
+                          controller=self.admission,
+                          options=FrontEndOptions(phases=cfg.phases, cap=cfg.cap, rebase_tokens=cfg.rebase_tokens))
         self._leave_after = np.array([p.frames or 0 for p in self.plans], dtype=np.int64)
         self._until_met = False
         t0 = clock()

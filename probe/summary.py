@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from metronome.results import REFUSED_REASONS, percentile, shared_summary
+from metronome.results import REFUSED_REASONS, RunCounts, percentile, shared_summary
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -40,19 +40,18 @@ def summarize(frames: list[dict], steps: list[dict], sessions: list[dict], num_b
         return [bool(f.get(what, False)) for f in done]
 
     not_running = [f for f in done if f["state"] != "running"]
-    shared = shared_summary(
-        tick_s=[f["tick_s"] for f in done],
-        latency_s=[math.nan if f["latency_s"] is None else f["latency_s"] for f in done],
-        frames=np.ones(n, dtype=np.int64), silent=[bool(f["silent"]) for f in done],
-        silent_preempted=cause("silent_preempted"), silent_waiting=cause("silent_waiting"),
-        silent_departed=cause("silent_departed"), late=[not f["met_deadline"] for f in done],
-        tokens=[f["tokens_delivered"] for f in done], t_sat_s=min(sat) if sat else None,
-        step_s=[s["step_s"] for s in steps], peak_used_blocks=max((s["used_blocks"] for s in steps), default=0),
-        usable_blocks=num_blocks - 1,
+    rows = {"tick_s": [f["tick_s"] for f in done],
+            "latency_s": [math.nan if f["latency_s"] is None else f["latency_s"] for f in done],
+            "frames": np.ones(n, dtype=np.int64), "silent": [bool(f["silent"]) for f in done],
+            "silent_preempted": cause("silent_preempted"), "silent_waiting": cause("silent_waiting"),
+            "silent_departed": cause("silent_departed"), "late": [not f["met_deadline"] for f in done],
+            "tokens": [f["tokens_delivered"] for f in done]}
+    shared = shared_summary(rows, [s["step_s"] for s in steps], min(sat) if sat else None, RunCounts(
+        peak_used_blocks=max((s["used_blocks"] for s in steps), default=0), usable_blocks=num_blocks - 1,
         preemptions=len(preempts) if events else int(sum(s["preemptions"] for s in steps)),
         rebases=sum(1 for e in events if e["event"] == "rebase"),
         sessions_offered=len(sessions), sessions_admitted=sum(1 for s in sessions if s.get("admitted")),
-        sessions_refused=sum(1 for s in sessions if s.get("reason") in REFUSED_REASONS))
+        sessions_refused=sum(1 for s in sessions if s.get("reason") in REFUSED_REASONS)))
     return {
         **shared,
         "frames_unfinished": sum(1 for f in done if f["done_s"] is None),

@@ -32,7 +32,7 @@ from metronome import control_kernel as ck
 from metronome import serving
 from metronome.calibration import Calibration
 from metronome.front_end import (_EPS, ENDED, NOT_ARRIVED, PREFILL, QUEUED, REFUSED, RUNNING,  # noqa: F401
-                                 WAITING, FrontEnd)
+                                 WAITING, FrontEnd, FrontEndOptions, Roster)
 from metronome.kv_policy import KVPolicy
 from metronome.serving import EndReason, EngineLimits, EngineModel
 
@@ -55,11 +55,10 @@ class SimEngine(FrontEnd):
     arrivals_in_loop: bool
     _no_controller: tuple | None
 
-    def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy,
-                 arrival_s: np.ndarray, duration_s: np.ndarray, horizon_s: float, deadline_s: float,
-                 controller=None, fast_forward: bool = True,
+    def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy, roster: Roster,
+                 horizon_s: float, deadline_s: float, controller=None, fast_forward: bool = True,
                  check_invariants: bool = False, seed: int = 0, engine_model=EngineModel,
-                 phase_slot: np.ndarray | None = None, phases: str = "aligned", loop: str = "driver"):
+                 options: FrontEndOptions = FrontEndOptions()):
         self.env, self.cal = env, calibration
         eng = calibration.engine
         limits = EngineLimits(num_blocks=eng.usable_blocks, max_num_seqs=eng.max_num_seqs,
@@ -67,9 +66,8 @@ class SimEngine(FrontEnd):
                               max_model_len=calibration.model.max_model_len_tokens,
                               watermark_blocks=eng.watermark_blocks)
         # the scheduler: EngineModel, or anything with its interface (the differential test passes vLLM's own)
-        super().__init__(engine_model(policy, limits), policy, limits, calibration.stream, arrival_s, duration_s,
-                         horizon_s, deadline_s, controller=controller, phase_slot=phase_slot, phases=phases,
-                         loop=loop, check_invariants=check_invariants)
+        super().__init__(engine_model(policy, limits), policy, limits, calibration.stream, roster, horizon_s,
+                         deadline_s, controller=controller, options=options, check_invariants=check_invariants)
         # the fast path writes EngineModel's state directly
         self.fast_forward = fast_forward and isinstance(self.model, EngineModel)
         self.lat = calibration.step_latency_for(policy)  # the plugin's own costs when the policy runs through it
@@ -173,9 +171,10 @@ class SimEngine(FrontEnd):
         fr = self.frames
         fr.reserve(n)
         r0 = fr.rows
-        fr.commit(fp.flush(now, n, key, who, tok, self.state, self.s_admitted, self.P,
-                           float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS, self.s_late,
-                           *self._frame_stores(), r0, -1, serving.key_order_work(n)))  # (-1: told below)
+        clock = fp.Clock(self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS)
+        fr.commit(fp.flush(now, n, fp.Answers(key, who, tok, serving.key_order_work(n)),
+                           fp.Owners(self.state, self.s_admitted, self.s_late), clock,
+                           fp.FrameRows(*self._frame_stores()), r0, -1))  # (-1: told below)
         lat, nn, silent = (fr.column(c)[r0:] for c in ("latency_s", "frames", "silent"))
         if self.controller is not None:
             for lt, k, sl in zip(lat.tolist(), nn.tolist(), silent.tolist()):
@@ -226,23 +225,24 @@ class SimEngine(FrontEnd):
         return int(min(self.COMPILED_STEPS, max(64, 2 * self._last_span)))
 
     def _span_draws(self, n_max: int, live: np.ndarray, t_next: float):
-        """The compiled loop's jitter: its kind, each step's ratio (independent jitter), or each step's own score
-        and the shared and frame-only parts of the frames the span can be serving (from the serving frame to the
-        last tick before ``t_next``; a step past them is handed back), the parts' weights and the table."""
+        """The compiled loop's jitter: its kind, the draws (:class:`metronome.sim.fastpath.Draws`: each step's ratio
+        under independent jitter; under correlated jitter each step's own score and the shared and frame-only parts
+        of the frames the span can be serving, from the serving frame to the last tick before ``t_next``, a step
+        past them handed back, and the table) and the parts' weights."""
         from metronome.sim import fastpath as fp
 
         none = np.zeros(0)
         d = self.draws
         if not self.jitter:
-            return fp.NO_JITTER, none, none, none, none, none, none, (0.0, 0.0, 0.0)
+            return fp.NO_JITTER, fp.Draws(none, none, none, none, none, none), (0.0, 0.0, 0.0)
         steps = self.n_steps + np.arange(n_max)
         if not d.correlated:
-            return fp.INDEPENDENT, d.ratio(steps, 0), none, none, none, none, none, (0.0, 0.0, 0.0)
+            return fp.INDEPENDENT, fp.Draws(d.ratio(steps, 0), none, none, none, none, none), (0.0, 0.0, 0.0)
         f_lo = self.serving_frame
         last = int(np.floor((min(t_next, self.horizon) + _EPS - self.phase[live].min()) / self.P)) + 1
         shared, own = d.frame_parts(np.arange(f_lo, max(f_lo, min(last, f_lo + self.SPAN_FRAMES)) + 1))
         p, r = d.table()
-        return fp.CORRELATED, none, d.step_scores(steps), shared, own, p, r, d.weights()
+        return fp.CORRELATED, fp.Draws(none, d.step_scores(steps), shared, own, p, r), d.weights()
 
     def _compiled_span(self, now: float):
         """Turns and steps of a steady span in :func:`metronome.sim.fastpath.run_span` (compiled), from just
@@ -260,64 +260,56 @@ class SimEngine(FrontEnd):
         m.reserve(sess.size)  # room for each session's first frame, should it come in this span
         self._fit_slots(m.status_a.size)
         n_max = self._span_steps()
-        iconf, fconf, coef, istate, draws = self._compiled_config(now, sess, t_next, n_max, na_end)
-        fc, fq, dep_t, dep_i = self._front_arrays(sess.size - live.size, sess.size)
-        ctl = self._controller_arrays(int(iconf[fp.I_ANSCAP]))
-        fstate = np.array([now, 0.0, math.nan if self.t_sat is None else self.t_sat])
+        conf, draws = self._compiled_config(now, sess, t_next, n_max, na_end)
+        ans_cap = int(conf[0]["ans_cap"])
+        state, fe = self._front_arrays(now, sess.size - live.size, sess.size)
+        ctl = self._controller_arrays(ans_cap)
         ahead = self.horizon / now if now > 0 else 1.0  # twice the rows of the run so far, to its horizon
         self.steps.reserve(n_max, int(2 * ahead * self.steps.rows))
-        self.frames.reserve(4 * n_max + 4 * int(iconf[fp.I_ANSCAP]), int(2 * ahead * self.frames.rows))
-        istate[fp.S_NSTEPS], istate[fp.S_NROWS] = self.steps.rows, self.frames.rows
-        # requests the loop adds (first frames, readmissions) and aborts (preemptions), in order
-        new_i, new_s, new_k = (np.zeros(4 * sess.size + 64, dtype=np.int64) for _ in range(3))
-        # lockstep: silent frames owed until their tick's running frames are done (session, frame, tokens got); an
-        # engine behind the frame clock owes more every tick, so the room grows with them (each call copies them in
-        # and out once: twice the room, half the calls)
-        owed = self.silent_pending
-        pend = np.zeros((2 * len(owed) + 8 * sess.size + 64, 3), dtype=np.int64)
-        pend[:len(owed)] = owed
+        self.frames.reserve(4 * n_max + 4 * ans_cap, int(2 * ahead * self.frames.rows))
+        st, fr = self.steps, self.frames
+        rec = fp.Rows(st.store("t_s"), st.store("step_s"), st.block, *self._frame_stores())
+        state["step0"], state["nrows"] = st.rows, fr.rows
         na0 = self.next_arrival
-        fp.run_span(iconf, fconf, coef, istate, fstate, sess, self.state, self.phase, self.pslot, self.slot,
-                    self.next_frame, self.backlog, self.inflight, self.inflight_tok, self.hist, self.last_tok,
-                    self.pending_in, self.work_step, self.running_since, self.started, self.admitted,
-                    self.s_tokens, self.s_frames, self.s_silent, self.s_late, self.fresh_slot, self.sess_of_slot,
-                    m.arrays(), *draws, self.steps.store("t_s"), self.steps.store("step_s"), self.steps.block,
-                    *self._frame_stores(), pend, dep_t, dep_i, self.s_ended, new_i, new_s, new_k, fc, fq,
-                    self.arrival, self.duration, self.s_admitted, self.admit_seq, self.s_preempt, ctl)
-        sframe, peak, n, rows_end, turned, idle, n_pend, n_new, pre_last = istate.tolist()
-        self._front_books(fc, fq, dep_t, dep_i, na0, new_i[:n_new], new_s[:n_new], new_k[:n_new])
-        self.preempted_last = bool(pre_last)
-        if not math.isnan(fstate[fp.FS_TSAT]):
-            self.t_sat = float(fstate[fp.FS_TSAT])
+        fp.run_span(conf, state, np.array(self.lat.coefficients, dtype=np.float64), sess, self.sessions(), fe,
+                    m.arrays(), draws, rec, ctl)
+        s = state[0]
+        n, n_new, turned, end = int(s["nsteps"]), int(s["nnew"]), int(s["turned"]), float(s["now"])
+        self._front_books(s, fe, na0, n_new)
+        self.preempted_last = bool(s["prelast"])
+        if not math.isnan(s["t_sat"]):
+            self.t_sat = float(s["t_sat"])
         self._last_span = n
-        self.idle = bool(idle)
-        end = float(fstate[0])
+        self.idle = bool(s["idle"])
         if n == 0 and end == now and turned not in (fp.PAST_HORIZON, fp.PAUSED, fp.STEP_TAKEN):
             return None
-        head = int(fc[fp.C_PHEAD])
-        self._pend_chunks = [pend[head:n_pend].copy()] if n_pend > head else []
-        self.serving_frame, self.peak_used = sframe, peak
+        head, n_pend = int(s["phead"]), int(s["npend"])
+        self._pend_chunks = [fe.pend[head:n_pend].copy()] if n_pend > head else []
+        self.serving_frame, self.peak_used = int(s["sframe"]), int(s["peak"])
         self.n_steps += n
         self.fast_steps += n
-        self._compiled_records(n, rows_end)
+        self._compiled_records(n, int(s["nrows"]))
         if turned == fp.PAST_HORIZON:  # its last step outlives the run: SimPy stops while it runs
             self.now = end
-            return float(fstate[1]), False, False, None
+            return float(s["out_s"]), False, False, None
         taken = None
         if turned == fp.STEP_TAKEN:
             self.n_steps += 1
             self.fast_steps += 1
-            lat = float(fstate[1])
+            lat = float(s["out_s"])
             taken = (end, lat, m.last_step())
             end += lat
         elif self.check_invariants:
             self.assert_invariants()
         return end, turned in (fp.TURN_TAKEN, fp.PAUSED), turned == fp.PAUSED, taken
 
-    def _front_arrays(self, n_coming: int, n_sess: int):
-        """The front end's counters, its queue and the departures booked, as the compiled loop keeps them (room for
-        ``n_coming`` arrivals, and before the queue's head for the ``n_sess`` sessions it may see: a preempted
-        session goes back to the head, and no more can than run)."""
+    def _front_arrays(self, now: float, n_coming: int, n_sess: int):
+        """The compiled loop's counters (:data:`metronome.sim.fastpath.STATE`) and the front end's queues as it keeps
+        them (:class:`metronome.sim.fastpath.Front`): room for ``n_coming`` arrivals, before the queue's head for the
+        ``n_sess`` sessions it may see (a preempted session goes back to the head, and no more can than run), for
+        the requests it adds and aborts, and for the silent frames owed in lockstep (an engine behind the frame clock
+        owes more every tick, so the room grows with them: each call copies them in and out once, twice the room,
+        half the calls)."""
         from metronome.sim import fastpath as fp
 
         deps = sorted(self.departures)  # the heap's order
@@ -326,41 +318,50 @@ class SimEngine(FrontEnd):
         if nd:
             dep_t[:nd], dep_i[:nd] = zip(*deps)
         head = n_sess + 1
-        fq = np.zeros(head + len(self.waiting) + n_coming, dtype=np.int64)
-        fq[head:head + len(self.waiting)] = list(self.waiting)
-        fc = np.zeros(fp.N_FC, dtype=np.int64)
-        fc[[fp.C_NRUN, fp.C_NDEPS, fp.C_NWAIT, fp.C_QHEAD, fp.C_NARR, fp.C_SEQ]] = (
-            int((self.state == RUNNING).sum()), nd, len(self.waiting), head, self.next_arrival, self.seq)
-        return fc, fq, dep_t, dep_i
+        queue = np.zeros(head + len(self.waiting) + n_coming, dtype=np.int64)
+        queue[head:head + len(self.waiting)] = list(self.waiting)
+        owed = self.silent_pending
+        pend = np.zeros((2 * len(owed) + 8 * n_sess + 64, 3), dtype=np.int64)
+        pend[:len(owed)] = owed
+        new_i, new_s, new_k = (np.zeros(4 * n_sess + 64, dtype=np.int64) for _ in range(3))
+        fe = fp.Front(queue, dep_t, dep_i, pend, self.sess_of_slot, self.fresh_slot, new_i, new_s, new_k)
+        state = np.zeros(1, fp.STATE)
+        for name, value in (("now", now), ("t_sat", math.nan if self.t_sat is None else self.t_sat),
+                            ("nrun", int((self.state == RUNNING).sum())), ("ndeps", nd),
+                            ("nwait", len(self.waiting)), ("qhead", head), ("narr", self.next_arrival),
+                            ("seq", self.seq), ("npend", len(owed)), ("sframe", self.serving_frame),
+                            ("peak", self.peak_used), ("idle", self.idle), ("prelast", self.preempted_last)):
+            state[name] = value
+        return state, fe
 
-    def _front_books(self, fc, fq, dep_t, dep_i, na0: int, new_i, new_s, new_k) -> None:
-        """The front end's books after the compiled loop: its requests named and forgotten, in order (before
-        departures: one may have left), the arrivals it refused, its queue, the departures it took and those still
-        booked."""
+    def _front_books(self, s, fe, na0: int, n_new: int) -> None:
+        """The front end's books after the compiled loop (``s``: its counters): its requests named and forgotten, in
+        order (before departures: one may have left), the arrivals it refused, its queue, the departures it took and
+        those still booked."""
         from metronome.sim import fastpath as fp
 
-        for i, s, k in zip(new_i.tolist(), new_s.tolist(), new_k.tolist()):
+        for i, sl, k in zip(fe.new_i[:n_new].tolist(), fe.new_s[:n_new].tolist(), fe.new_k[:n_new].tolist()):
             if k == fp.NEW_DROPPED:
                 self._forget_request(i)
                 self.loop_preemptions += 1
                 continue
-            self._name_request(i, s)
+            self._name_request(i, sl)
             if k == fp.NEW_FIRST:
                 self.loop_first_frames += 1
             else:
                 self.loop_readmissions += 1
-        came = np.arange(na0, int(fc[fp.C_NARR]))
+        came = np.arange(na0, int(s["narr"]))
         refused = came[self.state[came] == REFUSED]
         self.s_end_reason[refused] = EndReason.REFUSED
         self.loop_arrivals += came.size
         self.loop_refused += refused.size
-        self.loop_admissions += int(fc[fp.C_SEQ]) - self.seq
-        self.next_arrival, self.seq = int(fc[fp.C_NARR]), int(fc[fp.C_SEQ])
-        h = int(fc[fp.C_QHEAD])
-        self.waiting = deque(fq[h:h + int(fc[fp.C_NWAIT])].tolist())
-        k, nd = int(fc[fp.C_DEP]), int(fc[fp.C_NDEPS])
-        self._departed_in_loop(dep_i[:k].tolist())
-        self.departures = list(zip(dep_t[k:nd].tolist(), dep_i[k:nd].tolist()))  # (in order: a heap)
+        self.loop_admissions += int(s["seq"]) - self.seq
+        self.next_arrival, self.seq = int(s["narr"]), int(s["seq"])
+        h = int(s["qhead"])
+        self.waiting = deque(fe.queue[h:h + int(s["nwait"])].tolist())
+        k, nd = int(s["dep"]), int(s["ndeps"])
+        self._departed_in_loop(fe.dep_i[:k].tolist())
+        self.departures = list(zip(fe.dep_t[k:nd].tolist(), fe.dep_i[k:nd].tolist()))  # (in order: a heap)
 
     def _controller_arrays(self, ans_cap: int) -> tuple:
         """The controller's arrays the compiled loop runs it on (a compiled controller's own, with room until the
@@ -408,26 +409,25 @@ class SimEngine(FrontEnd):
         return live, t_next, na_end
 
     def _compiled_config(self, now: float, sess: np.ndarray, t_next: float, n_max: int, na_end: int):
-        """The compiled loop's constants (``iconf``, ``fconf``, the step model's coefficients), its counters
-        (``istate``) and the jitter draws, as :mod:`metronome.sim.fastpath` indexes them (the engine's state is the
-        engine model's own arrays; ``sess``: the sessions the loop may see)."""
+        """The compiled loop's constants (:data:`metronome.sim.fastpath.CONF`) and the jitter draws (``sess``: the
+        sessions the loop may see)."""
         from metronome.sim import fastpath as fp
 
-        iconf = np.zeros(fp.N_ICONF, dtype=np.int64)
-        iconf[[fp.I_NIN, fp.I_NOUT, fp.I_MAXSTEPS, fp.I_PROMPT, fp.I_ANSCAP, fp.I_FLO, fp.I_LOCKSTEP, fp.I_SEES,
-               fp.I_NA_END, fp.I_CTL, fp.I_TPF]] = [
-            self.n_in, self.n_out, n_max, self.prompt, 2 * max(self.model.status_a.size, sess.size) + 64,
-            self.serving_frame, int(self.lockstep), int(self.sees_starvation), na_end,
-            fp.CTL_NONE if self.controller is None else fp.CTL_COMPILED if self.controller.compiled else fp.CTL_AFTER,
-            self.tpf]
-        kind, *draws, weights = self._span_draws(n_max, sess, t_next)
-        pause = math.inf if not self.pause_every_s else (math.floor(now / self.pause_every_s) + 1) * self.pause_every_s
-        fconf = np.array([self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, t_next, self.first_s, _EPS,
-                          float(kind), self.horizon, *weights, pause, self.lat.moe_route])
-        coef = np.array(self.lat.coefficients, dtype=np.float64)
-        istate = np.array([self.serving_frame, self.peak_used, 0, 0, 0, int(self.idle), len(self.silent_pending), 0,
-                           int(self.preempted_last)], dtype=np.int64)
-        return iconf, fconf, coef, istate, draws
+        kind, draws, (wz, wshared, wown) = self._span_draws(n_max, sess, t_next)
+        c = self.controller
+        conf = np.zeros(1, fp.CONF)
+        for name, value in (
+                ("max_steps", n_max), ("ans_cap", 2 * max(self.model.status_a.size, sess.size) + 64),
+                ("f_lo", self.serving_frame), ("lockstep", self.lockstep), ("sees", self.sees_starvation),
+                ("na_end", na_end), ("ctl", fp.CTL_NONE if c is None else fp.CTL_COMPILED if c.compiled
+                                     else fp.CTL_AFTER), ("tpf", self.tpf), ("P", self.P),
+                ("Pq", float(serving.phase_offset_s(1, self.P))), ("deadline", self.deadline), ("t_next", t_next),
+                ("first_s", self.first_s), ("eps", _EPS), ("jitter", kind), ("horizon", self.horizon), ("wz", wz),
+                ("wshared", wshared), ("wown", wown), ("route", self.lat.moe_route),
+                ("t_pause", math.inf if not self.pause_every_s
+                 else (math.floor(now / self.pause_every_s) + 1) * self.pause_every_s)):
+            conf[name] = value
+        return conf, draws
 
     def _compiled_records(self, n: int, rows_end: int) -> None:
         """The compiled loop wrote ``n`` steps and frame rows up to ``rows_end`` into the tables' storage: they are

@@ -1,109 +1,137 @@
 """The simulator's hot loop, compiled: turns and steps of a steady span, one machine-code loop.
 
 An hour of Moshi is hundreds of thousands of steps, and under independent phases nothing repeats from one step
-to the next that numpy could take a whole span at a time. This module runs the front end's rules one step at a
-time in numba, under either phase regime: the turn (frames that came due are handed to the engine,
-:meth:`FrontEnd._ticks`; a session without a place hears silence, at once or, in lockstep, with its tick's
-running frames, :meth:`FrontEnd._answer_silent`), the engine step, the step's latency with its jitter draw and
-:meth:`FrontEnd._after_step`'s bookkeeping and records. The engine step is not restated here: it is
+to the next that numpy could take a whole span at a time. This module runs the front end's turns and steps in
+numba, under either phase regime: the turn (frames that came due are handed to the engine; a session without a
+place hears silence, at once or, in lockstep, with its tick's running frames), the engine step, the step's latency
+with its jitter draw, the reaction to the step and the records. The engine step is not restated here: it is
 :func:`metronome.serving.engine_step`, the one statement of vLLM's step, called on the engine model's own arrays
 (what :meth:`EngineModel.step` runs too). A turn visits only the phase slots whose tick came due and a step reads
 only the requests with work, so a step's cost follows its batch, not the sessions in flight.
 
 A step may preempt, stop an admission at the token budget, ``max_num_seqs``, the gate or the watermark: the engine
-step decides it. With a front end that steps vLLM itself (``--loop driver``) the front end then reacts here as
-FrontEnd._after_step does: the requests vLLM preempted and the deadlock rule's victims (serving.deadlock_pick,
-the need serving.resume_need) lose their place, their frames owed, and go back to the head of the front end's
-queue; a later turn readmits one as a request whose prompt is its history (FrontEnd._readmit), which re-prefills
-while its frames are answered silent. A step that scheduled nothing, or a reaction the span has no room for, is
-handed back *after* the step is taken (``STEP_TAKEN``) and the step-by-step path does the rest. A session's first
-frame becomes a new request here (FrontEnd._submit: serving.add_slot); the caller names the requests the loop
-adds and forgets those it aborts (``new_k``).
+step decides it. With a front end that steps vLLM itself (``--loop driver``) the requests vLLM preempted and the
+deadlock rule's victims (serving.deadlock_pick, the need serving.resume_need) lose their place, their frames owed,
+and go back to the head of the front end's queue; a later turn readmits one as a request whose prompt is its
+history, which re-prefills while its frames are answered silent. A step that scheduled nothing, or a reaction the
+span has no room for, is handed back *after* the step is taken (``STEP_TAKEN``) and the step-by-step path does the
+rest. A session's first frame becomes a new request here (serving.add_slot); the caller names the requests the
+loop adds and forgets those it aborts (``new_k``).
 
 Before a turn it would take differently (the length limit, a rebase, the next arrival) it stops and hands back,
-and the step-by-step path takes it from exactly there. A departure is taken here (FrontEnd._end: its request
-aborted or its place in the queue given up, the frames it is owed answered; each frame row carries the sessions in
-flight, which an admission controller is told). ``tests/test_sim_scenarios.py`` compares the two, bit for bit, and
-``tests/test_front_end_differential.py`` both with the live driver.
+and the step-by-step path takes it from exactly there. Departures are taken here (each frame row carries the
+sessions in flight, which an admission controller is told). ``tests/test_sim_scenarios.py`` compares the two, bit
+for bit, and ``tests/test_front_end_differential.py`` both with the live driver.
+
+The loop's state is named records, not lists of arguments: the front end's per-session arrays
+(:class:`metronome.front_end.Sessions`), the engine model's (:class:`metronome.serving.EngineArrays`), the front
+end's queues and the span's buffers (:class:`Front`, :class:`Span`), the tables' storage (:class:`Rows`), the jitter
+draws (:class:`Draws`), and two numpy records, the span's constants (:data:`CONF`) and its counters
+(:data:`STATE`). A field is named where it is read and written; one added in the wrong place of a positional list
+would break silently.
 """
 
 from __future__ import annotations
+
+from collections import namedtuple
 
 import numba as nb
 import numpy as np
 
 from metronome import compiled, control_kernel, front_end, jitter_kernel, kv_policy, results, serving
 from metronome import control_kernel as ck
-from metronome.compiled import borrowed, hold
 from metronome.calibration import step_inputs
+from metronome.compiled import borrowed, hold
 from metronome.front_end import ENDED, PREFILL, REFUSED, RUNNING, WAITING  # (the session states, declared there)
 from metronome.jitter_kernel import correlated_ratio
-from metronome.sim.recorder import FRAME_BLOCK, STEP_BLOCK
 from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, L_SINKB,
                                L_WINDOW, O_CTX, O_NEW, O_PRE, O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel,
                                abort_slot, add_slot, deadlock_pick, engine_step, gate_blocks_jit, key_order_in,
                                key_order_work, resume_need, resume_slot)
+from metronome.sim.recorder import FRAME_BLOCK, STEP_BLOCK
 
 P_CODE = EngineModel.PAUSED_CODE
 W_CODE, X_CODE = EngineModel.WAITING_CODE, EngineModel.PREEMPTED_CODE  # waiting: new or resumed; preempted
 
-# iconf: the front end's and the stream's constants (the engine's limits are the engine model's own, ``lim``);
-# I_SEES: the front end sees starved and preempted requests after each step (serving.sees_starvation); I_NA_END:
-# the arrivals the loop takes are those before this one (the next arrival's index: it takes none); I_CTL: how the
-# admission controller hears the answered frames (CTL_*)
-# I_TPF: a frame's KV tokens (a readmission must leave room for one)
-I_NIN, I_NOUT, I_MAXSTEPS, I_PROMPT, I_ANSCAP, I_FLO, I_LOCKSTEP, I_SEES, I_NA_END, I_CTL, I_TPF = range(11)
-N_ICONF = 11
-# I_CTL: no controller; one deciding in Python (the caller hands it the frame rows after the call, with each row's
-# in-flight count, R_INFLIGHT); a compiled one (control_kernel), which this loop runs at each arrival and each frame
-# row, as SimEngine does
+# Constants and counters are numpy records of one element: numba reads and writes a field as a load or a store at
+# its offset and hands a record to a callee as one pointer, where a named tuple of scalars would be copied whole
+# into every call and could not be written.
+# The span's constants. max_steps: steps this call may take; ans_cap: answers one turn or step may write; f_lo: the
+# first frame whose correlated-jitter parts the call is given; sees: the front end sees starved and preempted
+# requests after each step (serving.sees_starvation); na_end: the arrivals the loop takes are those before this one;
+# ctl: how the admission controller hears answered frames (CTL_*); tpf: a frame's KV tokens (a readmission leaves
+# room for one); P: the frame period; Pq: one phase slot; t_next: the next event the loop leaves to the caller;
+# first_s: the first-step term; jitter: NO_JITTER, INDEPENDENT or CORRELATED; wz, wshared, wown: the correlated
+# jitter's weights; t_pause: the loop hands back after the first turn from then on, so a caller can look at the run
+# (unlike t_next it is no event, and nothing waits for it); route: the step model's moe_route (step_inputs)
+CONF = np.dtype([("max_steps", np.int64), ("ans_cap", np.int64), ("f_lo", np.int64), ("lockstep", np.bool_),
+                 ("sees", np.bool_), ("na_end", np.int64), ("ctl", np.int64), ("tpf", np.int64), ("P", np.float64),
+                 ("Pq", np.float64), ("deadline", np.float64), ("t_next", np.float64), ("first_s", np.float64),
+                 ("eps", np.float64), ("jitter", np.int64), ("horizon", np.float64), ("wz", np.float64),
+                 ("wshared", np.float64), ("wown", np.float64), ("t_pause", np.float64), ("route", np.float64)],
+                align=True)
+# The span's counters, in and out. now: where the loop is; out_s: where a step past the horizon ends, or how long a
+# STEP_TAKEN step took; t_sat: when a step first preempted (NaN until one does). The front end's: sessions running
+# (re-prefilling ones included), departures taken (of Front.dep_t) and booked, sessions waiting in its FCFS queue
+# (Front.queue[qhead:qhead + nwait]; a preempted session goes back to its head), the next arrival, the next
+# admission's sequence number, sessions re-prefilling; in lockstep the frames owed are Front.pend's rows
+# phead:npend, and rows phead:psorted are known to be in frame order (_answer_silent). The call's: requests added
+# or aborted (nnew), the latest frame handed to the engine, the peak of blocks used, the first step row to write
+# (step0) and the steps written (nsteps), the row after the last frame row written (nrows), where it stopped
+# (turned, TURN_*), whether the engine waited since its last step (idle: a frame's step then pays first_s) and
+# whether the last step preempted (prelast: the next turn admits nobody).
+STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("t_sat", np.float64), ("nrun", np.int64),
+                  ("dep", np.int64), ("ndeps", np.int64), ("nwait", np.int64), ("qhead", np.int64),
+                  ("narr", np.int64), ("seq", np.int64), ("npf", np.int64), ("phead", np.int64),
+                  ("psorted", np.int64), ("npend", np.int64), ("nnew", np.int64), ("sframe", np.int64),
+                  ("peak", np.int64), ("step0", np.int64), ("nsteps", np.int64), ("nrows", np.int64),
+                  ("turned", np.int64), ("idle", np.bool_), ("prelast", np.bool_)], align=True)
+# the front end's queues as the loop keeps them: its FCFS queue, the departures booked (in time order), the frames
+# owed in lockstep (session, frame, tokens got), the session of each request slot and whether a frame was handed to
+# it and not yet scheduled (the first-step term), and each request the loop added (first frame, readmission) or
+# aborted (preemption), in order
+Front = namedtuple("Front", "queue dep_t dep_i pend sess_of_slot fresh new_i new_s new_k")
+# what a span allocates: the wheel over the phase slots (slot k's sessions: wheel_who[wheel_start[k]:wheel_start[k +
+# 1]], its next tick), the sessions a turn visits, those with frames queued, the running ones (lockstep); the
+# moment's answers (tick key, session, tokens got) and room to sort them in; scratch and victims for _victims
+Span = namedtuple("Span", "wheel_start wheel_who tick visit ready run_sess key who tok work scr vic")
+# the steps and frames tables' storage (sim/recorder.py), written from the given rows on
+Rows = namedtuple("Rows", "st_t st_lat st_i fr_f fr_tick fr_done fr_lat fr_i")
+# the step jitter: each step's ratio (independent), or each step's own score and the shared and frame-only parts of
+# the frames from CONF.f_lo on, with the table of the ratio's distribution (correlated)
+Draws = namedtuple("Draws", "jit jz ja jb jp jr")
+# flush's arguments from the step-by-step path (the loop hands it its own records, which have these fields too)
+Answers = namedtuple("Answers", "key who tok work")
+Owners = namedtuple("Owners", "state s_admitted s_late")
+Clock = namedtuple("Clock", "P Pq deadline eps")
+FrameRows = namedtuple("FrameRows", "fr_f fr_tick fr_done fr_lat fr_i")
+
+# CONF.ctl: no controller; one deciding in Python (the caller hands it the frame rows after the call, with each
+# row's in-flight count, R_INFLIGHT); a compiled one (control_kernel), which this loop runs at each arrival and each
+# frame row, as SimEngine does
 CTL_NONE, CTL_AFTER, CTL_COMPILED = 0, 1, 2
-# frame rows' integer columns (fr_i); R_INFLIGHT: sessions in flight at the front end when the row was answered (what
-# an admission controller is told with it)
+# frame rows' integer columns (fr_i) and a step row's (st_i): the tables' blocks, by name
 R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_SILENT_WAIT, R_SILENT_DEP, R_INFLIGHT = (
     FRAME_BLOCK.index(c) for c in ("frames", "late", "tokens", "silent", "silent_preempted", "silent_waiting",
                                    "silent_departed", "in_flight"))
-# a step row's integer columns (st_i), likewise the steps table's block
-(Q_BATCH, Q_NEW, Q_CTX, Q_USED, Q_OUT, Q_DONE, Q_RUNNING, Q_WAITING, Q_SILENT, Q_FREE, Q_PRE) = (
+(Q_BATCH, Q_NEW, Q_CTX, Q_USED, Q_OUT, Q_DONE, Q_RUNNING, Q_WAITING, Q_SILENT, Q_PRE) = (
     STEP_BLOCK.index(c) for c in ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out",
-                                  "frames_done", "running", "waiting", "silent_frames", "free_blocks", "preemptions"))
-# fconf: times and the step-latency model's real-time terms (its coefficients come as their own array, ``coef``)
-# (F_TPAUSE: the loop hands back after the first turn from then on, so a caller can look at the run, e.g. whether
-# its outcome is decided; unlike F_TNEXT it is no event, and nothing waits for it)
-# (F_ROUTE: the step model's moe_route, the MoE input of step_inputs)
-F_P, F_PQ, F_DEADLINE, F_TNEXT, F_FIRST, F_EPS, F_JITTER, F_HORIZON, F_WZ, F_WSHARED, F_WOWN, F_TPAUSE, F_ROUTE = range(13)
-# fconf[F_JITTER]: no jitter; independent (each step's ratio given, ``jit``); correlated (a step's ratio from its own
-# score ``jz`` and the parts ``ja``/``jb`` of the frame it is taken on, frames iconf[I_FLO] on)
+                                  "frames_done", "running", "waiting", "silent_frames", "preemptions"))
 NO_JITTER, INDEPENDENT, CORRELATED = 0, 1, 2
+# STATE.turned: 0 the caller takes the turn at `now`; 1 the turn there is taken, the step is the caller's; 2 a step
+# (or a wait) starts at `now` and ends at out_s, at or past the horizon, where SimPy stops the run (the step-by-step
+# path never gets to its records either); 3 the turn at `now` is taken and the loop paused there (t_pause): called
+# again, it goes on from that very point; 4 a step started at `now` and took out_s seconds (EngineModel.last_step
+# says what it did), and what follows it is the caller's: the front end reacts to a preemption, a request left
+# waiting or a step that scheduled nothing, as the loop does not
+TURN_CALLER, TURN_TAKEN, PAST_HORIZON, PAUSED, STEP_TAKEN = range(5)
+# what the loop did to a session's request, in order (Front.new_k): a first frame or a readmission became request
+# new_s (the caller names it), or its request was aborted (preempted)
+NEW_FIRST, NEW_READMIT, NEW_DROPPED = 0, 1, 2
 # the step model's form and a session's first frame, compiled from their one statement
 _step_inputs = nb.njit(cache=True)(step_inputs)
 _join_frame = nb.njit(cache=True)(serving.join_frame)
 _silent_cause = nb.njit(cache=True)(results.silent_cause)
-# istate[S_TURNED]: 0 the caller takes the turn at fstate[0]; 1 the turn there is taken, the step is the caller's;
-# 2 a step (or a wait) starts at fstate[0] and ends at fstate[1], at or past the horizon, where SimPy stops the
-# run (the step-by-step path never gets to its records either); 3 the turn at fstate[0] is taken and the loop
-# paused there (F_TPAUSE): called again, it goes on from that very point; 4 a step started at fstate[0] and
-# took fstate[1] seconds (EngineModel.last_step says what it did), and what follows it is the caller's: the front
-# end reacts to a preemption, a request left waiting or a step that scheduled nothing, as the loop does not
-TURN_CALLER, TURN_TAKEN, PAST_HORIZON, PAUSED, STEP_TAKEN = range(5)
-# fstate[FS_TSAT] (in/out): when a step first preempted (SimEngine.t_sat), NaN until one does
-FS_TSAT = 2
-# the front end's counters (``fc``, in/out): sessions running at the front end (re-prefilling ones included),
-# departures taken (of ``dep_t``) and booked (its length), sessions waiting at the front end (its FCFS queue:
-# ``fq[C_QHEAD:C_QHEAD + C_NWAIT]``; a preempted session goes back to its head), the next arrival, the next
-# admission's sequence number, sessions re-prefilling; in lockstep the frames owed (``pend``) are its rows
-# ``fc[C_PHEAD]:n_pend``, and rows ``C_PHEAD:C_PSORTED`` are known to be in frame order (see _answer_silent)
-C_NRUN, C_DEP, C_NDEPS, C_NWAIT, C_QHEAD, C_NARR, C_SEQ, C_NPF, C_PHEAD, C_PSORTED = range(10)
-N_FC = 10
-# what the loop did to a session's request, in order (``new_k``, beside ``new_i``/``new_s``): a first frame or a
-# readmission became request ``new_s`` (the caller names it), or its request was aborted (preempted)
-NEW_FIRST, NEW_READMIT, NEW_DROPPED = 0, 1, 2
-# istate (in/out): what the call did (S_NNEW: the requests added); S_NSTEPS and S_NROWS come in as the rows of the
-# record arrays (st_*, fr_*: the tables' storage) to write from, S_NSTEPS goes out as the steps taken and S_NROWS as
-# the row after the last written
-# S_IDLE (in/out): the engine waited since its last step (a frame's step then pays first_s); S_PRELAST (in/out): the
-# last step preempted (SimEngine.preempted_last: the next turn admits nobody)
-S_SFRAME, S_PEAK, S_NSTEPS, S_NROWS, S_TURNED, S_IDLE, S_NPEND, S_NNEW, S_PRELAST = range(9)
 
 
 @nb.njit(cache=True)
@@ -112,18 +140,18 @@ def _tick(f, P, ph):
 
 
 @compiled.inlined
-def flush(now, n, keys, who, toks, state, s_admitted, P, Pq, deadline, eps, s_late, fr_f, fr_tick, fr_done, fr_lat,
-          fr_i, nrows, in_flight, work):
-    """``n`` answers (tick key, session, tokens got) become one row per tick, in tick order, all answered at
-    ``now`` with ``in_flight`` sessions in flight (-1: nobody reads it, not written); a late frame counts against its
-    session (``s_late``), a silent one is counted by what it is (results.silent_cause: a session that ended now was
-    answered at its departure). Both paths record their rows with it (SimEngine._flush_answers). ``work``: room to
-    sort in (serving.key_order_in). Returns the rows written so far."""
+def flush(now, n, ans, ss, c, rows, nrows, in_flight):
+    """``n`` answers (``ans``: tick key, session, tokens got) become one row per tick of ``rows``, in tick order, all
+    answered at ``now`` with ``in_flight`` sessions in flight (-1: nobody reads it, not written); a late frame
+    counts against its session (``ss.s_late``), a silent one is counted by what it is (results.silent_cause: a
+    session that ended now was answered at its departure). Both paths record their rows with it
+    (SimEngine._flush_answers: ``c`` the frame clock). Returns the rows written so far."""
     if n == 0:
         return nrows
+    keys, who, toks, state, s_admitted, s_late = ans.key, ans.who, ans.tok, ss.state, ss.s_admitted, ss.s_late
     # rows are sums over a tick: the order within one does not matter
-    key_order_in(keys, n, work)
-    order = work[:n]
+    key_order_in(keys, n, ans.work)
+    order = ans.work[:n]
     j = 0
     while j < n:
         key = keys[order[j]]
@@ -131,13 +159,10 @@ def flush(now, n, keys, who, toks, state, s_admitted, P, Pq, deadline, eps, s_la
         while e < n and keys[order[e]] == key:
             e += 1
         f, sl = key // PHASE_SLOTS, key % PHASE_SLOTS
-        tick = f * P + sl * Pq
+        tick = f * c.P + sl * c.Pq
         latency = now - tick
-        late = latency > deadline + eps
-        tk = 0
-        pre = 0
-        wait = 0
-        dep = 0
+        late = latency > c.deadline + c.eps
+        tk = pre = wait = dep = 0
         for q in range(j, e):
             i = who[order[q]]
             tok = toks[order[q]]
@@ -152,17 +177,11 @@ def flush(now, n, keys, who, toks, state, s_admitted, P, Pq, deadline, eps, s_la
                     dep += 1
             if late:
                 s_late[i] += 1
-        fr_f[nrows] = f
-        fr_tick[nrows] = tick
-        fr_done[nrows] = now
-        fr_lat[nrows] = latency
-        fr_i[R_FRAMES, nrows] = e - j
-        fr_i[R_LATE, nrows] = (e - j) if late else 0
-        fr_i[R_TOKENS, nrows] = tk
-        fr_i[R_SILENT, nrows] = pre + wait + dep
-        fr_i[R_SILENT_PRE, nrows] = pre
-        fr_i[R_SILENT_WAIT, nrows] = wait
-        fr_i[R_SILENT_DEP, nrows] = dep
+        rows.fr_f[nrows], rows.fr_tick[nrows], rows.fr_done[nrows], rows.fr_lat[nrows] = f, tick, now, latency
+        fr_i = rows.fr_i
+        fr_i[R_FRAMES, nrows], fr_i[R_LATE, nrows], fr_i[R_TOKENS, nrows] = e - j, (e - j) if late else 0, tk
+        fr_i[R_SILENT, nrows], fr_i[R_SILENT_PRE, nrows] = pre + wait + dep, pre
+        fr_i[R_SILENT_WAIT, nrows], fr_i[R_SILENT_DEP, nrows] = wait, dep
         if in_flight >= 0:
             fr_i[R_INFLIGHT, nrows] = in_flight
         nrows += 1
@@ -171,13 +190,14 @@ def flush(now, n, keys, who, toks, state, s_admitted, P, Pq, deadline, eps, s_la
 
 
 @compiled.counted  # (it allocates)
-def _wheel(live, state, pslot, next_frame, phase, P):
+def _wheel(live, ss, P):
     """The sessions by phase slot (slot k's: ``who[start[k]:start[k + 1]]``) and each slot's next tick: the live
     ones, and those yet to arrive in the span (they tick once they arrive, :func:`_arrive`).
 
     A turn takes every frame that came due, so every live session of a slot is before the same next frame; the
     turn then visits only the slots that came due, not every live session. ``ok`` is False when a slot's sessions
     are not on one frame (the caller then steps one at a time)."""
+    pslot, state, next_frame, phase = ss.pslot, ss.state, ss.next_frame, ss.phase
     start = np.zeros(PHASE_SLOTS + 1, np.int64)
     for j in range(live.size):
         start[pslot[live[j]] + 1] += 1
@@ -204,20 +224,20 @@ def _wheel(live, state, pslot, next_frame, phase, P):
 
 
 @nb.njit(cache=True)
-def _due_sessions(now, eps, tick, start, who, ready, n_ready, state, out):
-    """The sessions a turn at ``now`` visits: those of the slots that came due, then those whose frame was
-    answered in the last step with frames still queued (``ready``); not those that departed. Returns how many
-    (a session may appear twice)."""
+def _due_sessions(now, eps, w, n_ready, state):
+    """The sessions a turn at ``now`` visits (into ``w.visit``): those of the slots that came due, then those whose
+    frame was answered in the last step with frames still queued (``w.ready``); not those that departed. Returns how
+    many (a session may appear twice)."""
     n = 0
     for k in range(PHASE_SLOTS):
-        if tick[k] <= now + eps:
-            for q in range(start[k], start[k + 1]):
-                if _live(state[who[q]]):
-                    out[n] = who[q]
+        if w.tick[k] <= now + eps:
+            for q in range(w.wheel_start[k], w.wheel_start[k + 1]):
+                if _live(state[w.wheel_who[q]]):
+                    w.visit[n] = w.wheel_who[q]
                     n += 1
     for q in range(n_ready):
-        if _live(state[ready[q]]):
-            out[n] = ready[q]
+        if _live(state[w.ready[q]]):
+            w.visit[n] = w.ready[q]
             n += 1
     return n
 
@@ -234,66 +254,76 @@ def _placeless(st):
 
 
 @nb.njit(cache=True)
-def _slot_tick(k, start, who, state, next_frame, phase, P):
+def _slot_tick(k, w, ss, P):
     """Slot ``k``'s next tick: its live sessions' (all on one frame), or never when all of them departed."""
-    for q in range(start[k], start[k + 1]):
-        i = who[q]
-        if _live(state[i]):
-            return _tick(next_frame[i], P, phase[i])
+    for q in range(w.wheel_start[k], w.wheel_start[k + 1]):
+        i = w.wheel_who[q]
+        if _live(ss.state[i]):
+            return _tick(ss.next_frame[i], P, ss.phase[i])
     return np.inf
 
 
 @nb.njit(cache=True)
-def _turn_fits(now, visit, n_visit, iconf, fconf, maxlen, state, phase, next_frame, backlog, inflight, hist,
-               pending_in, running_since, started, sslot, status, room):
+def _first_chunk(i, ss):
+    """Session ``i``'s first frame's tokens (FrontEnd._request_tokens): its prompt, the input of its silent frames
+    and its own."""
+    return ss.prompt_of[i] + ss.pending_in[i] + ss.n_in_of[i]
+
+
+@nb.njit(cache=True)
+def _first_fits(i, ss, maxlen):
+    """Whether session ``i``'s first frame fits the length limit (FrontEnd._submit: serving.frame_fits)."""
+    return ss.hist[i] + _first_chunk(i, ss) + ss.n_out_of[i] < maxlen
+
+
+@compiled.inlined
+def _turn_fits(now, n_visit, c, ss, w, eng, room):
     """The turn's checks: every due frame of the visited sessions is one the compiled turn takes as the
     step-by-step one would (a running session's, on a paused request or, its first, on a new one for which the
     engine's arrays have ``room``, fitting the length limit). Returns (whether all pass, the silent answers the
     turn will write, the room left)."""
-    P, eps = fconf[F_P], fconf[F_EPS]
-    chunk, n_out = 1 + iconf[I_NIN], iconf[I_NOUT]
+    P, eps, maxlen = c.P, c.eps, eng.lim[L_MAXLEN]
     n_ans = 0
     for j in range(n_visit):
-        i = visit[j]
-        t = _tick(next_frame[i], P, phase[i])
+        i = w.visit[j]
+        t = _tick(ss.next_frame[i], P, ss.phase[i])
         due = t <= now + eps
-        if _placeless(state[i]):  # each due frame will be answered silent
+        if _placeless(ss.state[i]):  # each due frame will be answered silent
             k = 0
-            while _tick(next_frame[i] + k, P, phase[i]) <= now + eps:
+            while _tick(ss.next_frame[i] + k, P, ss.phase[i]) <= now + eps:
                 k += 1
             n_ans += k
             continue
-        if due and t < running_since[i] - eps:
+        if due and t < ss.running_since[i] - eps:
             return False, n_ans, room
-        if inflight[i] < 0 and (due or backlog[i] > 0):
-            s = sslot[i]
+        if ss.inflight[i] < 0 and (due or ss.backlog[i] > 0):
+            s = ss.slot[i]
             if s < 0:  # its first frame (a session that started and has no request was rebased: not here)
                 room -= 1
-                if started[i] or room < 0 or not _first_fits(i, iconf, maxlen, hist, pending_in):
+                if ss.started[i] or room < 0 or not _first_fits(i, ss, maxlen):
                     return False, n_ans, room
-            elif status[s] != P_CODE or hist[i] + chunk + pending_in[i] + n_out >= maxlen:
+            elif (eng.status[s] != P_CODE
+                  or ss.hist[i] + 1 + ss.n_in_of[i] + ss.pending_in[i] + ss.n_out_of[i] >= maxlen):
                 return False, n_ans, room
     return True, n_ans, room
 
 
-@nb.njit(cache=True)
-def _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot, next_frame, backlog, pending_in,
-               s_frames, s_silent, a_key, a_who, a_tok, n0, pend, n_pend):
+@compiled.inlined
+def _queue_due(now, n_visit, c, s, ss, fe, w, n_ans):
     """The turn, first half: frames that came due are queued (a running session's) or owed silent (a session
-    waiting at the front end: FrontEnd._tick_one's quiet branch and _owe), after the ``n0`` answers already
-    written. Returns (the answers, frames owed in lockstep)."""
-    n_ans = n0
+    waiting at the front end: FrontEnd._tick_one's quiet branch and _owe), after the ``n_ans`` answers already
+    written. Returns the answers."""
+    P, eps = c.P, c.eps
     for j in range(n_visit):
-        i = visit[j]
-        nf, ph = next_frame[i], phase[i]
-        if state[i] == ENDED:  # departed in this turn
+        i = w.visit[j]
+        nf, ph = ss.next_frame[i], ss.phase[i]
+        if ss.state[i] == ENDED:  # departed in this turn
             continue
-        if _placeless(state[i]):
-            while _tick(next_frame[i], P, ph) <= now + eps:
-                n_ans, n_pend = _owe(i, next_frame[i], np.int64(0), lockstep, pslot, s_frames, s_silent, a_key, a_who,
-                                     a_tok, n_ans, pend, n_pend)
-                next_frame[i] += 1
-                pending_in[i] += n_in
+        if _placeless(ss.state[i]):
+            while _tick(ss.next_frame[i], P, ph) <= now + eps:
+                n_ans = _owe(i, ss.next_frame[i], np.int64(0), c, s, ss, fe, w, n_ans)
+                ss.next_frame[i] += 1
+                ss.pending_in[i] += ss.n_in_of[i]
             continue
         if _tick(nf, P, ph) <= now + eps:
             if _tick(nf + 1, P, ph) > now + eps:
@@ -304,22 +334,22 @@ def _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot,
                     n_due -= 1
                 if _tick(nf + n_due, P, ph) <= now + eps:
                     n_due += 1
-            backlog[i] += n_due
-            next_frame[i] += n_due
-    return n_ans, n_pend
+            ss.backlog[i] += n_due
+            ss.next_frame[i] += n_due
+    return n_ans
 
 
 @nb.njit(cache=True)
-def _hand_over(i, s, chunk, next_frame, backlog, inflight, inflight_tok, hist, last_tok, work_step, fresh, steps):
-    """Session ``i``'s oldest queued frame is in its request ``s`` now (FrontEnd._submit's books). Returns it."""
-    fresh[s] = True
-    f = next_frame[i] - backlog[i]
-    hist[i] += chunk
-    last_tok[i] = False
-    backlog[i] -= 1
-    inflight[i] = f
-    inflight_tok[i] = 0
-    work_step[i] = steps
+def _hand_over(i, sl, chunk, ss, fe, steps):
+    """Session ``i``'s oldest queued frame is in its request ``sl`` now (FrontEnd._submit's books). Returns it."""
+    fe.fresh[sl] = True
+    f = ss.next_frame[i] - ss.backlog[i]
+    ss.hist[i] += chunk
+    ss.last_tok[i] = False
+    ss.backlog[i] -= 1
+    ss.inflight[i] = f
+    ss.inflight_tok[i] = 0
+    ss.work_step[i] = steps
     return f
 
 
@@ -336,33 +366,33 @@ def _sort_in_place(a):
         a[k + 1] = x
 
 
-@nb.njit(cache=True)
-def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog, inflight, inflight_tok, hist,
-                last_tok, pending_in, work_step, started, fresh, sess_of_slot, cnt, status, computed, ntok, out,
-                maxtok, kseq, kw, wq, new_i, new_s, new_k, n_new):
+@compiled.inlined
+def _submit_due(n_visit, s, ss, fe, w, eng):
     """The turn, second half: a paused session's oldest queued frame is handed to its request
     (EngineModel.append_many: serving.resume_slot), which waits in its place in the kv-holding queue; then a
     session's first frame, with its prompt, becomes a new request at the tail of ``waiting`` (FrontEnd._submit:
-    serving.add_slot), in session order as the step-by-step turn hands them over, and ``new_i``/``new_s`` get its
-    session and slot. Returns (how many were handed over, the latest frame handed, the new requests so far)."""
+    serving.add_slot), in session order as the step-by-step turn hands them over. Returns (how many were handed
+    over, the latest frame handed)."""
     n_sub = 0
     latest = -1
     n_first = 0
+    n_new = s.nnew
+    steps = eng.cnt[E_STEPS]
     for j in range(n_visit):
-        i = visit[j]
-        if inflight[i] < 0 and backlog[i] > 0:
-            s = sslot[i]
-            if s < 0:  # its first frame: after the others (a session may be visited twice: kept once, below)
-                new_i[n_new + n_first] = i
+        i = w.visit[j]
+        if ss.inflight[i] < 0 and ss.backlog[i] > 0:
+            sl = ss.slot[i]
+            if sl < 0:  # its first frame: after the others (a session may be visited twice: kept once, below)
+                fe.new_i[n_new + n_first] = i
                 n_first += 1
                 continue
-            c = chunk + pending_in[i]  # (the input of frames it missed re-prefilling goes with it)
-            pending_in[i] = 0
-            resume_slot(s, c, n_out, cnt, status, computed, ntok, out, maxtok, kw)
-            latest = max(latest, _hand_over(i, s, c, next_frame, backlog, inflight, inflight_tok, hist, last_tok,
-                                            work_step, fresh, cnt[E_STEPS]))
+            chunk = 1 + ss.n_in_of[i] + ss.pending_in[i]  # (the input of frames it missed re-prefilling goes with it)
+            ss.pending_in[i] = 0
+            resume_slot(sl, chunk, ss.n_out_of[i], eng.cnt, eng.status, eng.computed, eng.ntok, eng.out, eng.maxtok,
+                        eng.kw)
+            latest = max(latest, _hand_over(i, sl, chunk, ss, fe, steps))
             n_sub += 1
-    firsts = new_i[n_new:n_new + n_first]
+    firsts = fe.new_i[n_new:n_new + n_first]
     _sort_in_place(firsts)
     last = -1  # (the kept ones are written back over those already read)
     for a in range(n_first):
@@ -370,284 +400,277 @@ def _submit_due(visit, n_visit, chunk, n_out, prompt, sslot, next_frame, backlog
         if i == last:
             continue
         last = i
-        first = _first_chunk(prompt, pending_in[i], chunk - 1)
-        s = add_slot(hist[i] + first, n_out, cnt, status, ntok, maxtok, kseq, wq)
-        sslot[i], sess_of_slot[s], started[i], pending_in[i] = s, i, True, 0
-        new_i[n_new], new_s[n_new], new_k[n_new] = i, s, NEW_FIRST
+        first = _first_chunk(i, ss)
+        sl = add_slot(ss.hist[i] + first, ss.n_out_of[i], eng.cnt, eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
+        ss.slot[i], fe.sess_of_slot[sl], ss.started[i], ss.pending_in[i] = sl, i, True, 0
+        fe.new_i[n_new], fe.new_s[n_new], fe.new_k[n_new] = i, sl, NEW_FIRST
         n_new += 1
-        latest = max(latest, _hand_over(i, s, first, next_frame, backlog, inflight, inflight_tok, hist, last_tok,
-                                        work_step, fresh, cnt[E_STEPS]))
+        latest = max(latest, _hand_over(i, sl, first, ss, fe, steps))
         n_sub += 1
-    return n_sub, latest, n_new
+    s.nnew = n_new
+    return n_sub, latest
 
 
 @compiled.uncounted
-def _step_latency(coef, fconf, nS, ctx, new_tokens, first, jitter, step_no, sframe, f_lo, jit, jz, ja, jb, jp, jr):
-    """StepLatencyModel.step_s (the same sums in the same order, bit for bit), the first-step term, the jitter."""
-    xs = _step_inputs(float(nS), float(ctx), float(new_tokens), fconf[F_ROUTE])
+def _step_latency(coef, c, o_n, first, step_no, sframe, dr):
+    """StepLatencyModel.step_s of the step ``o_n`` counts (the same sums in the same order, bit for bit), the
+    first-step term, the jitter."""
+    xs = _step_inputs(float(o_n[O_SCHED]), float(o_n[O_CTX]), float(o_n[O_NEW]), c.route)
     lat = 0.0
     for i in range(coef.size):
         lat += coef[i] * xs[i]
     if first:
-        lat += fconf[F_FIRST]
-    if jitter == INDEPENDENT:
-        lat *= jit[step_no]
-    elif jitter == CORRELATED:  # JitterDraws.ratio(step, serving frame): the same compiled function
-        f = sframe - f_lo
-        lat *= correlated_ratio(jz[step_no], ja[f], jb[f], fconf[F_WZ], fconf[F_WSHARED], fconf[F_WOWN], jp, jr)
+        lat += c.first_s
+    if c.jitter == INDEPENDENT:
+        lat *= dr.jit[step_no]
+    elif c.jitter == CORRELATED:  # JitterDraws.ratio(step, serving frame): the same compiled function
+        f = sframe - c.f_lo
+        lat *= correlated_ratio(dr.jz[step_no], dr.ja[f], dr.jb[f], c.wz, c.wshared, c.wown, dr.jp, dr.jr)
     return lat
 
 
 @compiled.uncounted
-def _tokens_to_frames(now, sampled, n_sam, n_out, sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
-                      hist, last_tok, backlog, a_key, a_who, a_tok, ready, state, running_since, fc):
+def _tokens_to_frames(now, s, ss, fe, w, eng):
     """FrontEnd._after_step: a re-prefill that sampled is done (the token starts its next chunk: the session
     runs from now); sampled tokens go to their frames; a frame with all its tokens is answered (its tick key,
     session, tokens). Returns (tokens out, frames done, sessions with frames still queued)."""
     tokens_out = 0
     n_done = 0
-    for j in range(n_sam):
-        i = sess_of_slot[sampled[j]]
-        if state[i] == PREFILL:
-            state[i] = RUNNING
-            last_tok[i] = True
-            running_since[i] = now
-            fc[C_NPF] -= 1
-        elif inflight[i] >= 0:
-            inflight_tok[i] += 1
-            s_tokens[i] += 1
+    for j in range(eng.o_n[O_SAM]):
+        i = fe.sess_of_slot[eng.o_sam[j]]
+        if ss.state[i] == PREFILL:
+            ss.state[i] = RUNNING
+            ss.last_tok[i] = True
+            ss.running_since[i] = now
+            s.npf -= 1
+        elif ss.inflight[i] >= 0:
+            ss.inflight_tok[i] += 1
+            ss.s_tokens[i] += 1
             tokens_out += 1
-            if inflight_tok[i] >= n_out:
-                a_key[n_done] = inflight[i] * PHASE_SLOTS + pslot[i]  # serving.tick_key
-                a_who[n_done] = i
-                a_tok[n_done] = inflight_tok[i]
+            if ss.inflight_tok[i] >= ss.n_out_of[i]:
+                w.key[n_done] = ss.inflight[i] * PHASE_SLOTS + ss.pslot[i]  # serving.tick_key
+                w.who[n_done] = i
+                w.tok[n_done] = ss.inflight_tok[i]
                 n_done += 1
     n_ready = 0
     for j in range(n_done):
-        i = a_who[j]
-        hist[i] += n_out - 1
-        last_tok[i] = True
-        s_frames[i] += 1
-        inflight[i] = -1
-        if backlog[i] > 0:
-            ready[n_ready] = i
+        i = w.who[j]
+        ss.hist[i] += ss.n_out_of[i] - 1
+        ss.last_tok[i] = True
+        ss.s_frames[i] += 1
+        ss.inflight[i] = -1
+        if ss.backlog[i] > 0:
+            w.ready[n_ready] = i
             n_ready += 1
     return tokens_out, n_done, n_ready
 
 
 @compiled.uncounted
-def _victims(lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n, sslot, sess_of_slot, state, inflight,
-             work_step, admit_seq, backlog, scr, vic):
+def _victims(ss, fe, w, eng):
     """FrontEnd._preempt_after_step's choice, after a step that scheduled something (a stall is the caller's):
     the sessions whose requests the engine preempted, then the deadlock rule's victims (serving.deadlock_pick)
     among the sessions still in the engine, the starved ones' need asked of serving.resume_need. Written to
-    ``vic`` in the order they are preempted; ``scr`` is scratch, a row per slot, its marks all 0 between calls.
+    ``w.vic`` in the order they are preempted; ``w.scr`` is scratch, a row per slot, its marks all 0 between calls.
     Returns (how many, an upper bound of the frames they will be owed: their frame in flight and those queued).
 
     A starved request waits in the engine (EngineModel.waiting_of), so it is in the kv-holding or the waiting
     queue: the starved ones' need is summed over those two queues, and only when it exceeds the free blocks (the
     rule takes victims) are the slots scanned for every session in the engine. Past N* a step leaves requests
     waiting every time, and a scan of every slot the run ever used, each step, was the loop's cost."""
-    mark, who, need, seq, hl, order = scr[0], scr[1], scr[2], scr[3], scr[4], scr[5]
+    mark, who, need, seq, hl, order = w.scr[0], w.scr[1], w.scr[2], w.scr[3], w.scr[4], w.scr[5]
+    cnt, o_n, held, status, vic = eng.cnt, eng.o_n, eng.held, eng.status, w.vic
     n_vic = 0
     owed = 0
-    free = lim[L_NB] - cnt[E_USED]
+    free = eng.lim[L_NB] - cnt[E_USED]
     for j in range(o_n[O_PRE]):  # (aborted first: its blocks, if any, are free for the rule below)
-        sl = o_pre[j]
-        i = sess_of_slot[sl]
+        sl = eng.o_pre[j]
+        i = fe.sess_of_slot[sl]
         mark[sl] = 2
         vic[n_vic] = i
         n_vic += 1
-        owed += 1 + backlog[i]
+        owed += 1 + ss.backlog[i]
         free += held[sl]
     for j in range(o_n[O_SCHED]):
-        if mark[o_s[j]] == 0:
-            mark[o_s[j]] = 1
+        if mark[eng.o_s[j]] == 0:
+            mark[eng.o_s[j]] = 1
     step_no = cnt[E_STEPS] - 1
     total = 0
     n_kw = cnt[E_KW]
     for q in range(n_kw + cnt[E_WQ]):
-        sl = kw[q] if q < n_kw else wq[q - n_kw]
+        sl = eng.kw[q] if q < n_kw else eng.wq[q - n_kw]
         if mark[sl] == 0:
-            total += _starved_need(sl, lim, status, computed, ntok, held, sslot, sess_of_slot, state, inflight,
-                                   work_step, step_no)
+            total += _starved_need(sl, ss, fe, eng, step_no)
     if total > free:
         k = 0
         for sl in range(cnt[E_NEXT]):  # every session with a request in the engine
             if mark[sl] == 2 or status[sl] == 0:
                 continue
-            i = sess_of_slot[sl]
-            if sslot[i] != sl:
+            i = fe.sess_of_slot[sl]
+            if ss.slot[i] != sl:
                 continue
-            n = 0 if mark[sl] else _starved_need(sl, lim, status, computed, ntok, held, sslot, sess_of_slot, state,
-                                                 inflight, work_step, step_no)
-            who[k], need[k], seq[k], hl[k] = i, n, admit_seq[i], held[sl]
+            who[k], seq[k], hl[k] = i, ss.admit_seq[i], held[sl]
+            need[k] = 0 if mark[sl] else _starved_need(sl, ss, fe, eng, step_no)
             k += 1
         m = deadlock_pick(need[:k], seq[:k], hl[:k], free, False, order)
         for q in range(m):
             i = who[order[q]]
             vic[n_vic] = i
             n_vic += 1
-            owed += 1 + backlog[i]
+            owed += 1 + ss.backlog[i]
     for j in range(o_n[O_PRE]):  # (the marks back to 0, without touching every slot)
-        mark[o_pre[j]] = 0
+        mark[eng.o_pre[j]] = 0
     for j in range(o_n[O_SCHED]):
-        mark[o_s[j]] = 0
+        mark[eng.o_s[j]] = 0
     return n_vic, owed
 
 
 @compiled.uncounted
-def _starved_need(sl, lim, status, computed, ntok, held, sslot, sess_of_slot, state, inflight, work_step, step_no):
+def _starved_need(sl, ss, fe, eng, step_no):
     """Blocks request ``sl`` is starved for (serving.resume_need), 0 if it is not starved: its session's work (a
     frame, or a re-prefill) was handed over before the step, and it waits in the engine (EngineModel.waiting_of).
     The caller has ruled out a request scheduled or preempted in the step."""
-    i = sess_of_slot[sl]
-    st = status[sl]
-    if (sslot[i] == sl and (inflight[i] >= 0 or state[i] == PREFILL) and work_step[i] <= step_no
+    i = fe.sess_of_slot[sl]
+    st = eng.status[sl]
+    if (ss.slot[i] == sl and (ss.inflight[i] >= 0 or ss.state[i] == PREFILL) and ss.work_step[i] <= step_no
             and (st == W_CODE or st == X_CODE)):
-        return resume_need(ntok[sl], computed[sl], held[sl], lim[L_BS], lim[L_CAP], lim[L_SINKB], lim[L_WINDOW])
+        lim = eng.lim
+        return resume_need(eng.ntok[sl], eng.computed[sl], eng.held[sl], lim[L_BS], lim[L_CAP], lim[L_SINKB],
+                           lim[L_WINDOW])
     return 0
 
 
+@nb.njit(cache=True)
+def _abort(i, ss, fe, eng):
+    """Session ``i``'s request aborted (EngineModel.abort: serving.abort_slot), if it has one (none before its first
+    frame); the caller forgets its id."""
+    sl = ss.slot[i]
+    if sl >= 0:
+        abort_slot(sl, eng.cnt, eng.status, eng.slots, eng.held, eng.run, eng.kw, eng.wq)
+        fe.fresh[sl] = False
+        ss.slot[i] = -1
+    return sl
+
+
 @compiled.uncounted
-def _preempt_session(i, iconf, fc, fq, state, sslot, pslot, next_frame, backlog, inflight, inflight_tok, hist,
-                     last_tok, pending_in, s_preempt, s_frames, s_silent, fresh, cnt, status, slots, held, run, kw, wq,
-                     a_key, a_who, a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new):
+def _preempt_session(i, c, s, ss, fe, w, eng, n_ans):
     """FrontEnd._preempt: the session's request goes (the caller forgets its id); its frame in flight is owed
     with what it got, its queued frames silent (their input joins its history); it waits at the head of the front
-    end's queue. An owed frame is answered now, or in lockstep with its tick's running frames. Returns (answers,
-    frames owed in lockstep, the requests the caller names or forgets)."""
-    s = sslot[i]
-    abort_slot(s, cnt, status, slots, held, run, kw, wq)
-    fresh[s] = False
-    sslot[i] = -1
-    new_i[n_new], new_s[n_new], new_k[n_new] = i, s, NEW_DROPPED
-    n_new += 1
-    lockstep = iconf[I_LOCKSTEP] != 0
-    if inflight[i] >= 0:
-        hist[i] += inflight_tok[i]
-    elif last_tok[i]:
-        hist[i] += 1
-    last_tok[i] = False
-    f0 = next_frame[i] - backlog[i]
-    for q in range(-1, backlog[i]):  # its frame in flight (if any, with its tokens), then the queued ones
-        if q < 0 and inflight[i] < 0:
+    end's queue. An owed frame is answered now, or in lockstep with its tick's running frames. Returns the
+    answers."""
+    sl = _abort(i, ss, fe, eng)
+    fe.new_i[s.nnew], fe.new_s[s.nnew], fe.new_k[s.nnew] = i, sl, NEW_DROPPED
+    s.nnew += 1
+    if ss.inflight[i] >= 0:
+        ss.hist[i] += ss.inflight_tok[i]
+    elif ss.last_tok[i]:
+        ss.hist[i] += 1
+    ss.last_tok[i] = False
+    f0 = ss.next_frame[i] - ss.backlog[i]
+    for q in range(-1, ss.backlog[i]):  # its frame in flight (if any, with its tokens), then the queued ones
+        if q < 0 and ss.inflight[i] < 0:
             continue
-        f, tok = (inflight[i], inflight_tok[i]) if q < 0 else (f0 + q, np.int64(0))
-        n_ans, n_pend = _owe(i, f, tok, lockstep, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans, pend, n_pend)
-    pending_in[i] += iconf[I_NIN] * backlog[i]
-    inflight[i] = -1
-    backlog[i] = 0
-    if state[i] == PREFILL:
-        fc[C_NPF] -= 1
-    state[i] = WAITING
-    s_preempt[i] += 1
-    fc[C_NRUN] -= 1
-    fc[C_QHEAD] -= 1
-    fq[fc[C_QHEAD]] = i
-    fc[C_NWAIT] += 1
-    return n_ans, n_pend, n_new
+        f, tok = (ss.inflight[i], ss.inflight_tok[i]) if q < 0 else (f0 + q, np.int64(0))
+        n_ans = _owe(i, f, tok, c, s, ss, fe, w, n_ans)
+    ss.pending_in[i] += ss.n_in_of[i] * ss.backlog[i]
+    ss.inflight[i] = -1
+    ss.backlog[i] = 0
+    if ss.state[i] == PREFILL:
+        s.npf -= 1
+    ss.state[i] = WAITING
+    ss.s_preempt[i] += 1
+    s.nrun -= 1
+    s.qhead -= 1
+    fe.queue[s.qhead] = i
+    s.nwait += 1
+    return n_ans
 
 
 @nb.njit(cache=True)
-def _departures_due(now, dep_t, dep_i, k, n_deps, state, sslot, held, backlog, pend, head, n_pend):
+def _departures_due(now, s, ss, fe, held):
     """The departures due at a turn at ``now``, in FrontEnd._turn's order (its heap's): where they end in
-    ``dep_t``, the blocks they free and (at most) the frames they leave owed."""
+    ``fe.dep_t``, the blocks they free and (at most) the frames they leave owed."""
     freed = 0
     owed = 0
-    while k < n_deps and dep_t[k] <= now:
-        i = dep_i[k]
-        if _live(state[i]):  # (a session that already ended is passed over, as FrontEnd._turn does)
-            if sslot[i] >= 0:  # (admitted, its first frame not yet due: no request yet)
-                freed += held[sslot[i]]
-            owed += backlog[i] + 1
-            for q in range(head, n_pend):
-                if pend[q, 0] == i:
+    k = s.dep
+    while k < s.ndeps and fe.dep_t[k] <= now:
+        i = fe.dep_i[k]
+        if _live(ss.state[i]):  # (a session that already ended is passed over, as FrontEnd._turn does)
+            if ss.slot[i] >= 0:  # (admitted, its first frame not yet due: no request yet)
+                freed += held[ss.slot[i]]
+            owed += ss.backlog[i] + 1
+            for q in range(s.phead, s.npend):
+                if fe.pend[q, 0] == i:
                     owed += 1
         k += 1
     return k, freed, owed
 
 
 @nb.njit(cache=True)
-def _book_departure(t, i, dep_t, dep_i, fc):
+def _book_departure(t, i, s, fe):
     """FrontEnd._enter's departure: ``(t, i)`` into the departures still to come, in the heap's order."""
-    j = fc[C_NDEPS]
-    while j > fc[C_DEP] and (dep_t[j - 1] > t or (dep_t[j - 1] == t and dep_i[j - 1] > i)):
+    dep_t, dep_i = fe.dep_t, fe.dep_i
+    j = s.ndeps
+    while j > s.dep and (dep_t[j - 1] > t or (dep_t[j - 1] == t and dep_i[j - 1] > i)):
         dep_t[j], dep_i[j] = dep_t[j - 1], dep_i[j - 1]
         j -= 1
     dep_t[j], dep_i[j] = t, i
-    fc[C_NDEPS] += 1
+    s.ndeps += 1
 
 
 @nb.njit(cache=True)
-def _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick,
-            cs, cp, clat, cw, ctr):
+def _arrive(now, c, s, ss, fe, w, ctl):
     """FrontEnd._turn's arrivals (those up to ``now``): each passes the gate (the controller's may_admit,
     compiled) with the sessions in flight, or is refused (the caller names the reason). One let in waits at the
     tail of the front end's queue, streams from its join frame and has its departure booked (FrontEnd._enter)."""
-    P, horizon = fconf[F_P], fconf[F_HORIZON]
-    while fc[C_NARR] < iconf[I_NA_END] and arr_t[fc[C_NARR]] <= now:
-        i = fc[C_NARR]
-        fc[C_NARR] += 1
-        if arr_t[i] >= horizon:
+    cs, cp, clat, cw, ctr = ctl
+    while s.narr < c.na_end and ss.arrival[s.narr] <= now:
+        i = s.narr
+        s.narr += 1
+        if ss.arrival[i] >= c.horizon:
             continue
-        in_flight = fc[C_NRUN] + fc[C_NWAIT]
+        in_flight = s.nrun + s.nwait
         # (the count as a float, as every other caller gives it: one compiled form of the controller's kernel)
-        if iconf[I_CTL] == CTL_COMPILED and not ck.may_admit(cs, cp, clat, cw, ctr, now, float(in_flight)):
-            state[i] = REFUSED
-            s_ended[i] = now
+        if c.ctl == CTL_COMPILED and not ck.may_admit(cs, cp, clat, cw, ctr, now, float(in_flight)):
+            ss.state[i] = REFUSED
+            ss.s_ended[i] = now
             continue
-        state[i] = WAITING
-        nf = _join_frame(arr_t[i], P, phase[i])
-        next_frame[i] = nf
-        fq[fc[C_QHEAD] + fc[C_NWAIT]] = i
-        fc[C_NWAIT] += 1
-        _book_departure(arr_t[i] + dur[i], i, dep_t, dep_i, fc)
-        k = pslot[i]
-        tick[k] = min(tick[k], _tick(nf, P, phase[i]))  # (its slot's others, if any, tick no later)
+        ss.state[i] = WAITING
+        nf = _join_frame(ss.arrival[i], c.P, ss.phase[i])
+        ss.next_frame[i] = nf
+        fe.queue[s.qhead + s.nwait] = i
+        s.nwait += 1
+        _book_departure(ss.arrival[i] + ss.duration[i], i, s, fe)
+        k = ss.pslot[i]
+        w.tick[k] = min(w.tick[k], _tick(nf, c.P, ss.phase[i]))  # (its slot's others, if any, tick no later)
 
 
 @nb.njit(cache=True)
-def _first_chunk(prompt, pending, n_in):
-    """A session's first frame's tokens (FrontEnd._request_tokens): the prompt, the input of its silent frames
-    and its own."""
-    return prompt + pending + n_in
-
-
-@nb.njit(cache=True)
-def _first_fits(i, iconf, maxlen, hist, pending_in):
-    """Whether session ``i``'s first frame fits the length limit (FrontEnd._submit: serving.frame_fits)."""
-    return hist[i] + _first_chunk(iconf[I_PROMPT], pending_in[i], iconf[I_NIN]) + iconf[I_NOUT] < maxlen
-
-
-@nb.njit(cache=True)
-def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started, next_frame, phase, room, leaving,
-                pre_last):
+def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
     """FrontEnd._admit's FCFS pass (serving.admit_fcfs), planned: how many heads of the front end's queue (less
     those ``leaving`` before it) get the blocks vLLM's gate wants (serving.admission_need_blocks), none right after a
-    step that preempted (``pre_last``), or -1 when one that does is one this loop does not take (a readmission past
-    the length limit; a first frame due now past it; either without room for its request)."""
-    if pre_last:
+    step that preempted (``s.prelast``), or -1 when one that does is one this loop does not take (a readmission
+    past the length limit; a first frame due now past it; either without room for its request)."""
+    if s.prelast:
         return 0
     n = 0
-    for q in range(fc[C_QHEAD], fc[C_QHEAD] + fc[C_NWAIT]):
-        i = fq[q]
+    for q in range(s.qhead, s.qhead + s.nwait):
+        i = fe.queue[q]
         gone = False
         for d in leaving:
             gone = gone or d == i
         if gone:
             continue
-        tok = hist[i] + pending_in[i] if started[i] else _first_chunk(iconf[I_PROMPT], pending_in[i], iconf[I_NIN])
+        tok = ss.hist[i] + ss.pending_in[i] if ss.started[i] else _first_chunk(i, ss)
         need = gate_blocks_jit(tok, lim[L_BS], lim[L_CAP], 0)
         if need > free:
             break
-        if started[i]:  # readmitted at once, its history its prompt (FrontEnd._readmit), unless it must rebase
+        if ss.started[i]:  # readmitted at once, its history its prompt (FrontEnd._readmit), unless it must rebase
             room -= 1
-            if room < 0 or hist[i] + pending_in[i] + iconf[I_TPF] >= lim[L_MAXLEN]:  # (serving.frame_fits)
+            if room < 0 or ss.hist[i] + ss.pending_in[i] + c.tpf >= lim[L_MAXLEN]:  # (serving.frame_fits)
                 return -1
-        elif _tick(next_frame[i], fconf[F_P], phase[i]) <= now + fconf[F_EPS]:  # its first frame is due now
+        elif _tick(ss.next_frame[i], c.P, ss.phase[i]) <= now + c.eps:  # its first frame is due now
             room -= 1
-            if room < 0 or not _first_fits(i, iconf, lim[L_MAXLEN], hist, pending_in):
+            if room < 0 or not _first_fits(i, ss, lim[L_MAXLEN]):
                 return -1
         free -= need
         n += 1
@@ -655,140 +678,127 @@ def _admissions(now, iconf, fconf, lim, free, fc, fq, hist, pending_in, started,
 
 
 @nb.njit(cache=True)
-def _admit(now, n, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted, admitted, hist,
-           pending_in, started, sslot, sess_of_slot, work_step, cnt, status, ntok, maxtok, kseq, wq, new_i, new_s,
-           new_k, n_new):
+def _admit(now, n, c, s, ss, fe, eng):
     """The ``n`` heads of the front end's queue are admitted (FrontEnd._admit): a new session runs from its
     first frame's tick, which hands its prompt to the engine; one that lost its place comes back as a new request
-    whose prompt is its whole history, and one token to sample (FrontEnd._readmit). Returns the requests the
-    caller names so far."""
+    whose prompt is its whole history, and one token to sample (FrontEnd._readmit)."""
     for _ in range(n):
-        i = fq[fc[C_QHEAD]]
-        fc[C_QHEAD] += 1
-        fc[C_NWAIT] -= 1
-        admit_seq[i] = fc[C_SEQ]
-        fc[C_SEQ] += 1
-        fc[C_NRUN] += 1
-        if np.isnan(s_admitted[i]):
-            s_admitted[i] = now
-            admitted[i] = True
-        if not started[i]:
-            state[i] = RUNNING
-            running_since[i] = _tick(next_frame[i], P, phase[i])
+        i = fe.queue[s.qhead]
+        s.qhead += 1
+        s.nwait -= 1
+        ss.admit_seq[i] = s.seq
+        s.seq += 1
+        s.nrun += 1
+        if np.isnan(ss.s_admitted[i]):
+            ss.s_admitted[i] = now
+            ss.admitted[i] = True
+        if not ss.started[i]:
+            ss.state[i] = RUNNING
+            ss.running_since[i] = _tick(ss.next_frame[i], c.P, ss.phase[i])
             continue
-        hist[i] += pending_in[i]
-        pending_in[i] = 0
-        s = add_slot(hist[i], 1, cnt, status, ntok, maxtok, kseq, wq)
-        sslot[i], sess_of_slot[s] = s, i
-        new_i[n_new], new_s[n_new], new_k[n_new] = i, s, NEW_READMIT
-        n_new += 1
-        state[i] = PREFILL
-        fc[C_NPF] += 1
-        work_step[i] = cnt[E_STEPS]
-    return n_new
+        ss.hist[i] += ss.pending_in[i]
+        ss.pending_in[i] = 0
+        sl = add_slot(ss.hist[i], 1, eng.cnt, eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
+        ss.slot[i], fe.sess_of_slot[sl] = sl, i
+        fe.new_i[s.nnew], fe.new_s[s.nnew], fe.new_k[s.nnew] = i, sl, NEW_READMIT
+        s.nnew += 1
+        ss.state[i] = PREFILL
+        s.npf += 1
+        ss.work_step[i] = eng.cnt[E_STEPS]
 
 
 @nb.njit(cache=True)
-def _leave_queue(i, fc, fq):
+def _leave_queue(i, s, fe):
     """Session ``i`` leaves the front end's queue (it departed while waiting)."""
-    h, n = fc[C_QHEAD], fc[C_NWAIT]
-    j = h
-    while fq[j] != i:
+    q = fe.queue
+    j = s.qhead
+    while q[j] != i:
         j += 1
-    for q in range(j, h + n - 1):
-        fq[q] = fq[q + 1]
-    fc[C_NWAIT] -= 1
+    for k in range(j, s.qhead + s.nwait - 1):
+        q[k] = q[k + 1]
+    s.nwait -= 1
 
 
 @nb.njit(cache=True)
-def _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans):
+def _answer(i, f, tok, ss, w, n_ans):
     """FrontEnd._answer_many of one frame: session ``i``'s frame ``f`` answered now with ``tok`` tokens (its tick
     key, session and tokens appended to the answers, its counts kept). Returns the answers."""
-    a_key[n_ans] = f * PHASE_SLOTS + pslot[i]  # serving.tick_key
-    a_who[n_ans] = i
-    a_tok[n_ans] = tok
-    s_frames[i] += 1
+    w.key[n_ans] = f * PHASE_SLOTS + ss.pslot[i]  # serving.tick_key
+    w.who[n_ans] = i
+    w.tok[n_ans] = tok
+    ss.s_frames[i] += 1
     if tok == 0:  # serving.frame_is_silent
-        s_silent[i] += 1
+        ss.s_silent[i] += 1
     return n_ans + 1
 
 
 @nb.njit(cache=True)
-def _owe(i, f, tok, lockstep, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans, pend, n_pend):
+def _owe(i, f, tok, c, s, ss, fe, w, n_ans):
     """FrontEnd._owe of one frame: session ``i``'s frame ``f``, owed with the ``tok`` tokens it got while it has no
     place, is answered now or, in lockstep, waits for its tick's running frames (:func:`_answer_silent`). Returns
-    (answers, frames owed in lockstep)."""
-    if lockstep:  # (a tick in lockstep is its frame index: every phase is 0)
-        pend[n_pend, 0], pend[n_pend, 1], pend[n_pend, 2] = i, f, tok
-        return n_ans, n_pend + 1
-    return _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans), n_pend
+    the answers."""
+    if c.lockstep:  # (a tick in lockstep is its frame index: every phase is 0)
+        fe.pend[s.npend, 0], fe.pend[s.npend, 1], fe.pend[s.npend, 2] = i, f, tok
+        s.npend += 1
+        return n_ans
+    return _answer(i, f, tok, ss, w, n_ans)
 
 
 @nb.njit(cache=True)
-def _owed(i, f, tok, now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who, a_tok, n_ans):
+def _owed(i, f, tok, now, c, ss, w, n_ans):
     """A departed session's frame ``f``, with the ``tok`` tokens it got: answered if its deadline has passed (else
     censored), as FrontEnd._end does. Returns the answers."""
-    if _tick(f, fconf[F_P], phase[i]) + fconf[F_DEADLINE] <= now + fconf[F_EPS]:
-        n_ans = _answer(i, f, tok, pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
+    if _tick(f, c.P, ss.phase[i]) + c.deadline <= now + c.eps:
+        n_ans = _answer(i, f, tok, ss, w, n_ans)
     return n_ans
 
 
 @nb.njit(cache=True)
-def _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backlog, inflight, inflight_tok, s_frames,
-            s_silent, s_ended, fresh, cnt, status, slots, held, run, kw, wq, pend, n_pend, a_key, a_who, a_tok, n_ans):
-    """FrontEnd._end of a session that departs: its request aborted (EngineModel.abort: serving.abort_slot), or
-    its place in the front end's queue given up, then the frames it is owed (the lockstep's held ones, the one in
-    the engine, the queued ones) answered once their deadline has passed. Returns (answers, frames still owed to
-    others)."""
-    s = sslot[i]
-    if s >= 0:  # (admitted, its first frame not yet due: no request yet)
-        abort_slot(s, cnt, status, slots, held, run, kw, wq)
-        fresh[s] = False
-        sslot[i] = -1
-    if state[i] == WAITING:
-        _leave_queue(i, fc, fq)
+def _depart(i, now, c, s, ss, fe, w, eng, n_ans):
+    """FrontEnd._end of a session that departs: its request aborted, or its place in the front end's queue given
+    up, then the frames it is owed (the lockstep's held ones, the one in the engine, the queued ones) answered once
+    their deadline has passed. Returns the answers."""
+    _abort(i, ss, fe, eng)
+    if ss.state[i] == WAITING:
+        _leave_queue(i, s, fe)
     else:
-        fc[C_NRUN] -= 1
-        if state[i] == PREFILL:
-            fc[C_NPF] -= 1
-    m = fc[C_PHEAD]
-    for q in range(m, n_pend):
+        s.nrun -= 1
+        if ss.state[i] == PREFILL:
+            s.npf -= 1
+    pend = fe.pend
+    m = s.phead
+    for q in range(m, s.npend):
         if pend[q, 0] == i:
-            n_ans = _owed(i, pend[q, 1], pend[q, 2], now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who,
-                          a_tok, n_ans)
+            n_ans = _owed(i, pend[q, 1], pend[q, 2], now, c, ss, w, n_ans)
         else:
             pend[m, 0], pend[m, 1], pend[m, 2] = pend[q, 0], pend[q, 1], pend[q, 2]
             m += 1
-    fc[C_PSORTED] = fc[C_PHEAD]  # (the rows moved: their order is checked again when next needed)
-    if inflight[i] >= 0:
-        n_ans = _owed(i, inflight[i], inflight_tok[i], now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who,
-                      a_tok, n_ans)
-    for f in range(next_frame[i] - backlog[i], next_frame[i]):
-        n_ans = _owed(i, f, np.int64(0), now, fconf, pslot, phase, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
-    inflight[i] = -1
-    backlog[i] = 0
-    state[i] = ENDED
-    s_ended[i] = now
-    return n_ans, m
+    s.npend = m
+    s.psorted = s.phead  # (the rows moved: their order is checked again when next needed)
+    if ss.inflight[i] >= 0:
+        n_ans = _owed(i, ss.inflight[i], ss.inflight_tok[i], now, c, ss, w, n_ans)
+    for f in range(ss.next_frame[i] - ss.backlog[i], ss.next_frame[i]):
+        n_ans = _owed(i, f, np.int64(0), now, c, ss, w, n_ans)
+    ss.inflight[i] = -1
+    ss.backlog[i] = 0
+    ss.state[i] = ENDED
+    ss.s_ended[i] = now
+    return n_ans
 
 
 @compiled.inlined
-def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog,
-               inflight, hist, pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq,
-               dep_t, dep_i, n_room, pre_last):
+def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
     """The checks of the turn at ``now``, after its arrivals: the sessions it visits, whether this loop takes the
     rest as FrontEnd._turn would (_turn_fits, the departures, the admissions, room for the answers) and what it
-    takes: (visited, taken, departures' end in ``dep_t``, sessions admitted)."""
-    n_visit = _due_sessions(now, fconf[F_EPS], tick, start, who, ready, n_ready, state, visit)
-    fits, n_ans, room = _turn_fits(now, visit, n_visit, iconf, fconf, lim[L_MAXLEN], state, phase, next_frame, backlog,
-                                   inflight, hist, pending_in, running_since, started, sslot, status, n_room)
-    k0 = fc[C_DEP]
-    k1, freed, owed = _departures_due(now, dep_t, dep_i, k0, fc[C_NDEPS], state, sslot, held, backlog, pend,
-                                      fc[C_PHEAD], n_pend)
-    n_adm = _admissions(now, iconf, fconf, lim, lim[L_NB] - (cnt[E_USED] - freed), fc, fq, hist, pending_in, started,
-                        next_frame, phase, room, dep_i[k0:k1], pre_last)
-    taken = (fits and n_adm >= 0 and owed + n_ans <= iconf[I_ANSCAP]
-             and (iconf[I_LOCKSTEP] == 0 or n_pend + n_ans <= pend.shape[0]))
+    takes: (visited, taken, departures' end in ``fe.dep_t``, sessions admitted)."""
+    n_visit = _due_sessions(now, c.eps, w, n_ready, ss.state)
+    fits, n_ans, room = _turn_fits(now, n_visit, c, ss, w, eng, n_room)
+    k0 = s.dep
+    k1, freed, owed = _departures_due(now, s, ss, fe, eng.held)
+    n_adm = _admissions(now, c, s, ss, fe, eng.lim, eng.lim[L_NB] - (eng.cnt[E_USED] - freed), room,
+                        fe.dep_i[k0:k1])
+    taken = (fits and n_adm >= 0 and owed + n_ans <= c.ans_cap
+             and (not c.lockstep or s.npend + n_ans <= fe.pend.shape[0]))
     return n_visit, taken, k1, n_adm
 
 
@@ -799,89 +809,64 @@ def _turn_plan(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state
 # compiled.counted, which keeps the counting, or, if it allocates nothing, with compiled.uncounted or
 # compiled.inlined: either way its flags are its own, not the turn's. This module's own helpers take the turn's.
 @compiled.inlined
-def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame, backlog,
-          inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_frames,
-          s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run,
-          kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend, fc,
-          fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i, new_s, new_k, n_new, pre_last, cs, cp,
-          clat, cw, ctr, nsteps, live):
+def _turn(now, c, s, ss, fe, w, eng, rec, ctl, n_ready, live):
     """The front end's turn at ``now`` (FrontEnd._turn): the arrivals, then, if the checks pass (:func:`_turn_plan`;
     else the caller takes the rest of the turn), the departures due, the admissions and the sessions whose frames
-    came due (_ticks, _answer_silent). ``fc`` holds the front end's counters. None of it when the span ends here:
-    at its next event, after ``nsteps`` of its steps, or without room for another turn and step. Returns (taken,
-    frames handed over, the latest, rows, frames owed in lockstep, new requests so far)."""
-    P, eps = fconf[F_P], fconf[F_EPS]
-    ans_cap = iconf[I_ANSCAP]
-    if (now >= fconf[F_TNEXT] or nsteps >= iconf[I_MAXSTEPS] or nrows + 2 * ans_cap > fr_f.size
-            or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size or n_new + live.size + 1 > new_i.size):
-        return False, 0, -1, nrows, n_pend, n_new
-    n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
-    _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick, cs,
-            cp, clat, cw, ctr)
-    n_visit, taken, k1, n_adm = _turn_plan(
-        now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog, inflight, hist,
-        pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq, dep_t, dep_i,
-        min(status.size - cnt[E_NEXT], new_i.size - n_new), pre_last)
+    came due (_ticks, _answer_silent). None of it when the span ends here: at its next event, after its steps, or
+    without room for another turn and step. Returns (taken, frames handed over, the latest)."""
+    cs, clat = ctl[0], ctl[2]
+    ans_cap = c.ans_cap
+    if (now >= c.t_next or s.nsteps >= c.max_steps or s.nrows + 2 * ans_cap > rec.fr_f.size
+            or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size or s.nnew + live.size + 1 > fe.new_i.size):
+        return False, 0, -1
+    _arrive(now, c, s, ss, fe, w, ctl)
+    n_visit, taken, k1, n_adm = _turn_plan(now, c, s, ss, fe, w, eng, n_ready,
+                                           min(eng.status.size - eng.cnt[E_NEXT], fe.new_i.size - s.nnew))
     if not taken:
-        return False, 0, -1, nrows, n_pend, n_new
-    n0 = np.int64(0)  # (not a literal: see _engine_step)
-    for k in range(fc[C_DEP], k1):
-        i = dep_i[k]
-        if _live(state[i]):
-            n0, n_pend = _depart(i, now, fconf, fc, fq, state, sslot, pslot, phase, next_frame, backlog, inflight,
-                                 inflight_tok, s_frames, s_silent, s_ended, fresh, cnt, status, slots, held, run, kw,
-                                 wq, pend, n_pend, a_key, a_who, a_tok, n0)
-            sl = pslot[i]
-            if tick[sl] > now + eps:  # its slot may have no one left to tick
-                tick[sl] = _slot_tick(sl, start, who, state, next_frame, phase, P)
-    fc[C_DEP] = k1
+        return False, 0, -1
+    n_ans = np.int64(0)  # (not a literal: see _engine_step)
+    for k in range(s.dep, k1):
+        i = fe.dep_i[k]
+        if _live(ss.state[i]):
+            n_ans = _depart(i, now, c, s, ss, fe, w, eng, n_ans)
+            sl = ss.pslot[i]
+            if w.tick[sl] > now + c.eps:  # its slot may have no one left to tick
+                w.tick[sl] = _slot_tick(sl, w, ss, c.P)
+    s.dep = k1
     if n_adm:  # (rare: a call with all it needs costs every turn)
-        n_new = _admit(now, n_adm, P, fc, fq, state, next_frame, phase, running_since, admit_seq, s_admitted,
-                       admitted, hist, pending_in, started, sslot, sess_of_slot, work_step, cnt, status, ntok, maxtok,
-                       kseq, wq, new_i, new_s, new_k, n_new)
-    lockstep = iconf[I_LOCKSTEP] != 0
-    n_ans, n_pend = _queue_due(now, visit, n_visit, P, eps, n_in, lockstep, state, phase, pslot, next_frame, backlog,
-                               pending_in, s_frames, s_silent, a_key, a_who, a_tok, n0, pend, n_pend)
+        _admit(now, n_adm, c, s, ss, fe, eng)
+    n_ans = _queue_due(now, n_visit, c, s, ss, fe, w, n_ans)
     for k in range(PHASE_SLOTS):
-        if tick[k] <= now + eps:  # the slot's sessions moved on together
-            tick[k] = _slot_tick(k, start, who, state, next_frame, phase, P)
-    n_sub, latest, n_new = _submit_due(visit, n_visit, 1 + n_in, n_out, iconf[I_PROMPT], sslot, next_frame, backlog,
-                                       inflight, inflight_tok, hist, last_tok, pending_in, work_step, started, fresh,
-                                       sess_of_slot, cnt, status, computed, ntok, out, maxtok, kseq, kw, wq, new_i,
-                                       new_s, new_k, n_new)
-    if lockstep:
-        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend,
-                                       s_frames, s_silent, a_key, a_who, a_tok, n0)
-    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f,
-                      fr_tick, fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
-    return True, n_sub, latest, nrows, n_pend, n_new
+        if w.tick[k] <= now + c.eps:  # the slot's sessions moved on together
+            w.tick[k] = _slot_tick(k, w, ss, c.P)
+    n_sub, latest = _submit_due(n_visit, s, ss, fe, w, eng)
+    if c.lockstep:
+        n_ans = _answer_silent(s, ss, fe, w, n_ans)
+    _answered(now, n_ans, c, s, ss, w, rec, ctl)
+    return True, n_sub, latest
 
 
 @compiled.inlined
-def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f, fr_tick,
-              fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr):
+def _answered(now, n_ans, c, s, ss, w, rec, ctl):
     """The moment's answers recorded (:func:`flush`) and told to a compiled controller as SimEngine._flush_answers
-    tells it (row by row; all at one moment: control_kernel.observe_moment). Returns the rows."""
+    tells it (row by row; all at one moment: control_kernel.observe_moment)."""
     if n_ans == 0:
-        return nrows
-    r0 = nrows
-    in_flight = fc[C_NRUN] + fc[C_NWAIT]
-    nrows = flush(now, n_ans, a_key, a_who, a_tok, state, s_admitted, fconf[F_P], fconf[F_PQ], fconf[F_DEADLINE],
-                  fconf[F_EPS], s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows,
-                  in_flight if iconf[I_CTL] == CTL_AFTER else -1, work)
-    if iconf[I_CTL] == CTL_COMPILED:  # (the rows were all answered at `now` with `in_flight` in flight)
-        ck.observe_moment(cs, cp, clat, cw, ctr, now, in_flight, fr_lat[r0:nrows], fr_i[R_FRAMES][r0:nrows],
-                          fr_i[R_SILENT][r0:nrows])
-    return nrows
+        return
+    r0 = s.nrows
+    in_flight = s.nrun + s.nwait
+    s.nrows = flush(now, n_ans, w, ss, c, rec, r0, in_flight if c.ctl == CTL_AFTER else -1)
+    if c.ctl == CTL_COMPILED:  # (the rows were all answered at `now` with `in_flight` in flight)
+        cs, cp, clat, cw, ctr = ctl
+        ck.observe_moment(cs, cp, clat, cw, ctr, now, in_flight, rec.fr_lat[r0:s.nrows],
+                          rec.fr_i[R_FRAMES][r0:s.nrows], rec.fr_i[R_SILENT][r0:s.nrows])
 
 
 @nb.njit(cache=True)
-def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend, s_frames, s_silent, a_key,
-                   a_who, a_tok, n_ans):
-    """FrontEnd._answer_silent (lockstep): frames owed to sessions without a place (``pend``'s rows
-    ``fc[C_PHEAD]:n_pend``: session, frame, tokens got) are answered once every running session's frame of their
-    tick is done (``run_sess``: the sessions the span may see). Appends them to the answers, in the rows' order;
-    returns (the answers, the end of the frames still owed).
+def _answer_silent(s, ss, fe, w, n_ans):
+    """FrontEnd._answer_silent (lockstep): frames owed to sessions without a place (``fe.pend``'s rows
+    ``s.phead:s.npend``: session, frame, tokens got) are answered once every running session's frame of their
+    tick is done (``w.run_sess``: the sessions the span may see). Appends them to the answers, in the rows' order;
+    returns the answers.
 
     Rows are owed tick after tick, so they are nearly always in frame order, and then the frames answered are the
     rows from the head up to the first one not yet due: the head moves past them and nothing else is read. An
@@ -890,279 +875,211 @@ def _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pe
     run's length. Rows out of frame order (a preempted session's frames, owed late) are read whole and kept in
     their order, as FrontEnd does."""
     unfinished = np.iinfo(np.int64).max
-    for j in range(run_sess.size):
-        i = run_sess[j]
-        if state[i] != RUNNING:
+    for j in range(w.run_sess.size):
+        i = w.run_sess[j]
+        if ss.state[i] != RUNNING:
             continue
-        if inflight[i] >= 0:
-            unfinished = min(unfinished, inflight[i])
-        elif backlog[i] > 0:
-            unfinished = min(unfinished, next_frame[i] - backlog[i])
-    h = fc[C_PHEAD]
-    k = max(fc[C_PSORTED], h + 1)
+        if ss.inflight[i] >= 0:
+            unfinished = min(unfinished, ss.inflight[i])
+        elif ss.backlog[i] > 0:
+            unfinished = min(unfinished, ss.next_frame[i] - ss.backlog[i])
+    pend, n_pend = fe.pend, s.npend
+    h = s.phead
+    k = max(s.psorted, h + 1)
     while k < n_pend and pend[k - 1, 1] <= pend[k, 1]:  # (rows appended since: still in frame order?)
         k += 1
     if k >= n_pend:
         while h < n_pend and pend[h, 1] < unfinished:
-            n_ans = _answer(pend[h, 0], pend[h, 1], pend[h, 2], pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
+            n_ans = _answer(pend[h, 0], pend[h, 1], pend[h, 2], ss, w, n_ans)
             h += 1
         if h == n_pend:  # none owed: the rows start again at 0
-            fc[C_PHEAD] = fc[C_PSORTED] = 0
-            return n_ans, 0
-        fc[C_PHEAD], fc[C_PSORTED] = h, n_pend
-        return n_ans, n_pend
+            s.phead = s.psorted = s.npend = 0
+        else:
+            s.phead, s.psorted = h, n_pend
+        return n_ans
     m = h
     for q in range(h, n_pend):
         i, f = pend[q, 0], pend[q, 1]
         if f < unfinished:
-            n_ans = _answer(i, f, pend[q, 2], pslot, s_frames, s_silent, a_key, a_who, a_tok, n_ans)
+            n_ans = _answer(i, f, pend[q, 2], ss, w, n_ans)
         else:
             pend[m, 0], pend[m, 1], pend[m, 2] = i, f, pend[q, 2]
             m += 1
-    fc[C_PSORTED] = h  # (the rows moved)
-    return n_ans, m
+    s.psorted, s.npend = h, m  # (the rows moved)
+    return n_ans
 
 
 @compiled.uncounted
-def _preempt_all(step_start, vic, n_vic, iconf, fstate, fc, fq, state, sslot, pslot, next_frame, backlog, inflight,
-                 inflight_tok, hist, last_tok, pending_in, s_preempt, s_frames, s_silent, fresh, cnt, status, slots,
-                 held, run, kw, wq, a_key, a_who, a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new):
-    """After the tokens of a step that started at ``step_start``, the ``n_vic`` sessions of ``vic`` preempted
-    (:func:`_preempt_session`; the first ever dates t_sat, ``fstate[FS_TSAT]``). Returns (answers, frames owed in
-    lockstep, the requests the caller names or forgets)."""
+def _preempt_all(step_start, n_vic, c, s, ss, fe, w, eng, n_ans):
+    """After the tokens of a step that started at ``step_start``, the ``n_vic`` sessions of ``w.vic`` preempted
+    (:func:`_preempt_session`; the first ever dates t_sat). Returns the answers."""
     for v in range(n_vic):
-        n_ans, n_pend, n_new = _preempt_session(vic[v], iconf, fc, fq, state, sslot, pslot, next_frame, backlog,
-                                                inflight, inflight_tok, hist, last_tok, pending_in, s_preempt, s_frames,
-                                                s_silent, fresh, cnt, status, slots, held, run, kw, wq, a_key, a_who,
-                                                a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new)
-    if np.isnan(fstate[FS_TSAT]):
-        fstate[FS_TSAT] = step_start
-    return n_ans, n_pend, n_new
+        n_ans = _preempt_session(w.vic[v], c, s, ss, fe, w, eng, n_ans)
+    if np.isnan(s.t_sat):
+        s.t_sat = step_start
+    return n_ans
 
 
 @compiled.inlined
-def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_out, n_vic, pslot, state, inflight,
-                 backlog, next_frame, s_frames, s_silent, s_late, s_admitted, a_key, a_who, a_tok, work, run_sess, pend,
-                 n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_t, st_lat, st_i, k, o_n, cs, cp, clat, cw,
-                 ctr):
+def _answer_step(now, step_start, lat, c, s, ss, fe, w, rec, ctl, o_n, counts):
     """A step that started at ``step_start``, took ``lat`` and ended at ``now``, its tokens gone to their frames
-    (answers up to ``n_done``) and its ``n_vic`` victims preempted (their owed frames answered up to ``n_ans``):
-    in lockstep the silent frames they held back, then all answered, one row per tick, and the step's row ``k``
-    (FrontEnd._after_step). Returns (frames still owed, frame rows)."""
-    if n_pend:
-        n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend,
-                                       s_frames, s_silent, a_key, a_who, a_tok, n_ans)
-    nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f,
-                      fr_tick, fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
-    _record_step(st_i, k, fc, o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], o_n[O_USED], tokens_out, n_ans,
-                 a_tok[n_done:n_ans], n_vic)
-    st_t[k], st_lat[k] = step_start, lat
-    return n_pend, nrows
-
-
-@compiled.uncounted
-def _record_step(st_i, k, fc, nS, new_tokens, ctx, used, tokens_out, n_ans, silent_tok, n_vic):
-    """Step row ``k`` (FrontEnd._after_step's): batch, tokens, context, blocks, frames answered, silent ones,
-    sessions preempted, running (not re-prefilling) and waiting at the front end (the caller fills the free
-    blocks)."""
+    and its victims preempted (``counts``: answers up to the frames done, all answers, tokens out, victims): in
+    lockstep the silent frames they held back, then all answered, one row per tick, and the step's row
+    (FrontEnd._after_step)."""
+    n_done, n_ans, tokens_out, n_vic = counts
+    if s.npend:
+        n_ans = _answer_silent(s, ss, fe, w, n_ans)
+    _answered(now, n_ans, c, s, ss, w, rec, ctl)
+    k = s.step0 + s.nsteps
     silent = 0
-    for t in silent_tok:
-        if t == 0:  # serving.frame_is_silent
+    for j in range(n_done, n_ans):
+        if w.tok[j] == 0:  # serving.frame_is_silent
             silent += 1
-    st_i[Q_BATCH, k], st_i[Q_NEW, k], st_i[Q_CTX, k], st_i[Q_USED, k] = nS, new_tokens, ctx, used
+    st_i = rec.st_i
+    st_i[Q_BATCH, k], st_i[Q_NEW, k], st_i[Q_CTX, k], st_i[Q_USED, k] = o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], \
+        o_n[O_USED]
     st_i[Q_OUT, k], st_i[Q_DONE, k], st_i[Q_SILENT, k] = tokens_out, n_ans, silent
-    st_i[Q_RUNNING, k], st_i[Q_WAITING, k], st_i[Q_PRE, k] = fc[C_NRUN] - fc[C_NPF], fc[C_NWAIT], n_vic
+    # running (not re-prefilling) and waiting at the front end (the caller fills the free blocks)
+    st_i[Q_RUNNING, k], st_i[Q_WAITING, k], st_i[Q_PRE, k] = s.nrun - s.npf, s.nwait, n_vic
+    rec.st_t[k], rec.st_lat[k] = step_start, lat
 
 
 @compiled.counted  # (it allocates)
-def _queued_behind(live, state, inflight, backlog):
+def _queued_behind(live, ss):
     """Running sessions with frames queued and none in the engine (a step-by-step turn leaves none)."""
     ready = np.empty(live.size, np.int64)
     n = 0
     for j in range(live.size):
         i = live[j]
-        if inflight[i] < 0 and backlog[i] > 0 and state[i] == RUNNING:
+        if ss.inflight[i] < 0 and ss.backlog[i] > 0 and ss.state[i] == RUNNING:
             ready[n] = i
             n += 1
     return ready, n
 
 
 @nb.njit(cache=True)
-def _next_wake(tick, t_next, fc, dep_t, iconf, arr_t):
-    """When an idle engine looks again (SimEngine._run's wait): the next tick, event, departure or arrival."""
-    until = min(tick.min(), t_next)
-    if fc[C_DEP] < fc[C_NDEPS]:
-        until = min(until, dep_t[fc[C_DEP]])
-    if fc[C_NARR] < iconf[I_NA_END]:
-        until = min(until, arr_t[fc[C_NARR]])
-    return until
-
-
-@nb.njit(cache=True)
-def _idle(now, tick, t_next, fc, dep_t, iconf, arr_t, horizon, idle, turned, fstate):
-    """An engine without work waits for its next tick, event, departure or arrival (:func:`_next_wake`); one that
-    would wake no later than ``now`` hands the span back, one that would wake at the horizon or after waits and
-    the run ends there (PAST_HORIZON, ``fstate[1]``). Returns (now, idle, turned, whether the span ends)."""
-    until = _next_wake(tick, t_next, fc, dep_t, iconf, arr_t)
+def _idle(now, c, s, ss, fe, w, idle, turned):
+    """An engine without work waits for its next tick, event, departure or arrival; one that would wake no later
+    than ``now`` hands the span back, one that would wake at the horizon or after waits and the run ends there
+    (PAST_HORIZON, ``s.out_s``). Returns (now, idle, turned, whether the span ends)."""
+    until = min(w.tick.min(), c.t_next)
+    if s.dep < s.ndeps:
+        until = min(until, fe.dep_t[s.dep])
+    if s.narr < c.na_end:
+        until = min(until, ss.arrival[s.narr])
     if until <= now:
         return now, idle, turned, True
-    if until >= horizon:  # SimPy stops the run during this wait
-        fstate[1] = until
+    if until >= c.horizon:  # SimPy stops the run during this wait
+        s.out_s = until
         return now, True, PAST_HORIZON, True
     return until, True, turned, False
 
 
 @compiled.inlined
-def _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw,
-                 wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, step_no, sframe, jit, jz, ja, jb, jp,
-                 jr):
+def _engine_step(now, c, coef, eng, dr, fe, idle, step_no, sframe):
     """EngineModel.step (serving.engine_step on the engine model's own arrays) at ``now``, the first-step term and
     the step's latency. Returns (the latency, TURN_CALLER when this loop goes on after it, or where it stops:
     TURN_TAKEN before it, the step the caller's to take (under correlated jitter its frame's draws are not in this
     call); PAST_HORIZON, it outlives the run; STEP_TAKEN, the front end reacts to something in it that the loop does
     not restate)."""
-    jitter, f_lo = int(fconf[F_JITTER]), iconf[I_FLO]
-    if jitter == CORRELATED and sframe - f_lo >= ja.size:
+    if c.jitter == CORRELATED and sframe - c.f_lo >= dr.ja.size:
         return -1.0, TURN_TAKEN
-    engine_step(lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam,
-                o_pau, o_n, reached)
+    engine_step(eng)
+    o_n = eng.o_n
     # SimEngine._step: a frame starts in a step after the engine idled. (Not a literal False: numba would compile
     # what it is handed to for the literal too; so the zeros below)
     first = np.bool_(False)
     for j in range(o_n[O_SCHED]):
-        if fresh[o_s[j]]:
+        if fe.fresh[eng.o_s[j]]:
             first = idle
-            fresh[o_s[j]] = False
-    lat = _step_latency(coef, fconf, o_n[O_SCHED], o_n[O_CTX], o_n[O_NEW], first, jitter, step_no, sframe, f_lo, jit,
-                        jz, ja, jb, jp, jr)
+            fe.fresh[eng.o_s[j]] = False
+    lat = _step_latency(coef, c, o_n, first, step_no, sframe, dr)
     # FrontEnd._after_step's own rules: a step that scheduled nothing stalls; a front end that steps vLLM itself
     # takes back what it preempted, and looks at every request left waiting (serving.deadlock_pick)
-    plain = o_n[O_SCHED] > 0 and (iconf[I_SEES] == 0 or (o_n[O_PRE] == 0 and cnt[E_KW] + cnt[E_WQ] == 0))
-    if now + lat >= fconf[F_HORIZON]:
+    cnt = eng.cnt
+    plain = o_n[O_SCHED] > 0 and (not c.sees or (o_n[O_PRE] == 0 and cnt[E_KW] + cnt[E_WQ] == 0))
+    if now + lat >= c.horizon:
         return lat, PAST_HORIZON
     return lat, TURN_CALLER if plain else STEP_TAKEN
 
 
 @compiled.counted  # (it allocates)
-def _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep, n_answers, n_slots):
-    """What a span keeps besides the caller's arrays: the wheel over the phase slots, the sessions a turn visits,
-    those with frames queued, the running ones (lockstep), room for a step's ``n_answers`` answers and, for the
-    front end's reaction to a step (:func:`_victims`), room for its victims and scratch over the ``n_slots``
-    slots."""
-    start, who, tick, ok = _wheel(live, state, pslot, next_frame, phase, P)
-    visit = np.empty(2 * live.size, np.int64)
-    ready, n_ready = _queued_behind(live, state, inflight, backlog)
-    run_sess = live if lockstep else live[:0]
-    a_key, a_who, a_tok = np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), np.empty(n_answers, np.int64)
-    work = key_order_work(n_answers)  # (flush sorts the answers in it)
-    scr, vic = np.zeros((6, n_slots), np.int64), np.empty(live.size, np.int64)
-    return (start, who, tick, visit, ready, a_key, a_who, a_tok, work, scr, vic), ok, n_ready, run_sess
+def _span(live, ss, c, n_answers, n_slots):
+    """What a span keeps besides the caller's arrays (:class:`Span`): the wheel over the phase slots, the sessions
+    a turn visits, those with frames queued, the running ones (lockstep), room for a step's ``n_answers`` answers
+    and, for the front end's reaction to a step (:func:`_victims`), room for its victims and scratch over the
+    ``n_slots`` slots. Returns (it, whether the wheel holds, the sessions with frames queued)."""
+    start, who, tick, ok = _wheel(live, ss, c.P)
+    ready, n_ready = _queued_behind(live, ss)
+    run_sess = live if c.lockstep else live[:0]
+    span = Span(start, who, tick, np.empty(2 * live.size, np.int64), ready, run_sess, np.empty(n_answers, np.int64),
+                np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), key_order_work(n_answers),
+                np.zeros((6, n_slots), np.int64), np.empty(live.size, np.int64))
+    return span, ok, n_ready
 
 
 @compiled.uncounted
-def _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n, sslot, sess_of_slot,
-              state, inflight, work_step, admit_seq, backlog, scr, vic, n_pend, pend, n_new, new_i):
+def _reaction(turned, c, s, ss, fe, w, eng):
     """After _engine_step said ``turned``: a step the front end reacts to (STEP_TAKEN) that scheduled something,
     with a front end that steps vLLM itself, is taken on here (its victims chosen: :func:`_victims`) when the span
     has room for the frames they will be owed and the requests they give up; the rest is the caller's (a stall, or
     vLLM's own loop seeing nothing). Returns (the victims, TURN_CALLER, or ``turned`` as it was)."""
-    if turned != STEP_TAKEN or iconf[I_SEES] == 0 or o_n[O_SCHED] == 0:
+    o_n = eng.o_n
+    if turned != STEP_TAKEN or not c.sees or o_n[O_SCHED] == 0:
         return 0, turned
-    n_vic, owed = _victims(lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n, sslot, sess_of_slot,
-                           state, inflight, work_step, admit_seq, backlog, scr, vic)
-    if (o_n[O_SAM] + n_pend + owed > iconf[I_ANSCAP] or n_pend + owed > pend.shape[0]
-            or n_new + n_vic > new_i.size):
+    n_vic, owed = _victims(ss, fe, w, eng)
+    if (o_n[O_SAM] + s.npend + owed > c.ans_cap or s.npend + owed > fe.pend.shape[0]
+            or s.nnew + n_vic > fe.new_i.size):
         return 0, STEP_TAKEN
     return n_vic, TURN_CALLER
 
 
-# run_span: the state arrays (the engine model's ``eng``, the controller's ``ctl``) are updated in place, records
-# written to ``st_*``/``fr_*``, and ``istate``/``fstate``/``fc`` say where it stopped (S_TURNED). ``dep_t``/``dep_i``:
-# departures booked, in time order; ``arr_t``/``dur``: arrivals and durations; ``new_i``/``new_s``/``new_k``: each
-# request added (first frame, readmission) or aborted (preemption), in order.
 @nb.njit(cache=True)
-def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
-             inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens,
-             s_frames, s_silent, s_late, fresh, sess_of_slot, eng, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f,
-             fr_tick, fr_done, fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, new_k, fc, fq, arr_t, dur,
-             s_admitted, admit_seq, s_preempt, ctl):
-    """Turns and steps from just after the caller's turn at ``fstate[0]`` until the next event, ``max_steps`` or what
-    this loop does not restate (its arrays: the comment above)."""
-    P, t_next, horizon, t_pause = fconf[F_P], fconf[F_TNEXT], fconf[F_HORIZON], fconf[F_TPAUSE]
-    ans_cap, lockstep = iconf[I_ANSCAP], iconf[I_LOCKSTEP] != 0
-    # the arguments live as long as this call: inside it they need no reference counts (compiled.borrowed), and
-    # the engine's arrays are unpacked once (a tuple of arrays handed to a callee costs every call)
-    (iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
-     inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames,
-     s_silent, s_late, fresh, sess_of_slot, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done,
-     fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, new_k, fc, fq, arr_t, dur, s_admitted, admit_seq,
-     s_preempt) = borrowed((
-        iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslot, next_frame, backlog, inflight,
-        inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_tokens, s_frames,
-        s_silent, s_late, fresh, sess_of_slot, jit, jz, ja, jb, jp, jr, st_t, st_lat, st_i, fr_f, fr_tick, fr_done,
-        fr_lat, fr_i, pend, dep_t, dep_i, s_ended, new_i, new_s, new_k, fc, fq, arr_t, dur, s_admitted, admit_seq,
-        s_preempt))
-    lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
-        o_n, reached = borrowed(eng)
-    cs, cp, clat, cw, ctr = borrowed(ctl)
-    sframe, peak, n_pend, s0 = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND], istate[S_NSTEPS]
-    nrows, now, idle, pre_last = istate[S_NROWS], fstate[0], istate[S_IDLE] != 0, istate[S_PRELAST] != 0
-    nsteps, n_new, turned = 0, 0, TURN_TAKEN  # (the caller's turn at `now` is done)
-    owned, ok, n_ready, run_sess = _span_state(live, state, pslot, next_frame, phase, inflight, backlog, P, lockstep,
-                                               ans_cap + pend.shape[0], status.size)
-    start, who, tick, visit, ready, a_key, a_who, a_tok, work, scr, vic = borrowed(owned)  # (held to the end: hold)
+def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
+    """Turns and steps from just after the caller's turn at ``state.now`` until the next event, ``max_steps`` or
+    what this loop does not restate. The records' arrays are updated in place, the steps and frames written to
+    ``rec`` and ``state`` says where it stopped (``turned``)."""
+    # the arguments live as long as this call: inside it they need no reference counts (compiled.borrowed)
+    coef, live = borrowed((coef, live))
+    ss, fe, eng, dr, rec, ctl = borrowed(ss), borrowed(fe), borrowed(eng), borrowed(dr), borrowed(rec), borrowed(ctl)
+    c, s = conf[0], state[0]
+    now, idle, turned = s.now, s.idle, TURN_TAKEN  # (the caller's turn at `now` is done)
+    s.nsteps = s.nnew = 0
+    owned, ok, n_ready = _span(live, ss, c, c.ans_cap + fe.pend.shape[0], eng.status.size)
+    w = borrowed(owned)  # (held to the end: hold)
+    o_n = eng.o_n
     while ok:
         if turned == TURN_CALLER:
-            taken, n_sub, latest, nrows, n_pend, n_new = _turn(
-                now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, pslot, sslot, next_frame,
-                backlog, inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started,
-                admitted, s_frames, s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots,
-                held, out, maxtok, kseq, run, kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i,
-                nrows, run_sess, pend, n_pend, fc, fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i,
-                new_s, new_k, n_new, pre_last, cs, cp, clat, cw, ctr, nsteps, live)
+            taken, n_sub, latest = _turn(now, c, s, ss, fe, w, eng, rec, ctl, n_ready, live)
             if not taken:
                 break
-            sframe, n_ready = max(sframe, latest), 0
-            if now >= t_pause:  # the turn is taken: the caller looks, then calls again from here
+            s.sframe, n_ready = max(s.sframe, latest), 0
+            if now >= c.t_pause:  # the turn is taken: the caller looks, then calls again from here
                 turned = PAUSED
                 break
         turned = TURN_CALLER
-        if cnt[E_RUN] + cnt[E_KW] + cnt[E_WQ] == 0:  # no work: wait (no step ran: no admission is "right after" one)
-            now, idle, turned, ends = _idle(now, tick, t_next, fc, dep_t, iconf, arr_t, horizon, idle, turned, fstate)
-            pre_last = False
+        if eng.cnt[E_RUN] + eng.cnt[E_KW] + eng.cnt[E_WQ] == 0:  # no work: wait (no step ran: none is "right after")
+            now, idle, turned, ends = _idle(now, c, s, ss, fe, w, idle, turned)
+            s.prelast = False
             if ends:
                 break
             continue
-        lat, turned = _engine_step(now, iconf, fconf, coef, lim, cnt, status, computed, ntok, slots, held, out, maxtok,
-                                   kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, o_n, reached, idle, fresh, nsteps,
-                                   sframe, jit, jz, ja, jb, jp, jr)
+        lat, turned = _engine_step(now, c, coef, eng, dr, fe, idle, s.nsteps, s.sframe)
         n_vic = 0
         if turned == STEP_TAKEN:  # the front end reacts to the step: here, if it can
-            n_vic, turned = _reaction(turned, iconf, lim, cnt, status, computed, ntok, held, kw, wq, o_s, o_pre, o_n,
-                                      sslot, sess_of_slot, state, inflight, work_step, admit_seq, backlog, scr, vic,
-                                      n_pend, pend, n_new, new_i)
+            n_vic, turned = _reaction(turned, c, s, ss, fe, w, eng)
         idle = idle and turned == TURN_TAKEN  # (TURN_TAKEN: the step is the step-by-step path's to take)
         if turned != TURN_CALLER:  # (SimPy stops a run during a step that outlives it; STEP_TAKEN: it took `lat`)
-            fstate[1] = now + lat if turned == PAST_HORIZON else lat
+            s.out_s = now + lat if turned == PAST_HORIZON else lat
             break
-        step_start, now, pre_last = now, now + lat, n_vic > 0
-        tokens_out, n_done, n_ready = _tokens_to_frames(
-            now, o_sam, o_n[O_SAM], iconf[I_NOUT], sess_of_slot, pslot, inflight, inflight_tok, s_tokens, s_frames,
-            hist, last_tok, backlog, a_key, a_who, a_tok, ready, state, running_since, fc)
+        step_start, now, s.prelast = now, now + lat, n_vic > 0
+        tokens_out, n_done, n_ready = _tokens_to_frames(now, s, ss, fe, w, eng)
         n_ans = n_done
         if n_vic:
-            n_ans, n_pend, n_new = _preempt_all(
-                step_start, vic, n_vic, iconf, fstate, fc, fq, state, sslot, pslot, next_frame, backlog, inflight,
-                inflight_tok, hist, last_tok, pending_in, s_preempt, s_frames, s_silent, fresh, cnt, status, slots,
-                held, run, kw, wq, a_key, a_who, a_tok, n_ans, pend, n_pend, new_i, new_s, new_k, n_new)
-        n_pend, nrows = _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_out, n_vic, pslot,
-                                     state, inflight, backlog, next_frame, s_frames, s_silent, s_late, s_admitted,
-                                     a_key, a_who, a_tok, work, run_sess, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat,
-                                     fr_i, nrows, st_t, st_lat, st_i, s0 + nsteps, o_n, cs, cp, clat, cw, ctr)
-        peak, nsteps = max(peak, o_n[O_USED]), nsteps + 1
-    istate[S_SFRAME], istate[S_PEAK], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED], istate[S_IDLE], \
-        istate[S_NPEND], istate[S_NNEW], istate[S_PRELAST], fstate[0] = sframe, peak, nsteps, nrows, turned, idle, \
-        n_pend, n_new, pre_last, now
+            n_ans = _preempt_all(step_start, n_vic, c, s, ss, fe, w, eng, n_ans)
+        _answer_step(now, step_start, lat, c, s, ss, fe, w, rec, ctl, o_n, (n_done, n_ans, tokens_out, n_vic))
+        s.peak, s.nsteps = max(s.peak, o_n[O_USED]), s.nsteps + 1
+    s.turned, s.idle, s.now = turned, idle, now
     hold(owned)
 
 

@@ -21,10 +21,11 @@ from metronome import serving
 from metronome.calibration import Calibration
 from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
+from metronome.front_end import FrontEndOptions, Roster
 from metronome.kv_policy import KVPolicy
 from metronome.outputs import atomic_dir, write_json
 from metronome.results import (COLLAPSE_SILENT_FRACTION, REFUSED_REASONS, collapse_decided,  # noqa: F401 (re-export)
-                               shared_summary)
+                               RunCounts, shared_summary)
 from metronome.workload import Arrivals, Durations, draw, draw_phases
 
 from metronome.sim.engine import SimEngine
@@ -114,11 +115,12 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
     arrival, duration = workload(sc)
     env = simpy.Environment()
     controller = sc.admission() if callable(sc.admission) else None
-    eng = SimEngine(env, sc.calibration, sc.policy, arrival, duration, sc.horizon_s, sc.deadline,
-                    controller=controller, fast_forward=fast_forward, check_invariants=check_invariants,
-                    seed=sc.seed if sc.jitter_seed is None else sc.jitter_seed,
-                    phase_slot=draw_phases(arrival.size, sc.phases, sc.seed), phases=sc.phases,
-                    loop=sc.loop, **({"engine_model": engine_model} if engine_model is not None else {}))
+    eng = SimEngine(env, sc.calibration, sc.policy, Roster(arrival, duration, draw_phases(arrival.size, sc.phases,
+                                                                                        sc.seed)),
+                    sc.horizon_s, sc.deadline, controller=controller, fast_forward=fast_forward,
+                    check_invariants=check_invariants, seed=sc.seed if sc.jitter_seed is None else sc.jitter_seed,
+                    options=FrontEndOptions(phases=sc.phases, loop=sc.loop),
+                    **({"engine_model": engine_model} if engine_model is not None else {}))
     eng.start()
     stopped = None
     if stop_when_decided:
@@ -284,17 +286,12 @@ def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.Data
     # goodput: frames delivered non-silent and on time, per simulated second
     on_time = ~(frames["late"].to_numpy() > 0)
     good = int(((frames["frames"].to_numpy() - frames["silent"].to_numpy()) * on_time).sum())
-    shared = shared_summary(
-        tick_s=frames["tick_s"].to_numpy(), latency_s=frames["latency_s"].to_numpy(),
-        frames=frames["frames"].to_numpy(), silent=frames["silent"].to_numpy(),
-        silent_preempted=frames["silent_preempted"].to_numpy(), silent_waiting=frames["silent_waiting"].to_numpy(),
-        silent_departed=frames["silent_departed"].to_numpy(), late=frames["late"].to_numpy(),
-        tokens=frames["tokens"].to_numpy(), t_sat_s=eng.t_sat, step_s=steps["step_s"].to_numpy(),
+    shared = shared_summary(frames, steps["step_s"].to_numpy(), eng.t_sat, RunCounts(
         peak_used_blocks=eng.peak_used, usable_blocks=eng.num_blocks,
         preemptions=int(sessions["preemptions"].sum()), rebases=int(sessions["rebases"].sum()),
         sessions_offered=len(sessions),
         sessions_admitted=int(np.isfinite(sessions["admitted_s"].to_numpy()).sum()),
-        sessions_refused=int(sessions["end_reason"].isin(REFUSED_REASONS).sum()))
+        sessions_refused=int(sessions["end_reason"].isin(REFUSED_REASONS).sum())))
 
     def r(x, nd=6):
         return None if x is None else round(float(x), nd)

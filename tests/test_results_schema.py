@@ -241,13 +241,11 @@ def test_prometheus_gauge_run_summary_and_controller_report_one_p99():
     live_s = probe_summary.summarize(frames, [], [], num_blocks=10, events=[])
 
     sim_frames = pd.DataFrame({"tick_s": np.arange(10.0), "latency_s": SAMPLES, "frames": 1, "silent": 0,
-                               "silent_preempted": 0, "late": 0, "tokens": 1})
-    sim_s = results.shared_summary(
-        tick_s=sim_frames.tick_s, latency_s=sim_frames.latency_s, frames=sim_frames.frames, silent=sim_frames.silent,
-        silent_preempted=sim_frames.silent_preempted, silent_waiting=sim_frames.silent_preempted,
-        silent_departed=sim_frames.silent_preempted, late=sim_frames.late, tokens=sim_frames.tokens, t_sat_s=None,
-        step_s=SAMPLES, peak_used_blocks=1, usable_blocks=9, preemptions=0, rebases=0, sessions_offered=1,
-        sessions_admitted=1, sessions_refused=0)
+                               "silent_preempted": 0, "silent_waiting": 0, "silent_departed": 0, "late": 0,
+                               "tokens": 1})
+    sim_s = results.shared_summary(sim_frames, SAMPLES, None, results.RunCounts(
+        peak_used_blocks=1, usable_blocks=9, preemptions=0, rebases=0, sessions_offered=1, sessions_admitted=1,
+        sessions_refused=0))
 
     ctl = AIMDController(AIMDParams(interval_s=100.0), deadline_s=1.0)
     for x in SAMPLES:

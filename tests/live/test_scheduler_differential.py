@@ -506,25 +506,23 @@ def test_the_comparison_fails_when_waiting_requests_are_admitted_before_the_runn
     is left) is another scheduler."""
     py = {name: getattr(serving, name).py_func for name in ("_running_pass", "_waiting_pass", "_model_run")}
 
-    def admit_first(lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre,
-                    o_sam, o_pau, o_n, reached):
+    def admit_first(eng):
+        lim, cnt, run, o_k, o_n = eng.lim, eng.cnt, eng.run, eng.o_k, eng.o_n
         o_n[:] = 0
         many = cnt[serving.E_RUN] + cnt[serving.E_WQ] + cnt[serving.E_KW] + cnt[serving.E_PAUSED] > 1
         thr = lim[serving.L_THR] if many else 0
         n0 = cnt[serving.E_RUN]
-        py["_waiting_pass"](lim[serving.L_BUDGET], lim, cnt, status, computed, ntok, slots, held, kseq, run, kw, wq,
-                            thr, o_s, o_k, o_n, reached)
+        py["_waiting_pass"](lim[serving.L_BUDGET], eng, thr)
         admitted = run[n0:cnt[serving.E_RUN]].copy()
         cnt[serving.E_RUN] = n0
         left = lim.copy()
         left[serving.L_BUDGET] -= o_k[:o_n[serving.O_SCHED]].sum()
-        py["_running_pass"](left, cnt, status, computed, ntok, slots, held, run, wq, thr, o_s, o_k, o_pre, o_n,
-                            reached)
+        py["_running_pass"](eng._replace(lim=left), thr)
         for a in admitted:  # (behind the running ones, as admissions are)
             run[cnt[serving.E_RUN]] = a
             cnt[serving.E_RUN] += 1
         o_n[serving.O_USED] = cnt[serving.E_USED]
-        py["_model_run"](lim, cnt, status, computed, ntok, out, maxtok, kseq, run, o_s, o_k, o_sam, o_pau, o_n)
+        py["_model_run"](eng)
         cnt[serving.E_STEPS] += 1
 
     _interpreted(monkeypatch, engine_step=admit_first)
