@@ -68,13 +68,16 @@ def _each_frame(idx: np.ndarray, first: np.ndarray, n: np.ndarray) -> tuple[np.n
 @dataclass(frozen=True)
 class Roster:
     """The sessions a front end is given up front (in any order; more may be offered later, :meth:`FrontEnd.offer`):
-    when each arrives and how long it stays, its phase slot (None: all 0) and its first frame's prompt (None: the
-    stream's)."""
+    when each arrives and how long it stays, its phase slot (None: all 0), its first frame's prompt and its input
+    and output tokens per frame (None: the stream's; a session streams no more tokens a frame than the stream, the
+    most the rebase's room is checked for)."""
 
     arrival_s: np.ndarray
     duration_s: np.ndarray
     phase_slot: np.ndarray | None = None
     prompt_tokens: np.ndarray | None = None
+    input_tokens: np.ndarray | None = None
+    output_tokens: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,13 @@ class FrontEnd:
         self._init_sessions(M)
         if prompt_tokens is not None:  # (vLLM rejects an empty chunk)
             self.prompt_of[:] = np.maximum(np.asarray(prompt_tokens, dtype=np.int64)[order], 1)
+        for given, most, own in ((roster.input_tokens, self.n_in, self.n_in_of),
+                                 (roster.output_tokens, self.n_out, self.n_out_of)):
+            if given is not None:
+                given = np.asarray(given, dtype=np.int64)
+                if given.shape != (M,) or not ((given >= 1) & (given <= most)).all():
+                    raise ValueError(f"a session's tokens per frame are 1 to the stream's {most}, one per session")
+                own[:] = given[order]
         self.offered = M  # sessions known: those given, and those offered since (offer)
 
         self.waiting: deque[int] = deque()  # the front end's FCFS queue (admitted by the gate, not in the engine)

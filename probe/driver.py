@@ -106,6 +106,9 @@ class SessionPlan:
     duration_s: float = math.inf
     prompt_tokens: int = 1  # the first frame carries these extra tokens (at least 1: vLLM rejects an empty chunk)
     phase_slot: int = 0  # its phase, in serving.PHASE_SLOTS per period (workload.draw_phases); 0 in lockstep
+    # its own input and output tokens per frame, at most the stream's (None: the stream's)
+    input_tokens: int | None = None
+    output_tokens: int | None = None
     # live runs only: it also leaves once this many of its frames were answered (whichever comes first), so that a
     # scenario unfolds frame by frame however slow the host (None: by duration_s alone)
     frames: int | None = None
@@ -244,7 +247,9 @@ class Driver(FrontEnd):
         roster = Roster(np.array([p.arrival_s for p in self.plans], dtype=np.float64),
                         np.array([p.duration_s for p in self.plans], dtype=np.float64),
                         np.array([p.phase_slot for p in self.plans], dtype=np.int64),
-                        np.array([p.prompt_tokens for p in self.plans]))
+                        np.array([p.prompt_tokens for p in self.plans]),
+                        np.array([p.input_tokens or cfg.stream.input_tokens_per_frame for p in self.plans]),
+                        np.array([p.output_tokens or cfg.stream.output_tokens_per_frame for p in self.plans]))
         FrontEnd.__init__(self, self.slots, self.policy, self.limits, cfg.stream, roster, cfg.horizon_s, cfg.deadline,
                           controller=self.admission,
                           options=FrontEndOptions(phases=cfg.phases, cap=cfg.cap, rebase_tokens=cfg.rebase_tokens))

@@ -47,6 +47,9 @@ class Scenario:
     # the step jitter's own seed (None: ``seed``): the same workload and phases with another draw of the engine's
     # jitter, as validate asks how far one draw's latency lands from another's
     jitter_seed: int | None = None
+    # a mix of streams: session k (in arrival order) streams token_mix[k % len] (input, output tokens per frame,
+    # at most the stream's); empty: every session the calibration's stream
+    token_mix: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         serving.check_phases(self.phases)
@@ -59,6 +62,10 @@ class Scenario:
             raise MetronomeError("the KV policy's block size differs from the calibration's")
         fm = FillModel(self.calibration, self.policy, self.phases)
         st = self.calibration.stream
+        for n_in, n_out in self.token_mix:
+            if not (1 <= n_in <= st.input_tokens_per_frame and 1 <= n_out <= st.output_tokens_per_frame):
+                raise MetronomeError(f"a stream of the mix has 1 to {st.input_tokens_per_frame} input and 1 to "
+                                     f"{st.output_tokens_per_frame} output tokens a frame, got ({n_in}, {n_out})")
         one = self.policy.resident_blocks(st.prompt_tokens + st.kv_tokens_per_frame)
         if fm.usable_blocks < int(one):
             raise MetronomeError(
@@ -115,8 +122,7 @@ def run(sc: Scenario, fast_forward: bool = True, check_invariants: bool = False,
     arrival, duration = workload(sc)
     env = simpy.Environment()
     controller = sc.admission() if callable(sc.admission) else None
-    eng = SimEngine(env, sc.calibration, sc.policy, Roster(arrival, duration, draw_phases(arrival.size, sc.phases,
-                                                                                        sc.seed)),
+    eng = SimEngine(env, sc.calibration, sc.policy, roster(sc, arrival, duration),
                     sc.horizon_s, sc.deadline, controller=controller, fast_forward=fast_forward,
                     check_invariants=check_invariants, seed=sc.seed if sc.jitter_seed is None else sc.jitter_seed,
                     options=FrontEndOptions(phases=sc.phases, loop=sc.loop),
@@ -330,6 +336,16 @@ def write(result: Result, out_dir: str | Path, replace: bool = False) -> Path:
             pd.DataFrame(result.controller_trace).to_parquet(tmp / "controller.parquet", index=False)
         write_json(tmp / "summary.json", result.summary)
     return Path(out_dir)
+
+
+def roster(sc: Scenario, arrival: np.ndarray, duration: np.ndarray) -> Roster:
+    """The scenario's sessions as a front end takes them: arrivals, durations, phases and the stream each runs."""
+    slots = draw_phases(arrival.size, sc.phases, sc.seed)
+    if not sc.token_mix:
+        return Roster(arrival, duration, slots)
+    mix = np.array(sc.token_mix, dtype=np.int64)[np.arange(arrival.size) % len(sc.token_mix)]
+    order = np.argsort(np.argsort(arrival, kind="stable"), kind="stable")  # each session's place in arrival order
+    return Roster(arrival, duration, slots, input_tokens=mix[order, 0], output_tokens=mix[order, 1])
 
 
 # ------------------------------------------------------------------------------- from plain options

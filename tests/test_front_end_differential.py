@@ -69,8 +69,11 @@ def drive(sc):
                      max_num_batched_tokens=cal.engine.max_num_batched_tokens, max_num_seqs=cal.engine.max_num_seqs,
                      watermark_blocks=cal.engine.watermark_blocks, sleep_min_s=0.0, own_loop=sc.loop == "vllm",
                      latency=lambda rec: lat.step_s(int(rec.slots.size), rec.context_tokens, rec.new_tokens))
+    roster = sc_mod.roster(sc, arrival, duration)  # (each session's stream, when the scenario mixes them)
+    own = roster.input_tokens is not None
     plans = [SessionPlan(str(i), float(arrival[i]), float(duration[i]), max(cal.stream.prompt_tokens, 1),
-                         int(slots[i])) for i in range(arrival.size)]
+                         int(slots[i]), input_tokens=int(roster.input_tokens[i]) if own else None,
+                         output_tokens=int(roster.output_tokens[i]) if own else None) for i in range(arrival.size)]
     cfg = DriverConfig(stream=cal.stream, horizon_s=sc.horizon_s, deadline_s=sc.deadline, policy=policy,
                        phases=sc.phases)
     admission = sc.admission() if callable(sc.admission) else None
@@ -293,3 +296,31 @@ def test_sessions_the_engine_preempts_in_one_step_are_requeued_alike():
     compare(sc_mod.make_scenario(calibration=cal, kv="unbounded", horizon=4.728653817189326, seed=114,
                                  phases="aligned", loop="driver", deadline=0.2, admission="none", sessions=6,
                                  session_duration="exp:2.76"))
+
+
+def test_sessions_that_stream_their_own_token_counts_are_served_alike():
+    """A mix of streams: each session its own input and output tokens a frame (at most the stream's), under both
+    phase regimes and both loops. The driver gives each session its own counts, the simulator's front end and its
+    compiled loop read them per session: every step, frame and session must agree as in the family above, and the
+    compiled loop must have taken part of each run (its steps are the per-session reads under test)."""
+    regimes, fast = Counter(), []
+    for k, sc in random_scenarios(36):
+        st = sc.calibration.stream
+        r = np.random.default_rng([k, 49])
+        mix = tuple((int(r.integers(1, st.input_tokens_per_frame + 1)), int(r.integers(1, st.output_tokens_per_frame
+                                                                                         + 1))) for _ in range(3))
+        if len(set(mix)) < 2:
+            continue
+        sc = replace(sc, token_mix=mix)
+        live, _ = compare(sc)
+        # each session was served its own stream: the frames the driver expected of it are its own output tokens
+        arrival, duration = sc_mod.workload(sc)
+        want = sc_mod.roster(sc, arrival, duration).output_tokens
+        f = pd.DataFrame(live.frames)
+        if len(f):
+            got = f.groupby("session").tokens_expected.agg(set)
+            assert all(got[sid] == {int(want[int(sid)])} for sid in got.index), (mix, got)
+        regimes[sc.phases, sc.loop] += 1
+        fast.append(simulate(sc, True).fast_steps)
+    assert len(regimes) == 4, regimes
+    assert sum(f > 0 for f in fast) >= len(fast) // 2, fast
