@@ -31,7 +31,7 @@ from metronome.kv_policy import KVPolicy
 from metronome.report.answer import fleet_rows, peak_words
 from metronome.sim.capacity import capacity
 from metronome.sim.fleet_config import AutoscalePolicy, EngineType
-from metronome.sim.fleet_plan import plan
+from metronome.sim.fleet_plan import PlanOptions, plan
 from metronome.workload import Arrivals, Durations
 
 PRESETS = ("qwen3-omni-30b-a3b-h200", "qwen3-omni-30b-a3b-b200")
@@ -59,8 +59,8 @@ def main():
         types.append(EngineType.from_capacity(cal, policy, cap))
 
     prices = {PRESETS[0]: a.h200_price, PRESETS[1]: a.b200_price}
-    summary, tables = plan(types, day, SESSIONS, day.pattern_s, max_refusal=0.01, autoscale=AutoscalePolicy(),
-                           prices=prices)
+    summary, tables = plan(types, day, SESSIONS, day.pattern_s,
+                           PlanOptions(max_refusal=0.01, autoscale=AutoscalePolicy(), prices=prices))
     print(f"\noffered: {day.describe()}; peak {peak_words(summary)}; at most 1% refused")
     for c in summary["calibrations"]:
         print(f"\n{c['calibration']} (N* = {c['n_star']})")

@@ -199,14 +199,14 @@ def _params_of(controller) -> dict | None:
     return params.to_dict() if params is not None else None
 
 
-def run(engine, stream, plans, horizon_s: float, controller, out_dir, *, deadline_s=None, metrics_port=None,
-        seed: int = 0, cap: str = "rebase", extra: dict | None = None, on_driver=None, notify=None, policy=None,
-        **config):
+def run(engine, stream, plans, horizon_s: float, controller, out_dir, *, extra: dict | None = None, on_driver=None,
+        notify=None, policy=None, **config):
     """One live run with a controller; writes every output. ``on_driver(driver)`` is called before the run
     starts (tests and the CLI use it to hold the driver, e.g. to ``stop()`` it); ``notify(line)`` hears when the
-    engine dies and comes back. Extra keywords go to :class:`~metronome.probe.driver.DriverConfig` (e.g.
-    ``restart=True``). ``policy``: the KV policy as the user named it (default: read back from the engine's KV
-    spec, which knows only the residency it runs, not which policy asked for it). Returns (RunResult, summary)."""
+    engine dies and comes back. The other keywords are :class:`~metronome.probe.driver.DriverConfig`'s (e.g.
+    ``deadline_s``, ``prometheus_port``, ``seed``, ``restart=True``; ``cap`` is ``rebase`` unless given).
+    ``policy``: the KV policy as the user named it (default: read back from the engine's KV spec, which knows only
+    the residency it runs, not which policy asked for it). Returns (RunResult, summary)."""
     from metronome.probe.driver import Driver, DriverConfig
 
     out = Path(out_dir)
@@ -217,8 +217,8 @@ def run(engine, stream, plans, horizon_s: float, controller, out_dir, *, deadlin
         raise MetronomeError(f"the engine runs {engine.policy.describe()}, not {policy.describe()}")
     if policy.bounded:
         config.setdefault("rebase_tokens", policy.rebase_tokens())
-    cfg = DriverConfig(stream=stream, horizon_s=horizon_s, run=policy.describe(), policy=policy, deadline_s=deadline_s,
-                       prometheus_port=metrics_port, seed=seed, cap=cap, **config)
+    config.setdefault("cap", "rebase")
+    cfg = DriverConfig(stream=stream, horizon_s=horizon_s, run=policy.describe(), policy=policy, **config)
     engine.reset()
     # rows live in the journals, not in memory, while the run lasts: a long run's memory stays flat
     driver = Driver(engine, cfg, admission=controller, out_dir=out, notify=notify, retain=False)
@@ -300,7 +300,7 @@ def main(opts: RunOptions, echo=print, err=print) -> int:
                         driver.stop(stop_box["signal"][1])
 
                 res, summary = run(engine, stream, plans, opts.horizon_s, controller, work, deadline_s=deadline,
-                                   metrics_port=opts.metrics_port, seed=opts.seed,
+                                   prometheus_port=opts.metrics_port, seed=opts.seed,
                                    cap="rebase" if checked.policy.bounded else "finish",
                                    extra={"options": options, "engine": engine.describe(),
                                           "arrivals": checked.arrivals.describe(),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -141,13 +141,29 @@ def _day_task(cfg: FleetConfig) -> FleetResult:
     return simulate(cfg)
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """What :func:`plan` sizes for and how: the most refused (``max_refusal``), the routers and seeds simulated, a
+    fleet size to run instead of the sized one (``engines``), each engine's admission (``controller``,
+    ``aimd_params``), an autoscaler to run beside the static fleet, prices in USD per GPU-hour by calibration name,
+    and the peak's window."""
+
+    max_refusal: float = DEFAULT_MAX_REFUSAL
+    routers: Sequence[str] = ("least-loaded",)
+    seeds: Sequence[int] = (0,)
+    engines: int | None = None
+    controller: str = "static"
+    aimd_params: AIMDParams | None = None
+    autoscale: AutoscalePolicy | None = None
+    prices: dict[str, float] | None = None
+    peak_window_s: float = 3600.0
+
+
 def plan(engine_types: Sequence[EngineType], arrivals: Arrivals, durations: Durations, horizon_s: float,
-         max_refusal: float = DEFAULT_MAX_REFUSAL, routers: Sequence[str] = ("least-loaded",), seeds: Sequence[int] = (0,),
-         engines: int | None = None, controller: str = "static", aimd_params: AIMDParams | None = None,
-         autoscale: AutoscalePolicy | None = None, prices: dict[str, float] | None = None,
-         peak_window_s: float = 3600.0, executor=None, progress: Callable[[str, int], Callable[[int], None]] | None = None
-         ) -> tuple[dict, dict[str, pd.DataFrame]]:
-    """How many engines of each type carry ``arrivals`` with at most ``max_refusal`` refused, and at what cost.
+         options: PlanOptions = PlanOptions(), executor=None,
+         progress: Callable[[str, int], Callable[[int], None]] | None = None) -> tuple[dict, dict[str, pd.DataFrame]]:
+    """How many engines of each type carry ``arrivals`` with at most ``max_refusal`` refused, and at what cost
+    (``options``: :class:`PlanOptions`).
 
     Per engine type: the closed form at the peak (Erlang B, pooled and random routing; the offered load is the
     peak rate × the mean session length); per router, the simulated size at the peak (:func:`size_by_simulation`
@@ -156,6 +172,10 @@ def plan(engine_types: Sequence[EngineType], arrivals: Arrivals, durations: Dura
     USD per GPU-hour by calibration name, for the cost per 1,000 session-hours.
 
     Returns ``(summary, tables)``: tables ``bins`` (per bin of each day run) and ``engines`` (per engine per bin)."""
+    o = options
+    max_refusal, routers, seeds, engines, controller, aimd_params, autoscale, prices, peak_window_s = (
+        o.max_refusal, o.routers, o.seeds, o.engines, o.controller, o.aimd_params, o.autoscale, o.prices,
+        o.peak_window_s)
     check_refusal(max_refusal)
     prices = check_prices(prices or {}, [et.name for et in engine_types])
     for r in routers:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -349,17 +349,42 @@ def roster(sc: Scenario, arrival: np.ndarray, duration: np.ndarray) -> Roster:
 
 
 # ------------------------------------------------------------------------------- from plain options
-def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "unbounded", sessions: int | None = None,
-                  arrival_rate: float | None = None, ramp_s: float | None = None,
-                  session_duration: str | float | None = None, horizon: float = 600.0, seed: int = 0,
-                  deadline: float | None = None, admission: str = "none", aimd_params: str | dict | None = None,
-                  num_blocks: int | None = None, rate_pattern: str | None = None,
-                  phases: str = "independent", loop: str = "driver", **policy_params) -> Scenario:
-    """Build a scenario from the CLI's plain values (a what-if grid point is such a dict); ``policy_params`` are
-    the KV policy's (``window=368, sinks=16``: :func:`metronome.kv_policy.policy_params`)."""
+@dataclass(frozen=True)
+class PlainOptions:
+    """A scenario's plain values, as the CLI and a what-if grid point give them (:func:`make_scenario`): the
+    workload (``sessions`` at t=0 or over ``ramp_s``, or Poisson at ``arrival_rate``, or a ``rate_pattern``; each
+    lasting ``session_duration``), the run (``horizon`` and ``deadline`` in seconds, ``seed``, ``phases``,
+    ``loop``), the admission (``admission``, ``aimd_params``) and the pool (``num_blocks``)."""
+
+    sessions: int | None = None
+    arrival_rate: float | None = None
+    ramp_s: float | None = None
+    session_duration: str | float | None = None
+    horizon: float = 600.0
+    seed: int = 0
+    deadline: float | None = None
+    admission: str = "none"
+    aimd_params: str | dict | None = None
+    num_blocks: int | None = None
+    rate_pattern: str | None = None
+    phases: str = "independent"
+    loop: str = "driver"
+
+
+PLAIN_NAMES = frozenset(f.name for f in fields(PlainOptions))
+
+
+def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "unbounded", **values) -> Scenario:
+    """Build a scenario from the CLI's plain values (a what-if grid point is such a dict): ``values`` are
+    :class:`PlainOptions`' and the KV policy's (``window=368, sinks=16``: :func:`metronome.kv_policy.policy_params`)."""
     from metronome import calibration as calmod
     from metronome.kv_policy import make_policy
 
+    o = PlainOptions(**{k: v for k, v in values.items() if k in PLAIN_NAMES})
+    policy_params = {k: v for k, v in values.items() if k not in PLAIN_NAMES}
+    sessions, arrival_rate, ramp_s, session_duration, rate_pattern = (o.sessions, o.arrival_rate, o.ramp_s,
+                                                                      o.session_duration, o.rate_pattern)
+    num_blocks, deadline = o.num_blocks, o.deadline
     cal = calibration if isinstance(calibration, Calibration) else calmod.load(calibration)
     if num_blocks is not None:
         if num_blocks <= 0:
@@ -387,9 +412,9 @@ def make_scenario(calibration: str | Calibration = "moshi-7b-h200", kv: str = "u
     durations = None
     if session_duration not in (None, ""):
         durations = Durations.parse(str(session_duration))
-    label, factory = _admission(admission, aimd_params, deadline or cal.stream.frame_period_s)
-    return Scenario(cal, policy, arrivals, float(horizon), durations=durations, seed=int(seed),
-                    deadline_s=deadline, admission=factory, admission_label=label, phases=phases, loop=loop)
+    label, factory = _admission(o.admission, o.aimd_params, deadline or cal.stream.frame_period_s)
+    return Scenario(cal, policy, arrivals, float(o.horizon), durations=durations, seed=int(o.seed),
+                    deadline_s=deadline, admission=factory, admission_label=label, phases=o.phases, loop=o.loop)
 
 
 def _admission(spec: str | None, aimd_params, deadline_s: float):

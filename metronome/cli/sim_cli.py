@@ -597,7 +597,7 @@ def cmd_fleet(args) -> int:
     from metronome.outputs import atomic_dir, write_json
     from metronome.report.answer import fleet_hours_table, fleet_rows, peak_words
     from metronome.sim.fleet_config import EngineType, capacity_cached
-    from metronome.sim.fleet_plan import hour_series, plan
+    from metronome.sim.fleet_plan import PlanOptions, hour_series, plan
 
     out = out_dir(args)
     engines, arrivals, durations, horizon, routers, autoscale, params, prices = _fleet_inputs(args)
@@ -612,10 +612,10 @@ def cmd_fleet(args) -> int:
         types.append(EngineType.from_capacity(cal, policy, cap))
     seeds = list(range(args.seed, args.seed + args.seeds))
     with _phases(con, transient=True) as phase:
-        summary, tables = plan(types, arrivals, durations, horizon, args.max_refusal, routers, seeds,
-                               engines=args.engines, controller=args.admission, aimd_params=params,
-                               autoscale=autoscale, prices=prices, peak_window_s=args.peak_window,
-                               executor=executor, progress=phase)
+        options = PlanOptions(max_refusal=args.max_refusal, routers=routers, seeds=seeds, engines=args.engines,
+                              controller=args.admission, aimd_params=params, autoscale=autoscale, prices=prices,
+                              peak_window_s=args.peak_window)
+        summary, tables = plan(types, arrivals, durations, horizon, options, executor=executor, progress=phase)
     summary["offered_load"] = arrivals.describe()
     summary["session_durations"] = durations.describe()
     with con.status("capacity without the bound, for comparison ..."):

@@ -126,7 +126,7 @@ def test_aimd_run_outputs_and_prometheus_scrape(engine, tmp_path):
     plans = make_plans(Arrivals("poisson", rate_per_s=3.0), Durations.parse("3"), 6.0, seed=1)
     box = {}
     th = threading.Thread(target=lambda: box.update(res=run(engine, STREAM, plans, 6.0, ctl, tmp_path,
-                                                            metrics_port=port, deadline_s=0.1)))
+                                                            prometheus_port=port, deadline_s=0.1)))
     th.start()
     scrapes = []
     deadline = time.time() + 60
@@ -209,7 +209,7 @@ def test_dead_signal_stalled_engine(engine, tmp_path):
 
     box = {}
     th = threading.Thread(target=lambda: box.update(res=run(eng, STREAM, plans, 7.0, ctl, tmp_path, deadline_s=0.1,
-                                                            metrics_port=port, on_driver=hold)))
+                                                            prometheus_port=port, on_driver=hold)))
     th.start()
     seen_silent = False
     while th.is_alive():
