@@ -100,6 +100,10 @@ Rows = namedtuple("Rows", "st_t st_lat st_i fr_f fr_tick fr_done fr_lat fr_i")
 # the step jitter: each step's ratio (independent), or each step's own score and the shared and frame-only parts of
 # the frames from CONF.f_lo on, with the table of the ratio's distribution (correlated)
 Draws = namedtuple("Draws", "jit jz ja jb jp jr")
+# where a frame answered goes (the moment's answers, Span.key/who/tok) and the counts it updates (Sessions'): the
+# small record the rules that answer a frame take (a whole Sessions record at each of their call sites was a third
+# of the loop's compile time)
+Tally = namedtuple("Tally", "pslot s_frames s_silent key who tok")
 # flush's arguments from the step-by-step path (the loop hands it its own records, which have these fields too)
 Answers = namedtuple("Answers", "key who tok work")
 Owners = namedtuple("Owners", "state s_admitted s_late")
@@ -134,7 +138,20 @@ _join_frame = nb.njit(cache=True)(serving.join_frame)
 _silent_cause = nb.njit(cache=True)(results.silent_cause)
 
 
-@nb.njit(cache=True)
+# A small rule called from several places in the loop is spliced into each caller by numba (inline="always": its
+# body joins the caller's before either is compiled): a call hands the callee every array of the records it takes,
+# and those records at each call site made LLVM's share of the loop's compile time grow by a third.
+_spliced = nb.njit(cache=True, inline="always", no_cpython_wrapper=True, no_cfunc_wrapper=True)
+# The loop's parts are called from compiled code only: numba's wrapper for a call from Python (which unboxes every
+# array of every record a part takes) is left out, as is its C callback.
+_bare = dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
+_njit = nb.njit(cache=True, **_bare)
+_inlined = nb.njit(cache=True, _nrt=False, forceinline=True, **_bare)
+_uncounted = nb.njit(cache=True, _nrt=False, forceinline=False, **_bare)
+_counted = nb.njit(cache=True, _nrt=True, forceinline=False, **_bare)
+
+
+@_njit
 def _tick(f, P, ph):
     return f * P + ph
 
@@ -189,7 +206,7 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
     return nrows
 
 
-@compiled.counted  # (it allocates)
+@_counted  # (it allocates)
 def _wheel(live, ss, P):
     """The sessions by phase slot (slot k's: ``who[start[k]:start[k + 1]]``) and each slot's next tick: the live
     ones, and those yet to arrive in the span (they tick once they arrive, :func:`_arrive`).
@@ -223,7 +240,7 @@ def _wheel(live, ss, P):
     return start, who, tick, ok
 
 
-@nb.njit(cache=True)
+@_njit
 def _due_sessions(now, eps, w, n_ready, state):
     """The sessions a turn at ``now`` visits (into ``w.visit``): those of the slots that came due, then those whose
     frame was answered in the last step with frames still queued (``w.ready``); not those that departed. Returns how
@@ -242,41 +259,41 @@ def _due_sessions(now, eps, w, n_ready, state):
     return n
 
 
-@nb.njit(cache=True)
+@_njit
 def _live(st):
     return WAITING <= st <= RUNNING
 
 
-@nb.njit(cache=True)
+@_njit
 def _placeless(st):
     """Waiting at the front end or re-prefilling: its frames are answered silent (FrontEnd._queues)."""
     return st == WAITING or st == PREFILL
 
 
-@nb.njit(cache=True)
-def _slot_tick(k, w, ss, P):
+@_spliced
+def _slot_tick(k, start, who, state, next_frame, phase, P):
     """Slot ``k``'s next tick: its live sessions' (all on one frame), or never when all of them departed."""
-    for q in range(w.wheel_start[k], w.wheel_start[k + 1]):
-        i = w.wheel_who[q]
-        if _live(ss.state[i]):
-            return _tick(ss.next_frame[i], P, ss.phase[i])
+    for q in range(start[k], start[k + 1]):
+        i = who[q]
+        if _live(state[i]):
+            return _tick(next_frame[i], P, phase[i])
     return np.inf
 
 
-@nb.njit(cache=True)
-def _first_chunk(i, ss):
+@_spliced
+def _first_chunk(i, prompt_of, pending_in, n_in_of):
     """Session ``i``'s first frame's tokens (FrontEnd._request_tokens): its prompt, the input of its silent frames
     and its own."""
-    return ss.prompt_of[i] + ss.pending_in[i] + ss.n_in_of[i]
+    return prompt_of[i] + pending_in[i] + n_in_of[i]
 
 
-@nb.njit(cache=True)
+@_spliced
 def _first_fits(i, ss, maxlen):
     """Whether session ``i``'s first frame fits the length limit (FrontEnd._submit: serving.frame_fits)."""
-    return ss.hist[i] + _first_chunk(i, ss) + ss.n_out_of[i] < maxlen
+    return ss.hist[i] + _first_chunk(i, ss.prompt_of, ss.pending_in, ss.n_in_of) + ss.n_out_of[i] < maxlen
 
 
-@compiled.inlined
+@_inlined
 def _turn_fits(now, n_visit, c, ss, w, eng, room):
     """The turn's checks: every due frame of the visited sessions is one the compiled turn takes as the
     step-by-step one would (a running session's, on a paused request or, its first, on a new one for which the
@@ -308,8 +325,8 @@ def _turn_fits(now, n_visit, c, ss, w, eng, room):
     return True, n_ans, room
 
 
-@compiled.inlined
-def _queue_due(now, n_visit, c, s, ss, fe, w, n_ans):
+@_inlined
+def _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans):
     """The turn, first half: frames that came due are queued (a running session's) or owed silent (a session
     waiting at the front end: FrontEnd._tick_one's quiet branch and _owe), after the ``n_ans`` answers already
     written. Returns the answers."""
@@ -321,7 +338,7 @@ def _queue_due(now, n_visit, c, s, ss, fe, w, n_ans):
             continue
         if _placeless(ss.state[i]):
             while _tick(ss.next_frame[i], P, ph) <= now + eps:
-                n_ans = _owe(i, ss.next_frame[i], np.int64(0), c, s, ss, fe, w, n_ans)
+                n_ans = _owe(i, ss.next_frame[i], np.int64(0), c.lockstep, s, fe.pend, a, n_ans)
                 ss.next_frame[i] += 1
                 ss.pending_in[i] += ss.n_in_of[i]
             continue
@@ -339,7 +356,7 @@ def _queue_due(now, n_visit, c, s, ss, fe, w, n_ans):
     return n_ans
 
 
-@nb.njit(cache=True)
+@_spliced
 def _hand_over(i, sl, chunk, ss, fe, steps):
     """Session ``i``'s oldest queued frame is in its request ``sl`` now (FrontEnd._submit's books). Returns it."""
     fe.fresh[sl] = True
@@ -353,7 +370,7 @@ def _hand_over(i, sl, chunk, ss, fe, steps):
     return f
 
 
-@nb.njit(cache=True)
+@_njit
 def _sort_in_place(a):
     """Sort the few ints of ``a`` (a turn's first frames) by insertion: numba's sort allocates, and the turn is
     compiled without numba's reference counting (``_turn``), so nothing it calls may allocate."""
@@ -366,7 +383,7 @@ def _sort_in_place(a):
         a[k + 1] = x
 
 
-@compiled.inlined
+@_inlined
 def _submit_due(n_visit, s, ss, fe, w, eng):
     """The turn, second half: a paused session's oldest queued frame is handed to its request
     (EngineModel.append_many: serving.resume_slot), which waits in its place in the kv-holding queue; then a
@@ -400,7 +417,7 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
         if i == last:
             continue
         last = i
-        first = _first_chunk(i, ss)
+        first = _first_chunk(i, ss.prompt_of, ss.pending_in, ss.n_in_of)
         sl = add_slot(ss.hist[i] + first, ss.n_out_of[i], eng.cnt, eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
         ss.slot[i], fe.sess_of_slot[sl], ss.started[i], ss.pending_in[i] = sl, i, True, 0
         fe.new_i[n_new], fe.new_s[n_new], fe.new_k[n_new] = i, sl, NEW_FIRST
@@ -411,7 +428,7 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
     return n_sub, latest
 
 
-@compiled.uncounted
+@_uncounted
 def _step_latency(coef, c, o_n, first, step_no, sframe, dr):
     """StepLatencyModel.step_s of the step ``o_n`` counts (the same sums in the same order, bit for bit), the
     first-step term, the jitter."""
@@ -429,7 +446,7 @@ def _step_latency(coef, c, o_n, first, step_no, sframe, dr):
     return lat
 
 
-@compiled.uncounted
+@_uncounted
 def _tokens_to_frames(now, s, ss, fe, w, eng):
     """FrontEnd._after_step: a re-prefill that sampled is done (the token starts its next chunk: the session
     runs from now); sampled tokens go to their frames; a frame with all its tokens is answered (its tick key,
@@ -465,7 +482,7 @@ def _tokens_to_frames(now, s, ss, fe, w, eng):
     return tokens_out, n_done, n_ready
 
 
-@compiled.uncounted
+@_uncounted
 def _victims(ss, fe, w, eng):
     """FrontEnd._preempt_after_step's choice, after a step that scheduled something (a stall is the caller's):
     the sessions whose requests the engine preempted, then the deadlock rule's victims (serving.deadlock_pick)
@@ -524,7 +541,7 @@ def _victims(ss, fe, w, eng):
     return n_vic, owed
 
 
-@compiled.uncounted
+@_spliced
 def _starved_need(sl, ss, fe, eng, step_no):
     """Blocks request ``sl`` is starved for (serving.resume_need), 0 if it is not starved: its session's work (a
     frame, or a re-prefill) was handed over before the step, and it waits in the engine (EngineModel.waiting_of).
@@ -539,7 +556,7 @@ def _starved_need(sl, ss, fe, eng, step_no):
     return 0
 
 
-@nb.njit(cache=True)
+@_spliced
 def _abort(i, ss, fe, eng):
     """Session ``i``'s request aborted (EngineModel.abort: serving.abort_slot), if it has one (none before its first
     frame); the caller forgets its id."""
@@ -551,8 +568,8 @@ def _abort(i, ss, fe, eng):
     return sl
 
 
-@compiled.uncounted
-def _preempt_session(i, c, s, ss, fe, w, eng, n_ans):
+@_uncounted
+def _preempt_session(i, c, s, ss, fe, a, eng, n_ans):
     """FrontEnd._preempt: the session's request goes (the caller forgets its id); its frame in flight is owed
     with what it got, its queued frames silent (their input joins its history); it waits at the head of the front
     end's queue. An owed frame is answered now, or in lockstep with its tick's running frames. Returns the
@@ -570,7 +587,7 @@ def _preempt_session(i, c, s, ss, fe, w, eng, n_ans):
         if q < 0 and ss.inflight[i] < 0:
             continue
         f, tok = (ss.inflight[i], ss.inflight_tok[i]) if q < 0 else (f0 + q, np.int64(0))
-        n_ans = _owe(i, f, tok, c, s, ss, fe, w, n_ans)
+        n_ans = _owe(i, f, tok, c.lockstep, s, fe.pend, a, n_ans)
     ss.pending_in[i] += ss.n_in_of[i] * ss.backlog[i]
     ss.inflight[i] = -1
     ss.backlog[i] = 0
@@ -585,7 +602,7 @@ def _preempt_session(i, c, s, ss, fe, w, eng, n_ans):
     return n_ans
 
 
-@nb.njit(cache=True)
+@_njit
 def _departures_due(now, s, ss, fe, held):
     """The departures due at a turn at ``now``, in FrontEnd._turn's order (its heap's): where they end in
     ``fe.dep_t``, the blocks they free and (at most) the frames they leave owed."""
@@ -605,7 +622,7 @@ def _departures_due(now, s, ss, fe, held):
     return k, freed, owed
 
 
-@nb.njit(cache=True)
+@_njit
 def _book_departure(t, i, s, fe):
     """FrontEnd._enter's departure: ``(t, i)`` into the departures still to come, in the heap's order."""
     dep_t, dep_i = fe.dep_t, fe.dep_i
@@ -617,7 +634,7 @@ def _book_departure(t, i, s, fe):
     s.ndeps += 1
 
 
-@nb.njit(cache=True)
+@_njit
 def _arrive(now, c, s, ss, fe, w, ctl):
     """FrontEnd._turn's arrivals (those up to ``now``): each passes the gate (the controller's may_admit,
     compiled) with the sessions in flight, or is refused (the caller names the reason). One let in waits at the
@@ -644,7 +661,7 @@ def _arrive(now, c, s, ss, fe, w, ctl):
         w.tick[k] = min(w.tick[k], _tick(nf, c.P, ss.phase[i]))  # (its slot's others, if any, tick no later)
 
 
-@nb.njit(cache=True)
+@_njit
 def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
     """FrontEnd._admit's FCFS pass (serving.admit_fcfs), planned: how many heads of the front end's queue (less
     those ``leaving`` before it) get the blocks vLLM's gate wants (serving.admission_need_blocks), none right after a
@@ -660,7 +677,7 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
             gone = gone or d == i
         if gone:
             continue
-        tok = ss.hist[i] + ss.pending_in[i] if ss.started[i] else _first_chunk(i, ss)
+        tok = ss.hist[i] + ss.pending_in[i] if ss.started[i] else _first_chunk(i, ss.prompt_of, ss.pending_in, ss.n_in_of)
         need = gate_blocks_jit(tok, lim[L_BS], lim[L_CAP], 0)
         if need > free:
             break
@@ -677,7 +694,7 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
     return n
 
 
-@nb.njit(cache=True)
+@_njit
 def _admit(now, n, c, s, ss, fe, eng):
     """The ``n`` heads of the front end's queue are admitted (FrontEnd._admit): a new session runs from its
     first frame's tick, which hands its prompt to the engine; one that lost its place comes back as a new request
@@ -707,7 +724,7 @@ def _admit(now, n, c, s, ss, fe, eng):
         ss.work_step[i] = eng.cnt[E_STEPS]
 
 
-@nb.njit(cache=True)
+@_njit
 def _leave_queue(i, s, fe):
     """Session ``i`` leaves the front end's queue (it departed while waiting)."""
     q = fe.queue
@@ -719,42 +736,43 @@ def _leave_queue(i, s, fe):
     s.nwait -= 1
 
 
-@nb.njit(cache=True)
-def _answer(i, f, tok, ss, w, n_ans):
+@_spliced
+def _answer(i, f, tok, a, n_ans):
     """FrontEnd._answer_many of one frame: session ``i``'s frame ``f`` answered now with ``tok`` tokens (its tick
-    key, session and tokens appended to the answers, its counts kept). Returns the answers."""
-    w.key[n_ans] = f * PHASE_SLOTS + ss.pslot[i]  # serving.tick_key
-    w.who[n_ans] = i
-    w.tok[n_ans] = tok
-    ss.s_frames[i] += 1
+    key, session and tokens appended to the answers, its counts kept: ``a``, a :class:`Tally`). Returns the
+    answers."""
+    a.key[n_ans] = f * PHASE_SLOTS + a.pslot[i]  # serving.tick_key
+    a.who[n_ans] = i
+    a.tok[n_ans] = tok
+    a.s_frames[i] += 1
     if tok == 0:  # serving.frame_is_silent
-        ss.s_silent[i] += 1
+        a.s_silent[i] += 1
     return n_ans + 1
 
 
-@nb.njit(cache=True)
-def _owe(i, f, tok, c, s, ss, fe, w, n_ans):
+@_spliced
+def _owe(i, f, tok, lockstep, s, pend, a, n_ans):
     """FrontEnd._owe of one frame: session ``i``'s frame ``f``, owed with the ``tok`` tokens it got while it has no
     place, is answered now or, in lockstep, waits for its tick's running frames (:func:`_answer_silent`). Returns
     the answers."""
-    if c.lockstep:  # (a tick in lockstep is its frame index: every phase is 0)
-        fe.pend[s.npend, 0], fe.pend[s.npend, 1], fe.pend[s.npend, 2] = i, f, tok
+    if lockstep:  # (a tick in lockstep is its frame index: every phase is 0)
+        pend[s.npend, 0], pend[s.npend, 1], pend[s.npend, 2] = i, f, tok
         s.npend += 1
         return n_ans
-    return _answer(i, f, tok, ss, w, n_ans)
+    return _answer(i, f, tok, a, n_ans)
 
 
-@nb.njit(cache=True)
-def _owed(i, f, tok, now, c, ss, w, n_ans):
+@_spliced
+def _owed(i, f, tok, now, c, phase, a, n_ans):
     """A departed session's frame ``f``, with the ``tok`` tokens it got: answered if its deadline has passed (else
     censored), as FrontEnd._end does. Returns the answers."""
-    if _tick(f, c.P, ss.phase[i]) + c.deadline <= now + c.eps:
-        n_ans = _answer(i, f, tok, ss, w, n_ans)
+    if _tick(f, c.P, phase[i]) + c.deadline <= now + c.eps:
+        n_ans = _answer(i, f, tok, a, n_ans)
     return n_ans
 
 
-@nb.njit(cache=True)
-def _depart(i, now, c, s, ss, fe, w, eng, n_ans):
+@_njit
+def _depart(i, now, c, s, ss, fe, a, eng, n_ans):
     """FrontEnd._end of a session that departs: its request aborted, or its place in the front end's queue given
     up, then the frames it is owed (the lockstep's held ones, the one in the engine, the queued ones) answered once
     their deadline has passed. Returns the answers."""
@@ -769,16 +787,16 @@ def _depart(i, now, c, s, ss, fe, w, eng, n_ans):
     m = s.phead
     for q in range(m, s.npend):
         if pend[q, 0] == i:
-            n_ans = _owed(i, pend[q, 1], pend[q, 2], now, c, ss, w, n_ans)
+            n_ans = _owed(i, pend[q, 1], pend[q, 2], now, c, ss.phase, a, n_ans)
         else:
             pend[m, 0], pend[m, 1], pend[m, 2] = pend[q, 0], pend[q, 1], pend[q, 2]
             m += 1
     s.npend = m
     s.psorted = s.phead  # (the rows moved: their order is checked again when next needed)
     if ss.inflight[i] >= 0:
-        n_ans = _owed(i, ss.inflight[i], ss.inflight_tok[i], now, c, ss, w, n_ans)
+        n_ans = _owed(i, ss.inflight[i], ss.inflight_tok[i], now, c, ss.phase, a, n_ans)
     for f in range(ss.next_frame[i] - ss.backlog[i], ss.next_frame[i]):
-        n_ans = _owed(i, f, np.int64(0), now, c, ss, w, n_ans)
+        n_ans = _owed(i, f, np.int64(0), now, c, ss.phase, a, n_ans)
     ss.inflight[i] = -1
     ss.backlog[i] = 0
     ss.state[i] = ENDED
@@ -786,7 +804,7 @@ def _depart(i, now, c, s, ss, fe, w, eng, n_ans):
     return n_ans
 
 
-@compiled.inlined
+@_inlined
 def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
     """The checks of the turn at ``now``, after its arrivals: the sessions it visits, whether this loop takes the
     rest as FrontEnd._turn would (_turn_fits, the departures, the admissions, room for the answers) and what it
@@ -808,8 +826,8 @@ def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
 # _sort_in_place, serving.key_order_in); what allocates, and everything it reaches in other modules, is made with
 # compiled.counted, which keeps the counting, or, if it allocates nothing, with compiled.uncounted or
 # compiled.inlined: either way its flags are its own, not the turn's. This module's own helpers take the turn's.
-@compiled.inlined
-def _turn(now, c, s, ss, fe, w, eng, rec, ctl, n_ready, live):
+@_inlined
+def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
     """The front end's turn at ``now`` (FrontEnd._turn): the arrivals, then, if the checks pass (:func:`_turn_plan`;
     else the caller takes the rest of the turn), the departures due, the admissions and the sessions whose frames
     came due (_ticks, _answer_silent). None of it when the span ends here: at its next event, after its steps, or
@@ -828,25 +846,25 @@ def _turn(now, c, s, ss, fe, w, eng, rec, ctl, n_ready, live):
     for k in range(s.dep, k1):
         i = fe.dep_i[k]
         if _live(ss.state[i]):
-            n_ans = _depart(i, now, c, s, ss, fe, w, eng, n_ans)
+            n_ans = _depart(i, now, c, s, ss, fe, a, eng, n_ans)
             sl = ss.pslot[i]
             if w.tick[sl] > now + c.eps:  # its slot may have no one left to tick
-                w.tick[sl] = _slot_tick(sl, w, ss, c.P)
+                w.tick[sl] = _slot_tick(sl, w.wheel_start, w.wheel_who, ss.state, ss.next_frame, ss.phase, c.P)
     s.dep = k1
     if n_adm:  # (rare: a call with all it needs costs every turn)
         _admit(now, n_adm, c, s, ss, fe, eng)
-    n_ans = _queue_due(now, n_visit, c, s, ss, fe, w, n_ans)
+    n_ans = _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans)
     for k in range(PHASE_SLOTS):
         if w.tick[k] <= now + c.eps:  # the slot's sessions moved on together
-            w.tick[k] = _slot_tick(k, w, ss, c.P)
+            w.tick[k] = _slot_tick(k, w.wheel_start, w.wheel_who, ss.state, ss.next_frame, ss.phase, c.P)
     n_sub, latest = _submit_due(n_visit, s, ss, fe, w, eng)
     if c.lockstep:
-        n_ans = _answer_silent(s, ss, fe, w, n_ans)
+        n_ans = _answer_silent(s, ss, fe, w, a, n_ans)
     _answered(now, n_ans, c, s, ss, w, rec, ctl)
     return True, n_sub, latest
 
 
-@compiled.inlined
+@_inlined
 def _answered(now, n_ans, c, s, ss, w, rec, ctl):
     """The moment's answers recorded (:func:`flush`) and told to a compiled controller as SimEngine._flush_answers
     tells it (row by row; all at one moment: control_kernel.observe_moment)."""
@@ -861,8 +879,8 @@ def _answered(now, n_ans, c, s, ss, w, rec, ctl):
                           rec.fr_i[R_FRAMES][r0:s.nrows], rec.fr_i[R_SILENT][r0:s.nrows])
 
 
-@nb.njit(cache=True)
-def _answer_silent(s, ss, fe, w, n_ans):
+@_njit
+def _answer_silent(s, ss, fe, w, a, n_ans):
     """FrontEnd._answer_silent (lockstep): frames owed to sessions without a place (``fe.pend``'s rows
     ``s.phead:s.npend``: session, frame, tokens got) are answered once every running session's frame of their
     tick is done (``w.run_sess``: the sessions the span may see). Appends them to the answers, in the rows' order;
@@ -890,7 +908,7 @@ def _answer_silent(s, ss, fe, w, n_ans):
         k += 1
     if k >= n_pend:
         while h < n_pend and pend[h, 1] < unfinished:
-            n_ans = _answer(pend[h, 0], pend[h, 1], pend[h, 2], ss, w, n_ans)
+            n_ans = _answer(pend[h, 0], pend[h, 1], pend[h, 2], a, n_ans)
             h += 1
         if h == n_pend:  # none owed: the rows start again at 0
             s.phead = s.psorted = s.npend = 0
@@ -901,7 +919,7 @@ def _answer_silent(s, ss, fe, w, n_ans):
     for q in range(h, n_pend):
         i, f = pend[q, 0], pend[q, 1]
         if f < unfinished:
-            n_ans = _answer(i, f, pend[q, 2], ss, w, n_ans)
+            n_ans = _answer(i, f, pend[q, 2], a, n_ans)
         else:
             pend[m, 0], pend[m, 1], pend[m, 2] = i, f, pend[q, 2]
             m += 1
@@ -909,26 +927,27 @@ def _answer_silent(s, ss, fe, w, n_ans):
     return n_ans
 
 
-@compiled.uncounted
-def _preempt_all(step_start, n_vic, c, s, ss, fe, w, eng, n_ans):
+@_uncounted
+def _preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans):
     """After the tokens of a step that started at ``step_start``, the ``n_vic`` sessions of ``w.vic`` preempted
     (:func:`_preempt_session`; the first ever dates t_sat). Returns the answers."""
     for v in range(n_vic):
-        n_ans = _preempt_session(w.vic[v], c, s, ss, fe, w, eng, n_ans)
+        n_ans = _preempt_session(w.vic[v], c, s, ss, fe, a, eng, n_ans)
     if np.isnan(s.t_sat):
         s.t_sat = step_start
     return n_ans
 
 
-@compiled.inlined
-def _answer_step(now, step_start, lat, c, s, ss, fe, w, rec, ctl, o_n, counts):
+@_inlined
+def _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts):
     """A step that started at ``step_start``, took ``lat`` and ended at ``now``, its tokens gone to their frames
-    and its victims preempted (``counts``: answers up to the frames done, all answers, tokens out, victims): in
+    and its victims preempted (``counts``: answers up to the frames done, all answers, tokens out, victims, and
+    the step's batch, new and context tokens and blocks used): in
     lockstep the silent frames they held back, then all answered, one row per tick, and the step's row
     (FrontEnd._after_step)."""
-    n_done, n_ans, tokens_out, n_vic = counts
+    n_done, n_ans, tokens_out, n_vic, batch, new_tokens, ctx, used = counts
     if s.npend:
-        n_ans = _answer_silent(s, ss, fe, w, n_ans)
+        n_ans = _answer_silent(s, ss, fe, w, a, n_ans)
     _answered(now, n_ans, c, s, ss, w, rec, ctl)
     k = s.step0 + s.nsteps
     silent = 0
@@ -936,15 +955,14 @@ def _answer_step(now, step_start, lat, c, s, ss, fe, w, rec, ctl, o_n, counts):
         if w.tok[j] == 0:  # serving.frame_is_silent
             silent += 1
     st_i = rec.st_i
-    st_i[Q_BATCH, k], st_i[Q_NEW, k], st_i[Q_CTX, k], st_i[Q_USED, k] = o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], \
-        o_n[O_USED]
+    st_i[Q_BATCH, k], st_i[Q_NEW, k], st_i[Q_CTX, k], st_i[Q_USED, k] = batch, new_tokens, ctx, used
     st_i[Q_OUT, k], st_i[Q_DONE, k], st_i[Q_SILENT, k] = tokens_out, n_ans, silent
     # running (not re-prefilling) and waiting at the front end (the caller fills the free blocks)
     st_i[Q_RUNNING, k], st_i[Q_WAITING, k], st_i[Q_PRE, k] = s.nrun - s.npf, s.nwait, n_vic
     rec.st_t[k], rec.st_lat[k] = step_start, lat
 
 
-@compiled.counted  # (it allocates)
+@_counted  # (it allocates)
 def _queued_behind(live, ss):
     """Running sessions with frames queued and none in the engine (a step-by-step turn leaves none)."""
     ready = np.empty(live.size, np.int64)
@@ -957,7 +975,7 @@ def _queued_behind(live, ss):
     return ready, n
 
 
-@nb.njit(cache=True)
+@_njit
 def _idle(now, c, s, ss, fe, w, idle, turned):
     """An engine without work waits for its next tick, event, departure or arrival; one that would wake no later
     than ``now`` hands the span back, one that would wake at the horizon or after waits and the run ends there
@@ -975,7 +993,7 @@ def _idle(now, c, s, ss, fe, w, idle, turned):
     return until, True, turned, False
 
 
-@compiled.inlined
+@_inlined
 def _engine_step(now, c, coef, eng, dr, fe, idle, step_no, sframe):
     """EngineModel.step (serving.engine_step on the engine model's own arrays) at ``now``, the first-step term and
     the step's latency. Returns (the latency, TURN_CALLER when this loop goes on after it, or where it stops:
@@ -1003,7 +1021,7 @@ def _engine_step(now, c, coef, eng, dr, fe, idle, step_no, sframe):
     return lat, TURN_CALLER if plain else STEP_TAKEN
 
 
-@compiled.counted  # (it allocates)
+@_counted  # (it allocates)
 def _span(live, ss, c, n_answers, n_slots):
     """What a span keeps besides the caller's arrays (:class:`Span`): the wheel over the phase slots, the sessions
     a turn visits, those with frames queued, the running ones (lockstep), room for a step's ``n_answers`` answers
@@ -1018,7 +1036,7 @@ def _span(live, ss, c, n_answers, n_slots):
     return span, ok, n_ready
 
 
-@compiled.uncounted
+@_uncounted
 def _reaction(turned, c, s, ss, fe, w, eng):
     """After _engine_step said ``turned``: a step the front end reacts to (STEP_TAKEN) that scheduled something,
     with a front end that steps vLLM itself, is taken on here (its victims chosen: :func:`_victims`) when the span
@@ -1047,10 +1065,11 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
     s.nsteps = s.nnew = 0
     owned, ok, n_ready = _span(live, ss, c, c.ans_cap + fe.pend.shape[0], eng.status.size)
     w = borrowed(owned)  # (held to the end: hold)
+    a = Tally(ss.pslot, ss.s_frames, ss.s_silent, w.key, w.who, w.tok)
     o_n = eng.o_n
     while ok:
         if turned == TURN_CALLER:
-            taken, n_sub, latest = _turn(now, c, s, ss, fe, w, eng, rec, ctl, n_ready, live)
+            taken, n_sub, latest = _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live)
             if not taken:
                 break
             s.sframe, n_ready = max(s.sframe, latest), 0
@@ -1076,8 +1095,9 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
         tokens_out, n_done, n_ready = _tokens_to_frames(now, s, ss, fe, w, eng)
         n_ans = n_done
         if n_vic:
-            n_ans = _preempt_all(step_start, n_vic, c, s, ss, fe, w, eng, n_ans)
-        _answer_step(now, step_start, lat, c, s, ss, fe, w, rec, ctl, o_n, (n_done, n_ans, tokens_out, n_vic))
+            n_ans = _preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans)
+        _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, (n_done, n_ans, tokens_out, n_vic, o_n[O_SCHED],
+                                                                         o_n[O_NEW], o_n[O_CTX], o_n[O_USED]))
         s.peak, s.nsteps = max(s.peak, o_n[O_USED]), s.nsteps + 1
     s.turned, s.idle, s.now = turned, idle, now
     hold(owned)
