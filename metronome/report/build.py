@@ -31,6 +31,7 @@ import math
 import platform
 import shlex
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -42,10 +43,10 @@ from metronome.errors import MetronomeError
 from metronome.kv_policy import policy_option_values
 from metronome.workload import Durations
 
-from metronome.report.live import attach_simulation, check_resimulation, read_live, sim_side
-from metronome.report.plan import (ANSWER_LOADS, FLEET_DAY_S, MC_FRACTIONS, MC_HORIZON_FACTOR, MC_REFINE_ROUNDS,
+from metronome.report.live import attach_simulation, sim_side
+from metronome.report.plan import (ANSWER_LOADS, FLEET_DAY_S, MC_FRACTIONS, MC_HORIZON_FACTOR,
                                    MISS_BUDGET, OVERLOAD, PERCENTILE, TARGET_FRACTION, TUNING_GRID, WINDOW_CONTEXT_S,
-                                   Plan, ReportOptions, make_plan, mc_refinement, simulation_points)
+                                   Plan, Point, ReportOptions, plan_report)
 from metronome.results import wilson_interval
 from metronome.sim import scenario as scn
 from metronome.sim.cache import ResultCache
@@ -171,6 +172,125 @@ def _bucket_trace(trace: list[dict], horizon_s: float) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------- typed results
+# The tasks above return plain dicts (the cache stores them as they are); each phase's answers are read into these
+# once, and the sections are assembled from their fields.
+@dataclass
+class Capacity:
+    """One calibration's capacity phase: N* under the answer's regime and stack (``answer``, which gains
+    ``other_regime`` here and ``ranges`` in :func:`_attach_ranges`) and with each serving stack it ships
+    (``by_stack``, the answer's own first). Each is :func:`metronome.sim.capacity.capacity`'s dict."""
+
+    answer: dict = field(default_factory=dict)
+    by_stack: dict[str, dict] = field(default_factory=dict)
+
+    def add(self, pt: Point, cap: dict) -> None:
+        """One capacity point's answer (:meth:`ReportPlan.capacity_points`, which lists a calibration's
+        ``capacity`` point before its ``other_regime`` one)."""
+        if pt.section == "capacity":
+            self.answer = copy.deepcopy(cap)  # gains other_regime and ranges: the cached answer stays as it was
+            self.by_stack = {pt.key: self.answer, **self.by_stack}
+        elif pt.section == "other_regime":
+            self.answer["other_regime"] = {k: cap[k] for k in ("phases", "n_star", "deadline_n_star", "binding")}
+        else:
+            self.by_stack[pt.key] = cap
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """AIMD tuned for one calibration (:func:`metronome.sim.tuning.tune_aimd`): the best setting's record (None:
+    none kept misses within budget, ``error`` says why, and the static limit is recommended), the grid's table, the
+    overload mix it ran on and how many simulated runs that took."""
+
+    best: dict | None
+    table: list[dict]
+    point: dict
+    error: str | None
+    runs: int
+
+    @property
+    def params(self) -> dict | None:
+        return self.best["params"] if self.best else None
+
+
+@dataclass(frozen=True)
+class FillRun:
+    """A pool-fill point: the run's summary and its occupancy sampled at ``FILL_POINTS`` times."""
+
+    summary: dict
+    t_s: list[float]
+    occupancy: list[float]
+
+
+@dataclass(frozen=True)
+class McRun:
+    """One Monte Carlo run of a metastability cell: only these two are read (the run stops once they are decided)."""
+
+    collapsed: bool
+    t_sat_observed_s: float | None
+
+    @property
+    def saturated(self) -> bool:
+        t = self.t_sat_observed_s
+        return t is not None and not (isinstance(t, float) and math.isnan(t))
+
+
+@dataclass(frozen=True)
+class AdmissionRun:
+    """An admission trace's run: its summary and the controller trace bucketed (:func:`_bucket_trace`)."""
+
+    summary: dict
+    trace: dict
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    """A live run re-simulated (:func:`_live_sim`)."""
+
+    side: dict
+    n_star: int
+    n_star_policy: str
+
+
+@dataclass
+class Simulated:
+    """One calibration's simulations, by the section that reads them (keys as :func:`simulation_points` gives)."""
+
+    verdict: dict | None = None  # the unbounded run at N*: its summary
+    fill: dict[tuple[str, int], FillRun] = field(default_factory=dict)
+    signal: dict[tuple[str, int], dict] = field(default_factory=dict)  # summaries
+    mc: dict[tuple[str, int, float], list[McRun]] = field(default_factory=dict)
+    admission: dict[str, AdmissionRun] = field(default_factory=dict)
+    live: dict[str, LiveRun] = field(default_factory=dict)
+    predicted: list[list[float]] = field(default_factory=list)  # _prediction_tasks' order
+
+    def add(self, pt: Point, res: dict) -> None:
+        """One simulated point's answer (:func:`_sim_task`), filed under its section."""
+        if pt.section == "verdict":
+            self.verdict = res["summary"]
+        elif pt.section == "fill":
+            self.fill[pt.key] = FillRun(res["summary"], res["t_s"], res["occupancy"])
+        elif pt.section == "signal":
+            self.signal[pt.key] = res["summary"]
+        elif pt.section == "mc":
+            self.mc.setdefault(pt.key, []).append(McRun(bool(res["collapsed"]), res["t_sat_observed_s"]))
+        elif pt.section == "admission":
+            self.admission[pt.key] = AdmissionRun(res["summary"], res["trace"])
+        elif pt.section == "live":
+            self.live[pt.key] = LiveRun(res["side"], res["n_star"], res["n_star_policy"])
+        else:
+            raise ValueError(f"no section {pt.section!r} reads simulated points")
+
+    def mc_counts(self) -> dict[tuple, tuple[int, int]]:
+        """(policy, N, d) -> (collapsed runs, runs) of the Monte Carlo runs so far."""
+        return {key: (sum(r.collapsed for r in runs), len(runs)) for key, runs in self.mc.items()}
+
+    def runs(self) -> int:
+        """Simulated runs: the verdict's, each section's and every Monte Carlo run."""
+        return (1 + len(self.fill) + len(self.signal) + len(self.admission) + len(self.live)
+                + sum(len(v) for v in self.mc.values()))
+
+
 # ------------------------------------------------------------------------------------------- helpers
 def _short_hardware(cal) -> str:
     return cal.provenance.hardware.split(" (")[0]
@@ -208,29 +328,6 @@ def _versions() -> dict:
             "plotly": plotly.__version__}
 
 
-def load_plans(options: ReportOptions) -> tuple[list[Plan], list[dict | None]]:
-    """Validate every input before any work: calibrations, the bound, the mix, the live folders."""
-    options.validate()
-    plans = []
-    for spec in options.calibrations:
-        cal = calmod.load(spec)
-        plans.append(make_plan(spec, cal, options))
-    names = [p.calibration.name for p in plans]
-    if len(set(names)) != len(names):
-        raise MetronomeError(f"--calibration given twice for {names[0]!r}: compare two different calibrations")
-    live = [read_live(d) for d in options.live] + [None] * (len(plans) - len(options.live))
-    for plan, lv in zip(plans, live):  # a live run without sim/ is re-simulated with this plan's calibration
-        check_resimulation(lv, plan.calibration)
-    if options.offered_load is not None:
-        from metronome.sim.fleet_config import check_prices
-
-        check_prices(dict(options.gpu_prices), names)
-    for plan in plans:  # build one scenario of each kind now: a bad combination fails before the work
-        scn.make_scenario(**plan.base(**plan.bound_options(), sessions=plan.memory_ceiling, horizon=1.0,
-                                      session_duration=plan.session_duration))
-    return plans, live
-
-
 # ------------------------------------------------------------------------------------------- build
 def build_report(options: ReportOptions, executor=None, progress: Progress | None = None,
                  command: str | None = None, cache: ResultCache | None = None) -> dict:
@@ -245,83 +342,53 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
 
 def _build(options: ReportOptions, executor, progress: Progress, command: str | None, cache: ResultCache) -> dict:
     t0 = time.perf_counter()
-    plans, live = load_plans(options)
+    rp = plan_report(options)  # the builder's one call into the planning: every later list comes from rp
+    plans = rp.calibrations
 
     # 1. capacity, under the regime the answer assumes and under the other one (the report shows both when
-    # they differ by more than REGIME_GAP)
-    # and, under the answer's regime, with each other serving stack the calibration ships
-    other = {"independent": "aligned", "aligned": "independent"}[options.phases]
-    tasks = [p.capacity_task(ph) for ph in (options.phases, other) for p in plans]
-    stack_tasks = [(i, s) for i, p in enumerate(plans) for s in p.calibration.stacks if s != p.calibration.stack]
-    tasks += [plans[i].capacity_task(options.phases, stack=s) for i, s in stack_tasks]
-    both = cache.map(executor, _capacity_task, tasks,
-                     progress=progress("capacity: N* per calibration, regime and stack", len(tasks)))
-    caps, caps_other = copy.deepcopy(both[:len(plans)]), both[len(plans):2 * len(plans)]
-    for cap, alt in zip(caps, caps_other):
-        cap["other_regime"] = {k: alt[k] for k in ("phases", "n_star", "deadline_n_star", "binding")}
+    # they differ by more than REGIME_GAP) and, under the answer's regime, with each other serving stack the
+    # calibration ships
+    points = rp.capacity_points()
+    found = cache.map(executor, _capacity_task, [pt.point for pt in points],
+                      progress=progress("capacity: N* per calibration, regime and stack", len(points)))
+    capacities = [Capacity() for _ in plans]
+    for pt, cap in zip(points, found):
+        capacities[pt.calibration].add(pt, cap)
+    caps = [c.answer for c in capacities]
     for plan, cap in zip(plans, caps):
         if cap["n_star"] < 1:
             raise MetronomeError(no_session_fits(plan, cap, options))
     # 1b. N* over the step terms' ranges: the interval, the tornado and the dominant term, for every stack
-    stack_caps = [{p.calibration.stack: cap} for p, cap in zip(plans, caps)]
-    for (i, s), cap in zip(stack_tasks, both[2 * len(plans):]):
-        stack_caps[i][s] = cap
+    stack_caps = [c.by_stack for c in capacities]
     _attach_ranges(plans, stack_caps, executor, progress, cache)
 
     # 2. AIMD tuning on the overload mix
-    tunings = []
-    n_cand = math.prod(len(v) for v in TUNING_GRID.values())
-    tuning_runs = 0
-    for plan, cap in zip(plans, caps):
-        point = plan.tuning_point(cap["n_star"])
-        adv = progress(f"tuning AIMD: {plan.calibration.name} ({n_cand} settings)", n_cand)
-        try:
-            # the limit never needs to pass N*: past the memory ceiling only silence would tell the controller;
-            # it starts at N*/2 so that goodput measures the controller, not a climb from one session
-            base = {"max_limit": cap["n_star"], "initial_limit": max(1, cap["n_star"] // 2)}
-            best, table = tune_aimd({k: v for k, v in point.items() if v is not None}, TUNING_GRID, seeds=1,
-                                    seed=plan.seed, miss_budget=MISS_BUDGET, base_params=base,
-                                    executor=cache.wrap(executor), progress=adv)
-            tunings.append({"best": best, "table": table.to_dict(orient="records"), "point": point, "error": None})
-            tuning_runs += len(table)
-        except MetronomeError as exc:  # no feasible setting: recommend the static limit instead
-            tunings.append({"best": None, "table": [], "point": point, "error": str(exc)})
-            tuning_runs += n_cand
+    tunings = [_tune(plan, cap, executor, progress, cache) for plan, cap in zip(plans, caps)]
 
-    # 3. every other simulation, planned once, run once; then the collapse band's edge topped up
-    points = [(ci, pt) for ci, (plan, cap, tun, lv) in enumerate(zip(plans, caps, tunings, live))
-              for pt in simulation_points(plan, cap, tun["best"]["params"] if tun["best"] else None, lv)]
-    per_cal: list[dict[str, dict]] = [{"fill": {}, "signal": {}, "mc": {}, "admission": {}, "live": {}}
-                                      for _ in plans]
+    # 3. every other simulation, planned at once, run as one batch; then the collapse band's edge topped up
+    sims = [Simulated() for _ in plans]
+    points = rp.simulation_points(caps, [t.params for t in tunings])
     label = f"simulating: {len(points)} runs"
-    for round_ in range(MC_REFINE_ROUNDS + 1):
-        results = cache.map(executor, _sim_task, [(pt.kind, pt.point) for _, pt in points],
+    for round_ in range(rp.refine_rounds + 1):
+        results = cache.map(executor, _sim_task, [(pt.kind, pt.point) for pt in points],
                             progress=progress(label, len(points)))
-        for (ci, pt), res in zip(points, results):
-            if pt.section == "verdict":
-                per_cal[ci]["verdict"] = res["summary"]
-            elif pt.section == "mc":
-                per_cal[ci]["mc"].setdefault(pt.key, []).append(res)
-            else:
-                per_cal[ci][pt.section][pt.key] = res
-        if round_ == MC_REFINE_ROUNDS:
+        for pt, res in zip(points, results):
+            sims[pt.calibration].add(pt, res)
+        if round_ == rp.refine_rounds:
             break
-        points = [(ci, pt) for ci, (plan, cap) in enumerate(zip(plans, caps))
-                  for pt in mc_refinement(plan, cap["n_star"], _mc_counts(per_cal[ci]["mc"]))]
+        points = rp.refinement(caps, [s.mc_counts() for s in sims])
         if not points:
             break
         label = f"refining the collapse band's edge: {len(points)} runs"
-    simulated = sum(len(per_cal[ci]["fill"]) + len(per_cal[ci]["signal"]) + len(per_cal[ci]["admission"])
-                    + len(per_cal[ci]["live"]) + 1 + sum(len(v) for v in per_cal[ci]["mc"].values())
-                    for ci in range(len(plans)))
 
-    tasks = [t for plan, cap in zip(plans, caps) for t in _prediction_tasks(plan, cap["n_star"])]
-    preds = iter(cache.map(executor, _prediction_task, tasks,
-                           progress=progress(f"predicting: {len(tasks)} metastability cells", len(tasks))))
-    for plan, cap, raw in zip(plans, caps, per_cal):
-        raw["predicted"] = [next(preds) for _ in _prediction_tasks(plan, cap["n_star"])]
-    cals = [_calibration_data(plan, cap, tun, raw, lv)
-            for plan, cap, tun, raw, lv in zip(plans, caps, tunings, per_cal, live)]
+    tasks = [_prediction_tasks(plan, cap["n_star"]) for plan, cap in zip(plans, caps)]
+    preds = iter(cache.map(executor, _prediction_task, [t for ts in tasks for t in ts],
+                           progress=progress(f"predicting: {sum(map(len, tasks))} metastability cells",
+                                             sum(map(len, tasks)))))
+    for sim, ts in zip(sims, tasks):
+        sim.predicted = [next(preds) for _ in ts]
+    cals = [_calibration_data(plan, cap, tun, sim, lv)
+            for plan, cap, tun, sim, lv in zip(plans, caps, tunings, sims, rp.live)]
     for c, plan, cap, by_stack in zip(cals, plans, caps, stack_caps):
         c["gpus_for_loads"] = _gpus_for_loads(plan, cap, options.max_refusal)
         c["stacks"] = _stack_data(plan, by_stack)
@@ -340,12 +407,30 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
         "reproduce": reproduce_command(options),
         "versions": _versions(),
         "executor": getattr(executor, "name", type(executor).__name__),
-        "simulated_runs": simulated + tuning_runs,
+        "simulated_runs": sum(s.runs() for s in sims) + sum(t.runs for t in tunings),
         "cache": cache.stats(),
         "wall_s": round(time.perf_counter() - t0, 2),
         "calibrations": cals,
         "fleet": fleet,
     })
+
+
+def _tune(plan: Plan, cap: dict, executor, progress: Progress, cache: ResultCache) -> Tuning:
+    """AIMD tuned on the plan's overload mix (:meth:`Plan.tuning_point`), or the static limit when no setting of
+    the grid keeps misses within ``MISS_BUDGET``."""
+    point = plan.tuning_point(cap["n_star"])
+    n_cand = math.prod(len(v) for v in TUNING_GRID.values())
+    adv = progress(f"tuning AIMD: {plan.calibration.name} ({n_cand} settings)", n_cand)
+    try:
+        # the limit never needs to pass N*: past the memory ceiling only silence would tell the controller;
+        # it starts at N*/2 so that goodput measures the controller, not a climb from one session
+        base = {"max_limit": cap["n_star"], "initial_limit": max(1, cap["n_star"] // 2)}
+        best, table = tune_aimd({k: v for k, v in point.items() if v is not None}, TUNING_GRID, seeds=1,
+                                seed=plan.seed, miss_budget=MISS_BUDGET, base_params=base,
+                                executor=cache.wrap(executor), progress=adv)
+        return Tuning(best, table.to_dict(orient="records"), point, None, len(table))
+    except MetronomeError as exc:  # no feasible setting: recommend the static limit instead
+        return Tuning(None, [], point, str(exc), n_cand)
 
 
 def no_session_fits(plan: Plan, cap: dict, options: ReportOptions) -> str:
@@ -394,11 +479,6 @@ def no_session_fits(plan: Plan, cap: dict, options: ReportOptions) -> str:
     return (f"{cal.name}: N* is 0 because of {chosen}: even one session misses {target_words}, at p99 "
             f"{1e3 * p_now:.1f} ms; a shorter window is the lever: give --{param.name} {best} or less "
             f"(one session then meets the target)")
-
-
-def _mc_counts(mc: dict) -> dict[tuple, tuple[int, int]]:
-    """(policy, N, d) -> (collapsed runs, runs) of the Monte Carlo runs so far."""
-    return {key: (sum(bool(r["collapsed"]) for r in runs), len(runs)) for key, runs in mc.items()}
 
 
 def _stack_data(plan: Plan, by_stack: dict[str, dict]) -> list[dict]:
@@ -463,7 +543,7 @@ def reproduce_command(options: ReportOptions, out: str = "OUT") -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _live_data(live: dict | None, raw: dict, plan: Plan) -> dict | None:
+def _live_data(live: dict | None, simulated: dict[str, LiveRun], plan: Plan) -> dict | None:
     """The --live folder's data, with the report's own simulation beside each run that had no sim/ folder."""
     if live is None or live["kind"] != "runs":
         return live
@@ -472,8 +552,8 @@ def _live_data(live: dict | None, raw: dict, plan: Plan) -> dict | None:
         sc = run.pop("scenario")
         if sc is None:
             continue
-        res = raw["live"][name]
-        attach_simulation(run, res["side"], plan.calibration.name, res["n_star"], res["n_star_policy"])
+        res = simulated[name]
+        attach_simulation(run, res.side, plan.calibration.name, res.n_star, res.n_star_policy)
         run["simulated_options"] = sc["options"]
     return live
 
@@ -506,7 +586,7 @@ def live_differences(plan: Plan, live: dict | None) -> list[dict]:
     return out
 
 
-def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | None) -> dict:
+def _calibration_data(plan: Plan, cap: dict, tun: Tuning, sim: Simulated, live: dict | None) -> dict:
     cal = plan.calibration
     n_star = cap["n_star"]
     fm_b, fm_u = plan.fill_bounded, plan.fill_unbounded
@@ -519,21 +599,20 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
     t_line = np.linspace(0.0, h_fill, FILL_LINE_POINTS)
     usable = fm_b.usable_blocks
     fill = []
-    for key, res in sorted(raw["fill"].items(), key=lambda kv: (kv[0][0] != "unbounded", kv[0][1])):
+    for key, res in sorted(sim.fill.items(), key=lambda kv: (kv[0][0] != "unbounded", kv[0][1])):
         policy_key, n = key
         fm = fm_u if policy_key == "unbounded" else fm_b
         rho = np.minimum(fm.occupancy_blocks(t_line, n) / usable, 1.0)
-        s = res["summary"]
+        s = res.summary
         fill.append({"policy": policy_key, "label": labels[policy_key], "sessions": n,
                      "t_line_s": [round(float(x), 3) for x in t_line], "occupancy_predicted": [round(float(x), 5) for x in rho],
-                     "t_sim_s": res["t_s"], "occupancy_simulated": res["occupancy"],
+                     "t_sim_s": res.t_s, "occupancy_simulated": res.occupancy,
                      "t_sat_predicted_s": s["t_sat_predicted_s"], "t_sat_observed_s": s["t_sat_observed_s"],
                      "collapsed": s["collapsed"]})
 
     # the signal: latency and silence against N
     signal: dict[str, dict] = {}
-    for (policy_key, n), res in sorted(raw["signal"].items(), key=lambda kv: kv[0][1]):
-        s = res["summary"]
+    for (policy_key, n), s in sorted(sim.signal.items(), key=lambda kv: kv[0][1]):
         d = signal.setdefault(policy_key, {"label": labels[policy_key], "sessions": [], "p50_frame_latency_s": [],
                                            "p99_frame_latency_s": [], "silent_frame_fraction": [],
                                            "deadline_miss_fraction": [], "collapsed": [], "t_sat_observed_s": []})
@@ -550,7 +629,7 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
             "edge_runs": plan.edge_runs, "n_star": n_star,
             "past_n_star": [n > cap["deadline_n_star"] for n in ns],
             "horizon_factor": MC_HORIZON_FACTOR, "policies": {}}
-    cells = iter(raw["predicted"])  # _prediction_tasks' order: policy, duration, N
+    cells = iter(sim.predicted)  # _prediction_tasks' order: policy, duration, N
     for policy_key in ("unbounded", "bounded"):
         grid = [[next(cells) for _ in ns] for _ in ds]
         pred = [[c[0] for c in row] for row in grid]
@@ -559,14 +638,12 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
         for d in ds:
             rc, rs, rn, ri = [], [], [], []
             for n in ns:
-                runs = raw["mc"][(policy_key, n, d)]
-                k = sum(bool(r["collapsed"]) for r in runs)
+                runs = sim.mc[(policy_key, n, d)]
+                k = sum(r.collapsed for r in runs)
                 rc.append(k / len(runs))
                 rn.append(len(runs))
                 ri.append([round(x, 4) for x in wilson_interval(k, len(runs))])
-                rs.append(sum(r["t_sat_observed_s"] is not None and not (isinstance(r["t_sat_observed_s"], float)
-                                                                          and math.isnan(r["t_sat_observed_s"]))
-                              for r in runs) / len(runs))
+                rs.append(sum(r.saturated for r in runs) / len(runs))
             sim_c.append(rc)
             sim_s.append(rs)
             runs_n.append(rn)
@@ -580,17 +657,17 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
     admission = {"pattern": [[d, round(r, 6)] for d, r in plan.admission_pattern(n_star)],
                  "mean_duration_s": plan.mean_duration_s, "policies": {}}
     for policy_key in ("unbounded", "bounded"):
-        res = raw["admission"][policy_key]
-        s = res["summary"]
+        res = sim.admission[policy_key]
+        s = res.summary
         admission["policies"][policy_key] = {
-            "label": labels[policy_key], "trace": res["trace"],
+            "label": labels[policy_key], "trace": res.trace,
             "summary": {k: s[k] for k in ("collapsed", "silent_frame_fraction", "deadline_miss_fraction",
                                           "p99_frame_latency_s", "goodput_sessions", "goodput_frames_per_s",
                                           "sessions_offered", "sessions_admitted", "sessions_refused",
                                           "t_sat_observed_s")}}
 
-    v = raw["verdict"]
-    tuned = tun["best"]
+    v = sim.verdict
+    tuned = tun.best
     return {
         "name": cal.name,
         "spec": plan.spec,
@@ -623,8 +700,8 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
         "max_num_seqs": cal.engine.max_num_seqs,
         "tuning": {"params": tuned["params"] if tuned else None, "figures": tuned["figures"] if tuned else None,
                    "grid": TUNING_GRID, "miss_budget": MISS_BUDGET, "seeds": tuned["seeds"] if tuned else [plan.seed],
-                   "offered_rate_per_s": tun["point"]["arrival_rate"], "overload": OVERLOAD,
-                   "horizon_s": tun["point"]["horizon"], "error": tun["error"], "table": tun["table"],
+                   "offered_rate_per_s": tun.point["arrival_rate"], "overload": OVERLOAD,
+                   "horizon_s": tun.point["horizon"], "error": tun.error, "table": tun.table,
                    "offered_is_overload": plan.arrival_rate is None},
         "unbounded_at_n_star": {k: v[k] for k in ("t_sat_predicted_s", "t_sat_observed_s", "p_saturate_predicted",
                                                   "collapsed", "silent_frame_fraction", "deadline_miss_fraction",
@@ -634,6 +711,6 @@ def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | 
         "signal": signal,
         "metastability": meta,
         "admission": admission,
-        "live": _live_data(live, raw, plan),
+        "live": _live_data(live, sim.live, plan),
         "live_differences": live_differences(plan, live),
     }

@@ -21,8 +21,11 @@ Everything here is derived from the calibration and the fill model, never picked
   edge (some but not all of its runs collapsed, or next to a cell of another outcome) is topped up to
   ``MC_EDGE_RUNS`` runs, so the edge is measured to a useful interval without paying for it everywhere.
 
-:func:`simulation_points` lists every simulation of one calibration's report, by section, once the capacity
-and tuning phases are known; :func:`mc_refinement` the extra runs of the band's edge after a pass.
+:func:`plan_report` is the builder's one way in: it checks every input and returns the whole report's
+:class:`ReportPlan`, whose methods list each phase's simulations as one typed list of :class:`Point` (every
+calibration's at once): the capacity phase from the options alone, the other sections once N* and the tuned
+controller are known (their grids are fractions of N*), and the top-ups of the collapse band's edge after each
+Monte Carlo pass. :func:`simulation_points` and :func:`mc_refinement` are those lists for one calibration.
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ class Plan:
     window_defaulted: bool = False
     mc_edge_runs: int = MC_EDGE_RUNS
     phases: str = "independent"
+    index: int = 0  # its place among the report's calibrations (a Point names its calibration by it)
 
     @property
     def unbounded(self) -> KVPolicy:
@@ -226,17 +230,19 @@ class Plan:
 
 @dataclass(frozen=True)
 class Point:
-    """One simulation of the report: the section that reads it, its key there, the task kind and the
-    make_scenario options (``None`` values dropped)."""
+    """One simulation of the report: the section that reads it, its key there, the task kind, the task (for a
+    simulation the make_scenario options, ``None`` values dropped) and the calibration it belongs to (its
+    :attr:`Plan.index`)."""
 
     section: str
     key: Any
     kind: str
     point: dict
+    calibration: int = 0
 
 
-def _point(section: str, key: Any, kind: str, point: dict) -> Point:
-    return Point(section, key, kind, {k: v for k, v in point.items() if v is not None})
+def _point(plan: Plan, section: str, key: Any, kind: str, point: dict) -> Point:
+    return Point(section, key, kind, {k: v for k, v in point.items() if v is not None}, plan.index)
 
 
 def policies(plan: Plan) -> dict[str, dict]:
@@ -245,7 +251,7 @@ def policies(plan: Plan) -> dict[str, dict]:
 
 def mc_point(plan: Plan, policy_key: str, n: int, d: float, run: int) -> Point:
     """Run ``run`` of the metastability cell (policy, N, mean duration ``d``): seed ``seed + run``."""
-    return _point("mc", (policy_key, n, d), "mc",
+    return _point(plan, "mc", (policy_key, n, d), "mc",
                   plan.base(**policies(plan)[policy_key], sessions=n, session_duration=f"exp:{d:g}",
                             horizon=MC_HORIZON_FACTOR * d, seed=plan.seed + run))
 
@@ -255,23 +261,23 @@ def simulation_points(plan: Plan, cap: dict, aimd_params: dict | None, live: dic
     None: the static limit) are known: the unbounded verdict at N*, pool fill, the latency signal, the first
     Monte Carlo pass, the admission traces, and the --live runs to re-simulate."""
     n_star = cap["n_star"]
-    out = [_point("verdict", None, "summary",
+    out = [_point(plan, "verdict", None, "summary",
                   plan.base(kv="unbounded", sessions=n_star, seed=plan.seed, session_duration=plan.session_duration,
                             horizon=2.0 * plan.mean_duration_s))]
     h_fill = plan.fill_horizon_s(n_star)
     for pol, kw in policies(plan).items():
-        out += [_point("fill", (pol, n), "fill", plan.base(**kw, sessions=n, horizon=h_fill, seed=plan.seed))
+        out += [_point(plan, "fill", (pol, n), "fill", plan.base(**kw, sessions=n, horizon=h_fill, seed=plan.seed))
                 for n in plan.sessions_grid(FILL_FRACTIONS, n_star)]
-        out += [_point("signal", (pol, n), "summary",
+        out += [_point(plan, "signal", (pol, n), "summary",
                        plan.base(**kw, sessions=n, horizon=plan.mean_duration_s, seed=plan.seed))
                 for n in plan.sessions_grid(SIGNAL_FRACTIONS, n_star)]
         out += [mc_point(plan, pol, n, d, r) for n in plan.sessions_grid(MC_FRACTIONS, n_star)
                 for d in plan.mc_durations_s(n_star) for r in range(plan.mc_runs)]
-        out.append(_point("admission", pol, "admission",
+        out.append(_point(plan, "admission", pol, "admission",
                           {**plan.admission_point(n_star, kw), "aimd_params": aimd_params, "seed": plan.seed}))
     for name, run in (live["runs"].items() if live and live["kind"] == "runs" else ()):
         if run["scenario"] is not None:  # a live run without a sim/ folder: simulated here
-            out.append(_point("live", name, "live", {"calibration": plan.spec, **run["scenario"]["options"]}))
+            out.append(_point(plan, "live", name, "live", {"calibration": plan.spec, **run["scenario"]["options"]}))
     return out
 
 
@@ -330,7 +336,7 @@ def recommended_policy(cal: Calibration, kind: str = DEFAULT_KV, given: dict | N
     return policy, not any(p.sizes and p.name in given for p in cls.params)
 
 
-def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
+def make_plan(spec: str, cal: Calibration, options: ReportOptions, index: int = 0) -> Plan:
     """Resolve the defaults for one calibration (one-line errors for a bad combination)."""
     policy, window_defaulted = recommended_policy(cal, options.kv, dict(options.kv_params))
     durations = Durations.parse(options.session_duration)
@@ -344,4 +350,72 @@ def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
                 session_duration=options.session_duration,
                 deadline_s=float(options.deadline_s or cal.stream.frame_period_s), seed=options.seed,
                 mc_runs=options.mc_runs, mc_edge_runs=options.mc_edge_runs, arrival_rate=options.arrival_rate,
-                window_defaulted=window_defaulted, phases=options.phases)
+                window_defaulted=window_defaulted, phases=options.phases, index=index)
+
+
+@dataclass(frozen=True)
+class ReportPlan:
+    """The whole report's work, planned from its options by :func:`plan_report`: one :class:`Plan` per
+    calibration (in the order given) and the ``--live`` folder read for each. Each phase's simulations come from
+    here as one typed list of :class:`Point`, every calibration's together, so the builder runs a phase as one
+    batch and never decides itself what to simulate."""
+
+    options: ReportOptions
+    calibrations: tuple[Plan, ...]
+    live: tuple[dict | None, ...]  # read_live's answer per calibration (None: no --live folder for it)
+
+    @property
+    def other_phases(self) -> str:
+        """The regime the answer does not assume: N* is computed under it too and shown when it differs."""
+        return {"independent": "aligned", "aligned": "independent"}[self.options.phases]
+
+    @property
+    def refine_rounds(self) -> int:
+        return MC_REFINE_ROUNDS
+
+    def capacity_points(self) -> list[Point]:
+        """The capacity phase: N* per calibration under the answer's regime (section ``capacity``) and the other
+        one (``other_regime``), then under the answer's regime with each other serving stack the calibration ships
+        (``stack``, keyed by the stack). A point's ``point`` is :meth:`Plan.capacity_task`."""
+        out = [Point(section, p.calibration.stack, "capacity", p.capacity_task(phases), p.index)
+               for section, phases in (("capacity", self.options.phases), ("other_regime", self.other_phases))
+               for p in self.calibrations]
+        return out + [Point("stack", s, "capacity", p.capacity_task(self.options.phases, stack=s), p.index)
+                      for p in self.calibrations for s in p.calibration.stacks if s != p.calibration.stack]
+
+    def simulation_points(self, caps: list[dict], aimd_params: list[dict | None]) -> list[Point]:
+        """Every calibration's :func:`simulation_points`, given its capacity and its tuned controller (None: the
+        static limit), in the order of the calibrations."""
+        return [pt for plan, cap, aimd, live in zip(self.calibrations, caps, aimd_params, self.live)
+                for pt in simulation_points(plan, cap, aimd, live)]
+
+    def refinement(self, caps: list[dict], counts: list[dict[tuple, tuple[int, int]]]) -> list[Point]:
+        """Every calibration's :func:`mc_refinement` after a Monte Carlo pass (``counts``: per calibration, (policy,
+        N, d) -> (collapsed runs, runs) so far). Empty once every edge is measured."""
+        return [pt for plan, cap, c in zip(self.calibrations, caps, counts)
+                for pt in mc_refinement(plan, cap["n_star"], c)]
+
+
+def plan_report(options: ReportOptions) -> ReportPlan:
+    """Check every input before any work (the options, calibrations, the bound, the mix, the live folders, the
+    prices) and plan the report: one line and no work for anything wrong."""
+    from metronome import calibration as calmod
+    from metronome.report.live import check_resimulation, read_live
+    from metronome.sim import scenario as scn
+
+    options.validate()
+    plans = tuple(make_plan(spec, calmod.load(spec), options, index=i) for i, spec in enumerate(options.calibrations))
+    names = [p.calibration.name for p in plans]
+    if len(set(names)) != len(names):
+        raise MetronomeError(f"--calibration given twice for {names[0]!r}: compare two different calibrations")
+    live = tuple([read_live(d) for d in options.live] + [None] * (len(plans) - len(options.live)))
+    for plan, lv in zip(plans, live):  # a live run without sim/ is re-simulated with this plan's calibration
+        check_resimulation(lv, plan.calibration)
+    if options.offered_load is not None:
+        from metronome.sim.fleet_config import check_prices
+
+        check_prices(dict(options.gpu_prices), names)
+    for plan in plans:  # build one scenario of each kind now: a bad combination fails before the work
+        scn.make_scenario(**plan.base(**plan.bound_options(), sessions=plan.memory_ceiling, horizon=1.0,
+                                      session_duration=plan.session_duration))
+    return ReportPlan(options, plans, live)
