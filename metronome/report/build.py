@@ -1,26 +1,30 @@
-"""The report's numbers: every figure and table, computed from the sim layer into one plain dict.
+"""The report's numbers: every figure and table, computed from the sim layer.
 
-Phases, each fanned out over the executor with its own progress:
+:func:`~metronome.report.plan.plan_report` plans the whole report from its options first (the builder's one call
+into the planning); then phases, each a typed list of points from that plan, fanned out over the executor with its
+own progress:
 
 1. **capacity** per calibration: memory ceiling, deadline-bound N*, which binds, under both phase regimes and with
    each serving stack the calibration ships; then N* over the step terms' ranges (the interval, the tornado and
    the dominant term, :func:`metronome.sim.capacity.sensitivity`) for every stack, each variant searched from near
    its central N*;
 2. **AIMD tuning** per calibration on an overload mix at 1.5× N* (a small grid);
-3. **simulation**: :func:`metronome.report.plan.simulation_points` lists everything else once N* and the tuned
-   controller are known — the unbounded verdict at N*, pool fill for several N, the latency signal against N,
+3. **simulation**: :meth:`~metronome.report.plan.ReportPlan.simulation_points` lists everything else once N* and
+   the tuned controller are known — the unbounded verdict at N*, pool fill for several N, the latency signal against N,
    the first Monte Carlo pass of the metastability grid, the admission traces and, for a ``--live`` run folder
    without a ``sim/`` folder, the run's workload re-simulated with the calibration (and the simulator's N* for
    the run's policy, pool and deadline) — and it runs as one batch; then the cells on the collapse band's edge
-   are topped up (:func:`~metronome.report.plan.mc_refinement`), a batch per round;
+   are topped up (:meth:`~metronome.report.plan.ReportPlan.refinement`), a batch per round;
 4. with an offered load (``--offered-load``), **the fleet**: how many GPUs of each calibration carry it with at
    most ``--max-refusal`` refused (Erlang B on N*, and :mod:`metronome.sim.fleet` with a least-loaded router),
    and the day's GPU-hours static and autoscaled, with the cost when ``--gpu-price`` is given.
 
 Every simulated run is seeded by its own point, so the report is the same whichever executor and how
 many workers run it. Every simulation of phases 1-3 goes through :class:`metronome.sim.cache.ResultCache`: a
-point simulated before (same calibration contents, point, seed and code) is read back, not run. The dict is JSON-ready; :mod:`metronome.report.answer` turns it into the words and
-numbers both renderers print.
+point simulated before (same calibration contents, point, seed and code) is read back, not run. Each phase's answers
+are read into typed records here, the sections are assembled from them as :mod:`metronome.report.sections`, and
+:meth:`~metronome.report.sections.Report.to_dict` makes the JSON-ready dict that :mod:`metronome.report.answer`
+turns into the words and numbers both renderers print.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import platform
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -47,6 +51,9 @@ from metronome.report.live import attach_simulation, sim_side
 from metronome.report.plan import (ANSWER_LOADS, FLEET_DAY_S, MC_FRACTIONS, MC_HORIZON_FACTOR,
                                    MISS_BUDGET, OVERLOAD, PERCENTILE, TARGET_FRACTION, TUNING_GRID, WINDOW_CONTEXT_S,
                                    Plan, Point, ReportOptions, plan_report)
+from metronome.report.sections import (Admission, AdmissionPolicy, Answer, CalibrationSection, Fill, FillCurve,
+                                       Metastability, MetastabilityPolicy, Planned, Report, Shown, SignalSeries,
+                                       TuningSection)
 from metronome.results import wilson_interval
 from metronome.sim import scenario as scn
 from metronome.sim.cache import ResultCache
@@ -300,19 +307,6 @@ def _short_model(cal) -> str:
     return cal.model.name.split(" (")[0]
 
 
-def _clean(x: Any) -> Any:
-    """numpy scalars and NaN -> plain JSON values."""
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if hasattr(x, "item") and not isinstance(x, (list, dict, str)):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
 def _noop_progress(label: str, total: int) -> Callable[[int], None]:
     return lambda n: None
 
@@ -387,32 +381,29 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
                                              sum(map(len, tasks)))))
     for sim, ts in zip(sims, tasks):
         sim.predicted = [next(preds) for _ in ts]
-    cals = [_calibration_data(plan, cap, tun, sim, lv)
-            for plan, cap, tun, sim, lv in zip(plans, caps, tunings, sims, rp.live)]
-    for c, plan, cap, by_stack in zip(cals, plans, caps, stack_caps):
-        c["gpus_for_loads"] = _gpus_for_loads(plan, cap, options.max_refusal)
-        c["stacks"] = _stack_data(plan, by_stack)
+    cals = [_calibration_section(plan, Phases(cap, by_stack, tun, sim), lv, options.max_refusal)
+            for plan, cap, by_stack, tun, sim, lv in zip(plans, caps, stack_caps, tunings, sims, rp.live)]
     fleet = _fleet_data(options, plans, caps, executor, progress) if options.offered_load is not None else None
-    return _clean({
-        "title": "Capacity plan: " + " vs ".join(c["name"] for c in cals),
-        "options": {"calibrations": list(options.calibrations), "kv": options.kv,
-                    **policy_option_values(dict(options.kv_params)), "session_duration": options.session_duration,
-                    "deadline_s": options.deadline_s, "arrival_rate": options.arrival_rate, "seed": options.seed,
-                    "mc_runs": options.mc_runs, "mc_edge_runs": plans[0].edge_runs,
-                    "live": list(options.live), "phases": options.phases,
-                    "offered_load": options.offered_load, "max_refusal": options.max_refusal,
-                    "calibrations_from_live": options.calibrations_from_live,
-                    "gpu_prices": dict(options.gpu_prices)},
-        "command": command or reproduce_command(options),
-        "reproduce": reproduce_command(options),
-        "versions": _versions(),
-        "executor": getattr(executor, "name", type(executor).__name__),
-        "simulated_runs": sum(s.runs() for s in sims) + sum(t.runs for t in tunings),
-        "cache": cache.stats(),
-        "wall_s": round(time.perf_counter() - t0, 2),
-        "calibrations": cals,
-        "fleet": fleet,
-    })
+    report = Report(
+        title="Capacity plan: " + " vs ".join(c.planned.name for c in cals),
+        options={"calibrations": list(options.calibrations), "kv": options.kv,
+                 **policy_option_values(dict(options.kv_params)), "session_duration": options.session_duration,
+                 "deadline_s": options.deadline_s, "arrival_rate": options.arrival_rate, "seed": options.seed,
+                 "mc_runs": options.mc_runs, "mc_edge_runs": plans[0].edge_runs,
+                 "live": list(options.live), "phases": options.phases,
+                 "offered_load": options.offered_load, "max_refusal": options.max_refusal,
+                 "calibrations_from_live": options.calibrations_from_live,
+                 "gpu_prices": dict(options.gpu_prices)},
+        command=command or reproduce_command(options),
+        reproduce=reproduce_command(options),
+        versions=_versions(),
+        executor=getattr(executor, "name", type(executor).__name__),
+        simulated_runs=sum(s.runs() for s in sims) + sum(t.runs for t in tunings),
+        cache=cache.stats(),
+        wall_s=round(time.perf_counter() - t0, 2),
+        calibrations=cals,
+        fleet=fleet)
+    return report.to_dict()
 
 
 def _tune(plan: Plan, cap: dict, executor, progress: Progress, cache: ResultCache) -> Tuning:
@@ -586,131 +577,129 @@ def live_differences(plan: Plan, live: dict | None) -> list[dict]:
     return out
 
 
-def _calibration_data(plan: Plan, cap: dict, tun: Tuning, sim: Simulated, live: dict | None) -> dict:
-    cal = plan.calibration
-    n_star = cap["n_star"]
-    fm_b, fm_u = plan.fill_bounded, plan.fill_unbounded
-    pol = plan.policy
-    peak_blocks = fm_b.peak_resident_blocks
-    labels = {"unbounded": "unbounded", "bounded": pol.describe()}
+@dataclass(frozen=True)
+class Phases:
+    """One calibration's results from every phase: its capacity under the answer's regime and per stack, the
+    tuned controller and the simulations."""
 
-    # pool fill: predicted line from the fill model, simulated points, t_sat both ways
+    cap: dict
+    by_stack: dict[str, dict]
+    tuning: Tuning
+    sim: Simulated
+
+
+def _calibration_section(plan: Plan, ph: Phases, live: dict | None, max_refusal: float) -> CalibrationSection:
+    labels = {"unbounded": "unbounded", "bounded": plan.policy.describe()}
+    shown = Shown(fill=_fill(plan, ph.cap["n_star"], ph.sim.fill, labels),
+                  signal=_signal(ph.sim.signal, labels),
+                  metastability=_metastability(plan, ph.cap, ph.sim, labels),
+                  admission=_admission(plan, ph.cap["n_star"], ph.sim.admission, labels),
+                  live=_live_data(live, ph.sim.live, plan), live_differences=live_differences(plan, live),
+                  gpus_for_loads=_gpus_for_loads(plan, ph.cap, max_refusal), stacks=_stack_data(plan, ph.by_stack))
+    return CalibrationSection(_planned(plan), _answer(plan, ph.cap, ph.tuning, ph.sim.verdict), shown)
+
+
+def _planned(plan: Plan) -> Planned:
+    cal, pol = plan.calibration, plan.policy
+    peak_blocks = plan.fill_bounded.peak_resident_blocks
+    return Planned(
+        name=cal.name, spec=plan.spec, model=_short_model(cal), hardware=_short_hardware(cal),
+        provenance={"kind": cal.provenance.kind, "source": cal.provenance.source,
+                    "hardware": cal.provenance.hardware, "date": cal.provenance.date,
+                    "engine": cal.provenance.engine, "weights": cal.provenance.weights,
+                    "notes": list(cal.provenance.notes), "path": cal.path, "description": cal.description,
+                    "terms": [{"coefficient": t.coefficient, "name": t.name, "value": t.value, "basis": t.basis,
+                               "source": t.source, "plugin": plugin}
+                              for terms, plugin in ((cal.step_latency.terms, False),
+                                                    (cal.step_latency.plugin_terms, True)) for t in terms],
+                    "plugin_priced": pol.runs_plugin and bool(cal.step_latency.plugin_terms)},
+        stream={"frame_period_s": cal.stream.frame_period_s, "kv_tokens_per_s": cal.stream.kv_tokens_per_s},
+        pool={"num_blocks": cal.engine.num_blocks, "block_size_tokens": cal.engine.block_size_tokens,
+              "bytes_per_block": cal.engine.bytes_per_block, "pool_bytes": cal.engine.pool_bytes},
+        deadline_s=plan.deadline_s, session_duration=plan.durations.describe(),
+        session_duration_mean_s=plan.mean_duration_s, seed=plan.seed,
+        policy={"kind": pol.kind, "sinks": pol.sink_tokens, "window": pol.window_tokens,
+                "describe": pol.describe(), "words": pol.short_words(), "peak_blocks_per_session": peak_blocks,
+                "bytes_per_session": peak_blocks * cal.engine.bytes_per_block,
+                "window_defaulted": plan.window_defaulted, "window_context_s": WINDOW_CONTEXT_S})
+
+
+def _answer(plan: Plan, cap: dict, tun: Tuning, verdict: dict) -> Answer:
+    tuned = tun.best
+    tuning = TuningSection(
+        params=tun.params, figures=tuned["figures"] if tuned else None, grid=TUNING_GRID, miss_budget=MISS_BUDGET,
+        seeds=tuned["seeds"] if tuned else [plan.seed], offered_rate_per_s=tun.point["arrival_rate"],
+        overload=OVERLOAD, horizon_s=tun.point["horizon"], error=tun.error, table=tun.table,
+        offered_is_overload=plan.arrival_rate is None)
+    at_n_star = {k: verdict[k] for k in ("t_sat_predicted_s", "t_sat_observed_s", "p_saturate_predicted", "collapsed",
+                                         "silent_frame_fraction", "deadline_miss_fraction", "p50_frame_latency_s",
+                                         "p99_frame_latency_s", "horizon_s", "workload")}
+    fm_b = plan.fill_bounded
+    return Answer(capacity=cap, memory_ceiling_unbounded=plan.fill_unbounded.memory_ceiling(plan.mean_duration_s),
+                  pool_ceiling=plan.pool_ceiling, seqs_bind=bool(fm_b.seqs_bind),
+                  max_num_seqs=plan.calibration.engine.max_num_seqs, tuning=tuning,
+                  unbounded_at_n_star=at_n_star | {"sessions": cap["n_star"]})
+
+
+def _fill(plan: Plan, n_star: int, runs: dict[tuple[str, int], FillRun], labels: dict[str, str]) -> Fill:
+    """Pool fill: the fill model's line beside the simulated points, t_sat both ways (unbounded first, then by N)."""
+    fm_b, fm_u = plan.fill_bounded, plan.fill_unbounded
     h_fill = plan.fill_horizon_s(n_star)
     t_line = np.linspace(0.0, h_fill, FILL_LINE_POINTS)
-    usable = fm_b.usable_blocks
-    fill = []
-    for key, res in sorted(sim.fill.items(), key=lambda kv: (kv[0][0] != "unbounded", kv[0][1])):
-        policy_key, n = key
+    curves = []
+    for (policy_key, n), res in sorted(runs.items(), key=lambda kv: (kv[0][0] != "unbounded", kv[0][1])):
         fm = fm_u if policy_key == "unbounded" else fm_b
-        rho = np.minimum(fm.occupancy_blocks(t_line, n) / usable, 1.0)
+        rho = np.minimum(fm.occupancy_blocks(t_line, n) / fm_b.usable_blocks, 1.0)
         s = res.summary
-        fill.append({"policy": policy_key, "label": labels[policy_key], "sessions": n,
-                     "t_line_s": [round(float(x), 3) for x in t_line], "occupancy_predicted": [round(float(x), 5) for x in rho],
-                     "t_sim_s": res.t_s, "occupancy_simulated": res.occupancy,
-                     "t_sat_predicted_s": s["t_sat_predicted_s"], "t_sat_observed_s": s["t_sat_observed_s"],
-                     "collapsed": s["collapsed"]})
+        curves.append(FillCurve(
+            policy=policy_key, label=labels[policy_key], sessions=n, t_line_s=[round(float(x), 3) for x in t_line],
+            occupancy_predicted=[round(float(x), 5) for x in rho], t_sim_s=res.t_s, occupancy_simulated=res.occupancy,
+            t_sat_predicted_s=s["t_sat_predicted_s"], t_sat_observed_s=s["t_sat_observed_s"],
+            collapsed=s["collapsed"]))
+    return Fill(h_fill, curves)
 
-    # the signal: latency and silence against N
-    signal: dict[str, dict] = {}
-    for (policy_key, n), s in sorted(sim.signal.items(), key=lambda kv: kv[0][1]):
-        d = signal.setdefault(policy_key, {"label": labels[policy_key], "sessions": [], "p50_frame_latency_s": [],
-                                           "p99_frame_latency_s": [], "silent_frame_fraction": [],
-                                           "deadline_miss_fraction": [], "collapsed": [], "t_sat_observed_s": []})
-        d["sessions"].append(n)
-        for k in ("p50_frame_latency_s", "p99_frame_latency_s", "silent_frame_fraction", "deadline_miss_fraction",
-                  "collapsed", "t_sat_observed_s"):
-            d[k].append(s[k])
 
-    # metastability: predicted P(collapse) (and P(saturate)) beside the Monte Carlo fractions per cell
-    ns = plan.sessions_grid(MC_FRACTIONS, n_star)
-    ds = plan.mc_durations_s(n_star)
-    # a cell past the deadline-bound N* is compute-overloaded: frames miss their deadline whatever the pool does
-    meta = {"sessions": ns, "mean_duration_s": ds, "runs_per_cell": plan.mc_runs,
-            "edge_runs": plan.edge_runs, "n_star": n_star,
-            "past_n_star": [n > cap["deadline_n_star"] for n in ns],
-            "horizon_factor": MC_HORIZON_FACTOR, "policies": {}}
+def _signal(runs: dict[tuple[str, int], dict], labels: dict[str, str]) -> dict[str, SignalSeries]:
+    """The signal: latency and silence against N, per policy."""
+    out: dict[str, SignalSeries] = {}
+    for (policy_key, n), summary in sorted(runs.items(), key=lambda kv: kv[0][1]):
+        out.setdefault(policy_key, SignalSeries(labels[policy_key])).add(n, summary)
+    return out
+
+
+def _metastability(plan: Plan, cap: dict, sim: Simulated, labels: dict[str, str]) -> Metastability:
+    """Predicted P(collapse) (and P(saturate)) beside the Monte Carlo fractions, per cell."""
+    n_star = cap["n_star"]
+    ns, ds = plan.sessions_grid(MC_FRACTIONS, n_star), plan.mc_durations_s(n_star)
     cells = iter(sim.predicted)  # _prediction_tasks' order: policy, duration, N
+    policies = {}
     for policy_key in ("unbounded", "bounded"):
         grid = [[next(cells) for _ in ns] for _ in ds]
-        pred = [[c[0] for c in row] for row in grid]
-        pred_sat = [[c[1] for c in row] for row in grid]
-        sim_c, sim_s, runs_n, interval = [], [], [], []
-        for d in ds:
-            rc, rs, rn, ri = [], [], [], []
-            for n in ns:
-                runs = sim.mc[(policy_key, n, d)]
-                k = sum(r.collapsed for r in runs)
-                rc.append(k / len(runs))
-                rn.append(len(runs))
-                ri.append([round(x, 4) for x in wilson_interval(k, len(runs))])
-                rs.append(sum(r.saturated for r in runs) / len(runs))
-            sim_c.append(rc)
-            sim_s.append(rs)
-            runs_n.append(rn)
-            interval.append(ri)
-        meta["policies"][policy_key] = {"label": labels[policy_key], "predicted": [[round(x, 4) for x in r] for r in pred],
-                                        "predicted_saturation": [[round(x, 4) for x in r] for r in pred_sat],
-                                        "simulated_collapse": sim_c, "simulated_saturation": sim_s,
-                                        "runs": runs_n, "collapse_interval": interval}
+        runs = [[sim.mc[(policy_key, n, d)] for n in ns] for d in ds]
+        collapsed = [[sum(r.collapsed for r in cell) for cell in row] for row in runs]
+        policies[policy_key] = MetastabilityPolicy(
+            label=labels[policy_key],
+            predicted=[[round(c[0], 4) for c in row] for row in grid],
+            predicted_saturation=[[round(c[1], 4) for c in row] for row in grid],
+            simulated_collapse=[[k / len(cell) for k, cell in zip(ks, row)] for ks, row in zip(collapsed, runs)],
+            simulated_saturation=[[sum(r.saturated for r in cell) / len(cell) for cell in row] for row in runs],
+            runs=[[len(cell) for cell in row] for row in runs],
+            collapse_interval=[[[round(x, 4) for x in wilson_interval(k, len(cell))] for k, cell in zip(ks, row)]
+                               for ks, row in zip(collapsed, runs)])
+    # a cell past the deadline-bound N* is compute-overloaded: frames miss their deadline whatever the pool does
+    return Metastability(sessions=ns, mean_duration_s=ds, runs_per_cell=plan.mc_runs, edge_runs=plan.edge_runs,
+                         n_star=n_star, past_n_star=[n > cap["deadline_n_star"] for n in ns],
+                         horizon_factor=MC_HORIZON_FACTOR, policies=policies)
 
-    # admission traces on the rising-then-falling pattern
-    admission = {"pattern": [[d, round(r, 6)] for d, r in plan.admission_pattern(n_star)],
-                 "mean_duration_s": plan.mean_duration_s, "policies": {}}
-    for policy_key in ("unbounded", "bounded"):
-        res = sim.admission[policy_key]
-        s = res.summary
-        admission["policies"][policy_key] = {
-            "label": labels[policy_key], "trace": res.trace,
-            "summary": {k: s[k] for k in ("collapsed", "silent_frame_fraction", "deadline_miss_fraction",
-                                          "p99_frame_latency_s", "goodput_sessions", "goodput_frames_per_s",
-                                          "sessions_offered", "sessions_admitted", "sessions_refused",
-                                          "t_sat_observed_s")}}
 
-    v = sim.verdict
-    tuned = tun.best
-    return {
-        "name": cal.name,
-        "spec": plan.spec,
-        "model": _short_model(cal),
-        "hardware": _short_hardware(cal),
-        "provenance": {"kind": cal.provenance.kind, "source": cal.provenance.source,
-                       "hardware": cal.provenance.hardware, "date": cal.provenance.date,
-                       "engine": cal.provenance.engine, "weights": cal.provenance.weights,
-                       "notes": list(cal.provenance.notes), "path": cal.path, "description": cal.description,
-                       "terms": [{"coefficient": t.coefficient, "name": t.name, "value": t.value, "basis": t.basis,
-                                  "source": t.source, "plugin": plugin}
-                                 for terms, plugin in ((cal.step_latency.terms, False),
-                                                       (cal.step_latency.plugin_terms, True)) for t in terms],
-                       "plugin_priced": pol.runs_plugin and bool(cal.step_latency.plugin_terms)},
-        "stream": {"frame_period_s": cal.stream.frame_period_s, "kv_tokens_per_s": cal.stream.kv_tokens_per_s},
-        "pool": {"num_blocks": cal.engine.num_blocks, "block_size_tokens": cal.engine.block_size_tokens,
-                 "bytes_per_block": cal.engine.bytes_per_block, "pool_bytes": cal.engine.pool_bytes},
-        "deadline_s": plan.deadline_s,
-        "session_duration": plan.durations.describe(),
-        "session_duration_mean_s": plan.mean_duration_s,
-        "seed": plan.seed,
-        "policy": {"kind": pol.kind, "sinks": pol.sink_tokens, "window": pol.window_tokens,
-                   "describe": pol.describe(), "words": pol.short_words(), "peak_blocks_per_session": peak_blocks,
-                   "bytes_per_session": peak_blocks * cal.engine.bytes_per_block,
-                   "window_defaulted": plan.window_defaulted, "window_context_s": WINDOW_CONTEXT_S},
-        "capacity": cap,
-        "memory_ceiling_unbounded": fm_u.memory_ceiling(plan.mean_duration_s),
-        # the pool's own ceiling, and whether vLLM's request limit caps sessions before it (the answer's rows)
-        "pool_ceiling": plan.pool_ceiling, "seqs_bind": bool(fm_b.seqs_bind),
-        "max_num_seqs": cal.engine.max_num_seqs,
-        "tuning": {"params": tuned["params"] if tuned else None, "figures": tuned["figures"] if tuned else None,
-                   "grid": TUNING_GRID, "miss_budget": MISS_BUDGET, "seeds": tuned["seeds"] if tuned else [plan.seed],
-                   "offered_rate_per_s": tun.point["arrival_rate"], "overload": OVERLOAD,
-                   "horizon_s": tun.point["horizon"], "error": tun.error, "table": tun.table,
-                   "offered_is_overload": plan.arrival_rate is None},
-        "unbounded_at_n_star": {k: v[k] for k in ("t_sat_predicted_s", "t_sat_observed_s", "p_saturate_predicted",
-                                                  "collapsed", "silent_frame_fraction", "deadline_miss_fraction",
-                                                  "p50_frame_latency_s", "p99_frame_latency_s", "horizon_s", "workload")}
-                               | {"sessions": n_star},
-        "fill": {"horizon_s": h_fill, "curves": fill},
-        "signal": signal,
-        "metastability": meta,
-        "admission": admission,
-        "live": _live_data(live, sim.live, plan),
-        "live_differences": live_differences(plan, live),
-    }
+ADMISSION_FIGURES = ("collapsed", "silent_frame_fraction", "deadline_miss_fraction", "p99_frame_latency_s",
+                     "goodput_sessions", "goodput_frames_per_s", "sessions_offered", "sessions_admitted",
+                     "sessions_refused", "t_sat_observed_s")
+
+
+def _admission(plan: Plan, n_star: int, runs: dict[str, AdmissionRun], labels: dict[str, str]) -> Admission:
+    """The admission traces on the rising-then-falling pattern."""
+    return Admission(
+        pattern=[[d, round(r, 6)] for d, r in plan.admission_pattern(n_star)], mean_duration_s=plan.mean_duration_s,
+        policies={k: AdmissionPolicy(labels[k], runs[k].trace, {f: runs[k].summary[f] for f in ADMISSION_FIGURES})
+                  for k in ("unbounded", "bounded")})
