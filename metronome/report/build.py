@@ -10,11 +10,12 @@ own progress:
    its central N*;
 2. **AIMD tuning** per calibration on an overload mix at 1.5× N* (a small grid);
 3. **simulation**: :meth:`~metronome.report.plan.ReportPlan.simulation_points` lists everything else once N* and
-   the tuned controller are known — the unbounded verdict at N*, pool fill for several N, the latency signal against N,
-   the first Monte Carlo pass of the metastability grid, the admission traces and, for a ``--live`` run folder
-   without a ``sim/`` folder, the run's workload re-simulated with the calibration (and the simulator's N* for
-   the run's policy, pool and deadline) — and it runs as one batch; then the cells on the collapse band's edge
-   are topped up (:meth:`~metronome.report.plan.ReportPlan.refinement`), a batch per round;
+   the tuned controller are known — the unbounded verdict at N*, pool fill for several N, the latency signal
+   against N, the first Monte Carlo pass of the metastability grid, the admission traces and, for a ``--live`` run
+   folder without a ``sim/`` folder, the run's workload re-simulated with the calibration (and the simulator's N*
+   for the run's policy, pool and deadline) — and it runs as one batch; then the cells on the collapse band's edge
+   are topped up (:meth:`~metronome.report.plan.ReportPlan.refinement`), a batch per round; then the fill model's
+   P(collapse) and P(saturate) for every cell (:meth:`~metronome.report.plan.ReportPlan.prediction_points`);
 4. with an offered load (``--offered-load``), **the fleet**: how many GPUs of each calibration carry it with at
    most ``--max-refusal`` refused (Erlang B on N*, and :mod:`metronome.sim.fleet` with a least-loaded router),
    and the day's GPU-hours static and autoscaled, with the cost when ``--gpu-price`` is given.
@@ -57,7 +58,7 @@ from metronome.report.sections import (Admission, AdmissionPolicy, Answer, Calib
 from metronome.results import wilson_interval
 from metronome.sim import scenario as scn
 from metronome.sim.cache import ResultCache
-from metronome.sim.capacity import CENTRAL_KEYS, capacity, range_variants, sensitivity, variant_n_star
+from metronome.sim.capacity import capacity, sensitivity, variant_n_star
 from metronome.sim.executors import LocalExecutor
 from metronome.sim.montecarlo import run_decided as mc_run_decided
 from metronome.sim.tuning import tune_aimd
@@ -85,26 +86,6 @@ def _range_task(task: dict) -> dict:
     return variant_n_star(cal, task["policy"], task["central"], tuple((n, v) for n, v in task["overrides"]))
 
 
-def _attach_ranges(plans: list[Plan], stack_caps: list[dict[str, dict]], executor, progress: Progress,
-                   cache: ResultCache) -> None:
-    """Each capacity of ``stack_caps`` (per plan, stack name -> its capacity under the answer's regime) gains its
-    ``ranges`` (:func:`metronome.sim.capacity.sensitivity`); every variant of every calibration and stack runs in
-    one batch, through the cache."""
-    jobs = []  # (calibration with the stack, policy, capacity, spec, stack)
-    for plan, by_stack in zip(plans, stack_caps):
-        for stack, cap in by_stack.items():
-            jobs.append((plan.calibration.with_stack(stack or None), plan.policy, cap, plan.spec, stack))
-    variants = [range_variants(cal, pol) for cal, pol, *_ in jobs]
-    tasks = [{"calibration": spec, "stack": stack, "policy": pol, "overrides": [list(o) for o in ov],
-              "central": {k: cap[k] for k in CENTRAL_KEYS}}
-             for (cal, pol, cap, spec, stack), vs in zip(jobs, variants) for ov in vs]
-    results = iter(cache.map(executor, _range_task, tasks,
-                             progress=progress("capacity: N* over the step terms' ranges", len(tasks))))
-    for (cal, pol, cap, _, _), vs in zip(jobs, variants):
-        solved = {ov: next(results) for ov in vs}
-        cap["ranges"] = sensitivity(cal, pol, cap, solve=lambda wanted: [solved[ov] for ov in wanted])
-
-
 def _prediction_task(task: dict) -> list[float]:
     """The fill model's [P(collapse), P(saturate)] for one metastability cell: N sessions of exponential mean
     length ``mean_s`` over ``horizon_s`` (cached and fanned out like a simulation: for an overloaded cell it
@@ -115,14 +96,6 @@ def _prediction_task(task: dict) -> list[float]:
     durations = Durations("exponential", task["mean_s"])
     return [fm.p_collapse_fixed(task["sessions"], durations, task["horizon_s"]),
             fm.p_saturate_fixed(task["sessions"], durations, task["horizon_s"])]
-
-
-def _prediction_tasks(plan: Plan, n_star: int) -> list[dict]:
-    """The metastability grid's predictions, policy by policy, duration by duration, N by N."""
-    return [{"calibration": plan.spec, "policy": pol, "sessions": n, "mean_s": d, "horizon_s": MC_HORIZON_FACTOR * d,
-             "phases": plan.phases}
-            for pol in (plan.unbounded, plan.policy) for d in plan.mc_durations_s(n_star)
-            for n in plan.sessions_grid(MC_FRACTIONS, n_star)]
 
 
 def _sim_task(task: tuple[str, dict]) -> dict:
@@ -185,11 +158,19 @@ def _bucket_trace(trace: list[dict], horizon_s: float) -> dict:
 @dataclass
 class Capacity:
     """One calibration's capacity phase: N* under the answer's regime and stack (``answer``, which gains
-    ``other_regime`` here and ``ranges`` in :func:`_attach_ranges`) and with each serving stack it ships
+    ``other_regime`` and ``ranges`` here) and with each serving stack it ships
     (``by_stack``, the answer's own first). Each is :func:`metronome.sim.capacity.capacity`'s dict."""
 
     answer: dict = field(default_factory=dict)
     by_stack: dict[str, dict] = field(default_factory=dict)
+    ranges: dict[tuple, dict] = field(default_factory=dict)  # (stack, overrides) -> that variant's N*
+
+    def attach_ranges(self, plan: Plan) -> None:
+        """Each stack's capacity gains its ``ranges`` (:func:`metronome.sim.capacity.sensitivity`) from the
+        variants searched (:meth:`ReportPlan.range_points`)."""
+        for stack, cap in self.by_stack.items():
+            cap["ranges"] = sensitivity(plan.calibration.with_stack(stack or None), plan.policy, cap,
+                                        solve=lambda wanted, s=stack: [self.ranges[(s, ov)] for ov in wanted])
 
     def add(self, pt: Point, cap: dict) -> None:
         """One capacity point's answer (:meth:`ReportPlan.capacity_points`, which lists a calibration's
@@ -269,7 +250,7 @@ class Simulated:
     mc: dict[tuple[str, int, float], list[McRun]] = field(default_factory=dict)
     admission: dict[str, AdmissionRun] = field(default_factory=dict)
     live: dict[str, LiveRun] = field(default_factory=dict)
-    predicted: list[list[float]] = field(default_factory=list)  # _prediction_tasks' order
+    predicted: dict[tuple[str, int, float], list[float]] = field(default_factory=dict)  # [P(collapse), P(saturate)]
 
     def add(self, pt: Point, res: dict) -> None:
         """One simulated point's answer (:func:`_sim_task`), filed under its section."""
@@ -285,6 +266,8 @@ class Simulated:
             self.admission[pt.key] = AdmissionRun(res["summary"], res["trace"])
         elif pt.section == "live":
             self.live[pt.key] = LiveRun(res["side"], res["n_star"], res["n_star_policy"])
+        elif pt.section == "predicted":
+            self.predicted[pt.key] = res
         else:
             raise ValueError(f"no section {pt.section!r} reads simulated points")
 
@@ -354,7 +337,13 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
             raise MetronomeError(no_session_fits(plan, cap, options))
     # 1b. N* over the step terms' ranges: the interval, the tornado and the dominant term, for every stack
     stack_caps = [c.by_stack for c in capacities]
-    _attach_ranges(plans, stack_caps, executor, progress, cache)
+    points = rp.range_points(stack_caps)
+    found = cache.map(executor, _range_task, [pt.point for pt in points],
+                      progress=progress("capacity: N* over the step terms' ranges", len(points)))
+    for pt, res in zip(points, found):
+        capacities[pt.calibration].ranges[pt.key] = res
+    for plan, c in zip(plans, capacities):
+        c.attach_ranges(plan)
 
     # 2. AIMD tuning on the overload mix
     tunings = [_tune(plan, cap, executor, progress, cache) for plan, cap in zip(plans, caps)]
@@ -375,12 +364,11 @@ def _build(options: ReportOptions, executor, progress: Progress, command: str | 
             break
         label = f"refining the collapse band's edge: {len(points)} runs"
 
-    tasks = [_prediction_tasks(plan, cap["n_star"]) for plan, cap in zip(plans, caps)]
-    preds = iter(cache.map(executor, _prediction_task, [t for ts in tasks for t in ts],
-                           progress=progress(f"predicting: {sum(map(len, tasks))} metastability cells",
-                                             sum(map(len, tasks)))))
-    for sim, ts in zip(sims, tasks):
-        sim.predicted = [next(preds) for _ in ts]
+    points = rp.prediction_points(caps)
+    found = cache.map(executor, _prediction_task, [pt.point for pt in points],
+                      progress=progress(f"predicting: {len(points)} metastability cells", len(points)))
+    for pt, res in zip(points, found):
+        sims[pt.calibration].add(pt, res)
     cals = [_calibration_section(plan, Phases(cap, by_stack, tun, sim), lv, options.max_refusal)
             for plan, cap, by_stack, tun, sim, lv in zip(plans, caps, stack_caps, tunings, sims, rp.live)]
     fleet = _fleet_data(options, plans, caps, executor, progress) if options.offered_load is not None else None
@@ -671,10 +659,9 @@ def _metastability(plan: Plan, cap: dict, sim: Simulated, labels: dict[str, str]
     """Predicted P(collapse) (and P(saturate)) beside the Monte Carlo fractions, per cell."""
     n_star = cap["n_star"]
     ns, ds = plan.sessions_grid(MC_FRACTIONS, n_star), plan.mc_durations_s(n_star)
-    cells = iter(sim.predicted)  # _prediction_tasks' order: policy, duration, N
     policies = {}
     for policy_key in ("unbounded", "bounded"):
-        grid = [[next(cells) for _ in ns] for _ in ds]
+        grid = [[sim.predicted[(policy_key, n, d)] for n in ns] for d in ds]
         runs = [[sim.mc[(policy_key, n, d)] for n in ns] for d in ds]
         collapsed = [[sum(r.collapsed for r in cell) for cell in row] for row in runs]
         policies[policy_key] = MetastabilityPolicy(

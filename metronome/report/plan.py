@@ -25,7 +25,8 @@ Everything here is derived from the calibration and the fill model, never picked
 :class:`ReportPlan`, whose methods list each phase's simulations as one typed list of :class:`Point` (every
 calibration's at once): the capacity phase from the options alone, the other sections once N* and the tuned
 controller are known (their grids are fractions of N*), and the top-ups of the collapse band's edge after each
-Monte Carlo pass. :func:`simulation_points` and :func:`mc_refinement` are those lists for one calibration.
+Monte Carlo pass. :func:`simulation_points`, :func:`mc_refinement` and :func:`prediction_points` are those lists
+for one calibration.
 """
 
 from __future__ import annotations
@@ -139,7 +140,6 @@ class Plan:
     window_defaulted: bool = False
     mc_edge_runs: int = MC_EDGE_RUNS
     phases: str = "independent"
-    index: int = 0  # its place among the report's calibrations (a Point names its calibration by it)
 
     @property
     def unbounded(self) -> KVPolicy:
@@ -238,11 +238,11 @@ class Point:
     key: Any
     kind: str
     point: dict
-    calibration: int = 0
+    calibration: int = 0  # its place in ReportPlan.calibrations (set there: a Plan does not know it)
 
 
-def _point(plan: Plan, section: str, key: Any, kind: str, point: dict) -> Point:
-    return Point(section, key, kind, {k: v for k, v in point.items() if v is not None}, plan.index)
+def _point(section: str, key: Any, kind: str, point: dict) -> Point:
+    return Point(section, key, kind, {k: v for k, v in point.items() if v is not None})
 
 
 def policies(plan: Plan) -> dict[str, dict]:
@@ -251,7 +251,7 @@ def policies(plan: Plan) -> dict[str, dict]:
 
 def mc_point(plan: Plan, policy_key: str, n: int, d: float, run: int) -> Point:
     """Run ``run`` of the metastability cell (policy, N, mean duration ``d``): seed ``seed + run``."""
-    return _point(plan, "mc", (policy_key, n, d), "mc",
+    return _point("mc", (policy_key, n, d), "mc",
                   plan.base(**policies(plan)[policy_key], sessions=n, session_duration=f"exp:{d:g}",
                             horizon=MC_HORIZON_FACTOR * d, seed=plan.seed + run))
 
@@ -261,24 +261,34 @@ def simulation_points(plan: Plan, cap: dict, aimd_params: dict | None, live: dic
     None: the static limit) are known: the unbounded verdict at N*, pool fill, the latency signal, the first
     Monte Carlo pass, the admission traces, and the --live runs to re-simulate."""
     n_star = cap["n_star"]
-    out = [_point(plan, "verdict", None, "summary",
+    out = [_point("verdict", None, "summary",
                   plan.base(kv="unbounded", sessions=n_star, seed=plan.seed, session_duration=plan.session_duration,
                             horizon=2.0 * plan.mean_duration_s))]
     h_fill = plan.fill_horizon_s(n_star)
     for pol, kw in policies(plan).items():
-        out += [_point(plan, "fill", (pol, n), "fill", plan.base(**kw, sessions=n, horizon=h_fill, seed=plan.seed))
+        out += [_point("fill", (pol, n), "fill", plan.base(**kw, sessions=n, horizon=h_fill, seed=plan.seed))
                 for n in plan.sessions_grid(FILL_FRACTIONS, n_star)]
-        out += [_point(plan, "signal", (pol, n), "summary",
+        out += [_point("signal", (pol, n), "summary",
                        plan.base(**kw, sessions=n, horizon=plan.mean_duration_s, seed=plan.seed))
                 for n in plan.sessions_grid(SIGNAL_FRACTIONS, n_star)]
         out += [mc_point(plan, pol, n, d, r) for n in plan.sessions_grid(MC_FRACTIONS, n_star)
                 for d in plan.mc_durations_s(n_star) for r in range(plan.mc_runs)]
-        out.append(_point(plan, "admission", pol, "admission",
+        out.append(_point("admission", pol, "admission",
                           {**plan.admission_point(n_star, kw), "aimd_params": aimd_params, "seed": plan.seed}))
     for name, run in (live["runs"].items() if live and live["kind"] == "runs" else ()):
         if run["scenario"] is not None:  # a live run without a sim/ folder: simulated here
-            out.append(_point(plan, "live", name, "live", {"calibration": plan.spec, **run["scenario"]["options"]}))
+            out.append(_point("live", name, "live", {"calibration": plan.spec, **run["scenario"]["options"]}))
     return out
+
+
+def prediction_points(plan: Plan, n_star: int) -> list[Point]:
+    """The fill model's [P(collapse), P(saturate)] for every metastability cell, policy by policy, duration by
+    duration, N by N (key (policy, N, d), as the Monte Carlo runs of the cell)."""
+    return [Point("predicted", (key, n, d), "prediction",
+                  {"calibration": plan.spec, "policy": pol, "sessions": n, "mean_s": d,
+                   "horizon_s": MC_HORIZON_FACTOR * d, "phases": plan.phases})
+            for key, pol in (("unbounded", plan.unbounded), ("bounded", plan.policy))
+            for d in plan.mc_durations_s(n_star) for n in plan.sessions_grid(MC_FRACTIONS, n_star)]
 
 
 def _outcome(collapsed: int, runs: int) -> str:
@@ -336,7 +346,7 @@ def recommended_policy(cal: Calibration, kind: str = DEFAULT_KV, given: dict | N
     return policy, not any(p.sizes and p.name in given for p in cls.params)
 
 
-def make_plan(spec: str, cal: Calibration, options: ReportOptions, index: int = 0) -> Plan:
+def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
     """Resolve the defaults for one calibration (one-line errors for a bad combination)."""
     policy, window_defaulted = recommended_policy(cal, options.kv, dict(options.kv_params))
     durations = Durations.parse(options.session_duration)
@@ -350,7 +360,7 @@ def make_plan(spec: str, cal: Calibration, options: ReportOptions, index: int = 
                 session_duration=options.session_duration,
                 deadline_s=float(options.deadline_s or cal.stream.frame_period_s), seed=options.seed,
                 mc_runs=options.mc_runs, mc_edge_runs=options.mc_edge_runs, arrival_rate=options.arrival_rate,
-                window_defaulted=window_defaulted, phases=options.phases, index=index)
+                window_defaulted=window_defaulted, phases=options.phases)
 
 
 @dataclass(frozen=True)
@@ -371,40 +381,64 @@ class ReportPlan:
 
     @property
     def refine_rounds(self) -> int:
+        """Top-up passes of the collapse band's edge at most (:meth:`refinement` after each)."""
         return MC_REFINE_ROUNDS
 
     def capacity_points(self) -> list[Point]:
         """The capacity phase: N* per calibration under the answer's regime (section ``capacity``) and the other
         one (``other_regime``), then under the answer's regime with each other serving stack the calibration ships
         (``stack``, keyed by the stack). A point's ``point`` is :meth:`Plan.capacity_task`."""
-        out = [Point(section, p.calibration.stack, "capacity", p.capacity_task(phases), p.index)
+        out = [Point(section, p.calibration.stack, "capacity", p.capacity_task(phases), i)
                for section, phases in (("capacity", self.options.phases), ("other_regime", self.other_phases))
-               for p in self.calibrations]
-        return out + [Point("stack", s, "capacity", p.capacity_task(self.options.phases, stack=s), p.index)
-                      for p in self.calibrations for s in p.calibration.stacks if s != p.calibration.stack]
+               for i, p in enumerate(self.calibrations)]
+        return out + [Point("stack", s, "capacity", p.capacity_task(self.options.phases, stack=s), i)
+                      for i, p in enumerate(self.calibrations) for s in p.calibration.stacks
+                      if s != p.calibration.stack]
+
+    def range_points(self, by_stack: list[dict[str, dict]]) -> list[Point]:
+        """N* over the step terms' ranges: every variant (:func:`metronome.sim.capacity.range_variants`) of every
+        calibration with each stack it ships, to be searched from near that stack's central N* (``by_stack``: per
+        calibration, stack -> its capacity). A point's key is (stack, the variant's term overrides)."""
+        from metronome.sim.capacity import CENTRAL_KEYS, range_variants
+
+        return [Point("ranges", (stack, ov), "range",
+                      {"calibration": plan.spec, "stack": stack, "policy": plan.policy,
+                       "overrides": [list(o) for o in ov], "central": {k: cap[k] for k in CENTRAL_KEYS}}, i)
+                for i, (plan, caps) in enumerate(zip(self.calibrations, by_stack)) for stack, cap in caps.items()
+                for ov in range_variants(plan.calibration.with_stack(stack or None), plan.policy)]
 
     def simulation_points(self, caps: list[dict], aimd_params: list[dict | None]) -> list[Point]:
         """Every calibration's :func:`simulation_points`, given its capacity and its tuned controller (None: the
         static limit), in the order of the calibrations."""
-        return [pt for plan, cap, aimd, live in zip(self.calibrations, caps, aimd_params, self.live)
-                for pt in simulation_points(plan, cap, aimd, live)]
+        return self._tagged(simulation_points(plan, cap, aimd, live)
+                            for plan, cap, aimd, live in zip(self.calibrations, caps, aimd_params, self.live))
 
     def refinement(self, caps: list[dict], counts: list[dict[tuple, tuple[int, int]]]) -> list[Point]:
         """Every calibration's :func:`mc_refinement` after a Monte Carlo pass (``counts``: per calibration, (policy,
         N, d) -> (collapsed runs, runs) so far). Empty once every edge is measured."""
-        return [pt for plan, cap, c in zip(self.calibrations, caps, counts)
-                for pt in mc_refinement(plan, cap["n_star"], c)]
+        return self._tagged(mc_refinement(plan, cap["n_star"], c)
+                            for plan, cap, c in zip(self.calibrations, caps, counts))
+
+    def prediction_points(self, caps: list[dict]) -> list[Point]:
+        """Every calibration's :func:`prediction_points`."""
+        return self._tagged(prediction_points(plan, cap["n_star"]) for plan, cap in zip(self.calibrations, caps))
+
+    @staticmethod
+    def _tagged(per_calibration) -> list[Point]:
+        """One list of every calibration's points, each naming its calibration."""
+        return [replace(pt, calibration=i) for i, pts in enumerate(per_calibration) for pt in pts]
 
 
 def plan_report(options: ReportOptions) -> ReportPlan:
     """Check every input before any work (the options, calibrations, the bound, the mix, the live folders, the
     prices) and plan the report: one line and no work for anything wrong."""
+    # imported here, not at the top: the CLIs import this module for its defaults before any report is asked for
     from metronome import calibration as calmod
     from metronome.report.live import check_resimulation, read_live
     from metronome.sim import scenario as scn
 
     options.validate()
-    plans = tuple(make_plan(spec, calmod.load(spec), options, index=i) for i, spec in enumerate(options.calibrations))
+    plans = tuple(make_plan(spec, calmod.load(spec), options) for spec in options.calibrations)
     names = [p.calibration.name for p in plans]
     if len(set(names)) != len(names):
         raise MetronomeError(f"--calibration given twice for {names[0]!r}: compare two different calibrations")
