@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-PLAN_PY = str(Path(__import__("metronome.report.plan", fromlist=["x"]).__file__).resolve())
+import metronome.report.plan as plan_module
+
+PLAN_PY = plan_module.__file__  # as the code objects of plan.py name their file
 
 
 class _RecordingCache:
