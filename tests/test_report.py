@@ -528,13 +528,12 @@ def test_the_report_predicts_under_the_phase_regime_it_assumes(phases):
     """Past N* the fill model's clock depends on the regime: the plan's fill models and the metastability cells'
     predictions must be the ones for --phases, not the default's."""
     from metronome import calibration
-    from metronome.report.build import _prediction_tasks
-    from metronome.report.plan import ReportOptions, make_plan
+    from metronome.report.plan import ReportOptions, make_plan, prediction_points
 
     plan = make_plan("moshi-7b-h200", calibration.load("moshi-7b-h200"),
                      ReportOptions(calibrations=("moshi-7b-h200",), phases=phases))
     assert plan.fill_bounded.phases == plan.fill_unbounded.phases == phases
-    assert {t["phases"] for t in _prediction_tasks(plan, 122)} == {phases}
+    assert {t.point["phases"] for t in prediction_points(plan, 122)} == {phases}
 
 
 # ------------------------------------------------------------------------------------------ the next question

@@ -1,26 +1,31 @@
-"""The report's numbers: every figure and table, computed from the sim layer into one plain dict.
+"""The report's numbers: every figure and table, computed from the sim layer.
 
-Phases, each fanned out over the executor with its own progress:
+:func:`~metronome.report.plan.plan_report` plans the whole report from its options first (the builder's one call
+into the planning); then phases, each a typed list of points from that plan, fanned out over the executor with its
+own progress:
 
 1. **capacity** per calibration: memory ceiling, deadline-bound N*, which binds, under both phase regimes and with
    each serving stack the calibration ships; then N* over the step terms' ranges (the interval, the tornado and
    the dominant term, :func:`metronome.sim.capacity.sensitivity`) for every stack, each variant searched from near
    its central N*;
 2. **AIMD tuning** per calibration on an overload mix at 1.5× N* (a small grid);
-3. **simulation**: :func:`metronome.report.plan.simulation_points` lists everything else once N* and the tuned
-   controller are known — the unbounded verdict at N*, pool fill for several N, the latency signal against N,
-   the first Monte Carlo pass of the metastability grid, the admission traces and, for a ``--live`` run folder
-   without a ``sim/`` folder, the run's workload re-simulated with the calibration (and the simulator's N* for
-   the run's policy, pool and deadline) — and it runs as one batch; then the cells on the collapse band's edge
-   are topped up (:func:`~metronome.report.plan.mc_refinement`), a batch per round;
+3. **simulation**: :meth:`~metronome.report.plan.ReportPlan.simulation_points` lists everything else once N* and
+   the tuned controller are known — the unbounded verdict at N*, pool fill for several N, the latency signal
+   against N, the first Monte Carlo pass of the metastability grid, the admission traces and, for a ``--live`` run
+   folder without a ``sim/`` folder, the run's workload re-simulated with the calibration (and the simulator's N*
+   for the run's policy, pool and deadline) — and it runs as one batch; then the cells on the collapse band's edge
+   are topped up (:meth:`~metronome.report.plan.ReportPlan.refinement`), a batch per round; then the fill model's
+   P(collapse) and P(saturate) for every cell (:meth:`~metronome.report.plan.ReportPlan.prediction_points`);
 4. with an offered load (``--offered-load``), **the fleet**: how many GPUs of each calibration carry it with at
    most ``--max-refusal`` refused (Erlang B on N*, and :mod:`metronome.sim.fleet` with a least-loaded router),
    and the day's GPU-hours static and autoscaled, with the cost when ``--gpu-price`` is given.
 
 Every simulated run is seeded by its own point, so the report is the same whichever executor and how
 many workers run it. Every simulation of phases 1-3 goes through :class:`metronome.sim.cache.ResultCache`: a
-point simulated before (same calibration contents, point, seed and code) is read back, not run. The dict is JSON-ready; :mod:`metronome.report.answer` turns it into the words and
-numbers both renderers print.
+point simulated before (same calibration contents, point, seed and code) is read back, not run. Each phase's answers
+are read into typed records here, the sections are assembled from them as :mod:`metronome.report.sections`, and
+:meth:`~metronome.report.sections.Report.to_dict` makes the JSON-ready dict that :mod:`metronome.report.answer`
+turns into the words and numbers both renderers print.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import math
 import platform
 import shlex
 import time
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -42,14 +48,17 @@ from metronome.errors import MetronomeError
 from metronome.kv_policy import policy_option_values
 from metronome.workload import Durations
 
-from metronome.report.live import attach_simulation, check_resimulation, read_live, sim_side
-from metronome.report.plan import (ANSWER_LOADS, FLEET_DAY_S, MC_FRACTIONS, MC_HORIZON_FACTOR, MC_REFINE_ROUNDS,
+from metronome.report.live import attach_simulation, sim_side
+from metronome.report.plan import (ANSWER_LOADS, FLEET_DAY_S, MC_FRACTIONS, MC_HORIZON_FACTOR,
                                    MISS_BUDGET, OVERLOAD, PERCENTILE, TARGET_FRACTION, TUNING_GRID, WINDOW_CONTEXT_S,
-                                   Plan, ReportOptions, make_plan, mc_refinement, simulation_points)
+                                   Plan, Point, ReportOptions, plan_report)
+from metronome.report.sections import (Admission, AdmissionPolicy, Answer, CalibrationSection, Fill, FillCurve,
+                                       Metastability, MetastabilityPolicy, Planned, Report, Shown, SignalSeries,
+                                       TuningSection)
 from metronome.results import wilson_interval
 from metronome.sim import scenario as scn
 from metronome.sim.cache import ResultCache
-from metronome.sim.capacity import CENTRAL_KEYS, capacity, range_variants, sensitivity, variant_n_star
+from metronome.sim.capacity import capacity, sensitivity, variant_n_star
 from metronome.sim.executors import LocalExecutor
 from metronome.sim.montecarlo import run_decided as mc_run_decided
 from metronome.sim.tuning import tune_aimd
@@ -77,26 +86,6 @@ def _range_task(task: dict) -> dict:
     return variant_n_star(cal, task["policy"], task["central"], tuple((n, v) for n, v in task["overrides"]))
 
 
-def _attach_ranges(plans: list[Plan], stack_caps: list[dict[str, dict]], executor, progress: Progress,
-                   cache: ResultCache) -> None:
-    """Each capacity of ``stack_caps`` (per plan, stack name -> its capacity under the answer's regime) gains its
-    ``ranges`` (:func:`metronome.sim.capacity.sensitivity`); every variant of every calibration and stack runs in
-    one batch, through the cache."""
-    jobs = []  # (calibration with the stack, policy, capacity, spec, stack)
-    for plan, by_stack in zip(plans, stack_caps):
-        for stack, cap in by_stack.items():
-            jobs.append((plan.calibration.with_stack(stack or None), plan.policy, cap, plan.spec, stack))
-    variants = [range_variants(cal, pol) for cal, pol, *_ in jobs]
-    tasks = [{"calibration": spec, "stack": stack, "policy": pol, "overrides": [list(o) for o in ov],
-              "central": {k: cap[k] for k in CENTRAL_KEYS}}
-             for (cal, pol, cap, spec, stack), vs in zip(jobs, variants) for ov in vs]
-    results = iter(cache.map(executor, _range_task, tasks,
-                             progress=progress("capacity: N* over the step terms' ranges", len(tasks))))
-    for (cal, pol, cap, _, _), vs in zip(jobs, variants):
-        solved = {ov: next(results) for ov in vs}
-        cap["ranges"] = sensitivity(cal, pol, cap, solve=lambda wanted: [solved[ov] for ov in wanted])
-
-
 def _prediction_task(task: dict) -> list[float]:
     """The fill model's [P(collapse), P(saturate)] for one metastability cell: N sessions of exponential mean
     length ``mean_s`` over ``horizon_s`` (cached and fanned out like a simulation: for an overloaded cell it
@@ -107,14 +96,6 @@ def _prediction_task(task: dict) -> list[float]:
     durations = Durations("exponential", task["mean_s"])
     return [fm.p_collapse_fixed(task["sessions"], durations, task["horizon_s"]),
             fm.p_saturate_fixed(task["sessions"], durations, task["horizon_s"])]
-
-
-def _prediction_tasks(plan: Plan, n_star: int) -> list[dict]:
-    """The metastability grid's predictions, policy by policy, duration by duration, N by N."""
-    return [{"calibration": plan.spec, "policy": pol, "sessions": n, "mean_s": d, "horizon_s": MC_HORIZON_FACTOR * d,
-             "phases": plan.phases}
-            for pol in (plan.unbounded, plan.policy) for d in plan.mc_durations_s(n_star)
-            for n in plan.sessions_grid(MC_FRACTIONS, n_star)]
 
 
 def _sim_task(task: tuple[str, dict]) -> dict:
@@ -171,6 +152,135 @@ def _bucket_trace(trace: list[dict], horizon_s: float) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------- typed results
+# The tasks above return plain dicts (the cache stores them as they are); each phase's answers are read into these
+# once, and the sections are assembled from their fields.
+@dataclass
+class Capacity:
+    """One calibration's capacity phase: N* under the answer's regime and stack (``answer``, which gains
+    ``other_regime`` and ``ranges`` here) and with each serving stack it ships
+    (``by_stack``, the answer's own first). Each is :func:`metronome.sim.capacity.capacity`'s dict."""
+
+    answer: dict = field(default_factory=dict)
+    by_stack: dict[str, dict] = field(default_factory=dict)
+    ranges: dict[tuple, dict] = field(default_factory=dict)  # (stack, overrides) -> that variant's N*
+
+    def attach_ranges(self, plan: Plan) -> None:
+        """Each stack's capacity gains its ``ranges`` (:func:`metronome.sim.capacity.sensitivity`) from the
+        variants searched (:meth:`ReportPlan.range_points`)."""
+        for stack, cap in self.by_stack.items():
+            cap["ranges"] = sensitivity(plan.calibration.with_stack(stack or None), plan.policy, cap,
+                                        solve=lambda wanted, s=stack: [self.ranges[(s, ov)] for ov in wanted])
+
+    def add(self, pt: Point, cap: dict) -> None:
+        """One capacity point's answer (:meth:`ReportPlan.capacity_points`, which lists a calibration's
+        ``capacity`` point before its ``other_regime`` one)."""
+        if pt.section == "capacity":
+            self.answer = copy.deepcopy(cap)  # gains other_regime and ranges: the cached answer stays as it was
+            self.by_stack = {pt.key: self.answer, **self.by_stack}
+        elif pt.section == "other_regime":
+            self.answer["other_regime"] = {k: cap[k] for k in ("phases", "n_star", "deadline_n_star", "binding")}
+        else:
+            self.by_stack[pt.key] = cap
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """AIMD tuned for one calibration (:func:`metronome.sim.tuning.tune_aimd`): the best setting's record (None:
+    none kept misses within budget, ``error`` says why, and the static limit is recommended), the grid's table, the
+    overload mix it ran on and how many simulated runs that took."""
+
+    best: dict | None
+    table: list[dict]
+    point: dict
+    error: str | None
+    runs: int
+
+    @property
+    def params(self) -> dict | None:
+        return self.best["params"] if self.best else None
+
+
+@dataclass(frozen=True)
+class FillRun:
+    """A pool-fill point: the run's summary and its occupancy sampled at ``FILL_POINTS`` times."""
+
+    summary: dict
+    t_s: list[float]
+    occupancy: list[float]
+
+
+@dataclass(frozen=True)
+class McRun:
+    """One Monte Carlo run of a metastability cell: only these two are read (the run stops once they are decided)."""
+
+    collapsed: bool
+    t_sat_observed_s: float | None
+
+    @property
+    def saturated(self) -> bool:
+        t = self.t_sat_observed_s
+        return t is not None and not (isinstance(t, float) and math.isnan(t))
+
+
+@dataclass(frozen=True)
+class AdmissionRun:
+    """An admission trace's run: its summary and the controller trace bucketed (:func:`_bucket_trace`)."""
+
+    summary: dict
+    trace: dict
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    """A live run re-simulated (:func:`_live_sim`)."""
+
+    side: dict
+    n_star: int
+    n_star_policy: str
+
+
+@dataclass
+class Simulated:
+    """One calibration's simulations, by the section that reads them (keys as :func:`simulation_points` gives)."""
+
+    verdict: dict | None = None  # the unbounded run at N*: its summary
+    fill: dict[tuple[str, int], FillRun] = field(default_factory=dict)
+    signal: dict[tuple[str, int], dict] = field(default_factory=dict)  # summaries
+    mc: dict[tuple[str, int, float], list[McRun]] = field(default_factory=dict)
+    admission: dict[str, AdmissionRun] = field(default_factory=dict)
+    live: dict[str, LiveRun] = field(default_factory=dict)
+    predicted: dict[tuple[str, int, float], list[float]] = field(default_factory=dict)  # [P(collapse), P(saturate)]
+
+    def add(self, pt: Point, res: dict) -> None:
+        """One simulated point's answer (:func:`_sim_task`), filed under its section."""
+        if pt.section == "verdict":
+            self.verdict = res["summary"]
+        elif pt.section == "fill":
+            self.fill[pt.key] = FillRun(res["summary"], res["t_s"], res["occupancy"])
+        elif pt.section == "signal":
+            self.signal[pt.key] = res["summary"]
+        elif pt.section == "mc":
+            self.mc.setdefault(pt.key, []).append(McRun(bool(res["collapsed"]), res["t_sat_observed_s"]))
+        elif pt.section == "admission":
+            self.admission[pt.key] = AdmissionRun(res["summary"], res["trace"])
+        elif pt.section == "live":
+            self.live[pt.key] = LiveRun(res["side"], res["n_star"], res["n_star_policy"])
+        elif pt.section == "predicted":
+            self.predicted[pt.key] = res
+        else:
+            raise ValueError(f"no section {pt.section!r} reads simulated points")
+
+    def mc_counts(self) -> dict[tuple, tuple[int, int]]:
+        """(policy, N, d) -> (collapsed runs, runs) of the Monte Carlo runs so far."""
+        return {key: (sum(r.collapsed for r in runs), len(runs)) for key, runs in self.mc.items()}
+
+    def runs(self) -> int:
+        """Simulated runs: the verdict's, each section's and every Monte Carlo run."""
+        return (1 + len(self.fill) + len(self.signal) + len(self.admission) + len(self.live)
+                + sum(len(v) for v in self.mc.values()))
+
+
 # ------------------------------------------------------------------------------------------- helpers
 def _short_hardware(cal) -> str:
     return cal.provenance.hardware.split(" (")[0]
@@ -178,19 +288,6 @@ def _short_hardware(cal) -> str:
 
 def _short_model(cal) -> str:
     return cal.model.name.split(" (")[0]
-
-
-def _clean(x: Any) -> Any:
-    """numpy scalars and NaN -> plain JSON values."""
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if hasattr(x, "item") and not isinstance(x, (list, dict, str)):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 def _noop_progress(label: str, total: int) -> Callable[[int], None]:
@@ -208,29 +305,6 @@ def _versions() -> dict:
             "plotly": plotly.__version__}
 
 
-def load_plans(options: ReportOptions) -> tuple[list[Plan], list[dict | None]]:
-    """Validate every input before any work: calibrations, the bound, the mix, the live folders."""
-    options.validate()
-    plans = []
-    for spec in options.calibrations:
-        cal = calmod.load(spec)
-        plans.append(make_plan(spec, cal, options))
-    names = [p.calibration.name for p in plans]
-    if len(set(names)) != len(names):
-        raise MetronomeError(f"--calibration given twice for {names[0]!r}: compare two different calibrations")
-    live = [read_live(d) for d in options.live] + [None] * (len(plans) - len(options.live))
-    for plan, lv in zip(plans, live):  # a live run without sim/ is re-simulated with this plan's calibration
-        check_resimulation(lv, plan.calibration)
-    if options.offered_load is not None:
-        from metronome.sim.fleet_config import check_prices
-
-        check_prices(dict(options.gpu_prices), names)
-    for plan in plans:  # build one scenario of each kind now: a bad combination fails before the work
-        scn.make_scenario(**plan.base(**plan.bound_options(), sessions=plan.memory_ceiling, horizon=1.0,
-                                      session_duration=plan.session_duration))
-    return plans, live
-
-
 # ------------------------------------------------------------------------------------------- build
 def build_report(options: ReportOptions, executor=None, progress: Progress | None = None,
                  command: str | None = None, cache: ResultCache | None = None) -> dict:
@@ -245,107 +319,97 @@ def build_report(options: ReportOptions, executor=None, progress: Progress | Non
 
 def _build(options: ReportOptions, executor, progress: Progress, command: str | None, cache: ResultCache) -> dict:
     t0 = time.perf_counter()
-    plans, live = load_plans(options)
+    rp = plan_report(options)  # the builder's one call into the planning: every later list comes from rp
+    plans = rp.calibrations
 
     # 1. capacity, under the regime the answer assumes and under the other one (the report shows both when
-    # they differ by more than REGIME_GAP)
-    # and, under the answer's regime, with each other serving stack the calibration ships
-    other = {"independent": "aligned", "aligned": "independent"}[options.phases]
-    tasks = [p.capacity_task(ph) for ph in (options.phases, other) for p in plans]
-    stack_tasks = [(i, s) for i, p in enumerate(plans) for s in p.calibration.stacks if s != p.calibration.stack]
-    tasks += [plans[i].capacity_task(options.phases, stack=s) for i, s in stack_tasks]
-    both = cache.map(executor, _capacity_task, tasks,
-                     progress=progress("capacity: N* per calibration, regime and stack", len(tasks)))
-    caps, caps_other = copy.deepcopy(both[:len(plans)]), both[len(plans):2 * len(plans)]
-    for cap, alt in zip(caps, caps_other):
-        cap["other_regime"] = {k: alt[k] for k in ("phases", "n_star", "deadline_n_star", "binding")}
+    # they differ by more than REGIME_GAP) and, under the answer's regime, with each other serving stack the
+    # calibration ships
+    points = rp.capacity_points()
+    found = cache.map(executor, _capacity_task, [pt.point for pt in points],
+                      progress=progress("capacity: N* per calibration, regime and stack", len(points)))
+    capacities = [Capacity() for _ in plans]
+    for pt, cap in zip(points, found):
+        capacities[pt.calibration].add(pt, cap)
+    caps = [c.answer for c in capacities]
     for plan, cap in zip(plans, caps):
         if cap["n_star"] < 1:
             raise MetronomeError(no_session_fits(plan, cap, options))
     # 1b. N* over the step terms' ranges: the interval, the tornado and the dominant term, for every stack
-    stack_caps = [{p.calibration.stack: cap} for p, cap in zip(plans, caps)]
-    for (i, s), cap in zip(stack_tasks, both[2 * len(plans):]):
-        stack_caps[i][s] = cap
-    _attach_ranges(plans, stack_caps, executor, progress, cache)
+    stack_caps = [c.by_stack for c in capacities]
+    points = rp.range_points(stack_caps)
+    found = cache.map(executor, _range_task, [pt.point for pt in points],
+                      progress=progress("capacity: N* over the step terms' ranges", len(points)))
+    for pt, res in zip(points, found):
+        capacities[pt.calibration].ranges[pt.key] = res
+    for plan, c in zip(plans, capacities):
+        c.attach_ranges(plan)
 
     # 2. AIMD tuning on the overload mix
-    tunings = []
-    n_cand = math.prod(len(v) for v in TUNING_GRID.values())
-    tuning_runs = 0
-    for plan, cap in zip(plans, caps):
-        point = plan.tuning_point(cap["n_star"])
-        adv = progress(f"tuning AIMD: {plan.calibration.name} ({n_cand} settings)", n_cand)
-        try:
-            # the limit never needs to pass N*: past the memory ceiling only silence would tell the controller;
-            # it starts at N*/2 so that goodput measures the controller, not a climb from one session
-            base = {"max_limit": cap["n_star"], "initial_limit": max(1, cap["n_star"] // 2)}
-            best, table = tune_aimd({k: v for k, v in point.items() if v is not None}, TUNING_GRID, seeds=1,
-                                    seed=plan.seed, miss_budget=MISS_BUDGET, base_params=base,
-                                    executor=cache.wrap(executor), progress=adv)
-            tunings.append({"best": best, "table": table.to_dict(orient="records"), "point": point, "error": None})
-            tuning_runs += len(table)
-        except MetronomeError as exc:  # no feasible setting: recommend the static limit instead
-            tunings.append({"best": None, "table": [], "point": point, "error": str(exc)})
-            tuning_runs += n_cand
+    tunings = [_tune(plan, cap, executor, progress, cache) for plan, cap in zip(plans, caps)]
 
-    # 3. every other simulation, planned once, run once; then the collapse band's edge topped up
-    points = [(ci, pt) for ci, (plan, cap, tun, lv) in enumerate(zip(plans, caps, tunings, live))
-              for pt in simulation_points(plan, cap, tun["best"]["params"] if tun["best"] else None, lv)]
-    per_cal: list[dict[str, dict]] = [{"fill": {}, "signal": {}, "mc": {}, "admission": {}, "live": {}}
-                                      for _ in plans]
+    # 3. every other simulation, planned at once, run as one batch; then the collapse band's edge topped up
+    sims = [Simulated() for _ in plans]
+    points = rp.simulation_points(caps, [t.params for t in tunings])
     label = f"simulating: {len(points)} runs"
-    for round_ in range(MC_REFINE_ROUNDS + 1):
-        results = cache.map(executor, _sim_task, [(pt.kind, pt.point) for _, pt in points],
+    for round_ in range(rp.refine_rounds + 1):
+        results = cache.map(executor, _sim_task, [(pt.kind, pt.point) for pt in points],
                             progress=progress(label, len(points)))
-        for (ci, pt), res in zip(points, results):
-            if pt.section == "verdict":
-                per_cal[ci]["verdict"] = res["summary"]
-            elif pt.section == "mc":
-                per_cal[ci]["mc"].setdefault(pt.key, []).append(res)
-            else:
-                per_cal[ci][pt.section][pt.key] = res
-        if round_ == MC_REFINE_ROUNDS:
+        for pt, res in zip(points, results):
+            sims[pt.calibration].add(pt, res)
+        if round_ == rp.refine_rounds:
             break
-        points = [(ci, pt) for ci, (plan, cap) in enumerate(zip(plans, caps))
-                  for pt in mc_refinement(plan, cap["n_star"], _mc_counts(per_cal[ci]["mc"]))]
+        points = rp.refinement(caps, [s.mc_counts() for s in sims])
         if not points:
             break
         label = f"refining the collapse band's edge: {len(points)} runs"
-    simulated = sum(len(per_cal[ci]["fill"]) + len(per_cal[ci]["signal"]) + len(per_cal[ci]["admission"])
-                    + len(per_cal[ci]["live"]) + 1 + sum(len(v) for v in per_cal[ci]["mc"].values())
-                    for ci in range(len(plans)))
 
-    tasks = [t for plan, cap in zip(plans, caps) for t in _prediction_tasks(plan, cap["n_star"])]
-    preds = iter(cache.map(executor, _prediction_task, tasks,
-                           progress=progress(f"predicting: {len(tasks)} metastability cells", len(tasks))))
-    for plan, cap, raw in zip(plans, caps, per_cal):
-        raw["predicted"] = [next(preds) for _ in _prediction_tasks(plan, cap["n_star"])]
-    cals = [_calibration_data(plan, cap, tun, raw, lv)
-            for plan, cap, tun, raw, lv in zip(plans, caps, tunings, per_cal, live)]
-    for c, plan, cap, by_stack in zip(cals, plans, caps, stack_caps):
-        c["gpus_for_loads"] = _gpus_for_loads(plan, cap, options.max_refusal)
-        c["stacks"] = _stack_data(plan, by_stack)
+    points = rp.prediction_points(caps)
+    found = cache.map(executor, _prediction_task, [pt.point for pt in points],
+                      progress=progress(f"predicting: {len(points)} metastability cells", len(points)))
+    for pt, res in zip(points, found):
+        sims[pt.calibration].add(pt, res)
+    cals = [_calibration_section(plan, Phases(cap, by_stack, tun, sim), lv, options.max_refusal)
+            for plan, cap, by_stack, tun, sim, lv in zip(plans, caps, stack_caps, tunings, sims, rp.live)]
     fleet = _fleet_data(options, plans, caps, executor, progress) if options.offered_load is not None else None
-    return _clean({
-        "title": "Capacity plan: " + " vs ".join(c["name"] for c in cals),
-        "options": {"calibrations": list(options.calibrations), "kv": options.kv,
-                    **policy_option_values(dict(options.kv_params)), "session_duration": options.session_duration,
-                    "deadline_s": options.deadline_s, "arrival_rate": options.arrival_rate, "seed": options.seed,
-                    "mc_runs": options.mc_runs, "mc_edge_runs": plans[0].edge_runs,
-                    "live": list(options.live), "phases": options.phases,
-                    "offered_load": options.offered_load, "max_refusal": options.max_refusal,
-                    "calibrations_from_live": options.calibrations_from_live,
-                    "gpu_prices": dict(options.gpu_prices)},
-        "command": command or reproduce_command(options),
-        "reproduce": reproduce_command(options),
-        "versions": _versions(),
-        "executor": getattr(executor, "name", type(executor).__name__),
-        "simulated_runs": simulated + tuning_runs,
-        "cache": cache.stats(),
-        "wall_s": round(time.perf_counter() - t0, 2),
-        "calibrations": cals,
-        "fleet": fleet,
-    })
+    report = Report(
+        title="Capacity plan: " + " vs ".join(c.planned.name for c in cals),
+        options={"calibrations": list(options.calibrations), "kv": options.kv,
+                 **policy_option_values(dict(options.kv_params)), "session_duration": options.session_duration,
+                 "deadline_s": options.deadline_s, "arrival_rate": options.arrival_rate, "seed": options.seed,
+                 "mc_runs": options.mc_runs, "mc_edge_runs": plans[0].edge_runs,
+                 "live": list(options.live), "phases": options.phases,
+                 "offered_load": options.offered_load, "max_refusal": options.max_refusal,
+                 "calibrations_from_live": options.calibrations_from_live,
+                 "gpu_prices": dict(options.gpu_prices)},
+        command=command or reproduce_command(options),
+        reproduce=reproduce_command(options),
+        versions=_versions(),
+        executor=getattr(executor, "name", type(executor).__name__),
+        simulated_runs=sum(s.runs() for s in sims) + sum(t.runs for t in tunings),
+        cache=cache.stats(),
+        wall_s=round(time.perf_counter() - t0, 2),
+        calibrations=cals,
+        fleet=fleet)
+    return report.to_dict()
+
+
+def _tune(plan: Plan, cap: dict, executor, progress: Progress, cache: ResultCache) -> Tuning:
+    """AIMD tuned on the plan's overload mix (:meth:`Plan.tuning_point`), or the static limit when no setting of
+    the grid keeps misses within ``MISS_BUDGET``."""
+    point = plan.tuning_point(cap["n_star"])
+    n_cand = math.prod(len(v) for v in TUNING_GRID.values())
+    adv = progress(f"tuning AIMD: {plan.calibration.name} ({n_cand} settings)", n_cand)
+    try:
+        # the limit never needs to pass N*: past the memory ceiling only silence would tell the controller;
+        # it starts at N*/2 so that goodput measures the controller, not a climb from one session
+        base = {"max_limit": cap["n_star"], "initial_limit": max(1, cap["n_star"] // 2)}
+        best, table = tune_aimd({k: v for k, v in point.items() if v is not None}, TUNING_GRID, seeds=1,
+                                seed=plan.seed, miss_budget=MISS_BUDGET, base_params=base,
+                                executor=cache.wrap(executor), progress=adv)
+        return Tuning(best, table.to_dict(orient="records"), point, None, len(table))
+    except MetronomeError as exc:  # no feasible setting: recommend the static limit instead
+        return Tuning(None, [], point, str(exc), n_cand)
 
 
 def no_session_fits(plan: Plan, cap: dict, options: ReportOptions) -> str:
@@ -394,11 +458,6 @@ def no_session_fits(plan: Plan, cap: dict, options: ReportOptions) -> str:
     return (f"{cal.name}: N* is 0 because of {chosen}: even one session misses {target_words}, at p99 "
             f"{1e3 * p_now:.1f} ms; a shorter window is the lever: give --{param.name} {best} or less "
             f"(one session then meets the target)")
-
-
-def _mc_counts(mc: dict) -> dict[tuple, tuple[int, int]]:
-    """(policy, N, d) -> (collapsed runs, runs) of the Monte Carlo runs so far."""
-    return {key: (sum(bool(r["collapsed"]) for r in runs), len(runs)) for key, runs in mc.items()}
 
 
 def _stack_data(plan: Plan, by_stack: dict[str, dict]) -> list[dict]:
@@ -463,7 +522,7 @@ def reproduce_command(options: ReportOptions, out: str = "OUT") -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _live_data(live: dict | None, raw: dict, plan: Plan) -> dict | None:
+def _live_data(live: dict | None, simulated: dict[str, LiveRun], plan: Plan) -> dict | None:
     """The --live folder's data, with the report's own simulation beside each run that had no sim/ folder."""
     if live is None or live["kind"] != "runs":
         return live
@@ -472,8 +531,8 @@ def _live_data(live: dict | None, raw: dict, plan: Plan) -> dict | None:
         sc = run.pop("scenario")
         if sc is None:
             continue
-        res = raw["live"][name]
-        attach_simulation(run, res["side"], plan.calibration.name, res["n_star"], res["n_star_policy"])
+        res = simulated[name]
+        attach_simulation(run, res.side, plan.calibration.name, res.n_star, res.n_star_policy)
         run["simulated_options"] = sc["options"]
     return live
 
@@ -506,134 +565,128 @@ def live_differences(plan: Plan, live: dict | None) -> list[dict]:
     return out
 
 
-def _calibration_data(plan: Plan, cap: dict, tun: dict, raw: dict, live: dict | None) -> dict:
-    cal = plan.calibration
-    n_star = cap["n_star"]
-    fm_b, fm_u = plan.fill_bounded, plan.fill_unbounded
-    pol = plan.policy
-    peak_blocks = fm_b.peak_resident_blocks
-    labels = {"unbounded": "unbounded", "bounded": pol.describe()}
+@dataclass(frozen=True)
+class Phases:
+    """One calibration's results from every phase: its capacity under the answer's regime and per stack, the
+    tuned controller and the simulations."""
 
-    # pool fill: predicted line from the fill model, simulated points, t_sat both ways
+    cap: dict
+    by_stack: dict[str, dict]
+    tuning: Tuning
+    sim: Simulated
+
+
+def _calibration_section(plan: Plan, ph: Phases, live: dict | None, max_refusal: float) -> CalibrationSection:
+    labels = {"unbounded": "unbounded", "bounded": plan.policy.describe()}
+    shown = Shown(fill=_fill(plan, ph.cap["n_star"], ph.sim.fill, labels),
+                  signal=_signal(ph.sim.signal, labels),
+                  metastability=_metastability(plan, ph.cap, ph.sim, labels),
+                  admission=_admission(plan, ph.cap["n_star"], ph.sim.admission, labels),
+                  live=_live_data(live, ph.sim.live, plan), live_differences=live_differences(plan, live),
+                  gpus_for_loads=_gpus_for_loads(plan, ph.cap, max_refusal), stacks=_stack_data(plan, ph.by_stack))
+    return CalibrationSection(_planned(plan), _answer(plan, ph.cap, ph.tuning, ph.sim.verdict), shown)
+
+
+def _planned(plan: Plan) -> Planned:
+    cal, pol = plan.calibration, plan.policy
+    peak_blocks = plan.fill_bounded.peak_resident_blocks
+    return Planned(
+        name=cal.name, spec=plan.spec, model=_short_model(cal), hardware=_short_hardware(cal),
+        provenance={"kind": cal.provenance.kind, "source": cal.provenance.source,
+                    "hardware": cal.provenance.hardware, "date": cal.provenance.date,
+                    "engine": cal.provenance.engine, "weights": cal.provenance.weights,
+                    "notes": list(cal.provenance.notes), "path": cal.path, "description": cal.description,
+                    "terms": [{"coefficient": t.coefficient, "name": t.name, "value": t.value, "basis": t.basis,
+                               "source": t.source, "plugin": plugin}
+                              for terms, plugin in ((cal.step_latency.terms, False),
+                                                    (cal.step_latency.plugin_terms, True)) for t in terms],
+                    "plugin_priced": pol.runs_plugin and bool(cal.step_latency.plugin_terms)},
+        stream={"frame_period_s": cal.stream.frame_period_s, "kv_tokens_per_s": cal.stream.kv_tokens_per_s},
+        pool={"num_blocks": cal.engine.num_blocks, "block_size_tokens": cal.engine.block_size_tokens,
+              "bytes_per_block": cal.engine.bytes_per_block, "pool_bytes": cal.engine.pool_bytes},
+        deadline_s=plan.deadline_s, session_duration=plan.durations.describe(),
+        session_duration_mean_s=plan.mean_duration_s, seed=plan.seed,
+        policy={"kind": pol.kind, "sinks": pol.sink_tokens, "window": pol.window_tokens,
+                "describe": pol.describe(), "words": pol.short_words(), "peak_blocks_per_session": peak_blocks,
+                "bytes_per_session": peak_blocks * cal.engine.bytes_per_block,
+                "window_defaulted": plan.window_defaulted, "window_context_s": WINDOW_CONTEXT_S})
+
+
+def _answer(plan: Plan, cap: dict, tun: Tuning, verdict: dict) -> Answer:
+    tuned = tun.best
+    tuning = TuningSection(
+        params=tun.params, figures=tuned["figures"] if tuned else None, grid=TUNING_GRID, miss_budget=MISS_BUDGET,
+        seeds=tuned["seeds"] if tuned else [plan.seed], offered_rate_per_s=tun.point["arrival_rate"],
+        overload=OVERLOAD, horizon_s=tun.point["horizon"], error=tun.error, table=tun.table,
+        offered_is_overload=plan.arrival_rate is None)
+    at_n_star = {k: verdict[k] for k in ("t_sat_predicted_s", "t_sat_observed_s", "p_saturate_predicted", "collapsed",
+                                         "silent_frame_fraction", "deadline_miss_fraction", "p50_frame_latency_s",
+                                         "p99_frame_latency_s", "horizon_s", "workload")}
+    fm_b = plan.fill_bounded
+    return Answer(capacity=cap, memory_ceiling_unbounded=plan.fill_unbounded.memory_ceiling(plan.mean_duration_s),
+                  pool_ceiling=plan.pool_ceiling, seqs_bind=bool(fm_b.seqs_bind),
+                  max_num_seqs=plan.calibration.engine.max_num_seqs, tuning=tuning,
+                  unbounded_at_n_star=at_n_star | {"sessions": cap["n_star"]})
+
+
+def _fill(plan: Plan, n_star: int, runs: dict[tuple[str, int], FillRun], labels: dict[str, str]) -> Fill:
+    """Pool fill: the fill model's line beside the simulated points, t_sat both ways (unbounded first, then by N)."""
+    fm_b, fm_u = plan.fill_bounded, plan.fill_unbounded
     h_fill = plan.fill_horizon_s(n_star)
     t_line = np.linspace(0.0, h_fill, FILL_LINE_POINTS)
-    usable = fm_b.usable_blocks
-    fill = []
-    for key, res in sorted(raw["fill"].items(), key=lambda kv: (kv[0][0] != "unbounded", kv[0][1])):
-        policy_key, n = key
+    curves = []
+    for (policy_key, n), res in sorted(runs.items(), key=lambda kv: (kv[0][0] != "unbounded", kv[0][1])):
         fm = fm_u if policy_key == "unbounded" else fm_b
-        rho = np.minimum(fm.occupancy_blocks(t_line, n) / usable, 1.0)
-        s = res["summary"]
-        fill.append({"policy": policy_key, "label": labels[policy_key], "sessions": n,
-                     "t_line_s": [round(float(x), 3) for x in t_line], "occupancy_predicted": [round(float(x), 5) for x in rho],
-                     "t_sim_s": res["t_s"], "occupancy_simulated": res["occupancy"],
-                     "t_sat_predicted_s": s["t_sat_predicted_s"], "t_sat_observed_s": s["t_sat_observed_s"],
-                     "collapsed": s["collapsed"]})
+        rho = np.minimum(fm.occupancy_blocks(t_line, n) / fm_b.usable_blocks, 1.0)
+        s = res.summary
+        curves.append(FillCurve(
+            policy=policy_key, label=labels[policy_key], sessions=n, t_line_s=[round(float(x), 3) for x in t_line],
+            occupancy_predicted=[round(float(x), 5) for x in rho], t_sim_s=res.t_s, occupancy_simulated=res.occupancy,
+            t_sat_predicted_s=s["t_sat_predicted_s"], t_sat_observed_s=s["t_sat_observed_s"],
+            collapsed=s["collapsed"]))
+    return Fill(h_fill, curves)
 
-    # the signal: latency and silence against N
-    signal: dict[str, dict] = {}
-    for (policy_key, n), res in sorted(raw["signal"].items(), key=lambda kv: kv[0][1]):
-        s = res["summary"]
-        d = signal.setdefault(policy_key, {"label": labels[policy_key], "sessions": [], "p50_frame_latency_s": [],
-                                           "p99_frame_latency_s": [], "silent_frame_fraction": [],
-                                           "deadline_miss_fraction": [], "collapsed": [], "t_sat_observed_s": []})
-        d["sessions"].append(n)
-        for k in ("p50_frame_latency_s", "p99_frame_latency_s", "silent_frame_fraction", "deadline_miss_fraction",
-                  "collapsed", "t_sat_observed_s"):
-            d[k].append(s[k])
 
-    # metastability: predicted P(collapse) (and P(saturate)) beside the Monte Carlo fractions per cell
-    ns = plan.sessions_grid(MC_FRACTIONS, n_star)
-    ds = plan.mc_durations_s(n_star)
+def _signal(runs: dict[tuple[str, int], dict], labels: dict[str, str]) -> dict[str, SignalSeries]:
+    """The signal: latency and silence against N, per policy."""
+    out: dict[str, SignalSeries] = {}
+    for (policy_key, n), summary in sorted(runs.items(), key=lambda kv: kv[0][1]):
+        out.setdefault(policy_key, SignalSeries(labels[policy_key])).add(n, summary)
+    return out
+
+
+def _metastability(plan: Plan, cap: dict, sim: Simulated, labels: dict[str, str]) -> Metastability:
+    """Predicted P(collapse) (and P(saturate)) beside the Monte Carlo fractions, per cell."""
+    n_star = cap["n_star"]
+    ns, ds = plan.sessions_grid(MC_FRACTIONS, n_star), plan.mc_durations_s(n_star)
+    policies = {}
+    for policy_key in ("unbounded", "bounded"):
+        grid = [[sim.predicted[(policy_key, n, d)] for n in ns] for d in ds]
+        runs = [[sim.mc[(policy_key, n, d)] for n in ns] for d in ds]
+        collapsed = [[sum(r.collapsed for r in cell) for cell in row] for row in runs]
+        policies[policy_key] = MetastabilityPolicy(
+            label=labels[policy_key],
+            predicted=[[round(c[0], 4) for c in row] for row in grid],
+            predicted_saturation=[[round(c[1], 4) for c in row] for row in grid],
+            simulated_collapse=[[k / len(cell) for k, cell in zip(ks, row)] for ks, row in zip(collapsed, runs)],
+            simulated_saturation=[[sum(r.saturated for r in cell) / len(cell) for cell in row] for row in runs],
+            runs=[[len(cell) for cell in row] for row in runs],
+            collapse_interval=[[[round(x, 4) for x in wilson_interval(k, len(cell))] for k, cell in zip(ks, row)]
+                               for ks, row in zip(collapsed, runs)])
     # a cell past the deadline-bound N* is compute-overloaded: frames miss their deadline whatever the pool does
-    meta = {"sessions": ns, "mean_duration_s": ds, "runs_per_cell": plan.mc_runs,
-            "edge_runs": plan.edge_runs, "n_star": n_star,
-            "past_n_star": [n > cap["deadline_n_star"] for n in ns],
-            "horizon_factor": MC_HORIZON_FACTOR, "policies": {}}
-    cells = iter(raw["predicted"])  # _prediction_tasks' order: policy, duration, N
-    for policy_key in ("unbounded", "bounded"):
-        grid = [[next(cells) for _ in ns] for _ in ds]
-        pred = [[c[0] for c in row] for row in grid]
-        pred_sat = [[c[1] for c in row] for row in grid]
-        sim_c, sim_s, runs_n, interval = [], [], [], []
-        for d in ds:
-            rc, rs, rn, ri = [], [], [], []
-            for n in ns:
-                runs = raw["mc"][(policy_key, n, d)]
-                k = sum(bool(r["collapsed"]) for r in runs)
-                rc.append(k / len(runs))
-                rn.append(len(runs))
-                ri.append([round(x, 4) for x in wilson_interval(k, len(runs))])
-                rs.append(sum(r["t_sat_observed_s"] is not None and not (isinstance(r["t_sat_observed_s"], float)
-                                                                          and math.isnan(r["t_sat_observed_s"]))
-                              for r in runs) / len(runs))
-            sim_c.append(rc)
-            sim_s.append(rs)
-            runs_n.append(rn)
-            interval.append(ri)
-        meta["policies"][policy_key] = {"label": labels[policy_key], "predicted": [[round(x, 4) for x in r] for r in pred],
-                                        "predicted_saturation": [[round(x, 4) for x in r] for r in pred_sat],
-                                        "simulated_collapse": sim_c, "simulated_saturation": sim_s,
-                                        "runs": runs_n, "collapse_interval": interval}
+    return Metastability(sessions=ns, mean_duration_s=ds, runs_per_cell=plan.mc_runs, edge_runs=plan.edge_runs,
+                         n_star=n_star, past_n_star=[n > cap["deadline_n_star"] for n in ns],
+                         horizon_factor=MC_HORIZON_FACTOR, policies=policies)
 
-    # admission traces on the rising-then-falling pattern
-    admission = {"pattern": [[d, round(r, 6)] for d, r in plan.admission_pattern(n_star)],
-                 "mean_duration_s": plan.mean_duration_s, "policies": {}}
-    for policy_key in ("unbounded", "bounded"):
-        res = raw["admission"][policy_key]
-        s = res["summary"]
-        admission["policies"][policy_key] = {
-            "label": labels[policy_key], "trace": res["trace"],
-            "summary": {k: s[k] for k in ("collapsed", "silent_frame_fraction", "deadline_miss_fraction",
-                                          "p99_frame_latency_s", "goodput_sessions", "goodput_frames_per_s",
-                                          "sessions_offered", "sessions_admitted", "sessions_refused",
-                                          "t_sat_observed_s")}}
 
-    v = raw["verdict"]
-    tuned = tun["best"]
-    return {
-        "name": cal.name,
-        "spec": plan.spec,
-        "model": _short_model(cal),
-        "hardware": _short_hardware(cal),
-        "provenance": {"kind": cal.provenance.kind, "source": cal.provenance.source,
-                       "hardware": cal.provenance.hardware, "date": cal.provenance.date,
-                       "engine": cal.provenance.engine, "weights": cal.provenance.weights,
-                       "notes": list(cal.provenance.notes), "path": cal.path, "description": cal.description,
-                       "terms": [{"coefficient": t.coefficient, "name": t.name, "value": t.value, "basis": t.basis,
-                                  "source": t.source, "plugin": plugin}
-                                 for terms, plugin in ((cal.step_latency.terms, False),
-                                                       (cal.step_latency.plugin_terms, True)) for t in terms],
-                       "plugin_priced": pol.runs_plugin and bool(cal.step_latency.plugin_terms)},
-        "stream": {"frame_period_s": cal.stream.frame_period_s, "kv_tokens_per_s": cal.stream.kv_tokens_per_s},
-        "pool": {"num_blocks": cal.engine.num_blocks, "block_size_tokens": cal.engine.block_size_tokens,
-                 "bytes_per_block": cal.engine.bytes_per_block, "pool_bytes": cal.engine.pool_bytes},
-        "deadline_s": plan.deadline_s,
-        "session_duration": plan.durations.describe(),
-        "session_duration_mean_s": plan.mean_duration_s,
-        "seed": plan.seed,
-        "policy": {"kind": pol.kind, "sinks": pol.sink_tokens, "window": pol.window_tokens,
-                   "describe": pol.describe(), "words": pol.short_words(), "peak_blocks_per_session": peak_blocks,
-                   "bytes_per_session": peak_blocks * cal.engine.bytes_per_block,
-                   "window_defaulted": plan.window_defaulted, "window_context_s": WINDOW_CONTEXT_S},
-        "capacity": cap,
-        "memory_ceiling_unbounded": fm_u.memory_ceiling(plan.mean_duration_s),
-        # the pool's own ceiling, and whether vLLM's request limit caps sessions before it (the answer's rows)
-        "pool_ceiling": plan.pool_ceiling, "seqs_bind": bool(fm_b.seqs_bind),
-        "max_num_seqs": cal.engine.max_num_seqs,
-        "tuning": {"params": tuned["params"] if tuned else None, "figures": tuned["figures"] if tuned else None,
-                   "grid": TUNING_GRID, "miss_budget": MISS_BUDGET, "seeds": tuned["seeds"] if tuned else [plan.seed],
-                   "offered_rate_per_s": tun["point"]["arrival_rate"], "overload": OVERLOAD,
-                   "horizon_s": tun["point"]["horizon"], "error": tun["error"], "table": tun["table"],
-                   "offered_is_overload": plan.arrival_rate is None},
-        "unbounded_at_n_star": {k: v[k] for k in ("t_sat_predicted_s", "t_sat_observed_s", "p_saturate_predicted",
-                                                  "collapsed", "silent_frame_fraction", "deadline_miss_fraction",
-                                                  "p50_frame_latency_s", "p99_frame_latency_s", "horizon_s", "workload")}
-                               | {"sessions": n_star},
-        "fill": {"horizon_s": h_fill, "curves": fill},
-        "signal": signal,
-        "metastability": meta,
-        "admission": admission,
-        "live": _live_data(live, raw, plan),
-        "live_differences": live_differences(plan, live),
-    }
+ADMISSION_FIGURES = ("collapsed", "silent_frame_fraction", "deadline_miss_fraction", "p99_frame_latency_s",
+                     "goodput_sessions", "goodput_frames_per_s", "sessions_offered", "sessions_admitted",
+                     "sessions_refused", "t_sat_observed_s")
+
+
+def _admission(plan: Plan, n_star: int, runs: dict[str, AdmissionRun], labels: dict[str, str]) -> Admission:
+    """The admission traces on the rising-then-falling pattern."""
+    return Admission(
+        pattern=[[d, round(r, 6)] for d, r in plan.admission_pattern(n_star)], mean_duration_s=plan.mean_duration_s,
+        policies={k: AdmissionPolicy(labels[k], runs[k].trace, {f: runs[k].summary[f] for f in ADMISSION_FIGURES})
+                  for k in ("unbounded", "bounded")})

@@ -21,8 +21,12 @@ Everything here is derived from the calibration and the fill model, never picked
   edge (some but not all of its runs collapsed, or next to a cell of another outcome) is topped up to
   ``MC_EDGE_RUNS`` runs, so the edge is measured to a useful interval without paying for it everywhere.
 
-:func:`simulation_points` lists every simulation of one calibration's report, by section, once the capacity
-and tuning phases are known; :func:`mc_refinement` the extra runs of the band's edge after a pass.
+:func:`plan_report` is the builder's one way in: it checks every input and returns the whole report's
+:class:`ReportPlan`, whose methods list each phase's simulations as one typed list of :class:`Point` (every
+calibration's at once): the capacity phase from the options alone, the other sections once N* and the tuned
+controller are known (their grids are fractions of N*), and the top-ups of the collapse band's edge after each
+Monte Carlo pass. :func:`simulation_points`, :func:`mc_refinement` and :func:`prediction_points` are those lists
+for one calibration.
 """
 
 from __future__ import annotations
@@ -226,13 +230,15 @@ class Plan:
 
 @dataclass(frozen=True)
 class Point:
-    """One simulation of the report: the section that reads it, its key there, the task kind and the
-    make_scenario options (``None`` values dropped)."""
+    """One simulation of the report: the section that reads it, its key there, the task kind, the task (for a
+    simulation the make_scenario options, ``None`` values dropped) and the calibration it belongs to (its
+    :attr:`Plan.index`)."""
 
     section: str
     key: Any
     kind: str
     point: dict
+    calibration: int = 0  # its place in ReportPlan.calibrations (set there: a Plan does not know it)
 
 
 def _point(section: str, key: Any, kind: str, point: dict) -> Point:
@@ -273,6 +279,16 @@ def simulation_points(plan: Plan, cap: dict, aimd_params: dict | None, live: dic
         if run["scenario"] is not None:  # a live run without a sim/ folder: simulated here
             out.append(_point("live", name, "live", {"calibration": plan.spec, **run["scenario"]["options"]}))
     return out
+
+
+def prediction_points(plan: Plan, n_star: int) -> list[Point]:
+    """The fill model's [P(collapse), P(saturate)] for every metastability cell, policy by policy, duration by
+    duration, N by N (key (policy, N, d), as the Monte Carlo runs of the cell)."""
+    return [Point("predicted", (key, n, d), "prediction",
+                  {"calibration": plan.spec, "policy": pol, "sessions": n, "mean_s": d,
+                   "horizon_s": MC_HORIZON_FACTOR * d, "phases": plan.phases})
+            for key, pol in (("unbounded", plan.unbounded), ("bounded", plan.policy))
+            for d in plan.mc_durations_s(n_star) for n in plan.sessions_grid(MC_FRACTIONS, n_star)]
 
 
 def _outcome(collapsed: int, runs: int) -> str:
@@ -345,3 +361,95 @@ def make_plan(spec: str, cal: Calibration, options: ReportOptions) -> Plan:
                 deadline_s=float(options.deadline_s or cal.stream.frame_period_s), seed=options.seed,
                 mc_runs=options.mc_runs, mc_edge_runs=options.mc_edge_runs, arrival_rate=options.arrival_rate,
                 window_defaulted=window_defaulted, phases=options.phases)
+
+
+@dataclass(frozen=True)
+class ReportPlan:
+    """The whole report's work, planned from its options by :func:`plan_report`: one :class:`Plan` per
+    calibration (in the order given) and the ``--live`` folder read for each. Each phase's simulations come from
+    here as one typed list of :class:`Point`, every calibration's together, so the builder runs a phase as one
+    batch and never decides itself what to simulate."""
+
+    options: ReportOptions
+    calibrations: tuple[Plan, ...]
+    live: tuple[dict | None, ...]  # read_live's answer per calibration (None: no --live folder for it)
+
+    @property
+    def other_phases(self) -> str:
+        """The regime the answer does not assume: N* is computed under it too and shown when it differs."""
+        return {"independent": "aligned", "aligned": "independent"}[self.options.phases]
+
+    @property
+    def refine_rounds(self) -> int:
+        """Top-up passes of the collapse band's edge at most (:meth:`refinement` after each)."""
+        return MC_REFINE_ROUNDS
+
+    def capacity_points(self) -> list[Point]:
+        """The capacity phase: N* per calibration under the answer's regime (section ``capacity``) and the other
+        one (``other_regime``), then under the answer's regime with each other serving stack the calibration ships
+        (``stack``, keyed by the stack). A point's ``point`` is :meth:`Plan.capacity_task`."""
+        out = [Point(section, p.calibration.stack, "capacity", p.capacity_task(phases), i)
+               for section, phases in (("capacity", self.options.phases), ("other_regime", self.other_phases))
+               for i, p in enumerate(self.calibrations)]
+        return out + [Point("stack", s, "capacity", p.capacity_task(self.options.phases, stack=s), i)
+                      for i, p in enumerate(self.calibrations) for s in p.calibration.stacks
+                      if s != p.calibration.stack]
+
+    def range_points(self, by_stack: list[dict[str, dict]]) -> list[Point]:
+        """N* over the step terms' ranges: every variant (:func:`metronome.sim.capacity.range_variants`) of every
+        calibration with each stack it ships, to be searched from near that stack's central N* (``by_stack``: per
+        calibration, stack -> its capacity). A point's key is (stack, the variant's term overrides)."""
+        from metronome.sim.capacity import CENTRAL_KEYS, range_variants
+
+        return [Point("ranges", (stack, ov), "range",
+                      {"calibration": plan.spec, "stack": stack, "policy": plan.policy,
+                       "overrides": [list(o) for o in ov], "central": {k: cap[k] for k in CENTRAL_KEYS}}, i)
+                for i, (plan, caps) in enumerate(zip(self.calibrations, by_stack)) for stack, cap in caps.items()
+                for ov in range_variants(plan.calibration.with_stack(stack or None), plan.policy)]
+
+    def simulation_points(self, caps: list[dict], aimd_params: list[dict | None]) -> list[Point]:
+        """Every calibration's :func:`simulation_points`, given its capacity and its tuned controller (None: the
+        static limit), in the order of the calibrations."""
+        return self._tagged(simulation_points(plan, cap, aimd, live)
+                            for plan, cap, aimd, live in zip(self.calibrations, caps, aimd_params, self.live))
+
+    def refinement(self, caps: list[dict], counts: list[dict[tuple, tuple[int, int]]]) -> list[Point]:
+        """Every calibration's :func:`mc_refinement` after a Monte Carlo pass (``counts``: per calibration, (policy,
+        N, d) -> (collapsed runs, runs) so far). Empty once every edge is measured."""
+        return self._tagged(mc_refinement(plan, cap["n_star"], c)
+                            for plan, cap, c in zip(self.calibrations, caps, counts))
+
+    def prediction_points(self, caps: list[dict]) -> list[Point]:
+        """Every calibration's :func:`prediction_points`."""
+        return self._tagged(prediction_points(plan, cap["n_star"]) for plan, cap in zip(self.calibrations, caps))
+
+    @staticmethod
+    def _tagged(per_calibration) -> list[Point]:
+        """One list of every calibration's points, each naming its calibration."""
+        return [replace(pt, calibration=i) for i, pts in enumerate(per_calibration) for pt in pts]
+
+
+def plan_report(options: ReportOptions) -> ReportPlan:
+    """Check every input before any work (the options, calibrations, the bound, the mix, the live folders, the
+    prices) and plan the report: one line and no work for anything wrong."""
+    # imported here, not at the top: the CLIs import this module for its defaults before any report is asked for
+    from metronome import calibration as calmod
+    from metronome.report.live import check_resimulation, read_live
+    from metronome.sim import scenario as scn
+
+    options.validate()
+    plans = tuple(make_plan(spec, calmod.load(spec), options) for spec in options.calibrations)
+    names = [p.calibration.name for p in plans]
+    if len(set(names)) != len(names):
+        raise MetronomeError(f"--calibration given twice for {names[0]!r}: compare two different calibrations")
+    live = tuple([read_live(d) for d in options.live] + [None] * (len(plans) - len(options.live)))
+    for plan, lv in zip(plans, live):  # a live run without sim/ is re-simulated with this plan's calibration
+        check_resimulation(lv, plan.calibration)
+    if options.offered_load is not None:
+        from metronome.sim.fleet_config import check_prices
+
+        check_prices(dict(options.gpu_prices), names)
+    for plan in plans:  # build one scenario of each kind now: a bad combination fails before the work
+        scn.make_scenario(**plan.base(**plan.bound_options(), sessions=plan.memory_ceiling, horizon=1.0,
+                                      session_duration=plan.session_duration))
+    return ReportPlan(options, plans, live)
