@@ -484,14 +484,15 @@ def _fleet_data(options: ReportOptions, plans: list[Plan], caps: list[dict], exe
     """The "How many GPUs" section: each calibration as an engine of N* places (the capacity the answer found,
     with the recommended bound), sized for the offered load's peak and run over its day."""
     from metronome.sim.fleet_config import AutoscalePolicy, EngineType
-    from metronome.sim.fleet_plan import hour_series, plan as fleet_plan
+    from metronome.sim.fleet_plan import PlanOptions, hour_series, plan as fleet_plan
 
     arrivals = options.offered()
     types = [EngineType.from_capacity(p.calibration, p.policy, cap) for p, cap in zip(plans, caps)]
     horizon = arrivals.pattern_s or FLEET_DAY_S
-    summary, tables = fleet_plan(types, arrivals, plans[0].durations, horizon, options.max_refusal,
-                                 routers=("least-loaded",), seeds=(options.seed,), autoscale=AutoscalePolicy(),
-                                 prices=dict(options.gpu_prices), executor=executor, progress=progress)
+    fleet = PlanOptions(max_refusal=options.max_refusal, routers=("least-loaded",), seeds=(options.seed,),
+                        autoscale=AutoscalePolicy(), prices=dict(options.gpu_prices))
+    summary, tables = fleet_plan(types, arrivals, plans[0].durations, horizon, fleet, executor=executor,
+                                 progress=progress)
     series = {c["calibration"]: hour_series(tables["bins"], c["calibration"], "least-loaded")
               for c in summary["calibrations"]}
     return {"offered_load": arrivals.describe(), "spec": options.offered_load, "summary": summary, "series": series}
