@@ -32,7 +32,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from metronome import compiled, control_kernel, front_end, jitter_kernel, kv_policy, results, serving
+from metronome import (admission, compiled, control_kernel, front_end, jitter_kernel, kv_policy, percentile_kernel,
+                       results, serving)
 from metronome import control_kernel as ck
 from metronome.compiled import borrowed, hold
 from metronome.calibration import step_inputs
@@ -581,7 +582,7 @@ def _book_departure(t, i, dep_t, dep_i, fc):
 
 @nb.njit(cache=True)
 def _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick,
-            cs, cp, clat, cw, ctr):
+            ctl):
     """FrontEnd._turn's arrivals (those up to ``now``): each passes the gate (the controller's may_admit,
     compiled) with the sessions in flight, or is refused (the caller names the reason). One let in waits at the
     tail of the front end's queue, streams from its join frame and has its departure booked (FrontEnd._enter)."""
@@ -593,7 +594,7 @@ def _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, 
             continue
         in_flight = fc[C_NRUN] + fc[C_NWAIT]
         # (the count as a float, as every other caller gives it: one compiled form of the controller's kernel)
-        if iconf[I_CTL] == CTL_COMPILED and not ck.may_admit(cs, cp, clat, cw, ctr, now, float(in_flight)):
+        if iconf[I_CTL] == CTL_COMPILED and not ck.may_admit(ctl, now, float(in_flight)):
             state[i] = REFUSED
             s_ended[i] = now
             continue
@@ -803,8 +804,8 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
           inflight, inflight_tok, hist, last_tok, pending_in, work_step, running_since, started, admitted, s_frames,
           s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run,
           kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, run_sess, pend, n_pend, fc,
-          fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i, new_s, new_k, n_new, pre_last, cs, cp,
-          clat, cw, ctr, nsteps, live):
+          fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i, new_s, new_k, n_new, pre_last, ctl,
+          nsteps, live):
     """The front end's turn at ``now`` (FrontEnd._turn): the arrivals, then, if the checks pass (:func:`_turn_plan`;
     else the caller takes the rest of the turn), the departures due, the admissions and the sessions whose frames
     came due (_ticks, _answer_silent). ``fc`` holds the front end's counters. None of it when the span ends here:
@@ -813,11 +814,10 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
     P, eps = fconf[F_P], fconf[F_EPS]
     ans_cap = iconf[I_ANSCAP]
     if (now >= fconf[F_TNEXT] or nsteps >= iconf[I_MAXSTEPS] or nrows + 2 * ans_cap > fr_f.size
-            or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size or n_new + live.size + 1 > new_i.size):
+            or ck.open_samples(ctl) + 2 * ans_cap > ctl.lat.size or n_new + live.size + 1 > new_i.size):
         return False, 0, -1, nrows, n_pend, n_new
     n_in, n_out = iconf[I_NIN], iconf[I_NOUT]
-    _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick, cs,
-            cp, clat, cw, ctr)
+    _arrive(now, iconf, fconf, fc, arr_t, dur, state, phase, pslot, next_frame, s_ended, fq, dep_t, dep_i, tick, ctl)
     n_visit, taken, k1, n_adm = _turn_plan(
         now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, phase, next_frame, backlog, inflight, hist,
         pending_in, running_since, started, sslot, lim, cnt, status, held, pend, n_pend, fc, fq, dep_t, dep_i,
@@ -853,13 +853,13 @@ def _turn(now, iconf, fconf, tick, start, who, ready, n_ready, visit, state, pha
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend,
                                        s_frames, s_silent, a_key, a_who, a_tok, n0)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f,
-                      fr_tick, fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
+                      fr_tick, fr_done, fr_lat, fr_i, nrows, ctl)
     return True, n_sub, latest, nrows, n_pend, n_new
 
 
 @compiled.inlined
 def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f, fr_tick,
-              fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr):
+              fr_done, fr_lat, fr_i, nrows, ctl):
     """The moment's answers recorded (:func:`flush`) and told to a compiled controller as SimEngine._flush_answers
     tells it (row by row; all at one moment: control_kernel.observe_moment). Returns the rows."""
     if n_ans == 0:
@@ -870,8 +870,7 @@ def _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_
                   fconf[F_EPS], s_late, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows,
                   in_flight if iconf[I_CTL] == CTL_AFTER else -1, work)
     if iconf[I_CTL] == CTL_COMPILED:  # (the rows were all answered at `now` with `in_flight` in flight)
-        ck.observe_moment(cs, cp, clat, cw, ctr, now, in_flight, fr_lat[r0:nrows], fr_i[R_FRAMES][r0:nrows],
-                          fr_i[R_SILENT][r0:nrows])
+        ck.observe_moment(ctl, now, in_flight, fr_lat[r0:nrows], fr_i[R_FRAMES][r0:nrows], fr_i[R_SILENT][r0:nrows])
     return nrows
 
 
@@ -943,8 +942,7 @@ def _preempt_all(step_start, vic, n_vic, iconf, fstate, fc, fq, state, sslot, ps
 @compiled.inlined
 def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_out, n_vic, pslot, state, inflight,
                  backlog, next_frame, s_frames, s_silent, s_late, s_admitted, a_key, a_who, a_tok, work, run_sess, pend,
-                 n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_t, st_lat, st_i, k, o_n, cs, cp, clat, cw,
-                 ctr):
+                 n_pend, fr_f, fr_tick, fr_done, fr_lat, fr_i, nrows, st_t, st_lat, st_i, k, o_n, ctl):
     """A step that started at ``step_start``, took ``lat`` and ended at ``now``, its tokens gone to their frames
     (answers up to ``n_done``) and its ``n_vic`` victims preempted (their owed frames answered up to ``n_ans``):
     in lockstep the silent frames they held back, then all answered, one row per tick, and the step's row ``k``
@@ -953,7 +951,7 @@ def _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_o
         n_ans, n_pend = _answer_silent(run_sess, state, inflight, backlog, next_frame, pslot, fc, pend, n_pend,
                                        s_frames, s_silent, a_key, a_who, a_tok, n_ans)
     nrows = _answered(now, n_ans, iconf, fconf, fc, a_key, a_who, a_tok, work, state, s_admitted, s_late, fr_f,
-                      fr_tick, fr_done, fr_lat, fr_i, nrows, cs, cp, clat, cw, ctr)
+                      fr_tick, fr_done, fr_lat, fr_i, nrows, ctl)
     _record_step(st_i, k, fc, o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], o_n[O_USED], tokens_out, n_ans,
                  a_tok[n_done:n_ans], n_vic)
     st_t[k], st_lat[k] = step_start, lat
@@ -1104,7 +1102,7 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
         s_preempt))
     lim, cnt, status, computed, ntok, slots, held, out, maxtok, kseq, run, kw, wq, o_s, o_k, o_pre, o_sam, o_pau, \
         o_n, reached = borrowed(eng)
-    cs, cp, clat, cw, ctr = borrowed(ctl)
+    ctl = borrowed(ctl)
     sframe, peak, n_pend, s0 = istate[S_SFRAME], istate[S_PEAK], istate[S_NPEND], istate[S_NSTEPS]
     nrows, now, idle, pre_last = istate[S_NROWS], fstate[0], istate[S_IDLE] != 0, istate[S_PRELAST] != 0
     nsteps, n_new, turned = 0, 0, TURN_TAKEN  # (the caller's turn at `now` is done)
@@ -1119,7 +1117,7 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
                 admitted, s_frames, s_silent, s_late, fresh, sess_of_slot, lim, cnt, status, computed, ntok, slots,
                 held, out, maxtok, kseq, run, kw, wq, a_key, a_who, a_tok, work, fr_f, fr_tick, fr_done, fr_lat, fr_i,
                 nrows, run_sess, pend, n_pend, fc, fq, arr_t, dur, s_admitted, admit_seq, dep_t, dep_i, s_ended, new_i,
-                new_s, new_k, n_new, pre_last, cs, cp, clat, cw, ctr, nsteps, live)
+                new_s, new_k, n_new, pre_last, ctl, nsteps, live)
             if not taken:
                 break
             sframe, n_ready = max(sframe, latest), 0
@@ -1158,7 +1156,7 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
         n_pend, nrows = _answer_step(now, step_start, lat, iconf, fconf, fc, n_done, n_ans, tokens_out, n_vic, pslot,
                                      state, inflight, backlog, next_frame, s_frames, s_silent, s_late, s_admitted,
                                      a_key, a_who, a_tok, work, run_sess, pend, n_pend, fr_f, fr_tick, fr_done, fr_lat,
-                                     fr_i, nrows, st_t, st_lat, st_i, s0 + nsteps, o_n, cs, cp, clat, cw, ctr)
+                                     fr_i, nrows, st_t, st_lat, st_i, s0 + nsteps, o_n, ctl)
         peak, nsteps = max(peak, o_n[O_USED]), nsteps + 1
     istate[S_SFRAME], istate[S_PEAK], istate[S_NSTEPS], istate[S_NROWS], istate[S_TURNED], istate[S_IDLE], \
         istate[S_NPEND], istate[S_NNEW], istate[S_PRELAST], fstate[0] = sframe, peak, nsteps, nrows, turned, idle, \
@@ -1169,5 +1167,6 @@ def run_span(iconf, fconf, coef, istate, fstate, live, state, phase, pslot, sslo
 # what run_span compiles into itself from other modules: the engine step (with the residency it calls), the step
 # model's form, the jitter ratio, the admission controllers, the hold on borrowed arrays, what a silent frame is and
 # the session states (the front end's module: its constants are compiled in as they were)
-FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, compiled, results.silent_cause, front_end)
+FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, admission, percentile_kernel, compiled,
+              results.silent_cause, front_end)
 STEP_FORM = compiled.guard(run_span, FORM_PARTS)  # before any loop is called, so none has loaded its cache yet
