@@ -197,16 +197,22 @@ def take_frames(ctl, latency, frames, silent):
     """``frames`` frames answered with ``latency``, ``silent`` of them empty, into the open interval: silent
     frames only count; the others are one latency sample of weight ``frames - silent``. A frame clears a dead
     signal."""
+    _take(ctl.cs[0], ctl.lat, ctl.w, latency, frames, silent)
+
+
+@compiled.uncounted
+def _take(s, lat, w, latency, frames, silent):
+    """:func:`take_frames` on the state record and the sample arrays: what a caller taking many rows hands on per
+    row (the record is one pointer, the five arrays 35 words)."""
     if frames == 0:
         return
-    s = ctl.cs[0]
     s.frames += frames
     s.silent += silent
     if frames > silent:
         n = int(s.n_lat)
-        if n >= ctl.lat.size:
+        if n >= lat.size:
             raise IndexError("control_kernel.take_frames: no room for the latency sample")
-        ctl.lat[n], ctl.w[n] = latency, frames - silent
+        lat[n], w[n] = latency, frames - silent
         s.n_lat = n + 1
     s.dead = 0.0
     s.dead_run = 0.0
@@ -248,8 +254,9 @@ def observe_moment(ctl, now, in_flight, latency, frames, silent):
     """Rows answered together at ``now`` with ``in_flight`` sessions in flight: what :func:`observe_rows` does
     with their one time and count, the intervals closed once (the same call again would close none)."""
     advance(ctl, now, float(in_flight))
+    s, lat, w = ctl.cs[0], ctl.lat, ctl.w
     for j in range(latency.size):
-        take_frames(ctl, latency[j], float(frames[j]), float(silent[j]))
+        _take(s, lat, w, latency[j], float(frames[j]), float(silent[j]))
 
 
 @compiled.counted
