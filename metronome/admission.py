@@ -43,6 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+from metronome import compiled
+# (a module object: the kernel's dispatch reaches this module's rules, so the two may import each other in either
+# order; nothing of the kernel is read here at import)
 from metronome import control_kernel as ck
 from metronome.errors import MetronomeError
 from metronome.results import weighted_percentile  # the one percentile (re-exported: existing imports work)
@@ -61,6 +64,8 @@ __all__ = [
     "StaticCap",
     "AIMDController",
     "GradientController",
+    "aimd_decide",
+    "gradient_decide",
     "make_controller",
     "weighted_percentile",
     "DECISIONS",
@@ -75,7 +80,12 @@ __all__ = [
 #   hold      the limit is unchanged (no samples, app-limited, or a fixed controller)
 #   dead      no frame answered with sessions in flight for ``dead_intervals`` intervals: refuse everything
 DECISIONS = ("increase", "decrease", "draining", "hold", "dead")
+# the same, as compiled code writes them (DECISIONS' index)
+D_INCREASE, D_DECREASE, D_DRAINING, D_HOLD, D_DEAD = range(5)
 ON_REFUSE = ("reject", "queue")
+# a controller's kind (AdmissionController.kind): which compiled decision control_kernel.decide runs at an
+# interval's end; K_PYTHON: the class's own _decide, in Python
+K_PYTHON, K_NONE, K_STATIC, K_AIMD, K_GRADIENT = range(5)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -317,10 +327,11 @@ class AdmissionController(ABC):
     name is registered (:func:`register`) with its ``name``, its ``spec`` (how the CLI writes it, e.g.
     ``static:N``), its ``Params`` (the settings it reads from a parameter file) and :meth:`from_spec`.
 
-    The interval machinery, and the decisions of the controllers shipped here, are stated once in
-    :mod:`metronome.control_kernel`, over the arrays this object holds (``cp``, ``cs``, ``lat``/``w``, ``tr``),
-    so the simulator's compiled loop runs the same code. A class whose ``kind`` is ``K_PYTHON`` (any
-    controller a user registers) decides in Python, in its own :meth:`_decide`.
+    The interval machinery is stated once in :mod:`metronome.control_kernel`, over the arrays this object holds
+    (:attr:`arrays`, a :class:`~metronome.control_kernel.ControllerArrays`), and the decision of each controller
+    shipped here is compiled beside its class (:func:`aimd_decide`, :func:`gradient_decide`), so the simulator's
+    compiled loop runs the same code. A class whose ``kind`` is ``K_PYTHON`` (any controller a user registers)
+    decides in Python, in its own :meth:`_decide`, at each interval's end.
     """
 
     name: str = "controller"
@@ -328,8 +339,8 @@ class AdmissionController(ABC):
     Params: type[ControllerParams] = ControllerParams
     #: whether a parameter file can change anything it does (``none`` admits everything whatever the file says)
     reads_params: bool = True
-    #: which compiled decision this class's is (control_kernel.K_*); K_PYTHON: its own :meth:`_decide`
-    kind: int = ck.K_PYTHON
+    #: which compiled decision this class's is (K_*); K_PYTHON: its own :meth:`_decide`
+    kind: int = K_PYTHON
 
     def __init__(self, interval_s: float = 1.0, percentile: float = 99.0,
                  on_refuse: str = "reject", queue_timeout_s: float = 30.0):
@@ -339,17 +350,13 @@ class AdmissionController(ABC):
         self.percentile = float(percentile)
         self.on_refuse = on_refuse
         self.queue_timeout_s = float(queue_timeout_s)
-        self.cp = np.zeros(ck.N_CP)
-        self.cp[[ck.CP_KIND, ck.CP_INTERVAL, ck.CP_PCT]] = self.kind, self.interval_s, self.percentile
-        self.cs = np.zeros(ck.N_CS)
-        self.cs[[ck.CS_T0, ck.CS_LONG]] = np.nan  # no grid until the first call; no baseline yet
-        self.lat, self.w = np.zeros(64), np.zeros(64)  # the open interval's latency samples and their weights
-        self.tr = np.zeros((16, ck.N_TR))  # closed intervals, one row each
+        #: the state, constants, open interval and trace the kernel reads and writes (replaced as they grow)
+        self.arrays = ck.new_arrays(self.kind, self.interval_s, self.percentile)
 
     @property
     def compiled(self) -> bool:
         """Its decision is compiled: a compiled loop can run it (control_kernel)."""
-        return self.kind != ck.K_PYTHON
+        return self.kind != K_PYTHON
 
     @classmethod
     def from_spec(cls, arg: str | None, deadline_s: float, params: ControllerParams | dict | None):
@@ -372,7 +379,7 @@ class AdmissionController(ABC):
     @property
     def dead(self) -> bool:
         """True while the controller refuses everything because the signal is dead (adaptive ones)."""
-        return bool(self.cs[ck.CS_DEAD])
+        return bool(self.arrays.cs[0]["dead"])
 
     def observe(self, now_s: float, latency_s: float, frames: int = 1, silent: int = 0) -> None:
         """``frames`` frames were answered at ``now_s`` with latency ``latency_s``; ``silent`` were empty.
@@ -391,11 +398,10 @@ class AdmissionController(ABC):
             raise ValueError(f"latency must be finite and >= 0 s, got {latency_s!r}")
         self._room(now_s, 1)
         if self.compiled:
-            ck.observe(self.cs, self.cp, self.lat, self.w, self.tr, now_s, float(latency_s), float(frames),
-                       float(silent))
+            ck.observe(self.arrays, now_s, float(latency_s), float(frames), float(silent))
             return
-        self._close_through(now_s, self.cs[ck.CS_LAST])
-        ck.take_frames(self.cs, self.cp, self.lat, self.w, float(latency_s), float(frames), float(silent))
+        self._close_through(now_s, self.arrays.cs[0]["last"])
+        ck.take_frames(self.arrays, float(latency_s), float(frames), float(silent))
 
     def observe_many(self, now_s, latency_s, frames, silent, in_flight) -> None:
         """``advance(now_s[i], in_flight[i])`` then ``observe(now_s[i], latency_s[i], frames[i], silent[i])`` for
@@ -418,7 +424,7 @@ class AdmissionController(ABC):
         if self.compiled:
             self._room(float(now[0]), n, float(now[-1]))
             # (contiguous int64 counts, as the simulator's compiled loop hands them over: one compiled form)
-            ck.observe_rows(self.cs, self.cp, self.lat, self.w, self.tr, now, lat, fr, si, np.ascontiguousarray(inf))
+            ck.observe_rows(self.arrays, now, lat, fr, si, np.ascontiguousarray(inf))
             return
         for t, lt, f, s, k in zip(now.tolist(), lat.tolist(), fr.tolist(), si.tolist(), inf.tolist()):
             self.advance(t, k)
@@ -428,17 +434,18 @@ class AdmissionController(ABC):
         """Close every control interval that ended at or before ``now_s`` (one decision each)."""
         now_s, in_flight = self._checked(now_s, in_flight)
         if self.compiled:
-            ck.advance(self.cs, self.cp, self.lat, self.w, self.tr, now_s, float(in_flight))
+            ck.advance(self.arrays, now_s, float(in_flight))
             return
-        self.cs[ck.CS_LAST] = in_flight
+        s = self.arrays.cs[0]  # (a view: writing a field writes the array)
+        s["last"] = in_flight
         self._close_through(now_s, in_flight)
-        self.cs[ck.CS_PEAK] = max(self.cs[ck.CS_PEAK], in_flight)
+        s["peak"] = max(s["peak"], in_flight)
 
     def may_admit(self, now_s: float, in_flight: int) -> bool:
         """Advance to ``now_s``, then: may one more session start with ``in_flight`` running?"""
         if self.compiled:
             now_s, in_flight = self._checked(now_s, in_flight)
-            return bool(ck.may_admit(self.cs, self.cp, self.lat, self.w, self.tr, now_s, float(in_flight)))
+            return bool(ck.may_admit(self.arrays, now_s, float(in_flight)))
         self.advance(now_s, in_flight)
         return (not self.dead) and int(in_flight) < self.limit
 
@@ -464,7 +471,7 @@ class AdmissionController(ABC):
         reported in the interval), ``p_latency_s`` (the weighted percentile of non-silent latencies,
         ``None`` without any), ``frames``, ``silent`` and ``decision`` (one of :data:`DECISIONS`).
         """
-        rows = self.tr[:int(self.cs[ck.CS_NTRACE])].tolist()
+        rows = self.arrays.tr[:int(self.arrays.cs[0]["n_trace"])].tolist()
         return [{"t_s": t, "limit": sys.maxsize if math.isinf(lim) else int(lim), "in_flight": int(peak),
                  "p_latency_s": None if math.isnan(p) else p, "frames": int(f), "silent": int(s),
                  "decision": DECISIONS[int(d)]} for t, lim, peak, p, f, s, d in rows]
@@ -474,7 +481,7 @@ class AdmissionController(ABC):
         engines over a simulated day, one row per engine per second) keeps its memory flat by taking the
         trace as it goes. A later :meth:`trace` or ``take_trace`` starts after the rows taken."""
         rows = self.trace()
-        self.cs[ck.CS_NTRACE] = 0
+        self.arrays.cs[0]["n_trace"] = 0
         return rows
 
     def room(self, now_s: float, until_s: float, samples: int) -> None:
@@ -486,19 +493,21 @@ class AdmissionController(ABC):
     def _room(self, now_s: float, samples: int, until_s: float | None = None) -> None:
         """Room in ``tr`` for the intervals closed by calls from ``now_s`` to ``until_s`` (a grid not yet
         anchored is anchored at ``now_s`` or later), and in ``lat``/``w`` for ``samples`` more."""
-        cs, cp = self.cs, self.cp
+        a = self.arrays
+        s = a.cs[0]
         until_s = now_s if until_s is None else max(until_s, now_s)
-        if math.isnan(cs[ck.CS_T0]):
+        if math.isnan(s["t0"]):
             due = 0 if until_s == now_s else math.ceil((until_s - now_s) / self.interval_s) + 1
         else:
-            due = int(ck.intervals_due(cs, cp, until_s))
-        need = int(cs[ck.CS_NTRACE]) + due
-        if need > self.tr.shape[0]:
-            self.tr = np.concatenate([self.tr, np.zeros((max(need, 2 * self.tr.shape[0]) - self.tr.shape[0], ck.N_TR))])
-        n = int(cs[ck.CS_NLAT]) + samples
-        if n > self.lat.size:
-            grow = max(n, 2 * self.lat.size) - self.lat.size
-            self.lat, self.w = (np.concatenate([a, np.zeros(grow)]) for a in (self.lat, self.w))
+            due = int(ck.intervals_due(a, until_s))
+        need = int(s["n_trace"]) + due
+        if need > a.tr.shape[0]:
+            a = a._replace(tr=np.concatenate([a.tr, np.zeros(max(need, 2 * a.tr.shape[0]) - a.tr.shape[0], ck.TRACE)]))
+        n = int(s["n_lat"]) + samples
+        if n > a.lat.size:
+            grow = max(n, 2 * a.lat.size) - a.lat.size
+            a = a._replace(lat=np.concatenate([a.lat, np.zeros(grow)]), w=np.concatenate([a.w, np.zeros(grow)]))
+        self.arrays = a
 
     def _checked(self, now_s, in_flight) -> tuple[float, int]:
         """A call's time and in-flight count, checked, with room for the intervals it closes."""
@@ -520,21 +529,22 @@ class AdmissionController(ABC):
 
     def _close_through(self, now_s: float, in_flight: float) -> None:
         """A controller deciding in Python: control_kernel.close_through's steps, with its own decision."""
-        cs, cp = self.cs, self.cp
-        if math.isnan(cs[ck.CS_T0]):
-            cs[ck.CS_T0] = now_s
+        a = self.arrays
+        if math.isnan(a.cs[0]["t0"]):
+            a.cs[0]["t0"] = now_s
             return
-        for _ in range(int(ck.intervals_due(cs, cp, now_s))):
-            end, peak, p, frames, silent = ck.close_one(cs, cp, self.lat, self.w, float(in_flight))
+        for _ in range(int(ck.intervals_due(a, now_s))):
+            end, peak, p, frames, silent = ck.close_one(a, float(in_flight))
             decision = self._decide(int(peak), None if math.isnan(p) else float(p), int(frames), int(silent))
             if decision not in DECISIONS:  # every decision a trace records is one of the named ones
                 raise RuntimeError(f"{type(self).__name__} decided {decision!r}, not one of {DECISIONS}")
-            ck.record(cs, self.tr, end, float(self.limit), peak, p, frames, silent, DECISIONS.index(decision))
-            ck.next_interval(cs, float(in_flight))
+            ck.record(a, end, float(self.limit), peak, p, frames, silent, DECISIONS.index(decision))
+            ck.next_interval(a, float(in_flight))
 
     def _decide(self, in_flight: int, p_latency_s: float | None, frames: int, silent: int) -> str:
         """Judge one closed interval; may change the limit; returns one of :data:`DECISIONS`. A controller deciding
-        in Python (``kind`` K_PYTHON) states it; a compiled kind's is control_kernel.decide, never called here."""
+        in Python (``kind`` K_PYTHON) states it; a compiled kind's is compiled beside its class (control_kernel.decide
+        runs it), never called here."""
         raise NotImplementedError(f"{type(self).__name__} decides in Python (kind K_PYTHON) but states no _decide")
 
 
@@ -550,7 +560,7 @@ class NoAdmission(AdmissionController):
 
     name = spec = "none"
     reads_params = False
-    kind = ck.K_NONE
+    kind = K_NONE
 
     @property
     def limit(self) -> int:
@@ -561,7 +571,7 @@ class StaticCap(AdmissionController):
     """Admit while ``in_flight < n``: a fixed cap, e.g. from the fill model's memory ceiling."""
 
     spec = "static:N"
-    kind = ck.K_STATIC
+    kind = K_STATIC
 
     def __init__(self, n: int, interval_s: float = 1.0, percentile: float = 99.0,
                  on_refuse: str = "reject", queue_timeout_s: float = 30.0):
@@ -571,7 +581,7 @@ class StaticCap(AdmissionController):
             raise MetronomeError(f"static admission limit must be >= 1, got {n}")
         super().__init__(interval_s, percentile, on_refuse, queue_timeout_s)
         self._n = int(n)
-        self.cp[ck.CP_LIMIT0] = self._n
+        self.arrays.cp[0]["static_limit"] = self._n
         self.name = f"static:{self._n}"
 
     @classmethod
@@ -615,12 +625,12 @@ class _Adaptive(AdmissionController):
         self.params = params
         self.deadline_s = float(deadline_s)
         self.target_s = params.target_fraction * self.deadline_s
-        cp = self.cp
-        cp[ck.CP_TARGET], cp[ck.CP_ADD] = self.target_s, params.additive_increase
-        cp[ck.CP_DECREASE] = params.decrease_factor
-        cp[ck.CP_MIN], cp[ck.CP_MAX] = float(params.min_limit), float(params.max_limit)
-        cp[ck.CP_SILENT_TOL], cp[ck.CP_DEAD_N] = params.silent_tolerance, params.dead_intervals
-        self.cs[ck.CS_LIMIT] = float(params.start_limit)
+        c = self.arrays.cp[0]  # (a view: writing a field writes the array)
+        c["target_s"], c["additive_increase"] = self.target_s, params.additive_increase
+        c["decrease_factor"] = params.decrease_factor
+        c["min_limit"], c["max_limit"] = float(params.min_limit), float(params.max_limit)
+        c["silent_tolerance"], c["dead_intervals"] = params.silent_tolerance, params.dead_intervals
+        self.arrays.cs[0]["limit"] = float(params.start_limit)
 
     @classmethod
     def from_spec(cls, arg, deadline_s, params):
@@ -629,7 +639,37 @@ class _Adaptive(AdmissionController):
 
     @property
     def limit(self) -> int:
-        return int(ck.limit_of(self.cs, self.cp))
+        return int(ck.limit_of(self.arrays))
+
+
+# The adaptive controllers' shared rules, compiled (``s``/``c``: the controller's state and constants records,
+# control_kernel.STATE and PARAMS), as the class above explains them.
+@compiled.counted
+def adaptive_no_frames(s, c, in_flight):
+    """An interval without a single frame: with sessions in flight it counts toward a dead signal
+    (``dead_intervals`` in a row refuse everything); with none, it clears it (cold start must admit)."""
+    if in_flight > 0:
+        s.dead_run += 1
+        if s.dead_run >= c.dead_intervals:
+            s.dead = 1.0
+    else:
+        s.dead_run = 0.0
+        s.dead = 0.0
+    return D_DEAD if s.dead != 0.0 else D_HOLD
+
+
+@compiled.counted
+def adaptive_congested(c, p, frames, silent):
+    """Absolute congestion: too many silent frames, or the latency percentile over the target."""
+    if silent / frames > c.silent_tolerance:
+        return True
+    return not np.isnan(p) and p > c.target_s
+
+
+@compiled.counted
+def adaptive_clamp(c, x):
+    """``x`` within ``[min_limit, max_limit]``."""
+    return min(c.max_limit, max(c.min_limit, x))
 
 
 class AIMDController(_Adaptive):
@@ -654,10 +694,29 @@ class AIMDController(_Adaptive):
     """
 
     name = spec = "aimd"
-    kind = ck.K_AIMD
+    kind = K_AIMD
 
     def __init__(self, params: AIMDParams | dict | None = None, deadline_s: float = 1.0):
         super().__init__(params, deadline_s)
+
+
+@compiled.counted
+def aimd_decide(s, c, in_flight, p, frames, silent):
+    """:class:`AIMDController`'s decision on one closed interval (its peak ``in_flight``, percentile ``p`` (NaN:
+    none), frames, silent frames), compiled: may change ``s.limit``; returns a ``D_*`` decision."""
+    if frames == 0:
+        return adaptive_no_frames(s, c, in_flight)
+    L = s.limit
+    if adaptive_congested(c, p, frames, silent):
+        if in_flight > math.floor(L + 1e-9):
+            return D_DRAINING  # the last cut has not taken effect yet
+        cut = min(math.floor(L * c.decrease_factor + 1e-9), math.floor(L + 1e-9) - 1)
+        s.limit = adaptive_clamp(c, float(cut))
+        return D_DECREASE
+    if not np.isnan(p) and 2 * in_flight >= L:
+        s.limit = adaptive_clamp(c, L + c.additive_increase)
+        return D_INCREASE
+    return D_HOLD
 
 
 class GradientController(_Adaptive):
@@ -695,7 +754,7 @@ class GradientController(_Adaptive):
 
     name = spec = "gradient"
     Params = GradientParams
-    kind = ck.K_GRADIENT
+    kind = K_GRADIENT
 
     def __init__(self, params: GradientParams | AIMDParams | dict | None = None, deadline_s: float = 1.0,
                  **overrides):
@@ -710,16 +769,63 @@ class GradientController(_Adaptive):
         self.long_window = int(p.long_window)
         self.warmup = int(p.warmup)
         self.drift_fraction = float(p.drift_fraction)
-        cp = self.cp
-        cp[ck.CP_SMOOTH], cp[ck.CP_RTT], cp[ck.CP_QUEUE] = self.smoothing, self.rtt_tolerance, self.queue_size
-        cp[ck.CP_EMA] = 2.0 / (self.long_window + 1)
-        cp[ck.CP_WARMUP], cp[ck.CP_DRIFT] = self.warmup, self.drift_fraction
+        c = self.arrays.cp[0]  # (a view: writing a field writes the array)
+        c["smoothing"], c["rtt_tolerance"], c["queue_size"] = self.smoothing, self.rtt_tolerance, self.queue_size
+        c["ema"] = 2.0 / (self.long_window + 1)
+        c["warmup"], c["drift_fraction"] = self.warmup, self.drift_fraction
 
     @property
     def long_latency_s(self) -> float | None:
         """The baseline (long) latency, ``None`` before the first healthy interval."""
-        long = float(self.cs[ck.CS_LONG])
+        long = float(self.arrays.cs[0]["long"])
         return None if math.isnan(long) else long
+
+
+@compiled.counted
+def gradient_update_long(s, c, short):
+    """:class:`GradientController`'s baseline: a plain mean over the warm-up, then an EMA that follows a rise
+    ``drift_fraction`` times as fast as a fall; Netflix's recovery rule; never past target / tolerance."""
+    if np.isnan(s.long) or s.n_long < c.warmup:
+        n = s.n_long
+        s.long = short if np.isnan(s.long) else (s.long * n + short) / (n + 1)
+    else:
+        rate = c.ema if short <= s.long else c.ema * c.drift_fraction
+        s.long += rate * (short - s.long)
+    s.n_long += 1
+    if short > 0 and s.long / short > 2.0:
+        s.long *= 0.95
+    s.long = min(s.long, c.target_s / c.rtt_tolerance)
+
+
+@compiled.counted
+def gradient_decide(s, c, in_flight, p, frames, silent):
+    """:class:`GradientController`'s decision on one closed interval (as :func:`aimd_decide`'s), compiled."""
+    if frames == 0:
+        return adaptive_no_frames(s, c, in_flight)
+    L = s.limit
+    smoothing = c.smoothing
+    if adaptive_congested(c, p, frames, silent):
+        s.limit = adaptive_clamp(c, L * (1.0 - smoothing * 0.5))
+        return D_DECREASE
+    if np.isnan(p):  # only silent frames, within the tolerance: nothing to learn
+        return D_HOLD
+    short = p
+    if np.isnan(s.long) or short <= c.rtt_tolerance * s.long:
+        gradient_update_long(s, c, short)
+    if short <= 0:
+        gradient = 1.0
+    else:
+        gradient = min(1.0, max(0.5, c.rtt_tolerance * s.long / short))
+    new = (1.0 - smoothing) * L + smoothing * (gradient * L + c.queue_size)
+    if new > L and 2 * in_flight < L:
+        new = L  # app-limited: do not grow
+    new = adaptive_clamp(c, new)
+    s.limit = new
+    if new > L + 1e-12:
+        return D_INCREASE
+    if new < L - 1e-12:
+        return D_DECREASE
+    return D_HOLD
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metronome.control_kernel import percentile_sorted, percentiles_whole, whole_weights
+from metronome.percentile_kernel import percentile_sorted, percentiles_whole, whole_weights
 from metronome.serving import EndReason
 
 __all__ = [

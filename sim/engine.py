@@ -53,7 +53,7 @@ class SimEngine(FrontEnd):
     _last_span: int
     pause_every_s: float | None
     arrivals_in_loop: bool
-    _no_controller: tuple | None
+    _no_controller: ck.ControllerArrays | None
 
     def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy, roster: Roster,
                  horizon_s: float, deadline_s: float, controller=None, fast_forward: bool = True,
@@ -363,16 +363,15 @@ class SimEngine(FrontEnd):
         self._departed_in_loop(fe.dep_i[:k].tolist())
         self.departures = list(zip(fe.dep_t[k:nd].tolist(), fe.dep_i[k:nd].tolist()))  # (in order: a heap)
 
-    def _controller_arrays(self, ans_cap: int) -> tuple:
+    def _controller_arrays(self, ans_cap: int) -> ck.ControllerArrays:
         """The controller's arrays the compiled loop runs it on (a compiled controller's own, with room until the
         horizon; else arrays it does not read)."""
         c = self.controller
         if c is not None and c.compiled:
             c.room(self.now, self.horizon + 2 * c.interval_s, 4 * ans_cap)
-            return c.cs, c.cp, c.lat, c.w, c.tr
-        if self._no_controller is None or self._no_controller[2].size < 2 * ans_cap + 1:
-            self._no_controller = (np.zeros(ck.N_CS), np.zeros(ck.N_CP), np.zeros(2 * ans_cap + 1),
-                                   np.zeros(2 * ans_cap + 1), np.zeros((0, ck.N_TR)))
+            return c.arrays
+        if self._no_controller is None or self._no_controller.lat.size < 2 * ans_cap + 1:
+            self._no_controller = ck.no_controller(2 * ans_cap + 1)
         return self._no_controller
 
     def _departed_in_loop(self, who: list[int]) -> None:

@@ -38,7 +38,8 @@ from collections import namedtuple
 import numba as nb
 import numpy as np
 
-from metronome import compiled, control_kernel, front_end, jitter_kernel, kv_policy, results, serving
+from metronome import (admission, compiled, control_kernel, front_end, jitter_kernel, kv_policy, percentile_kernel,
+                       results, serving)
 from metronome import control_kernel as ck
 from metronome.calibration import step_inputs
 from metronome.compiled import borrowed, hold
@@ -639,7 +640,6 @@ def _arrive(now, c, s, ss, fe, w, ctl):
     """FrontEnd._turn's arrivals (those up to ``now``): each passes the gate (the controller's may_admit,
     compiled) with the sessions in flight, or is refused (the caller names the reason). One let in waits at the
     tail of the front end's queue, streams from its join frame and has its departure booked (FrontEnd._enter)."""
-    cs, cp, clat, cw, ctr = ctl
     while s.narr < c.na_end and ss.arrival[s.narr] <= now:
         i = s.narr
         s.narr += 1
@@ -647,7 +647,7 @@ def _arrive(now, c, s, ss, fe, w, ctl):
             continue
         in_flight = s.nrun + s.nwait
         # (the count as a float, as every other caller gives it: one compiled form of the controller's kernel)
-        if c.ctl == CTL_COMPILED and not ck.may_admit(cs, cp, clat, cw, ctr, now, float(in_flight)):
+        if c.ctl == CTL_COMPILED and not ck.may_admit(ctl, now, float(in_flight)):
             ss.state[i] = REFUSED
             ss.s_ended[i] = now
             continue
@@ -832,10 +832,9 @@ def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
     else the caller takes the rest of the turn), the departures due, the admissions and the sessions whose frames
     came due (_ticks, _answer_silent). None of it when the span ends here: at its next event, after its steps, or
     without room for another turn and step. Returns (taken, frames handed over, the latest)."""
-    cs, clat = ctl[0], ctl[2]
     ans_cap = c.ans_cap
     if (now >= c.t_next or s.nsteps >= c.max_steps or s.nrows + 2 * ans_cap > rec.fr_f.size
-            or cs[ck.CS_NLAT] + 2 * ans_cap > clat.size or s.nnew + live.size + 1 > fe.new_i.size):
+            or ck.open_samples(ctl) + 2 * ans_cap > ctl.lat.size or s.nnew + live.size + 1 > fe.new_i.size):
         return False, 0, -1
     _arrive(now, c, s, ss, fe, w, ctl)
     n_visit, taken, k1, n_adm = _turn_plan(now, c, s, ss, fe, w, eng, n_ready,
@@ -874,9 +873,8 @@ def _answered(now, n_ans, c, s, ss, w, rec, ctl):
     in_flight = s.nrun + s.nwait
     s.nrows = flush(now, n_ans, w, ss, c, rec, r0, in_flight if c.ctl == CTL_AFTER else -1)
     if c.ctl == CTL_COMPILED:  # (the rows were all answered at `now` with `in_flight` in flight)
-        cs, cp, clat, cw, ctr = ctl
-        ck.observe_moment(cs, cp, clat, cw, ctr, now, in_flight, rec.fr_lat[r0:s.nrows],
-                          rec.fr_i[R_FRAMES][r0:s.nrows], rec.fr_i[R_SILENT][r0:s.nrows])
+        ck.observe_moment(ctl, now, in_flight, rec.fr_lat[r0:s.nrows], rec.fr_i[R_FRAMES][r0:s.nrows],
+                          rec.fr_i[R_SILENT][r0:s.nrows])
 
 
 @_njit
@@ -1106,5 +1104,6 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
 # what run_span compiles into itself from other modules: the engine step (with the residency it calls), the step
 # model's form, the jitter ratio, the admission controllers, the hold on borrowed arrays, what a silent frame is and
 # the session states (the front end's module: its constants are compiled in as they were)
-FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, compiled, results.silent_cause, front_end)
+FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, admission, percentile_kernel, compiled,
+              results.silent_cause, front_end)
 STEP_FORM = compiled.guard(run_span, FORM_PARTS)  # before any loop is called, so none has loaded its cache yet

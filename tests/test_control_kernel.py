@@ -87,15 +87,15 @@ def test_room_covers_a_loop_from_a_controller_not_yet_anchored():
     """A compiled loop writes the trace rows of every interval it closes; ``room`` must cover them even before
     the first call anchors the grid (the loop may be the first to call)."""
     c = make_controller("aimd", 0.04, {"interval_s": 0.5})
-    assert math.isnan(c.cs[ck.CS_T0])
+    assert math.isnan(c.arrays.cs[0]["t0"])
     now = np.linspace(10.0, 70.0, 1000)  # 60 s: 120 intervals of 0.5 s
     c.room(10.0, 70.0, now.size)
     ones = np.ones(now.size)
-    ck.observe_rows(c.cs, c.cp, c.lat, c.w, c.tr, now, 0.01 * ones, ones, 0 * ones, 3 * ones)
+    ck.observe_rows(c.arrays, now, 0.01 * ones, ones, 0 * ones, 3 * ones)
     assert len(c.trace()) == 120  # anchored at 10 s: the 120 intervals of 0.5 s that ended by 70 s (the last at it)
     fresh = make_controller("aimd", 0.04, {"interval_s": 0.5})  # without room the kernel refuses, never corrupts
     with pytest.raises(IndexError):
-        ck.observe_rows(fresh.cs, fresh.cp, fresh.lat, fresh.w, fresh.tr, now, 0.01 * ones, ones, 0 * ones, 3 * ones)
+        ck.observe_rows(fresh.arrays, now, 0.01 * ones, ones, 0 * ones, 3 * ones)
 
 
 class _Halver(AdmissionController):
@@ -147,7 +147,7 @@ def test_the_kernel_and_the_interface_are_one_state(make):
         a.observe(t, lat, f, s)
     now, lat, f, s, inf = (np.array(c, dtype=float) for c in zip(*rows))
     b.room(now[0], now[-1], now.size)
-    ck.observe_rows(b.cs, b.cp, b.lat, b.w, b.tr, now, lat, f, s, inf)
+    ck.observe_rows(b.arrays, now, lat, f, s, inf)
     assert a.trace() == b.trace() and a.limit == b.limit and len(a.trace()) == 7
 
 
@@ -170,10 +170,32 @@ def test_rows_of_one_moment_are_observed_as_rows_one_at_a_time():
     b.room(moments[0][0], moments[-1][0], sum(len(r) for _, _, r in moments))
     for t, inf, rows in moments:
         lat, f, s = (np.array(c, dtype=float) for c in zip(*rows))
-        ck.observe_moment(b.cs, b.cp, b.lat, b.w, b.tr, t, inf, lat, f, s)
+        ck.observe_moment(b.arrays, t, inf, lat, f, s)
     assert len(a.trace()) == 23  # intervals of 0.25 s ended by 5.9 s, from the first moment at 0.1 s
     assert {r["decision"] for r in a.trace()} == {"increase", "decrease", "hold"}
     assert b.trace() == a.trace() and b.limit == a.limit
+
+
+def test_a_controller_deciding_in_python_decides_in_python_once_per_interval():
+    """A user's controller is called, in Python (it appends to a Python list, which compiled code cannot), once at
+    each control interval's end: a gap of several intervals without calls closes each one with its own call, and
+    calls within an interval decide nothing. Expected calls worked out by hand: intervals of 0.5 s from t = 2."""
+    seen = []
+
+    class Counter(_Halver):
+        def _decide(self, in_flight, p_latency_s, frames, silent) -> str:
+            seen.append((in_flight, p_latency_s, frames, silent))
+            return "hold"
+
+    c = Counter(8, interval_s=0.5)
+    c.advance(2.0, 1)  # anchors the grid
+    c.observe(2.1, 0.02, frames=2)
+    assert c.may_admit(2.4, 3) and seen == []  # still within [2.0, 2.5)
+    c.advance(3.6, 2)  # closes [2, 2.5), [2.5, 3) and [3, 3.5): three calls
+    assert seen == [(3, 0.02, 2, 0), (2, None, 0, 0), (2, None, 0, 0)]
+    assert [r["t_s"] for r in c.trace()] == [2.5, 3.0, 3.5]
+    c.observe(3.9, 0.01, frames=1)
+    assert len(seen) == 3  # [3.5, 4) still open
 
 
 def test_a_controller_deciding_in_python_must_state_its_decision():
