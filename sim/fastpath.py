@@ -93,9 +93,9 @@ STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("t_sat", np.float
 # aborted (preemption), in order
 Front = namedtuple("Front", "queue dep_t dep_i pend sess_of_slot fresh new_i new_s new_k")
 # what a span allocates: the wheel over the phase slots (slot k's sessions: wheel_who[wheel_start[k]:wheel_start[k +
-# 1]], its next tick), the sessions a turn visits, those with frames queued, the running ones (lockstep); the
+# 1]], its next tick; the slots due at a turn), the sessions a turn visits, those with frames queued, the running ones (lockstep); the
 # moment's answers (tick key, session, tokens got) and room to sort them in; scratch and victims for _victims
-Span = namedtuple("Span", "wheel_start wheel_who tick visit ready run_sess key who tok work scr vic")
+Span = namedtuple("Span", "wheel_start wheel_who tick due visit ready run_sess key who tok work scr vic")
 # the steps and frames tables' storage (sim/recorder.py), written from the given rows on
 Rows = namedtuple("Rows", "st_t st_lat st_i fr_f fr_tick fr_done fr_lat fr_i")
 # the step jitter: each step's ratio (independent), or each step's own score and the shared and frame-only parts of
@@ -167,6 +167,7 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
     if n == 0:
         return nrows
     keys, who, toks, state, s_admitted, s_late = ans.key, ans.who, ans.tok, ss.state, ss.s_admitted, ss.s_late
+    P, Pq, deadline, eps = c.P, c.Pq, c.deadline, c.eps
     # rows are sums over a tick: the order within one does not matter
     key_order_in(keys, n, ans.work)
     order = ans.work[:n]
@@ -177,9 +178,9 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
         while e < n and keys[order[e]] == key:
             e += 1
         f, sl = key // PHASE_SLOTS, key % PHASE_SLOTS
-        tick = f * c.P + sl * c.Pq
+        tick = f * P + sl * Pq
         latency = now - tick
-        late = latency > c.deadline + c.eps
+        late = latency > deadline + eps
         tk = pre = wait = dep = 0
         for q in range(j, e):
             i = who[order[q]]
@@ -241,14 +242,17 @@ def _wheel(live, ss, P):
     return start, who, tick, ok
 
 
-@_njit
+@_inlined
 def _due_sessions(now, eps, w, n_ready, state):
-    """The sessions a turn at ``now`` visits (into ``w.visit``): those of the slots that came due, then those whose
-    frame was answered in the last step with frames still queued (``w.ready``); not those that departed. Returns how
-    many (a session may appear twice)."""
+    """The sessions a turn at ``now`` visits (into ``w.visit``): those of the slots that came due (into ``w.due``),
+    then those whose frame was answered in the last step with frames still queued (``w.ready``); not those that
+    departed. Returns how many (a session may appear twice) and how many slots came due."""
     n = 0
+    n_due = 0
     for k in range(PHASE_SLOTS):
         if w.tick[k] <= now + eps:
+            w.due[n_due] = k
+            n_due += 1
             for q in range(w.wheel_start[k], w.wheel_start[k + 1]):
                 if _live(state[w.wheel_who[q]]):
                     w.visit[n] = w.wheel_who[q]
@@ -257,7 +261,7 @@ def _due_sessions(now, eps, w, n_ready, state):
         if _live(state[w.ready[q]]):
             w.visit[n] = w.ready[q]
             n += 1
-    return n
+    return n, n_due
 
 
 @_njit
@@ -447,7 +451,7 @@ def _step_latency(coef, c, o_n, first, step_no, sframe, dr):
     return lat
 
 
-@_uncounted
+@_inlined
 def _tokens_to_frames(now, s, ss, fe, w, eng):
     """FrontEnd._after_step: a re-prefill that sampled is done (the token starts its next chunk: the session
     runs from now); sampled tokens go to their frames; a frame with all its tokens is answered (its tick key,
@@ -603,7 +607,7 @@ def _preempt_session(i, c, s, ss, fe, a, eng, n_ans):
     return n_ans
 
 
-@_njit
+@_inlined
 def _departures_due(now, s, ss, fe, held):
     """The departures due at a turn at ``now``, in FrontEnd._turn's order (its heap's): where they end in
     ``fe.dep_t``, the blocks they free and (at most) the frames they leave owed."""
@@ -635,7 +639,7 @@ def _book_departure(t, i, s, fe):
     s.ndeps += 1
 
 
-@_njit
+@_inlined
 def _arrive(now, c, s, ss, fe, w, ctl):
     """FrontEnd._turn's arrivals (those up to ``now``): each passes the gate (the controller's may_admit,
     compiled) with the sessions in flight, or is refused (the caller names the reason). One let in waits at the
@@ -661,7 +665,7 @@ def _arrive(now, c, s, ss, fe, w, ctl):
         w.tick[k] = min(w.tick[k], _tick(nf, c.P, ss.phase[i]))  # (its slot's others, if any, tick no later)
 
 
-@_njit
+@_inlined
 def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
     """FrontEnd._admit's FCFS pass (serving.admit_fcfs), planned: how many heads of the front end's queue (less
     those ``leaving`` before it) get the blocks vLLM's gate wants (serving.admission_need_blocks), none right after a
@@ -808,8 +812,8 @@ def _depart(i, now, c, s, ss, fe, a, eng, n_ans):
 def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
     """The checks of the turn at ``now``, after its arrivals: the sessions it visits, whether this loop takes the
     rest as FrontEnd._turn would (_turn_fits, the departures, the admissions, room for the answers) and what it
-    takes: (visited, taken, departures' end in ``fe.dep_t``, sessions admitted)."""
-    n_visit = _due_sessions(now, c.eps, w, n_ready, ss.state)
+    takes: (visited, slots due, taken, departures' end in ``fe.dep_t``, sessions admitted)."""
+    n_visit, n_due = _due_sessions(now, c.eps, w, n_ready, ss.state)
     fits, n_ans, room = _turn_fits(now, n_visit, c, ss, w, eng, n_room)
     k0 = s.dep
     k1, freed, owed = _departures_due(now, s, ss, fe, eng.held)
@@ -817,7 +821,7 @@ def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
                         fe.dep_i[k0:k1])
     taken = (fits and n_adm >= 0 and owed + n_ans <= c.ans_cap
              and (not c.lockstep or s.npend + n_ans <= fe.pend.shape[0]))
-    return n_visit, taken, k1, n_adm
+    return n_visit, n_due, taken, k1, n_adm
 
 
 # Without numba's reference counting (compiled.inlined: also compiled into run_span): the turn handed on the loop's
@@ -837,25 +841,28 @@ def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
             or ck.open_samples(ctl) + 2 * ans_cap > ctl.lat.size or s.nnew + live.size + 1 > fe.new_i.size):
         return False, 0, -1
     _arrive(now, c, s, ss, fe, w, ctl)
-    n_visit, taken, k1, n_adm = _turn_plan(now, c, s, ss, fe, w, eng, n_ready,
+    n_visit, n_due, taken, k1, n_adm = _turn_plan(now, c, s, ss, fe, w, eng, n_ready,
                                            min(eng.status.size - eng.cnt[E_NEXT], fe.new_i.size - s.nnew))
     if not taken:
         return False, 0, -1
+    # (the constants a loop below reads, in locals: a record's field is read from memory again after every store
+    # the compiler cannot tell apart from it, and the slot loop runs at every turn)
+    P, eps = c.P, c.eps
     n_ans = np.int64(0)  # (not a literal: see _engine_step)
     for k in range(s.dep, k1):
         i = fe.dep_i[k]
         if _live(ss.state[i]):
             n_ans = _depart(i, now, c, s, ss, fe, a, eng, n_ans)
             sl = ss.pslot[i]
-            if w.tick[sl] > now + c.eps:  # its slot may have no one left to tick
-                w.tick[sl] = _slot_tick(sl, w.wheel_start, w.wheel_who, ss.state, ss.next_frame, ss.phase, c.P)
+            if w.tick[sl] > now + eps:  # its slot may have no one left to tick
+                w.tick[sl] = _slot_tick(sl, w.wheel_start, w.wheel_who, ss.state, ss.next_frame, ss.phase, P)
     s.dep = k1
     if n_adm:  # (rare: a call with all it needs costs every turn)
         _admit(now, n_adm, c, s, ss, fe, eng)
     n_ans = _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans)
-    for k in range(PHASE_SLOTS):
-        if w.tick[k] <= now + c.eps:  # the slot's sessions moved on together
-            w.tick[k] = _slot_tick(k, w.wheel_start, w.wheel_who, ss.state, ss.next_frame, ss.phase, c.P)
+    for j in range(n_due):  # the slots that came due: their sessions moved on together (a departure leaves a slot
+        k = w.due[j]  # that was not due as it was, and nothing else here moves a slot's tick)
+        w.tick[k] = _slot_tick(k, w.wheel_start, w.wheel_who, ss.state, ss.next_frame, ss.phase, P)
     n_sub, latest = _submit_due(n_visit, s, ss, fe, w, eng)
     if c.lockstep:
         n_ans = _answer_silent(s, ss, fe, w, a, n_ans)
@@ -1028,7 +1035,8 @@ def _span(live, ss, c, n_answers, n_slots):
     start, who, tick, ok = _wheel(live, ss, c.P)
     ready, n_ready = _queued_behind(live, ss)
     run_sess = live if c.lockstep else live[:0]
-    span = Span(start, who, tick, np.empty(2 * live.size, np.int64), ready, run_sess, np.empty(n_answers, np.int64),
+    span = Span(start, who, tick, np.empty(PHASE_SLOTS, np.int64), np.empty(2 * live.size, np.int64), ready,
+                run_sess, np.empty(n_answers, np.int64),
                 np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), key_order_work(n_answers),
                 np.zeros((6, n_slots), np.int64), np.empty(live.size, np.int64))
     return span, ok, n_ready
