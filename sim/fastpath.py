@@ -93,8 +93,9 @@ STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("t_sat", np.float
 # aborted (preemption), in order
 Front = namedtuple("Front", "queue dep_t dep_i pend sess_of_slot fresh new_i new_s new_k")
 # what a span allocates: the wheel over the phase slots (slot k's sessions: wheel_who[wheel_start[k]:wheel_start[k +
-# 1]], its next tick; the slots due at a turn), the sessions a turn visits, those with frames queued, the running ones (lockstep); the
-# moment's answers (tick key, session, tokens got) and room to sort them in; scratch and victims for _victims
+# 1]], its next tick; the slots due at a turn), the sessions a turn visits, those with frames queued, the running
+# ones (lockstep); the moment's answers (tick key, session, tokens got) and room to sort them in; scratch and victims
+# for _victims
 Span = namedtuple("Span", "wheel_start wheel_who tick due visit ready run_sess key who tok work scr vic")
 # the steps and frames tables' storage (sim/recorder.py), written from the given rows on
 Rows = namedtuple("Rows", "st_t st_lat st_i fr_f fr_tick fr_done fr_lat fr_i")
@@ -433,7 +434,7 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
     return n_sub, latest
 
 
-@_uncounted
+@_inlined
 def _step_latency(coef, c, o_n, first, step_no, sframe, dr):
     """StepLatencyModel.step_s of the step ``o_n`` counts (the same sums in the same order, bit for bit), the
     first-step term, the jitter."""
@@ -681,7 +682,8 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
             gone = gone or d == i
         if gone:
             continue
-        tok = ss.hist[i] + ss.pending_in[i] if ss.started[i] else _first_chunk(i, ss.prompt_of, ss.pending_in, ss.n_in_of)
+        tok = (ss.hist[i] + ss.pending_in[i] if ss.started[i]
+               else _first_chunk(i, ss.prompt_of, ss.pending_in, ss.n_in_of))
         need = gate_blocks_jit(tok, lim[L_BS], lim[L_CAP], 0)
         if need > free:
             break
@@ -864,8 +866,8 @@ def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
         k = w.due[j]  # that was not due as it was, and nothing else here moves a slot's tick)
         w.tick[k] = _slot_tick(k, w.wheel_start, w.wheel_who, ss.state, ss.next_frame, ss.phase, P)
     n_sub, latest = _submit_due(n_visit, s, ss, fe, w, eng)
-    if c.lockstep:
-        n_ans = _answer_silent(s, ss, fe, w, a, n_ans)
+    if c.lockstep and s.npend:  # (none owed: nothing to answer, and no need to scan the running sessions)
+        n_ans = _answer_silent(s, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
     _answered(now, n_ans, c, s, ss, w, rec, ctl)
     return True, n_sub, latest
 
@@ -885,11 +887,11 @@ def _answered(now, n_ans, c, s, ss, w, rec, ctl):
 
 
 @_njit
-def _answer_silent(s, ss, fe, w, a, n_ans):
-    """FrontEnd._answer_silent (lockstep): frames owed to sessions without a place (``fe.pend``'s rows
+def _answer_silent(s, pend, run_sess, ss, a, n_ans):
+    """FrontEnd._answer_silent (lockstep): frames owed to sessions without a place (``pend``'s rows
     ``s.phead:s.npend``: session, frame, tokens got) are answered once every running session's frame of their
-    tick is done (``w.run_sess``: the sessions the span may see). Appends them to the answers, in the rows' order;
-    returns the answers.
+    tick is done (``run_sess``: the sessions the span may see). Appends them to the answers, in the rows' order;
+    returns the answers. (It takes what it reads, not whole records: in lockstep it runs twice a step.)
 
     Rows are owed tick after tick, so they are nearly always in frame order, and then the frames answered are the
     rows from the head up to the first one not yet due: the head moves past them and nothing else is read. An
@@ -897,16 +899,17 @@ def _answer_silent(s, ss, fe, w, a, n_ans):
     that grows for as long as it stays behind; read whole at every step, it made the loop's time quadratic in the
     run's length. Rows out of frame order (a preempted session's frames, owed late) are read whole and kept in
     their order, as FrontEnd does."""
+    state, inflight, backlog, next_frame = ss
     unfinished = np.iinfo(np.int64).max
-    for j in range(w.run_sess.size):
-        i = w.run_sess[j]
-        if ss.state[i] != RUNNING:
+    for j in range(run_sess.size):
+        i = run_sess[j]
+        if state[i] != RUNNING:
             continue
-        if ss.inflight[i] >= 0:
-            unfinished = min(unfinished, ss.inflight[i])
-        elif ss.backlog[i] > 0:
-            unfinished = min(unfinished, ss.next_frame[i] - ss.backlog[i])
-    pend, n_pend = fe.pend, s.npend
+        if inflight[i] >= 0:
+            unfinished = min(unfinished, inflight[i])
+        elif backlog[i] > 0:
+            unfinished = min(unfinished, next_frame[i] - backlog[i])
+    n_pend = s.npend
     h = s.phead
     k = max(s.psorted, h + 1)
     while k < n_pend and pend[k - 1, 1] <= pend[k, 1]:  # (rows appended since: still in frame order?)
@@ -952,7 +955,7 @@ def _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts):
     (FrontEnd._after_step)."""
     n_done, n_ans, tokens_out, n_vic, batch, new_tokens, ctx, used = counts
     if s.npend:
-        n_ans = _answer_silent(s, ss, fe, w, a, n_ans)
+        n_ans = _answer_silent(s, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
     _answered(now, n_ans, c, s, ss, w, rec, ctl)
     k = s.step0 + s.nsteps
     silent = 0
@@ -1102,8 +1105,8 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
         n_ans = n_done
         if n_vic:
             n_ans = _preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans)
-        _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, (n_done, n_ans, tokens_out, n_vic, o_n[O_SCHED],
-                                                                         o_n[O_NEW], o_n[O_CTX], o_n[O_USED]))
+        counts = (n_done, n_ans, tokens_out, n_vic, o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], o_n[O_USED])
+        _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts)
         s.peak, s.nsteps = max(s.peak, o_n[O_USED]), s.nsteps + 1
     s.turned, s.idle, s.now = turned, idle, now
     hold(owned)
