@@ -488,7 +488,7 @@ def _tokens_to_frames(now, s, ss, fe, w, eng):
     return tokens_out, n_done, n_ready
 
 
-@_uncounted
+@_inlined
 def _victims(ss, fe, w, eng):
     """FrontEnd._preempt_after_step's choice, after a step that scheduled something (a stall is the caller's):
     the sessions whose requests the engine preempted, then the deadlock rule's victims (serving.deadlock_pick)
@@ -574,7 +574,7 @@ def _abort(i, ss, fe, eng):
     return sl
 
 
-@_uncounted
+@_inlined
 def _preempt_session(i, c, s, ss, fe, a, eng, n_ans):
     """FrontEnd._preempt: the session's request goes (the caller forgets its id); its frame in flight is owed
     with what it got, its queued frames silent (their input joins its history); it waits at the head of the front
@@ -700,7 +700,7 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
     return n
 
 
-@_njit
+@_inlined
 def _admit(now, n, c, s, ss, fe, eng):
     """The ``n`` heads of the front end's queue are admitted (FrontEnd._admit): a new session runs from its
     first frame's tick, which hands its prompt to the engine; one that lost its place comes back as a new request
@@ -777,7 +777,7 @@ def _owed(i, f, tok, now, c, phase, a, n_ans):
     return n_ans
 
 
-@_njit
+@_inlined
 def _depart(i, now, c, s, ss, fe, a, eng, n_ans):
     """FrontEnd._end of a session that departs: its request aborted, or its place in the front end's queue given
     up, then the frames it is owed (the lockstep's held ones, the one in the engine, the queued ones) answered once
@@ -935,7 +935,7 @@ def _answer_silent(s, pend, run_sess, ss, a, n_ans):
     return n_ans
 
 
-@_uncounted
+@_inlined
 def _preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans):
     """After the tokens of a step that started at ``step_start``, the ``n_vic`` sessions of ``w.vic`` preempted
     (:func:`_preempt_session`; the first ever dates t_sat). Returns the answers."""
@@ -1045,7 +1045,7 @@ def _span(live, ss, c, n_answers, n_slots):
     return span, ok, n_ready
 
 
-@_uncounted
+@_inlined
 def _reaction(turned, c, s, ss, fe, w, eng):
     """After _engine_step said ``turned``: a step the front end reacts to (STEP_TAKEN) that scheduled something,
     with a front end that steps vLLM itself, is taken on here (its victims chosen: :func:`_victims`) when the span
