@@ -134,16 +134,17 @@ TURN_CALLER, TURN_TAKEN, PAST_HORIZON, PAUSED, STEP_TAKEN = range(5)
 # what the loop did to a session's request, in order (Front.new_k): a first frame or a readmission became request
 # new_s (the caller names it), or its request was aborted (preempted)
 NEW_FIRST, NEW_READMIT, NEW_DROPPED = 0, 1, 2
-# the step model's form and a session's first frame, compiled from their one statement
+# A small rule called from several places in the loop, or at every frame, is spliced into each caller by numba
+# (inline="always": its body joins the caller's before either is compiled). A call hands the callee every array of
+# the records it takes, and LLVM does not inline a small function into a caller as large as the loop: each
+# frame then paid a call for its tick.
+_spliced = nb.njit(cache=True, inline="always", no_cpython_wrapper=True, no_cfunc_wrapper=True)
+# the step model's form, a session's first frame and what a silent frame is, compiled from their one statement
 _step_inputs = nb.njit(cache=True)(step_inputs)
 _join_frame = nb.njit(cache=True)(serving.join_frame)
-_silent_cause = nb.njit(cache=True)(results.silent_cause)
+_silent_cause = _spliced(results.silent_cause)
 
 
-# A small rule called from several places in the loop is spliced into each caller by numba (inline="always": its
-# body joins the caller's before either is compiled): a call hands the callee every array of the records it takes,
-# and those records at each call site made LLVM's share of the loop's compile time grow by a third.
-_spliced = nb.njit(cache=True, inline="always", no_cpython_wrapper=True, no_cfunc_wrapper=True)
 # The loop's parts are called from compiled code only: numba's wrapper for a call from Python (which unboxes every
 # array of every record a part takes) is left out, as is its C callback.
 _bare = dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
@@ -153,7 +154,7 @@ _uncounted = nb.njit(cache=True, _nrt=False, forceinline=False, **_bare)
 _counted = nb.njit(cache=True, _nrt=True, forceinline=False, **_bare)
 
 
-@_njit
+@_spliced
 def _tick(f, P, ph):
     return f * P + ph
 
@@ -265,12 +266,12 @@ def _due_sessions(now, eps, w, n_ready, state):
     return n, n_due
 
 
-@_njit
+@_spliced
 def _live(st):
     return WAITING <= st <= RUNNING
 
 
-@_njit
+@_spliced
 def _placeless(st):
     """Waiting at the front end or re-prefilling: its frames are answered silent (FrontEnd._queues)."""
     return st == WAITING or st == PREFILL
