@@ -74,6 +74,10 @@ class SimEngine(FrontEnd):
         # extra time of a step that starts a frame after the engine idled (the calibration's "first step after
         # the idle gap"): in lockstep a frame's first step; with independent phases only when nothing ran before
         self.first_s = float(self.lat.frame_first_s)
+        # the frame clock a frame row's tick is read back with (fastpath.flush), one for the run
+        from metronome.sim import fastpath as fp
+
+        self.clock = fp.Clock(self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS)
         self.idle = True  # the engine waited (no step ran) since its last step
         self.jitter = bool(self.lat.jitter)
         self.seed = int(seed)
@@ -171,9 +175,8 @@ class SimEngine(FrontEnd):
         fr = self.frames
         fr.reserve(n)
         r0 = fr.rows
-        clock = fp.Clock(self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS)
         fr.commit(fp.flush(now, n, fp.Answers(key, who, tok, serving.key_order_work(n)),
-                           fp.Owners(self.state, self.s_admitted, self.s_late), clock,
+                           fp.Owners(self.state, self.s_admitted, self.s_late), self.clock,
                            fp.FrameRows(*self._frame_stores()), r0, -1))  # (-1: told below)
         lat, nn, silent = (fr.column(c)[r0:] for c in ("latency_s", "frames", "silent"))
         if self.controller is not None:
@@ -420,8 +423,8 @@ class SimEngine(FrontEnd):
                 ("f_lo", self.serving_frame), ("lockstep", self.lockstep), ("sees", self.sees_starvation),
                 ("na_end", na_end), ("ctl", fp.CTL_NONE if c is None else fp.CTL_COMPILED if c.compiled
                                      else fp.CTL_AFTER), ("tpf", self.tpf), ("P", self.P),
-                ("Pq", float(serving.phase_offset_s(1, self.P))), ("deadline", self.deadline), ("t_next", t_next),
-                ("first_s", self.first_s), ("eps", _EPS), ("jitter", kind), ("horizon", self.horizon), ("wz", wz),
+                ("Pq", self.clock.Pq), ("deadline", self.deadline), ("t_next", t_next), ("first_s", self.first_s),
+                ("eps", _EPS), ("jitter", kind), ("horizon", self.horizon), ("wz", wz),
                 ("wshared", wshared), ("wown", wown), ("route", self.lat.moe_route),
                 ("t_pause", math.inf if not self.pause_every_s
                  else (math.floor(now / self.pause_every_s) + 1) * self.pause_every_s)):
