@@ -65,6 +65,13 @@ def _each_frame(idx: np.ndarray, first: np.ndarray, n: np.ndarray) -> tuple[np.n
     return np.repeat(idx, n), np.repeat(first - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
 
 
+def tokens_within(tokens, most: int) -> bool:
+    """Whether a session may stream ``tokens`` (input or output, a number or an array) a frame of a stream of
+    ``most``: 1 to the stream's own, the most the rebase's room is checked for (``serving.check_rebase_room``)."""
+    t = np.asarray(tokens)
+    return bool(((t >= 1) & (t <= most)).all())
+
+
 @dataclass(frozen=True)
 class Roster:
     """The sessions a front end is given up front (in any order; more may be offered later, :meth:`FrontEnd.offer`):
@@ -175,7 +182,7 @@ class FrontEnd:
                                  (roster.output_tokens, self.n_out, self.n_out_of)):
             if given is not None:
                 given = np.asarray(given, dtype=np.int64)
-                if given.shape != (M,) or not ((given >= 1) & (given <= most)).all():
+                if given.shape != (M,) or not tokens_within(given, most):
                     raise ValueError(f"a session's tokens per frame are 1 to the stream's {most}, one per session")
                 own[:] = given[order]
         self.offered = M  # sessions known: those given, and those offered since (offer)

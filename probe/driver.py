@@ -248,8 +248,10 @@ class Driver(FrontEnd):
                         np.array([p.duration_s for p in self.plans], dtype=np.float64),
                         np.array([p.phase_slot for p in self.plans], dtype=np.int64),
                         np.array([p.prompt_tokens for p in self.plans]),
-                        np.array([p.input_tokens or cfg.stream.input_tokens_per_frame for p in self.plans]),
-                        np.array([p.output_tokens or cfg.stream.output_tokens_per_frame for p in self.plans]))
+                        np.array([cfg.stream.input_tokens_per_frame if p.input_tokens is None else p.input_tokens
+                                  for p in self.plans], dtype=np.int64),
+                        np.array([cfg.stream.output_tokens_per_frame if p.output_tokens is None else p.output_tokens
+                                  for p in self.plans], dtype=np.int64))
         FrontEnd.__init__(self, self.slots, self.policy, self.limits, cfg.stream, roster, cfg.horizon_s, cfg.deadline,
                           controller=self.admission,
                           options=FrontEndOptions(phases=cfg.phases, cap=cfg.cap, rebase_tokens=cfg.rebase_tokens))

@@ -21,7 +21,7 @@ from metronome import serving
 from metronome.calibration import Calibration
 from metronome.errors import MetronomeError
 from metronome.fill_model import FillModel
-from metronome.front_end import FrontEndOptions, Roster
+from metronome.front_end import FrontEndOptions, Roster, tokens_within
 from metronome.kv_policy import KVPolicy
 from metronome.outputs import atomic_dir, write_json
 from metronome.results import (COLLAPSE_SILENT_FRACTION, REFUSED_REASONS, collapse_decided,  # noqa: F401 (re-export)
@@ -63,7 +63,8 @@ class Scenario:
         fm = FillModel(self.calibration, self.policy, self.phases)
         st = self.calibration.stream
         for n_in, n_out in self.token_mix:
-            if not (1 <= n_in <= st.input_tokens_per_frame and 1 <= n_out <= st.output_tokens_per_frame):
+            if not (tokens_within(n_in, st.input_tokens_per_frame)
+                    and tokens_within(n_out, st.output_tokens_per_frame)):
                 raise MetronomeError(f"a stream of the mix has 1 to {st.input_tokens_per_frame} input and 1 to "
                                      f"{st.output_tokens_per_frame} output tokens a frame, got ({n_in}, {n_out})")
         one = self.policy.resident_blocks(st.prompt_tokens + st.kv_tokens_per_frame)

@@ -324,3 +324,22 @@ def test_sessions_that_stream_their_own_token_counts_are_served_alike():
         fast.append(simulate(sc, True).fast_steps)
     assert len(regimes) == 4, regimes
     assert sum(f > 0 for f in fast) >= len(fast) // 2, fast
+
+
+@pytest.mark.parametrize("mix", [((0, 1),), ((1, 0),), ((21, 1),), ((1, 9),)])
+def test_a_mix_beyond_the_stream_is_refused_before_the_run(mix):
+    """A stream of the mix streams 1 to the calibration stream's tokens a frame (here 20 in, 8 out): one line,
+    before any work; the front end refuses the same rosters."""
+    from metronome.front_end import FrontEnd, Roster
+
+    cal = calibration(period=0.08, n_in=20, n_out=8, prompt=0, blocks=64, maxlen=4096, budget=512, seqs=64,
+                      watermark=0, slow=1.0)
+    sc = sc_mod.make_scenario(calibration=cal, kv="unbounded", sessions=2, horizon=1.0)
+    assert replace(sc, token_mix=((20, 8), (1, 1))).token_mix  # the stream's own bounds are within it
+    with pytest.raises(MetronomeError, match="a stream of the mix has 1 to 20 input and 1 to 8 output"):
+        replace(sc, token_mix=mix)
+    (n_in, n_out), = mix
+    limits = serving.EngineLimits(num_blocks=64, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096)
+    with pytest.raises(ValueError, match="tokens per frame are 1 to the stream's"):
+        FrontEnd(serving.EngineModel(sc.policy, limits), sc.policy, limits, cal.stream,
+                 Roster(np.zeros(1), np.ones(1), input_tokens=[n_in], output_tokens=[n_out]), 1.0, 0.08)
