@@ -36,24 +36,24 @@ A frame's life:
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import deque, namedtuple
+from collections import namedtuple
 from dataclasses import dataclass
 
 import numpy as np
 
+from metronome import front_rules as rules
 from metronome import serving
+from metronome.front_rules import (ENDED, NOT_ARRIVED, PREFILL, QUEUED, REFUSED, RUNNING,  # noqa: F401 (the
+                                   WAITING, Queues, Tally)  # session states: declared there, with the rules)
 from metronome.kv_policy import KVPolicy
 from metronome.serving import EndReason, EngineLimits
 
-# front-end states of a session
-NOT_ARRIVED, WAITING, PREFILL, RUNNING, ENDED, REFUSED, QUEUED = 0, 1, 2, 3, 4, 5, 6
 _EPS = 1e-12
 
 
 # The per-session arrays a compiled loop runs the front end on (metronome.sim.fastpath), by the names of
-# FrontEnd's attributes: one record, so a loop reads a field by its name (FrontEnd.sessions).
+# FrontEnd's attributes: one record, so a loop reads a field by its name (FrontEnd.session_arrays).
 Sessions = namedtuple("Sessions", "state phase pslot slot next_frame backlog inflight inflight_tok hist last_tok "
                                   "pending_in work_step running_since started admitted admit_seq s_tokens s_frames "
                                   "s_silent s_late s_preempt s_ended s_admitted arrival duration prompt_of n_in_of "
@@ -187,27 +187,30 @@ class FrontEnd:
                 own[:] = given[order]
         self.offered = M  # sessions known: those given, and those offered since (offer)
 
-        self.waiting: deque[int] = deque()  # the front end's FCFS queue (admitted by the gate, not in the engine)
+        # its queues (the FCFS queue, the departures booked, the frames owed in lockstep) as arrays, their heads and
+        # lengths in one record: what the rules over them (metronome.front_rules) take, here and in the simulator's
+        # compiled loop
+        self.books = np.zeros(1, rules.BOOKS).view(np.recarray)
+        self._b = self.books[0]  # (a view, read by name: the rules write through it)
+        self.queues = Queues(np.zeros(16, np.int64), np.zeros(16), np.zeros(16, np.int64), np.zeros((16, 3), np.int64))
         self.by_rid: dict[int, int] = {}
         self.next_rid = 0
         self.next_arrival = 0
-        self.departures: list[tuple[float, int]] = []
         self.seq = 0
         self.now = 0.0
         self.preempted_last = False  # the last step preempted: admit nobody in the next turn
         self.stalled = False  # the last step scheduled nothing and freed nothing: wait for an event
         self.serving_frame = 0  # the latest frame handed to the engine: the frame a step is taken on (jitter)
-        # rows (session, frame, tokens got) answered with the lockstep, kept as arrays: past the cliff hundreds of
-        # thousands are owed at once, and a list of tuples turned into an array every step was most of a run
-        self._pend_chunks: list[np.ndarray] = []
-        self._answers: list[tuple] = []  # (tick keys, sessions, tokens got) answered at the current moment
+        # the frames answered at the current moment (tick key, session, tokens got): the first n_answers
+        self.answers = tuple(np.zeros(64, np.int64) for _ in range(3))
+        self.n_answers = 0
         self.t_sat: float | None = None
         self.peak_used = 0
 
     # ----------------------------------------------------------------------------------- the caller's records
     def _flush_answers(self, now: float) -> tuple[int, int]:
-        """Record the frames answered at ``now`` (``self._answers``, then empty) and feed the controller; returns
-        (frames, silent)."""
+        """Record the frames answered at ``now`` (the first :attr:`n_answers` of :attr:`answers`, then none) and feed
+        the controller; returns (frames, silent)."""
         raise NotImplementedError
 
     def _record_step(self, start: float, lat: float, rec, used: int, tokens_out: int, preemptions: int) -> None:
@@ -257,7 +260,7 @@ class FrontEnd:
                  n_in_of=np.full(M, self.n_in, dtype=np.int64), n_out_of=np.full(M, self.n_out, dtype=np.int64))
         return d
 
-    def sessions(self) -> Sessions:
+    def session_arrays(self) -> Sessions:
         """The per-session arrays as one record (the arrays themselves, not copies)."""
         return Sessions(*(getattr(self, name) for name in Sessions._fields))
 
@@ -320,6 +323,63 @@ class FrontEnd:
         self.pslot = np.concatenate([self.pslot, np.zeros(extra, dtype=np.int64)])
         self.phase = np.concatenate([self.phase, np.zeros(extra)])
 
+    # --------------------------------------------------------------------------------------------- its queues
+    @property
+    def waiting(self) -> np.ndarray:
+        """The front end's FCFS queue, head first (a view)."""
+        b = self._b
+        return self.queues.queue[b.qhead:b.qhead + b.nwait]
+
+    @property
+    def silent_pending(self) -> np.ndarray:
+        """The frames owed in lockstep, one row (session, frame, tokens got) each, in the order owed (a view)."""
+        b = self._b
+        return self.queues.pend[b.phead:b.npend]
+
+    def room(self, ahead: int = 0, behind: int = 0, departures: int = 0, owed: int = 0) -> None:
+        """Room in the queues, before a caller adds to them: ``ahead`` sessions before the FCFS queue's head (a
+        preemption puts one there), ``behind`` after its tail, ``departures`` more booked and ``owed`` more frames
+        owed in lockstep. Each grows to twice what it needs when short (the caller then writes at no cost), and the
+        departures taken and frames answered are dropped from the front."""
+        b, q = self._b, self.queues
+        queue, dep_t, dep_i, pend = q
+        h, n = int(b.qhead), int(b.nwait)
+        if h < ahead or h + n + behind > queue.size:
+            size = max(queue.size, 2 * (ahead + n + behind) + 16)
+            head = ahead + (size - ahead - n - behind) // 2  # (room on both sides for what comes next)
+            queue = np.zeros(size, np.int64)
+            queue[head:head + n] = q.queue[h:h + n]
+            b.qhead = head
+        if b.ndeps + departures > dep_t.size:
+            d, nd = int(b.dep), int(b.ndeps)
+            size = max(dep_t.size, 2 * (nd - d + departures) + 16)
+            dep_t, dep_i = np.zeros(size), np.zeros(size, np.int64)
+            dep_t[:nd - d], dep_i[:nd - d] = q.dep_t[d:nd], q.dep_i[d:nd]
+            b.dep, b.ndeps = 0, nd - d
+        if b.npend + owed > pend.shape[0]:
+            p0, n_pend = int(b.phead), int(b.npend)
+            size = max(pend.shape[0], 2 * (n_pend - p0 + owed) + 16)
+            pend = np.zeros((size, 3), np.int64)
+            pend[:n_pend - p0] = q.pend[p0:n_pend]
+            b.phead, b.psorted, b.npend = 0, b.psorted - p0, n_pend - p0
+        self.queues = Queues(queue, dep_t, dep_i, pend)
+
+    def _answer_room(self, n: int) -> Tally:
+        """Room for ``n`` more answers at the current moment; returns where they go (:class:`Tally`)."""
+        key, who, tok = self.answers
+        if self.n_answers + n > key.size:
+            size = 2 * (self.n_answers + n) + 64
+            self.answers = tuple(np.concatenate([x[:self.n_answers], np.zeros(size - self.n_answers, np.int64)])
+                                 for x in self.answers)
+            key, who, tok = self.answers
+        return Tally(self.pslot, self.s_frames, self.s_silent, key, who, tok)
+
+    def _book_departure(self, t: float, i: int) -> None:
+        """Session ``i`` departs at ``t`` (rules.book_departure)."""
+        self.room(departures=1)
+        q = self.queues
+        rules.book_departure(float(t), int(i), self._b, q.dep_t, q.dep_i)
+
     def _in_flight(self) -> int:
         """Sessions the front end has let in (waiting for blocks, prefilling or running)."""
         return int(((self.state >= WAITING) & (self.state <= RUNNING)).sum())
@@ -328,8 +388,9 @@ class FrontEnd:
         t = self.horizon
         if self.next_arrival < len(self.arrival) and arrivals:
             t = min(t, self.arrival[self.next_arrival])
-        if self.departures and departures:
-            t = min(t, self.departures[0][0])
+        b = self._b
+        if b.dep < b.ndeps and departures:
+            t = min(t, float(self.queues.dep_t[b.dep]))
         if self.gate.queue:
             t = min(t, self.now + self.gate.poll_s)
         return t
@@ -406,11 +467,12 @@ class FrontEnd:
                 self._refuse(i, now, EndReason.QUEUE_TIMEOUT)
             for i in admitted:
                 self._enter(i, now)
-        while self.departures and self.departures[0][0] <= now:
-            i = self.departures[0][1]
+        b = self._b
+        while b.dep < b.ndeps and self.queues.dep_t[b.dep] <= now:
+            i = int(self.queues.dep_i[b.dep])
             if WAITING <= self.state[i] <= RUNNING:  # (taken off only once ended: a dying engine may interrupt)
                 self._end(i, now, EndReason.DEPARTED)
-            heapq.heappop(self.departures)
+            b.dep += 1
         self._admit(now)
         self._ticks(now)
         self._answer_silent(now)
@@ -425,8 +487,9 @@ class FrontEnd:
         end's queue, streams from the first tick at or after ``t_enter`` and leaves ``duration`` after it."""
         self.state[i] = WAITING
         self.next_frame[i] = serving.join_frame(t_enter, float(self.P_of[i]), float(self.phase[i]))
-        self.waiting.append(i)
-        heapq.heappush(self.departures, (t_enter + self.duration[i], i))
+        self.room(behind=1)
+        rules.enqueue(i, self._b, self.queues.queue)
+        self._book_departure(t_enter + self.duration[i], i)
 
     def _request_tokens(self, i: int) -> int:
         """Tokens the session's request will carry when (re)admitted: its first frame, or its history (what a
@@ -442,7 +505,9 @@ class FrontEnd:
     def _admit(self, now: float) -> None:
         if self.preempted_last:
             return
-        for i in serving.admit_fcfs(self.waiting, self._admission_need, self.model.free_blocks()):
+        n = serving.admit_fcfs(self.waiting, self._admission_need, self.model.free_blocks())
+        for _ in range(n):
+            i = int(rules.dequeue(self._b, self.queues.queue))
             self.admit_seq[i] = self.seq
             self.seq += 1
             if np.isnan(self.s_admitted[i]):
@@ -615,81 +680,57 @@ class FrontEnd:
         self._drop_rid(i)
         self.model.session_ended(i)
         self.stalled = False
-        if self.state[i] == WAITING and i in self.waiting:
-            self.waiting.remove(i)
-        # frames still owed: answered (silent or short) once their deadline has passed, else censored
-        pend = self.silent_pending
-        mine = pend[:, 0] == i
-        owed = [(f, tok) for f, tok in pend[mine, 1:].tolist()]
-        if mine.any():
-            left = pend[~mine]
-            self._pend_chunks = [left] if left.size else []
-        if self.inflight[i] >= 0:
-            owed.append((int(self.inflight[i]), int(self.inflight_tok[i])))
-        # an overloaded session ends with hundreds of frames queued: answered in one call, not one by one
-        first_q = int(self.next_frame[i] - self.backlog[i])
-        f = np.concatenate([np.array([x[0] for x in owed], dtype=np.int64),
-                            np.arange(first_q, int(self.next_frame[i]), dtype=np.int64)])
-        tok = np.concatenate([np.array([x[1] for x in owed], dtype=np.int64), np.zeros(f.size - len(owed), np.int64)])
-        due = serving.frame_tick(f, self.P_of[i], self.phase[i]) + self.deadline_of[i] <= now + _EPS
-        if reason in serving.RUN_OVER:  # the run's last frames are left out, as finalize leaves them
-            due[:] = False
-        if due.any():
-            self._answer_many(np.full(int(due.sum()), i), f[due], tok[due])
-        if not due.all():
-            self._censored(i, f[~due], tok[~due])
-        self.inflight[i], self.backlog[i] = -1, 0
-        self.state[i] = ENDED
+        if self.state[i] == WAITING:  # (not there if it ended while being admitted)
+            rules.leave_queue(i, self._b, self.queues.queue)
+        # frames still owed: answered (silent or short) once their deadline has passed, else never (censored); an
+        # overloaded session ends with hundreds of frames queued, answered in one call
+        most = int(self._b.npend - self._b.phead + self.backlog[i] + 1)
+        a = self._answer_room(most)
+        censored = np.empty(most, np.int64), np.empty(most, np.int64)
+        clock = (float(self.P_of[i]), float(self.phase[i]), float(self.deadline_of[i]), _EPS,
+                 reason in serving.RUN_OVER)  # (the run's last frames are left out, as finalize leaves them)
+        self.n_answers, n_cens = rules.end_owed(
+            i, now, clock, (self.state, self.inflight, self.inflight_tok, self.next_frame, self.backlog), self._b,
+            self.queues.pend, a, self.n_answers, censored)
+        if n_cens:
+            self._censored(i, censored[0][:n_cens], censored[1][:n_cens])
         self.s_ended[i], self.s_end_reason[i] = now, reason
 
     # ------------------------------------------------------------------------------------------------ answers
     def _answer_many(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
         """Count sessions ``idx``'s frames ``f`` as answered now with ``tokens`` tokens each (0: silent); they are
         recorded, one row per tick, when the moment's answers are flushed."""
-        np.add.at(self.s_frames, idx, 1)  # (a departing session is answered several frames at once)
-        np.add.at(self.s_silent, idx[serving.frame_is_silent(tokens)], 1)
-        self._answers.append((serving.tick_key(np.asarray(f, np.int64), self.pslot[idx]), idx, tokens))
+        a = self._answer_room(len(idx))
+        self.n_answers = rules.answer_each(np.asarray(idx, np.int64), np.asarray(f, np.int64),
+                                           np.asarray(tokens, np.int64), a, self.n_answers)
 
     def buffered_answers(self) -> int:
         """Frames answered at the current moment and not yet recorded."""
-        return sum(a[0].size for a in self._answers)
+        return self.n_answers
 
     def _owe(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
         """Frames of sessions without a place (waiting, re-prefilling, just preempted), answered short or empty.
         In lockstep they are answered with their tick's running frames (:meth:`_answer_silent`); a front end
-        serving clients on their own clocks answers them at once."""
+        serving clients on their own clocks answers them at once (rules.owe)."""
+        if not len(idx):
+            return
         if self.lockstep:
-            if idx.size:
-                self._pend_chunks.append(np.stack([idx, f, tokens], axis=1).astype(np.int64, copy=False))
-        elif idx.size:
-            self._answer_many(idx, f, tokens)
-
-    @property
-    def silent_pending(self) -> np.ndarray:
-        """The frames owed in lockstep, one row (session, frame, tokens got) each, oldest first."""
-        ch = self._pend_chunks
-        if not ch:
-            return np.zeros((0, 3), dtype=np.int64)
-        if len(ch) > 1:
-            self._pend_chunks = ch = [np.concatenate(ch)]
-        return ch[0]
+            self.room(owed=len(idx))
+        a = self._answer_room(0 if self.lockstep else len(idx))
+        self.n_answers = rules.owe_each(np.asarray(idx, np.int64), np.asarray(f, np.int64),
+                                        np.asarray(tokens, np.int64), self.lockstep, self._b, self.queues.pend, a,
+                                        self.n_answers)
 
     def _answer_silent(self, now: float) -> None:
-        """Lockstep: silent frames are answered once every running session's frame of their tick is done."""
-        if not self._pend_chunks:
+        """Lockstep: silent frames are answered once every running session's frame of their tick is done
+        (rules.answer_silent)."""
+        b = self._b
+        if b.npend == b.phead:
             return
-        # lockstep only (every phase 0): a tick is its frame index
-        run = np.flatnonzero(self.state == RUNNING)
-        never = np.iinfo(np.int64).max
-        owed = np.where(self.inflight[run] >= 0, self.inflight[run],
-                        np.where(self.backlog[run] > 0, self.next_frame[run] - self.backlog[run], never))
-        unfinished = int(owed.min()) if owed.size else np.iinfo(np.int64).max
-        pend = self.silent_pending
-        now_ = pend[:, 1] < unfinished
-        if now_.any():
-            self._answer_many(pend[now_, 0], pend[now_, 1], pend[now_, 2])
-            left = pend[~now_]
-            self._pend_chunks = [left] if left.size else []
+        a = self._answer_room(int(b.npend - b.phead))
+        self.n_answers = rules.answer_silent(b, self.queues.pend, np.flatnonzero(self.state == RUNNING),
+                                             (self.state, self.inflight, self.backlog, self.next_frame), a,
+                                             self.n_answers)
 
     # ------------------------------------------------------------------------------------------- after a step
     def _after_step(self, start: float, lat: float, rec) -> None:
@@ -774,7 +815,7 @@ class FrontEnd:
         first, to come back as a rebase. Returns how many."""
         self.model.lost()
         live = (self.state >= WAITING) & (self.state <= RUNNING)
-        live[list(self.waiting)] = False
+        live[self.waiting] = False
         lost = np.flatnonzero(live)
         for i in lost[np.argsort(self.admit_seq[lost], kind="stable")][::-1].tolist():
             self._preempt(i, "engine_died", now, lost=True)
@@ -785,27 +826,17 @@ class FrontEnd:
         """Recompute preemption at the session level: the request goes, the session waits at the queue's head
         (``reason``: ``engine``, ``pool_dry``, ``stall``; ``t``: when). ``lost``: the engine died with its KV."""
         self._drop_rid(i)
-        if self.inflight[i] >= 0:  # its frame is answered with its tick's lockstep, with what it got
-            tok = int(self.inflight_tok[i])
-            self.hist[i] += tok
-            self._owe(np.array([i]), self.inflight[i:i + 1].copy(), np.array([tok]))
-            self.inflight[i] = -1
-        elif self.last_tok[i]:
-            self.hist[i] += 1
-        self.last_tok[i] = False
         first_q = int(self.next_frame[i] - self.backlog[i])
-        owed = np.arange(first_q, int(self.next_frame[i]), dtype=np.int64)  # due frames never submitted: silent
-        self.pending_in[i] += self.n_in_of[i] * owed.size
-        if owed.size:
-            self._silenced(np.full(owed.size, i), owed, WAITING)
-        self._owe(np.full(owed.size, i), owed, np.zeros(owed.size, dtype=np.int64))
-        self.backlog[i] = 0
-        self.state[i] = WAITING
+        if self.backlog[i]:  # due frames never submitted: silent
+            self._silenced(np.full(int(self.backlog[i]), i), np.arange(first_q, int(self.next_frame[i])), WAITING)
+        owed = int(self.backlog[i]) + 1
+        self.room(ahead=1, owed=owed if self.lockstep else 0)
+        a = self._answer_room(0 if self.lockstep else owed)
+        self.n_answers = rules.lose_place(i, self.lockstep, self.session_arrays(), self._b, self.queues, a, self.n_answers)
         if lost:
             self.rebase_next[i] = True
         else:
             self.s_preempt[i] += 1
-        self.waiting.appendleft(i)
         self.stalled = False
         self._event("lost" if lost else "preempt", i, t, reason=reason, history_tokens=int(self.hist[i]))
 

@@ -258,18 +258,18 @@ def blocks_to_resume(policy: KVPolicy, tokens: int, computed: int, held: int, ca
                            window))
 
 
-def admit_fcfs(waiting, need, free: int) -> list:
-    """FCFS admission from a waiting queue (a deque, oldest first): pop the head while ``need(head)`` blocks
-    fit in ``free`` (less what the heads admitted before it take), and stop at the first that does not — a
-    later, smaller request never jumps the queue (vLLM's waiting pass does the same). Returns the admitted."""
-    admitted = []
-    while waiting:
-        n = need(waiting[0])
-        if n > free:
+def admit_fcfs(waiting, need, free: int) -> int:
+    """FCFS admission from a waiting queue (oldest first): how many of its heads get in, each while ``need(head)``
+    blocks fit in ``free`` (less what the heads admitted before it take), stopping at the first that does not — a
+    later, smaller request never jumps the queue (vLLM's waiting pass does the same)."""
+    n = 0
+    for i in waiting:
+        k = need(i)
+        if k > free:
             break
-        free -= n
-        admitted.append(waiting.popleft())
-    return admitted
+        free -= k
+        n += 1
+    return n
 
 
 def frame_is_silent(tokens_delivered: int) -> bool:

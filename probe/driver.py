@@ -22,7 +22,6 @@ run's figures are :mod:`metronome.probe.summary`'s, the Prometheus export :mod:`
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -311,7 +310,7 @@ class Driver(FrontEnd):
         """Sessions planned to leave after their ``SessionPlan.frames`` answered frames leave at this turn."""
         n = self._leave_after.size
         for i in np.flatnonzero((self._leave_after > 0) & (self.s_frames[:n] >= self._leave_after)).tolist():
-            heapq.heappush(self.departures, (now, i))
+            self._book_departure(now, i)
             self._leave_after[i] = 0
 
     def _nap(self, t0: float, until: float) -> None:
@@ -367,7 +366,9 @@ class Driver(FrontEnd):
     # -- records: what the front end tells, as rows ---------------------------------------------------------
     def _flush_answers(self, now: float) -> tuple[int, int]:
         """One row per frame answered (``self._answers``), each fed to the controller."""
-        answers, self._answers = self._answers, []
+        k = self.n_answers
+        answers = [tuple(x[:k].copy() for x in self.answers)] if k else []
+        self.n_answers = 0
         n = silent = 0
         in_flight = self._in_flight()
         for keys, idx, toks in answers:

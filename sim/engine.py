@@ -23,12 +23,11 @@ bit.
 from __future__ import annotations
 
 import math
-from collections import deque
-
 import numpy as np
 import simpy
 
 from metronome import control_kernel as ck
+from metronome import front_rules as rules
 from metronome import serving
 from metronome.calibration import Calibration
 from metronome.front_end import (_EPS, ENDED, NOT_ARRIVED, PREFILL, QUEUED, REFUSED, RUNNING,  # noqa: F401
@@ -167,11 +166,11 @@ class SimEngine(FrontEnd):
         The rows are the compiled loop's own (:func:`metronome.sim.fastpath.flush`): one statement of a row."""
         from metronome.sim import fastpath as fp
 
-        if not self._answers:
+        n = self.n_answers
+        if not n:
             return 0, 0
-        key, who, tok = (np.concatenate([np.asarray(a[c], np.int64) for a in self._answers]) for c in range(3))
-        self._answers = []
-        n = key.size
+        key, who, tok = (x[:n] for x in self.answers)
+        self.n_answers = 0
         fr = self.frames
         fr.reserve(n)
         r0 = fr.rows
@@ -266,6 +265,7 @@ class SimEngine(FrontEnd):
         conf, draws = self._compiled_config(now, sess, t_next, n_max, na_end)
         ans_cap = int(conf[0]["ans_cap"])
         state, fe = self._front_arrays(now, sess.size - live.size, sess.size)
+        dep0 = int(state[0]["dep"])
         ctl = self._controller_arrays(ans_cap)
         ahead = self.horizon / now if now > 0 else 1.0  # twice the rows of the run so far, to its horizon
         self.steps.reserve(n_max, int(2 * ahead * self.steps.rows))
@@ -274,11 +274,11 @@ class SimEngine(FrontEnd):
         rec = fp.Rows(st.store("t_s"), st.store("step_s"), st.block, *self._frame_stores())
         state["step0"], state["nrows"] = st.rows, fr.rows
         na0 = self.next_arrival
-        fp.run_span(conf, state, np.array(self.lat.coefficients, dtype=np.float64), sess, self.sessions(), fe,
+        fp.run_span(conf, state, np.array(self.lat.coefficients, dtype=np.float64), sess, self.session_arrays(), fe,
                     m.arrays(), draws, rec, ctl)
         s = state[0]
         n, n_new, turned, end = int(s["nsteps"]), int(s["nnew"]), int(s["turned"]), float(s["now"])
-        self._front_books(s, fe, na0, n_new)
+        self._front_books(s, fe, na0, dep0, n_new)
         self.preempted_last = bool(s["prelast"])
         if not math.isnan(s["t_sat"]):
             self.t_sat = float(s["t_sat"])
@@ -286,8 +286,6 @@ class SimEngine(FrontEnd):
         self.idle = bool(s["idle"])
         if n == 0 and end == now and turned not in (fp.PAST_HORIZON, fp.PAUSED, fp.STEP_TAKEN):
             return None
-        head, n_pend = int(s["phead"]), int(s["npend"])
-        self._pend_chunks = [fe.pend[head:n_pend].copy()] if n_pend > head else []
         self.serving_frame, self.peak_used = int(s["sframe"]), int(s["peak"])
         self.n_steps += n
         self.fast_steps += n
@@ -307,42 +305,36 @@ class SimEngine(FrontEnd):
         return end, turned in (fp.TURN_TAKEN, fp.PAUSED), turned == fp.PAUSED, taken
 
     def _front_arrays(self, now: float, n_coming: int, n_sess: int):
-        """The compiled loop's counters (:data:`metronome.sim.fastpath.STATE`) and the front end's queues as it keeps
-        them (:class:`metronome.sim.fastpath.Front`): room for ``n_coming`` arrivals, before the queue's head for the
-        ``n_sess`` sessions it may see (a preempted session goes back to the head, and no more can than run), for
-        the requests it adds and aborts, and for the silent frames owed in lockstep (an engine behind the frame clock
-        owes more every tick, so the room grows with them: each call copies them in and out once, twice the room,
-        half the calls)."""
+        """The compiled loop's counters (:data:`metronome.sim.fastpath.STATE`: the front end's books and the loop's
+        own) and the arrays it runs the front end on (:class:`metronome.sim.fastpath.Front`: the front end's own
+        queues, with room for ``n_coming`` arrivals and, before the queue's head, for the ``n_sess`` sessions it may
+        see (a preempted session goes back to the head, and no more can than run), for the silent frames owed in
+        lockstep (an engine behind the frame clock owes more every tick), and for the requests it adds and
+        aborts)."""
         from metronome.sim import fastpath as fp
 
-        deps = sorted(self.departures)  # the heap's order
-        nd = len(deps)
-        dep_t, dep_i = np.zeros(nd + n_coming), np.zeros(nd + n_coming, dtype=np.int64)
-        if nd:
-            dep_t[:nd], dep_i[:nd] = zip(*deps)
-        head = n_sess + 1
-        queue = np.zeros(head + len(self.waiting) + n_coming, dtype=np.int64)
-        queue[head:head + len(self.waiting)] = list(self.waiting)
-        owed = self.silent_pending
-        pend = np.zeros((2 * len(owed) + 8 * n_sess + 64, 3), dtype=np.int64)
-        pend[:len(owed)] = owed
+        self.room(ahead=n_sess + 1, behind=n_coming, departures=n_coming, owed=8 * n_sess + 64)
+        q = self.queues
         new_i, new_s, new_k = (np.zeros(4 * n_sess + 64, dtype=np.int64) for _ in range(3))
-        fe = fp.Front(queue, dep_t, dep_i, pend, self.sess_of_slot, self.fresh_slot, new_i, new_s, new_k)
+        fe = fp.Front(q.queue, q.dep_t, q.dep_i, q.pend, self.sess_of_slot, self.fresh_slot, new_i, new_s, new_k)
         state = np.zeros(1, fp.STATE)
+        for name, _ in rules.BOOK_FIELDS:
+            state[name] = self.books[name]
         for name, value in (("now", now), ("t_sat", math.nan if self.t_sat is None else self.t_sat),
-                            ("nrun", int((self.state == RUNNING).sum())), ("ndeps", nd),
-                            ("nwait", len(self.waiting)), ("qhead", head), ("narr", self.next_arrival),
-                            ("seq", self.seq), ("npend", len(owed)), ("sframe", self.serving_frame),
-                            ("peak", self.peak_used), ("idle", self.idle), ("prelast", self.preempted_last)):
+                            ("nrun", int((self.state == RUNNING).sum())), ("narr", self.next_arrival),
+                            ("seq", self.seq), ("sframe", self.serving_frame), ("peak", self.peak_used),
+                            ("idle", self.idle), ("prelast", self.preempted_last)):
             state[name] = value
         return state, fe
 
-    def _front_books(self, s, fe, na0: int, n_new: int) -> None:
-        """The front end's books after the compiled loop (``s``: its counters): its requests named and forgotten, in
-        order (before departures: one may have left), the arrivals it refused, its queue, the departures it took and
-        those still booked."""
+    def _front_books(self, s, fe, na0: int, dep0: int, n_new: int) -> None:
+        """The front end's books after the compiled loop (``s``: its counters): its queues' heads and lengths, its
+        requests named and forgotten, in order (before departures: one may have left), the arrivals it refused and
+        the departures it took (from ``dep0`` on)."""
         from metronome.sim import fastpath as fp
 
+        for name, _ in rules.BOOK_FIELDS:
+            self.books[name] = s[name]
         for i, sl, k in zip(fe.new_i[:n_new].tolist(), fe.new_s[:n_new].tolist(), fe.new_k[:n_new].tolist()):
             if k == fp.NEW_DROPPED:
                 self._forget_request(i)
@@ -360,11 +352,7 @@ class SimEngine(FrontEnd):
         self.loop_refused += refused.size
         self.loop_admissions += int(s["seq"]) - self.seq
         self.next_arrival, self.seq = int(s["narr"]), int(s["seq"])
-        h = int(s["qhead"])
-        self.waiting = deque(fe.queue[h:h + int(s["nwait"])].tolist())
-        k, nd = int(s["dep"]), int(s["ndeps"])
-        self._departed_in_loop(fe.dep_i[:k].tolist())
-        self.departures = list(zip(fe.dep_t[k:nd].tolist(), fe.dep_i[k:nd].tolist()))  # (in order: a heap)
+        self._departed_in_loop(fe.dep_i[dep0:int(s["dep"])].tolist())
 
     def _controller_arrays(self, ans_cap: int) -> ck.ControllerArrays:
         """The controller's arrays the compiled loop runs it on (a compiled controller's own, with room until the
@@ -390,7 +378,7 @@ class SimEngine(FrontEnd):
         """Whether the compiled loop may start after the turn at ``now``: (the live sessions, where it must stop
         at the latest, the arrivals it may take are those before this one), or None."""
         m = self.model
-        if (self.gate.queue or self._answers or self.stalled or not isinstance(m, EngineModel)
+        if (self.gate.queue or self.n_answers or self.stalled or not isinstance(m, EngineModel)
                 or (self.sees_starvation and m.cnt[serving.E_WQ])):  # (vLLM's own loop re-prefills what it preempts)
             return None
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))

@@ -38,12 +38,17 @@ from collections import namedtuple
 import numba as nb
 import numpy as np
 
-from metronome import (admission, compiled, control_kernel, front_end, jitter_kernel, kv_policy, percentile_kernel,
-                       results, serving)
+from metronome import (admission, compiled, control_kernel, front_end, front_rules, jitter_kernel, kv_policy,
+                       percentile_kernel, results, serving)
 from metronome import control_kernel as ck
 from metronome.calibration import step_inputs
 from metronome.compiled import borrowed, hold
-from metronome.front_end import ENDED, PREFILL, REFUSED, RUNNING, WAITING  # (the session states, declared there)
+from metronome.front_rules import (ENDED, PREFILL, REFUSED, RUNNING, WAITING, Queues,  # (the states: declared there)
+                                   Tally, answer_silent, book_departure, dequeue, end_owed, enqueue, leave_queue,
+                                   lose_place, owe)
+from metronome.front_rules import live as _live
+from metronome.front_rules import placeless as _placeless
+from metronome.front_rules import tick as _tick
 from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, L_SINKB,
                                L_WINDOW, O_CTX, O_NEW, O_PRE, O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel,
@@ -82,9 +87,8 @@ CONF = np.dtype([("max_steps", np.int64), ("ans_cap", np.int64), ("f_lo", np.int
 # (turned, TURN_*), whether the engine waited since its last step (idle: a frame's step then pays first_s) and
 # whether the last step preempted (prelast: the next turn admits nobody).
 STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("t_sat", np.float64), ("nrun", np.int64),
-                  ("dep", np.int64), ("ndeps", np.int64), ("nwait", np.int64), ("qhead", np.int64),
-                  ("narr", np.int64), ("seq", np.int64), ("npf", np.int64), ("phead", np.int64),
-                  ("psorted", np.int64), ("npend", np.int64), ("nnew", np.int64), ("sframe", np.int64),
+                  *front_rules.BOOK_FIELDS, ("narr", np.int64), ("seq", np.int64), ("npf", np.int64),
+                  ("nnew", np.int64), ("sframe", np.int64),
                   ("peak", np.int64), ("step0", np.int64), ("nsteps", np.int64), ("nrows", np.int64),
                   ("turned", np.int64), ("idle", np.bool_), ("prelast", np.bool_)], align=True)
 # the front end's queues as the loop keeps them: its FCFS queue, the departures booked (in time order), the frames
@@ -102,10 +106,6 @@ Rows = namedtuple("Rows", "st_t st_lat st_i fr_f fr_tick fr_done fr_lat fr_i")
 # the step jitter: each step's ratio (independent), or each step's own score and the shared and frame-only parts of
 # the frames from CONF.f_lo on, with the table of the ratio's distribution (correlated)
 Draws = namedtuple("Draws", "jit jz ja jb jp jr")
-# where a frame answered goes (the moment's answers, Span.key/who/tok) and the counts it updates (Sessions'): the
-# small record the rules that answer a frame take (a whole Sessions record at each of their call sites was a third
-# of the loop's compile time)
-Tally = namedtuple("Tally", "pslot s_frames s_silent key who tok")
 # flush's arguments from the step-by-step path (the loop hands it its own records, which have these fields too)
 Answers = namedtuple("Answers", "key who tok work")
 Owners = namedtuple("Owners", "state s_admitted s_late")
@@ -152,11 +152,6 @@ _njit = nb.njit(cache=True, **_bare)
 _inlined = nb.njit(cache=True, _nrt=False, forceinline=True, **_bare)
 _uncounted = nb.njit(cache=True, _nrt=False, forceinline=False, **_bare)
 _counted = nb.njit(cache=True, _nrt=True, forceinline=False, **_bare)
-
-
-@_spliced
-def _tick(f, P, ph):
-    return f * P + ph
 
 
 @compiled.inlined
@@ -267,17 +262,6 @@ def _due_sessions(now, eps, w, n_ready, state):
 
 
 @_spliced
-def _live(st):
-    return WAITING <= st <= RUNNING
-
-
-@_spliced
-def _placeless(st):
-    """Waiting at the front end or re-prefilling: its frames are answered silent (FrontEnd._queues)."""
-    return st == WAITING or st == PREFILL
-
-
-@_spliced
 def _slot_tick(k, start, who, state, next_frame, phase, P):
     """Slot ``k``'s next tick: its live sessions' (all on one frame), or never when all of them departed."""
     for q in range(start[k], start[k + 1]):
@@ -345,7 +329,7 @@ def _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans):
             continue
         if _placeless(ss.state[i]):
             while _tick(ss.next_frame[i], P, ph) <= now + eps:
-                n_ans = _owe(i, ss.next_frame[i], np.int64(0), c.lockstep, s, fe.pend, a, n_ans)
+                n_ans = owe(i, ss.next_frame[i], np.int64(0), c.lockstep, s, fe.pend, a, n_ans)
                 ss.next_frame[i] += 1
                 ss.pending_in[i] += ss.n_in_of[i]
             continue
@@ -577,35 +561,16 @@ def _abort(i, ss, fe, eng):
 
 @_inlined
 def _preempt_session(i, c, s, ss, fe, a, eng, n_ans):
-    """FrontEnd._preempt: the session's request goes (the caller forgets its id); its frame in flight is owed
-    with what it got, its queued frames silent (their input joins its history); it waits at the head of the front
-    end's queue. An owed frame is answered now, or in lockstep with its tick's running frames. Returns the
-    answers."""
+    """Session ``i`` loses its place (front_rules.lose_place), its request aborted (the caller forgets its id).
+    Returns the answers."""
     sl = _abort(i, ss, fe, eng)
     fe.new_i[s.nnew], fe.new_s[s.nnew], fe.new_k[s.nnew] = i, sl, NEW_DROPPED
     s.nnew += 1
-    if ss.inflight[i] >= 0:
-        ss.hist[i] += ss.inflight_tok[i]
-    elif ss.last_tok[i]:
-        ss.hist[i] += 1
-    ss.last_tok[i] = False
-    f0 = ss.next_frame[i] - ss.backlog[i]
-    for q in range(-1, ss.backlog[i]):  # its frame in flight (if any, with its tokens), then the queued ones
-        if q < 0 and ss.inflight[i] < 0:
-            continue
-        f, tok = (ss.inflight[i], ss.inflight_tok[i]) if q < 0 else (f0 + q, np.int64(0))
-        n_ans = _owe(i, f, tok, c.lockstep, s, fe.pend, a, n_ans)
-    ss.pending_in[i] += ss.n_in_of[i] * ss.backlog[i]
-    ss.inflight[i] = -1
-    ss.backlog[i] = 0
     if ss.state[i] == PREFILL:
         s.npf -= 1
-    ss.state[i] = WAITING
-    ss.s_preempt[i] += 1
     s.nrun -= 1
-    s.qhead -= 1
-    fe.queue[s.qhead] = i
-    s.nwait += 1
+    n_ans = lose_place(i, c.lockstep, ss, s, Queues(fe.queue, fe.dep_t, fe.dep_i, fe.pend), a, n_ans)
+    ss.s_preempt[i] += 1
     return n_ans
 
 
@@ -629,18 +594,6 @@ def _departures_due(now, s, ss, fe, held):
     return k, freed, owed
 
 
-@_njit
-def _book_departure(t, i, s, fe):
-    """FrontEnd._enter's departure: ``(t, i)`` into the departures still to come, in the heap's order."""
-    dep_t, dep_i = fe.dep_t, fe.dep_i
-    j = s.ndeps
-    while j > s.dep and (dep_t[j - 1] > t or (dep_t[j - 1] == t and dep_i[j - 1] > i)):
-        dep_t[j], dep_i[j] = dep_t[j - 1], dep_i[j - 1]
-        j -= 1
-    dep_t[j], dep_i[j] = t, i
-    s.ndeps += 1
-
-
 @_inlined
 def _arrive(now, c, s, ss, fe, w, ctl):
     """FrontEnd._turn's arrivals (those up to ``now``): each passes the gate (the controller's may_admit,
@@ -660,9 +613,8 @@ def _arrive(now, c, s, ss, fe, w, ctl):
         ss.state[i] = WAITING
         nf = _join_frame(ss.arrival[i], c.P, ss.phase[i])
         ss.next_frame[i] = nf
-        fe.queue[s.qhead + s.nwait] = i
-        s.nwait += 1
-        _book_departure(ss.arrival[i] + ss.duration[i], i, s, fe)
+        enqueue(i, s, fe.queue)
+        book_departure(ss.arrival[i] + ss.duration[i], i, s, fe.dep_t, fe.dep_i)
         k = ss.pslot[i]
         w.tick[k] = min(w.tick[k], _tick(nf, c.P, ss.phase[i]))  # (its slot's others, if any, tick no later)
 
@@ -707,9 +659,7 @@ def _admit(now, n, c, s, ss, fe, eng):
     first frame's tick, which hands its prompt to the engine; one that lost its place comes back as a new request
     whose prompt is its whole history, and one token to sample (FrontEnd._readmit)."""
     for _ in range(n):
-        i = fe.queue[s.qhead]
-        s.qhead += 1
-        s.nwait -= 1
+        i = dequeue(s, fe.queue)
         ss.admit_seq[i] = s.seq
         s.seq += 1
         s.nrun += 1
@@ -731,82 +681,22 @@ def _admit(now, n, c, s, ss, fe, eng):
         ss.work_step[i] = eng.cnt[E_STEPS]
 
 
-@_njit
-def _leave_queue(i, s, fe):
-    """Session ``i`` leaves the front end's queue (it departed while waiting)."""
-    q = fe.queue
-    j = s.qhead
-    while q[j] != i:
-        j += 1
-    for k in range(j, s.qhead + s.nwait - 1):
-        q[k] = q[k + 1]
-    s.nwait -= 1
-
-
-@_spliced
-def _answer(i, f, tok, a, n_ans):
-    """FrontEnd._answer_many of one frame: session ``i``'s frame ``f`` answered now with ``tok`` tokens (its tick
-    key, session and tokens appended to the answers, its counts kept: ``a``, a :class:`Tally`). Returns the
-    answers."""
-    a.key[n_ans] = f * PHASE_SLOTS + a.pslot[i]  # serving.tick_key
-    a.who[n_ans] = i
-    a.tok[n_ans] = tok
-    a.s_frames[i] += 1
-    if tok == 0:  # serving.frame_is_silent
-        a.s_silent[i] += 1
-    return n_ans + 1
-
-
-@_spliced
-def _owe(i, f, tok, lockstep, s, pend, a, n_ans):
-    """FrontEnd._owe of one frame: session ``i``'s frame ``f``, owed with the ``tok`` tokens it got while it has no
-    place, is answered now or, in lockstep, waits for its tick's running frames (:func:`_answer_silent`). Returns
-    the answers."""
-    if lockstep:  # (a tick in lockstep is its frame index: every phase is 0)
-        pend[s.npend, 0], pend[s.npend, 1], pend[s.npend, 2] = i, f, tok
-        s.npend += 1
-        return n_ans
-    return _answer(i, f, tok, a, n_ans)
-
-
-@_spliced
-def _owed(i, f, tok, now, c, phase, a, n_ans):
-    """A departed session's frame ``f``, with the ``tok`` tokens it got: answered if its deadline has passed (else
-    censored), as FrontEnd._end does. Returns the answers."""
-    if _tick(f, c.P, phase[i]) + c.deadline <= now + c.eps:
-        n_ans = _answer(i, f, tok, a, n_ans)
-    return n_ans
-
-
 @_inlined
 def _depart(i, now, c, s, ss, fe, a, eng, n_ans):
-    """FrontEnd._end of a session that departs: its request aborted, or its place in the front end's queue given
-    up, then the frames it is owed (the lockstep's held ones, the one in the engine, the queued ones) answered once
-    their deadline has passed. Returns the answers."""
+    """A session departs: its request aborted, or its place in the front end's queue given up, then the frames it
+    is owed answered once their deadline has passed (front_rules.end_owed; the loop keeps no rows of those it never
+    answers). Returns the answers."""
     _abort(i, ss, fe, eng)
     if ss.state[i] == WAITING:
-        _leave_queue(i, s, fe)
+        leave_queue(i, s, fe.queue)
     else:
         s.nrun -= 1
         if ss.state[i] == PREFILL:
             s.npf -= 1
-    pend = fe.pend
-    m = s.phead
-    for q in range(m, s.npend):
-        if pend[q, 0] == i:
-            n_ans = _owed(i, pend[q, 1], pend[q, 2], now, c, ss.phase, a, n_ans)
-        else:
-            pend[m, 0], pend[m, 1], pend[m, 2] = pend[q, 0], pend[q, 1], pend[q, 2]
-            m += 1
-    s.npend = m
-    s.psorted = s.phead  # (the rows moved: their order is checked again when next needed)
-    if ss.inflight[i] >= 0:
-        n_ans = _owed(i, ss.inflight[i], ss.inflight_tok[i], now, c, ss.phase, a, n_ans)
-    for f in range(ss.next_frame[i] - ss.backlog[i], ss.next_frame[i]):
-        n_ans = _owed(i, f, np.int64(0), now, c, ss.phase, a, n_ans)
-    ss.inflight[i] = -1
-    ss.backlog[i] = 0
-    ss.state[i] = ENDED
+    none = fe.new_i[:0]
+    n_ans, _ = end_owed(i, now, (c.P, ss.phase[i], c.deadline, c.eps, False),
+                        (ss.state, ss.inflight, ss.inflight_tok, ss.next_frame, ss.backlog), s, fe.pend, a, n_ans,
+                        (none, none))
     ss.s_ended[i] = now
     return n_ans
 
@@ -868,7 +758,7 @@ def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
         w.tick[k] = _slot_tick(k, w.wheel_start, w.wheel_who, ss.state, ss.next_frame, ss.phase, P)
     n_sub, latest = _submit_due(n_visit, s, ss, fe, w, eng)
     if c.lockstep and s.npend:  # (none owed: nothing to answer, and no need to scan the running sessions)
-        n_ans = _answer_silent(s, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
+        n_ans = answer_silent(s, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
     _answered(now, n_ans, c, s, ss, w, rec, ctl)
     return True, n_sub, latest
 
@@ -885,55 +775,6 @@ def _answered(now, n_ans, c, s, ss, w, rec, ctl):
     if c.ctl == CTL_COMPILED:  # (the rows were all answered at `now` with `in_flight` in flight)
         ck.observe_moment(ctl, now, in_flight, rec.fr_lat[r0:s.nrows], rec.fr_i[R_FRAMES][r0:s.nrows],
                           rec.fr_i[R_SILENT][r0:s.nrows])
-
-
-@_njit
-def _answer_silent(s, pend, run_sess, ss, a, n_ans):
-    """FrontEnd._answer_silent (lockstep): frames owed to sessions without a place (``pend``'s rows
-    ``s.phead:s.npend``: session, frame, tokens got) are answered once every running session's frame of their
-    tick is done (``run_sess``: the sessions the span may see). Appends them to the answers, in the rows' order;
-    returns the answers. (It takes what it reads, not whole records: in lockstep it runs twice a step.)
-
-    Rows are owed tick after tick, so they are nearly always in frame order, and then the frames answered are the
-    rows from the head up to the first one not yet due: the head moves past them and nothing else is read. An
-    engine slower than the frame clock holds hundreds of frames owed a tick (every waiting session's), a backlog
-    that grows for as long as it stays behind; read whole at every step, it made the loop's time quadratic in the
-    run's length. Rows out of frame order (a preempted session's frames, owed late) are read whole and kept in
-    their order, as FrontEnd does."""
-    state, inflight, backlog, next_frame = ss
-    unfinished = np.iinfo(np.int64).max
-    for j in range(run_sess.size):
-        i = run_sess[j]
-        if state[i] != RUNNING:
-            continue
-        if inflight[i] >= 0:
-            unfinished = min(unfinished, inflight[i])
-        elif backlog[i] > 0:
-            unfinished = min(unfinished, next_frame[i] - backlog[i])
-    n_pend = s.npend
-    h = s.phead
-    k = max(s.psorted, h + 1)
-    while k < n_pend and pend[k - 1, 1] <= pend[k, 1]:  # (rows appended since: still in frame order?)
-        k += 1
-    if k >= n_pend:
-        while h < n_pend and pend[h, 1] < unfinished:
-            n_ans = _answer(pend[h, 0], pend[h, 1], pend[h, 2], a, n_ans)
-            h += 1
-        if h == n_pend:  # none owed: the rows start again at 0
-            s.phead = s.psorted = s.npend = 0
-        else:
-            s.phead, s.psorted = h, n_pend
-        return n_ans
-    m = h
-    for q in range(h, n_pend):
-        i, f = pend[q, 0], pend[q, 1]
-        if f < unfinished:
-            n_ans = _answer(i, f, pend[q, 2], a, n_ans)
-        else:
-            pend[m, 0], pend[m, 1], pend[m, 2] = i, f, pend[q, 2]
-            m += 1
-    s.psorted, s.npend = h, m  # (the rows moved)
-    return n_ans
 
 
 @_inlined
@@ -956,7 +797,7 @@ def _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts):
     (FrontEnd._after_step)."""
     n_done, n_ans, tokens_out, n_vic, batch, new_tokens, ctx, used = counts
     if s.npend:
-        n_ans = _answer_silent(s, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
+        n_ans = answer_silent(s, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
     _answered(now, n_ans, c, s, ss, w, rec, ctl)
     k = s.step0 + s.nsteps
     silent = 0
@@ -1117,5 +958,5 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
 # model's form, the jitter ratio, the admission controllers, the hold on borrowed arrays, what a silent frame is and
 # the session states (the front end's module: its constants are compiled in as they were)
 FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, admission, percentile_kernel, compiled,
-              results.silent_cause, front_end)
+              results.silent_cause, front_end, front_rules)
 STEP_FORM = compiled.guard(run_span, FORM_PARTS)  # before any loop is called, so none has loaded its cache yet

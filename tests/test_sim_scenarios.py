@@ -482,18 +482,19 @@ def test_frames_due_together_for_a_session_without_a_place_are_each_ticked(monke
 
     def owed(eng):
         # (the answers as one list of rows: how many calls brought them is not the rule)
-        return (eng.silent_pending.copy(),
-                [r for x in eng._answers for r in zip(*(np.asarray(a, np.int64).tolist() for a in x))])
+        return eng.silent_pending.copy(), list(zip(*(x[:eng.n_answers].tolist() for x in eng.answers)))
 
     def checked(eng, idx, n_due):
         before = {k: getattr(eng, k).copy() for k in names}
-        chunks, answers = list(eng._pend_chunks), list(eng._answers)
+        books, pend = eng.books.copy(), eng.queues.pend.copy()
+        answers, n_answers = tuple(x.copy() for x in eng.answers), eng.n_answers
         n_owed = sum(len(x) for x in owed(eng))
         real(eng, idx, n_due)
         got = ({k: getattr(eng, k).copy() for k in names}, owed(eng))
         for k in names:
             getattr(eng, k)[:] = before[k]
-        eng._pend_chunks, eng._answers = chunks, answers
+        eng.books[:], eng.queues = books, eng.queues._replace(pend=pend)
+        eng.answers, eng.n_answers = answers, n_answers
         for i, n in zip(idx.tolist(), n_due.tolist()):
             for _ in range(n):
                 eng._tick_one(np.array([i]))

@@ -1,0 +1,285 @@
+"""The front end's rules over its queues, compiled once: what :class:`metronome.front_end.FrontEnd` calls from
+Python (the live driver, the server, the simulator's step-by-step path) and the simulator's compiled loop
+(``sim/fastpath.py``) calls from machine code. One statement of each, on the same arrays.
+
+The queues are arrays the front end owns (:class:`Queues`), their heads and lengths a numpy record of one element
+(:data:`BOOKS`):
+
+- **its FCFS queue** ``queue[qhead:qhead + nwait]``: sessions let in by the gate and waiting for blocks. An arrival
+  joins the tail (:func:`enqueue`), a preempted session the head (:func:`requeue`), so the array keeps room on
+  both sides (the caller's, before it calls);
+- **the departures booked** ``(dep_t, dep_i)[dep:ndeps]``, in time order, ties by session: the order of a heap of
+  ``(t, i)`` pairs, which is what the front end once kept;
+- **the frames owed in lockstep** ``pend[phead:npend]``, one row (session, frame, tokens got) each, in the order
+  they were owed; rows ``phead:psorted`` are known to be in frame order (:func:`answer_silent`).
+
+A frame answered goes to the caller's answers (:class:`Tally`: tick key, session and tokens got, and the
+session's counts), which the caller records one row per tick. What only a live front end records (the frames it
+never answers, for its rows) comes back in buffers the caller reads.
+
+Why records and named tuples: numba compiles a record's field to a load or store at its offset, and a record is
+handed to a callee as one pointer; a named tuple of arrays unpacks at no cost. Compiled with
+``metronome.compiled``'s flags, so each is the same code whichever caller compiles it first (the loop's turn runs
+without reference counting: nothing here allocates).
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numba as nb
+import numpy as np
+
+from metronome import compiled
+from metronome.serving import PHASE_SLOTS
+
+# front-end states of a session (a session's life: metronome.front_end)
+NOT_ARRIVED, WAITING, PREFILL, RUNNING, ENDED, REFUSED, QUEUED = 0, 1, 2, 3, 4, 5, 6
+
+# The queues' heads and lengths (see the module's docstring); the simulator's loop keeps them in its own counters
+# record, which has these fields too (the rules read them by name).
+BOOK_FIELDS = [("qhead", np.int64), ("nwait", np.int64), ("dep", np.int64), ("ndeps", np.int64),
+               ("phead", np.int64), ("psorted", np.int64), ("npend", np.int64)]
+BOOKS = np.dtype(BOOK_FIELDS, align=True)
+Queues = namedtuple("Queues", "queue dep_t dep_i pend")
+# where a frame answered goes (the caller's answers: tick key, session, tokens got) and the counts it updates
+Tally = namedtuple("Tally", "pslot s_frames s_silent key who tok")
+
+# A rule called at every frame is spliced into its compiled caller (inline="always": its body joins the caller's
+# before either is compiled, so it takes the caller's flags); LLVM does not inline a small function into a caller
+# as large as the simulator's loop, and each frame would pay a call.
+_spliced = nb.njit(cache=True, inline="always")
+
+
+@_spliced
+def live(st):
+    """Let in by the gate and not yet ended: waiting for blocks, re-prefilling or running."""
+    return WAITING <= st <= RUNNING
+
+
+@_spliced
+def placeless(st):
+    """Waiting at the front end or re-prefilling: its frames are answered silent."""
+    return st == WAITING or st == PREFILL
+
+
+@_spliced
+def tick(f, P, ph):
+    """Frame ``f``'s tick of a session of period ``P`` and phase ``ph`` (serving.frame_tick)."""
+    return f * P + ph
+
+
+# ------------------------------------------------------------------------------------------------ the queue
+@_spliced
+def enqueue(i, b, queue):
+    """Session ``i`` joins the tail of the front end's FCFS queue."""
+    queue[b.qhead + b.nwait] = i
+    b.nwait += 1
+
+
+@_spliced
+def requeue(i, b, queue):
+    """Session ``i`` goes back to the head of the front end's FCFS queue (it lost its place)."""
+    b.qhead -= 1
+    queue[b.qhead] = i
+    b.nwait += 1
+
+
+@_spliced
+def dequeue(b, queue):
+    """The head of the front end's FCFS queue leaves it (admitted). Returns it."""
+    i = queue[b.qhead]
+    b.qhead += 1
+    b.nwait -= 1
+    return i
+
+
+@compiled.uncounted
+def leave_queue(i, b, queue):
+    """Session ``i`` leaves the front end's queue, the others keeping their order (it departed while waiting).
+    Returns whether it was there."""
+    end = b.qhead + b.nwait
+    j = b.qhead
+    while j < end and queue[j] != i:
+        j += 1
+    if j == end:
+        return False
+    for k in range(j, end - 1):
+        queue[k] = queue[k + 1]
+    b.nwait -= 1
+    return True
+
+
+@compiled.uncounted
+def book_departure(t, i, b, dep_t, dep_i):
+    """Session ``i`` departs at ``t``: into the departures still to come, in order (time, then session)."""
+    j = b.ndeps
+    while j > b.dep and (dep_t[j - 1] > t or (dep_t[j - 1] == t and dep_i[j - 1] > i)):
+        dep_t[j], dep_i[j] = dep_t[j - 1], dep_i[j - 1]
+        j -= 1
+    dep_t[j], dep_i[j] = t, i
+    b.ndeps += 1
+
+
+# ---------------------------------------------------------------------------------------------- the answers
+@_spliced
+def answer(i, f, tok, a, n_ans):
+    """Session ``i``'s frame ``f`` answered now with ``tok`` tokens (0: silent): its tick key, session and tokens
+    appended to the answers, its counts kept (``a``, a :class:`Tally`). Returns the answers."""
+    a.key[n_ans] = f * PHASE_SLOTS + a.pslot[i]  # serving.tick_key
+    a.who[n_ans] = i
+    a.tok[n_ans] = tok
+    a.s_frames[i] += 1
+    if tok == 0:  # serving.frame_is_silent
+        a.s_silent[i] += 1
+    return n_ans + 1
+
+
+@_spliced
+def owe(i, f, tok, lockstep, b, pend, a, n_ans):
+    """Session ``i``'s frame ``f``, owed with the ``tok`` tokens it got while it has no place (waiting,
+    re-prefilling, just preempted), is answered now or, in lockstep, waits for its tick's running frames
+    (:func:`answer_silent`). Returns the answers."""
+    if lockstep:  # (a tick in lockstep is its frame index: every phase is 0)
+        pend[b.npend, 0], pend[b.npend, 1], pend[b.npend, 2] = i, f, tok
+        b.npend += 1
+        return n_ans
+    return answer(i, f, tok, a, n_ans)
+
+
+@compiled.uncounted
+def answer_each(idx, f, tok, a, n_ans):
+    """:func:`answer` of each (``idx[k]``, ``f[k]``, ``tok[k]``), in order. Returns the answers."""
+    for k in range(idx.size):
+        n_ans = answer(idx[k], f[k], tok[k], a, n_ans)
+    return n_ans
+
+
+@compiled.uncounted
+def owe_each(idx, f, tok, lockstep, b, pend, a, n_ans):
+    """:func:`owe` of each (``idx[k]``, ``f[k]``, ``tok[k]``), in order. Returns the answers."""
+    for k in range(idx.size):
+        n_ans = owe(idx[k], f[k], tok[k], lockstep, b, pend, a, n_ans)
+    return n_ans
+
+
+@compiled.inlined
+def answer_silent(b, pend, run_sess, ss, a, n_ans):
+    """Lockstep: frames owed to sessions without a place (``pend``'s rows ``b.phead:b.npend``: session, frame,
+    tokens got) are answered once every running session's frame of their tick is done (``run_sess``: the
+    sessions that may run; ``ss``: their state, frame in flight, frames queued and next frame). Appends them to
+    the answers, in the rows' order; returns the answers.
+
+    Rows are owed tick after tick, so they are nearly always in frame order, and then the frames answered are the
+    rows from the head up to the first one not yet due: the head moves past them and nothing else is read. An
+    engine slower than the frame clock holds hundreds of frames owed a tick (every waiting session's), a backlog
+    that grows for as long as it stays behind; read whole at every step, it made a run's time quadratic in its
+    length. Rows out of frame order (a preempted session's frames, owed late) are read whole and kept in their
+    order."""
+    state, inflight, backlog, next_frame = ss
+    unfinished = np.iinfo(np.int64).max
+    for j in range(run_sess.size):
+        i = run_sess[j]
+        if state[i] != RUNNING:
+            continue
+        if inflight[i] >= 0:
+            unfinished = min(unfinished, inflight[i])
+        elif backlog[i] > 0:
+            unfinished = min(unfinished, next_frame[i] - backlog[i])
+    n_pend = b.npend
+    h = b.phead
+    k = max(b.psorted, h + 1)
+    while k < n_pend and pend[k - 1, 1] <= pend[k, 1]:  # (rows appended since: still in frame order?)
+        k += 1
+    if k >= n_pend:
+        while h < n_pend and pend[h, 1] < unfinished:
+            n_ans = answer(pend[h, 0], pend[h, 1], pend[h, 2], a, n_ans)
+            h += 1
+        if h == n_pend:  # none owed: the rows start again at 0
+            b.phead = b.psorted = b.npend = 0
+        else:
+            b.phead, b.psorted = h, n_pend
+        return n_ans
+    m = h
+    for q in range(h, n_pend):
+        i, f = pend[q, 0], pend[q, 1]
+        if f < unfinished:
+            n_ans = answer(i, f, pend[q, 2], a, n_ans)
+        else:
+            pend[m, 0], pend[m, 1], pend[m, 2] = i, f, pend[q, 2]
+            m += 1
+    b.psorted, b.npend = h, m  # (the rows moved)
+    return n_ans
+
+
+# ------------------------------------------------------------------------------------------- a session's end
+@compiled.inlined
+def end_owed(i, now, clock, ss, b, pend, a, n_ans, censored):
+    """Session ``i`` ends at ``now``: the frames it is owed (its rows owed in lockstep, taken out of ``pend``, the
+    others keeping their order; the one in the engine, with what it got; the queued ones, silent) are answered
+    once their deadline has passed and the rest are never answered. ``clock``: its period, phase, deadline, the
+    tolerance of a tick test and whether the run itself ended (its last frames are all left unanswered, as the
+    run's end leaves them). ``censored``: (frames, tokens) where those never answered are written, when the caller
+    keeps them (a live front end's rows; empty arrays: not kept). Its frame clock is then clear of them. Returns
+    (the answers, the frames never answered)."""
+    P, ph, deadline, eps, run_over = clock
+    cf, ct = censored
+    keep = cf.size > 0
+    n_cens = 0
+    m = b.phead
+    for q in range(b.phead, b.npend):
+        if pend[q, 0] == i:
+            f, tok = pend[q, 1], pend[q, 2]
+            if not run_over and tick(f, P, ph) + deadline <= now + eps:
+                n_ans = answer(i, f, tok, a, n_ans)
+            elif keep:
+                cf[n_cens], ct[n_cens] = f, tok
+                n_cens += 1
+        else:
+            pend[m, 0], pend[m, 1], pend[m, 2] = pend[q, 0], pend[q, 1], pend[q, 2]
+            m += 1
+    if m < b.npend:  # (rows moved: their order is checked again when next needed)
+        b.npend = m
+        b.psorted = b.phead
+    state, inflight, inflight_tok, next_frame, backlog = ss
+    first_q = next_frame[i] - backlog[i]
+    for q in range(-1, backlog[i]):  # its frame in flight (if any, with its tokens), then the queued ones
+        if q < 0 and inflight[i] < 0:
+            continue
+        f, tok = (inflight[i], inflight_tok[i]) if q < 0 else (first_q + q, np.int64(0))
+        if not run_over and tick(f, P, ph) + deadline <= now + eps:
+            n_ans = answer(i, f, tok, a, n_ans)
+        elif keep:
+            cf[n_cens], ct[n_cens] = f, tok
+            n_cens += 1
+    inflight[i] = -1
+    backlog[i] = 0
+    state[i] = ENDED
+    return n_ans, n_cens
+
+
+# ------------------------------------------------------------------------------------------- losing a place
+@compiled.inlined
+def lose_place(i, lockstep, ss, b, q, a, n_ans):
+    """Recompute preemption at the session level, once its request is gone: its frame in flight is owed with
+    what it got (its tokens join its history), its queued frames silent (their input joins what it owes the
+    engine); it waits at the head of the front end's queue (``q``, :class:`Queues`), to be readmitted as a new
+    request whose prompt is its history. ``ss``: the front end's per-session arrays
+    (:class:`metronome.front_end.Sessions`). Returns the answers."""
+    if ss.inflight[i] >= 0:
+        ss.hist[i] += ss.inflight_tok[i]
+    elif ss.last_tok[i]:
+        ss.hist[i] += 1
+    ss.last_tok[i] = False
+    f0 = ss.next_frame[i] - ss.backlog[i]
+    for k in range(-1, ss.backlog[i]):  # its frame in flight (if any, with its tokens), then the queued ones
+        if k < 0 and ss.inflight[i] < 0:
+            continue
+        f, tok = (ss.inflight[i], ss.inflight_tok[i]) if k < 0 else (f0 + k, np.int64(0))
+        n_ans = owe(i, f, tok, lockstep, b, q.pend, a, n_ans)
+    ss.pending_in[i] += ss.n_in_of[i] * ss.backlog[i]
+    ss.inflight[i] = -1
+    ss.backlog[i] = 0
+    ss.state[i] = WAITING
+    requeue(i, b, q.queue)
+    return n_ans
