@@ -57,12 +57,7 @@ _EPS = 1e-12
 Sessions = namedtuple("Sessions", "state phase pslot slot next_frame backlog inflight inflight_tok hist last_tok "
                                   "pending_in work_step running_since started admitted admit_seq s_tokens s_frames "
                                   "s_silent s_late s_preempt s_ended s_admitted arrival duration prompt_of n_in_of "
-                                  "n_out_of")
-
-
-def _each_frame(idx: np.ndarray, first: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Session by session, ``n[k]`` frames of session ``idx[k]`` from frame ``first[k]``: (sessions, frames)."""
-    return np.repeat(idx, n), np.repeat(first - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
+                                  "n_out_of P_of")
 
 
 def tokens_within(tokens, most: int) -> bool:
@@ -232,8 +227,9 @@ class FrontEnd:
         """Frames ``f`` of sessions ``idx`` will be answered silent: ``state`` at their tick (None: the sessions'
         state now, a running one's tick before its place being a re-prefill's)."""
 
-    def _tokens_in(self, pre: np.ndarray, inf: np.ndarray) -> None:
-        """A step ended now: sessions ``pre`` finished their re-prefill, ``inf``'s frames got a token each."""
+    def _tokens_in(self, pre: np.ndarray, inf: np.ndarray, frames: np.ndarray) -> None:
+        """A step ended now: sessions ``pre`` finished their re-prefill, ``inf``'s frames ``frames`` got a token
+        each (rules.tokens_in)."""
 
     def _censored(self, i: int, f: np.ndarray, tokens: np.ndarray) -> None:
         """Session ``i`` ended with frames ``f`` owed and not yet due (or the run ended): never answered."""
@@ -551,69 +547,32 @@ class FrontEnd:
 
     def _ticks(self, now: float) -> None:
         """Frames that came due: running sessions queue them (and submit one); the others hear silence."""
+        self._tick_due(now)
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
-        tick = serving.frame_tick
-        due = live[tick(self.next_frame[live], self.P_of[live], self.phase[live]) <= now + _EPS]
-        if due.size:
-            ph = self.phase[due]
-            one = tick(self.next_frame[due] + 1, self.P_of[due], ph) > now + _EPS  # exactly one came due (the usual)
-            many = due[~one]
-            if many.size:  # an engine slower than the frame clock: a running session queues them all
-                nf, ph, P = self.next_frame[many], self.phase[many], self.P_of[many]
-                n_due = np.floor((now + _EPS - ph) / P).astype(np.int64) - nf + 1
-                # the division may round across a tick: settle on the tick test itself (f·P + φ <= now)
-                n_due -= tick(nf + n_due - 1, P, ph) > now + _EPS
-                n_due += tick(nf + n_due, P, ph) <= now + _EPS
-                queued = self._queues(many, nf)
-                q = many[queued]
-                if self.HEARS_TICKS and q.size:
-                    self._ticked(*_each_frame(q, nf[queued], n_due[queued]))
-                self.backlog[q] += n_due[queued]
-                self.next_frame[q] += n_due[queued]
-                self._tick_each(many[~queued], n_due[~queued])
-            self._tick_one(due[one])
         submit = live[(self.state[live] == RUNNING) & (self.inflight[live] < 0) & (self.backlog[live] > 0)]
         if submit.size:
             self._submit_many(submit, now)
 
-    def _tick_one(self, idx: np.ndarray) -> None:
-        """Frame ``next_frame`` of sessions ``idx`` is due: a running session's is queued, the others' is silent."""
-        f = self.next_frame[idx].copy()
-        self.next_frame[idx] += 1
-        if self.HEARS_TICKS and idx.size:
-            self._ticked(idx, f)
-        run = self._queues(idx, f)
-        self.backlog[idx[run]] += 1
-        quiet = idx[~run]
-        if quiet.size:
-            fq = f[~run]
-            self.pending_in[quiet] += self.n_in_of[quiet]
-            self._silenced(quiet, fq, None)
-            self._owe(quiet, fq, np.zeros(quiet.size, dtype=np.int64))
-
-    def _queues(self, idx: np.ndarray, f: np.ndarray) -> np.ndarray:
-        """Whether frame ``f`` of session ``idx`` is queued for the engine (the session runs, and the frame is not
-        before its place in it) rather than heard as silence."""
-        return (self.state[idx] == RUNNING) & (serving.frame_tick(f, self.P_of[idx], self.phase[idx])
-                                               >= self.running_since[idx] - _EPS)
-
-    def _tick_each(self, idx: np.ndarray, n_due: np.ndarray) -> None:
-        """Sessions ``idx`` have ``n_due`` frames each come due at once (a session waiting or re-prefilling while
-        the engine is slower than the frame clock): :meth:`_tick_one` for each frame, session by session in
-        order, in one call (past the cliff hundreds of sessions wait, and one call per frame was most of a run)."""
-        if not idx.size:
+    def _tick_due(self, now: float) -> None:
+        """The frames that came due by ``now`` (rules.tick_due), told to the hooks."""
+        live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
+        P, ph = self.P_of[live], self.phase[live]
+        due = live[serving.frame_tick(self.next_frame[live], P, ph) <= now + _EPS]
+        if not due.size:
             return
-        who, f = _each_frame(idx, self.next_frame[idx], n_due)
-        self.next_frame[idx] += n_due
+        # at most this many came due (the division's rounding aside: +1)
+        most = int((np.floor((now + _EPS - self.phase[due]) / self.P_of[due]) - self.next_frame[due] + 2).sum())
+        if self.lockstep:
+            self.room(owed=most)
+        a = self._answer_room(0 if self.lockstep else most)
+        heard = tuple(np.empty(most, t) for t in (np.int64, np.int64, np.bool_))
+        self.n_answers, n = rules.ticks_due(due, now, _EPS, self.lockstep, self.session_arrays(), self._b,
+                                            self.queues.pend, a, self.n_answers, heard)
+        who, f, quiet = (x[:n] for x in heard)
         if self.HEARS_TICKS:
             self._ticked(who, f)
-        run = self._queues(who, f)
-        np.add.at(self.backlog, who[run], 1)
-        quiet = ~run
-        wq, fq = who[quiet], f[quiet]
-        np.add.at(self.pending_in, wq, self.n_in_of[wq])
-        self._silenced(wq, fq, None)
-        self._owe(wq, fq, np.zeros(wq.size, dtype=np.int64))
+        if quiet.any():
+            self._silenced(who[quiet], f[quiet], None)
 
     def _submit_many(self, idx: np.ndarray, now: float) -> None:
         """Hand each session's oldest due frame to the engine. Sessions paused in the engine whose frame fits
@@ -739,23 +698,12 @@ class FrontEnd:
         victims taken, the silent frames answered, then the records."""
         now = self.now
         step_no = self.model.steps - 1
-        sam = self.sess_of_slot[rec.sampled_slots]
-        st = self.state[sam]
-        pre = sam[st == PREFILL]  # the re-prefill is done: the sampled token starts the next chunk
-        inf = sam[(st == RUNNING) & (self.inflight[sam] >= 0)]
-        self.state[pre] = RUNNING
-        self.last_tok[pre] = True
-        self.running_since[pre] = now
-        self._tokens_in(pre, inf)
-        tokens_out = int(inf.size)
-        self.inflight_tok[inf] += 1
-        self.s_tokens[inf] += 1
-        done = inf[self.inflight_tok[inf] >= self.n_out_of[inf]]
-        if done.size:
-            self.hist[done] += self.n_out_of[done] - 1  # vLLM keeps every sampled token but the last
-            self.last_tok[done] = True
-            self._answer_many(done, self.inflight[done], self.inflight_tok[done])
-            self.inflight[done] = -1
+        sampled = np.asarray(rec.sampled_slots, np.int64)
+        a = self._answer_room(sampled.size)
+        moved = tuple(np.empty(sampled.size, np.int64) for _ in range(4))
+        self.n_answers, n_pre, tokens_out, _ = rules.tokens_in(sampled, now, self.session_arrays(),
+                                                               self.sess_of_slot, a, self.n_answers, moved)
+        self._tokens_in(moved[0][:n_pre], moved[1][:tokens_out], moved[2][:tokens_out])
         used = self.model.used
         victims = self._preempt_after_step(rec, step_no, start)
         if victims and self.t_sat is None:

@@ -212,6 +212,101 @@ def answer_silent(b, pend, run_sess, ss, a, n_ans):
     return n_ans
 
 
+# ---------------------------------------------------------------------------------------------- the frame clock
+@compiled.inlined
+def tick_due(i, now, eps, lockstep, ss, b, pend, a, n_ans, heard, n_heard):
+    """Session ``i``'s frames that came due by ``now`` (``eps``: the tolerance of a tick test): a running session
+    queues those from its place on (``running_since``); each other one is answered silent (owed: :func:`owe`) and
+    its input joins what the session owes the engine (``pending_in``). ``ss``: the front end's per-session arrays
+    (:class:`metronome.front_end.Sessions`). ``heard``: (sessions, frames, silent) where each frame that came due
+    is written, in the session's order of frames, when the caller keeps them (a server takes each frame's input at
+    its tick; empty arrays: not kept), from ``n_heard`` on. Returns (the answers, the frames heard)."""
+    P, ph = ss.P_of[i], ss.phase[i]
+    nf = ss.next_frame[i]
+    if tick(nf, P, ph) > now + eps:
+        return n_ans, n_heard
+    hw, hf, hq = heard
+    keep = hw.size > 0
+    runs = ss.state[i] == RUNNING
+    if runs and tick(nf, P, ph) >= ss.running_since[i] - eps:  # all of them queued (the usual)
+        if tick(nf + 1, P, ph) > now + eps:  # exactly one came due
+            n_due = np.int64(1)
+        else:  # an engine slower than the frame clock: every tick up to now
+            n_due = np.int64(np.floor((now + eps - ph) / P)) - nf + 1
+            # the division may round across a tick: settle on the tick test itself (f·P + φ <= now)
+            if tick(nf + n_due - 1, P, ph) > now + eps:
+                n_due -= 1
+            if tick(nf + n_due, P, ph) <= now + eps:
+                n_due += 1
+        if keep:
+            for k in range(n_due):
+                hw[n_heard], hf[n_heard], hq[n_heard] = i, nf + k, False
+                n_heard += 1
+        ss.backlog[i] += n_due
+        ss.next_frame[i] = nf + n_due
+        return n_ans, n_heard
+    while tick(nf, P, ph) <= now + eps:  # frame by frame: a running session's before its place are silent too
+        queued = runs and tick(nf, P, ph) >= ss.running_since[i] - eps
+        if queued:
+            ss.backlog[i] += 1
+        else:
+            ss.pending_in[i] += ss.n_in_of[i]
+            n_ans = owe(i, nf, np.int64(0), lockstep, b, pend, a, n_ans)
+        if keep:
+            hw[n_heard], hf[n_heard], hq[n_heard] = i, nf, not queued
+            n_heard += 1
+        nf += 1
+    ss.next_frame[i] = nf
+    return n_ans, n_heard
+
+
+@compiled.uncounted
+def ticks_due(idx, now, eps, lockstep, ss, b, pend, a, n_ans, heard):
+    """:func:`tick_due` of each session of ``idx``, in order. Returns (the answers, the frames heard)."""
+    n_heard = 0
+    for k in range(idx.size):
+        n_ans, n_heard = tick_due(idx[k], now, eps, lockstep, ss, b, pend, a, n_ans, heard, n_heard)
+    return n_ans, n_heard
+
+
+# ---------------------------------------------------------------------------------------------- after a step
+@compiled.inlined
+def tokens_in(sampled, now, ss, sess_of_slot, a, n_ans, moved):
+    """A step ended at ``now`` and sampled a token for each request of ``sampled`` (engine slots; ``sess_of_slot``:
+    whose each is): a re-prefill's token starts its session's next chunk (the session runs from now); any other goes
+    to its session's frame in flight, and a frame with all its tokens is answered (vLLM keeps every sampled token
+    but the last, which the next chunk re-feeds). ``moved``: (pre, inf, frame, ready), where the sessions whose
+    re-prefill is done, those whose frame got a token (and that frame) and those answered with frames still queued
+    are written. Returns (the answers, how many pre, inf and ready)."""
+    pre, inf, frame, ready = moved
+    n_pre = n_inf = 0
+    for j in range(sampled.size):
+        i = sess_of_slot[sampled[j]]
+        if ss.state[i] == PREFILL:
+            ss.state[i] = RUNNING
+            ss.last_tok[i] = True
+            ss.running_since[i] = now
+            pre[n_pre] = i
+            n_pre += 1
+        elif ss.inflight[i] >= 0:
+            inf[n_inf], frame[n_inf] = i, ss.inflight[i]
+            n_inf += 1
+            ss.inflight_tok[i] += 1
+            ss.s_tokens[i] += 1
+    n_ready = 0
+    for j in range(n_inf):
+        i = inf[j]
+        if ss.inflight_tok[i] >= ss.n_out_of[i]:
+            n_ans = answer(i, ss.inflight[i], ss.inflight_tok[i], a, n_ans)
+            ss.hist[i] += ss.n_out_of[i] - 1
+            ss.last_tok[i] = True
+            ss.inflight[i] = -1
+            if ss.backlog[i] > 0:
+                ready[n_ready] = i
+                n_ready += 1
+    return n_ans, n_pre, n_inf, n_ready
+
+
 # ------------------------------------------------------------------------------------------- a session's end
 @compiled.inlined
 def end_owed(i, now, clock, ss, b, pend, a, n_ans, censored):

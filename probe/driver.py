@@ -424,14 +424,13 @@ class Driver(FrontEnd):
             st = self.state[i] if state is None else state
             self._silent_state[(i, fr)] = WAITING_S if st == WAITING else PREFILL_S
 
-    def _tokens_in(self, pre: np.ndarray, inf: np.ndarray) -> None:
+    def _tokens_in(self, pre: np.ndarray, inf: np.ndarray, frames: np.ndarray) -> None:
         now, info = self.now, self.slots.last_info
         for i in pre.tolist():
             name = self.slots.name(i)
             self._event("prefilled", i, now, computed_tokens=info.computed.get(name, 0),
                         scheduled_tokens=info.scheduled.get(name, 0))
-        for i in inf.tolist():
-            f = int(self.inflight[i])
+        for i, f in zip(inf.tolist(), frames.tolist()):
             b = self._book[(i, f)]
             b[4].append(self.slots.held[int(self.slot[i])][-1])
             if b[1] is None:

@@ -45,7 +45,7 @@ from metronome.calibration import step_inputs
 from metronome.compiled import borrowed, hold
 from metronome.front_rules import (ENDED, PREFILL, REFUSED, RUNNING, WAITING, Queues,  # (the states: declared there)
                                    Tally, answer_silent, book_departure, dequeue, end_owed, enqueue, leave_queue,
-                                   lose_place, owe)
+                                   lose_place, tick_due, tokens_in)
 from metronome.front_rules import live as _live
 from metronome.front_rules import placeless as _placeless
 from metronome.front_rules import tick as _tick
@@ -318,32 +318,13 @@ def _turn_fits(now, n_visit, c, ss, w, eng, room):
 
 @_inlined
 def _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans):
-    """The turn, first half: frames that came due are queued (a running session's) or owed silent (a session
-    waiting at the front end: FrontEnd._tick_one's quiet branch and _owe), after the ``n_ans`` answers already
-    written. Returns the answers."""
-    P, eps = c.P, c.eps
+    """The turn, first half: frames that came due are queued (a running session's) or owed silent
+    (front_rules.tick_due), after the ``n_ans`` answers already written. Returns the answers."""
+    none = (fe.new_i[:0], fe.new_i[:0], fe.fresh[:0])  # (the loop keeps no record of each frame heard)
     for j in range(n_visit):
         i = w.visit[j]
-        nf, ph = ss.next_frame[i], ss.phase[i]
-        if ss.state[i] == ENDED:  # departed in this turn
-            continue
-        if _placeless(ss.state[i]):
-            while _tick(ss.next_frame[i], P, ph) <= now + eps:
-                n_ans = owe(i, ss.next_frame[i], np.int64(0), c.lockstep, s, fe.pend, a, n_ans)
-                ss.next_frame[i] += 1
-                ss.pending_in[i] += ss.n_in_of[i]
-            continue
-        if _tick(nf, P, ph) <= now + eps:
-            if _tick(nf + 1, P, ph) > now + eps:
-                n_due = 1
-            else:  # an engine slower than the frame clock: FrontEnd._ticks's count, exactly
-                n_due = np.int64(np.floor((now + eps - ph) / P)) - nf + 1
-                if _tick(nf + n_due - 1, P, ph) > now + eps:
-                    n_due -= 1
-                if _tick(nf + n_due, P, ph) <= now + eps:
-                    n_due += 1
-            ss.backlog[i] += n_due
-            ss.next_frame[i] += n_due
+        if ss.state[i] != ENDED:  # (departed in this turn)
+            n_ans, _ = tick_due(i, now, c.eps, c.lockstep, ss, s, fe.pend, a, n_ans, none, 0)
     return n_ans
 
 
@@ -439,37 +420,14 @@ def _step_latency(coef, c, o_n, first, step_no, sframe, dr):
 
 @_inlined
 def _tokens_to_frames(now, s, ss, fe, w, eng):
-    """FrontEnd._after_step: a re-prefill that sampled is done (the token starts its next chunk: the session
-    runs from now); sampled tokens go to their frames; a frame with all its tokens is answered (its tick key,
-    session, tokens). Returns (tokens out, frames done, sessions with frames still queued)."""
-    tokens_out = 0
-    n_done = 0
-    for j in range(eng.o_n[O_SAM]):
-        i = fe.sess_of_slot[eng.o_sam[j]]
-        if ss.state[i] == PREFILL:
-            ss.state[i] = RUNNING
-            ss.last_tok[i] = True
-            ss.running_since[i] = now
-            s.npf -= 1
-        elif ss.inflight[i] >= 0:
-            ss.inflight_tok[i] += 1
-            ss.s_tokens[i] += 1
-            tokens_out += 1
-            if ss.inflight_tok[i] >= ss.n_out_of[i]:
-                w.key[n_done] = ss.inflight[i] * PHASE_SLOTS + ss.pslot[i]  # serving.tick_key
-                w.who[n_done] = i
-                w.tok[n_done] = ss.inflight_tok[i]
-                n_done += 1
-    n_ready = 0
-    for j in range(n_done):
-        i = w.who[j]
-        ss.hist[i] += ss.n_out_of[i] - 1
-        ss.last_tok[i] = True
-        ss.s_frames[i] += 1
-        ss.inflight[i] = -1
-        if ss.backlog[i] > 0:
-            w.ready[n_ready] = i
-            n_ready += 1
+    """The step's sampled tokens to their frames (front_rules.tokens_in), the frames done answered from the
+    moment's first answer on. Returns (tokens out, frames done, sessions with frames still queued)."""
+    scr = w.scr  # (rows 1-3: _victims's scratch, free again; row 0 is its marks, kept at 0)
+    n_done, n_pre, tokens_out, n_ready = tokens_in(
+        eng.o_sam[:eng.o_n[O_SAM]], now, ss, fe.sess_of_slot, Tally(ss.pslot, ss.s_frames, ss.s_silent, w.key, w.who,
+                                                                    w.tok), np.int64(0),
+        (scr[1], scr[2], scr[3], w.ready))
+    s.npf -= n_pre
     return tokens_out, n_done, n_ready
 
 
