@@ -481,17 +481,14 @@ class FrontEnd:
     def _enter(self, i: int, t_enter: float) -> None:
         """Past the gate (at its arrival, or when the gate's queue let it in): the session waits in the front
         end's queue, streams from the first tick at or after ``t_enter`` and leaves ``duration`` after it."""
-        self.state[i] = WAITING
-        self.next_frame[i] = serving.join_frame(t_enter, float(self.P_of[i]), float(self.phase[i]))
-        self.room(behind=1)
-        rules.enqueue(i, self._b, self.queues.queue)
-        self._book_departure(t_enter + self.duration[i], i)
+        self.room(behind=1, departures=1)
+        rules.enter(i, float(t_enter), self.session_arrays(), self._b, self.queues)
 
     def _request_tokens(self, i: int) -> int:
         """Tokens the session's request will carry when (re)admitted: its first frame, or its history (what a
         rebase keeps of it, when its KV was lost with the engine)."""
         if not self.started[i]:
-            return int(self.prompt_of[i] + self.pending_in[i] + self.n_in_of[i])
+            return int(rules.chunk_of(i, self.session_arrays()))
         n = int(self.hist[i] + self.pending_in[i])
         return min(n, self.keep_tokens) if self.rebase_next[i] else n
 
@@ -503,17 +500,10 @@ class FrontEnd:
             return
         n = serving.admit_fcfs(self.waiting, self._admission_need, self.model.free_blocks())
         for _ in range(n):
-            i = int(rules.dequeue(self._b, self.queues.queue))
-            self.admit_seq[i] = self.seq
+            i, new = rules.admit_head(now, self.seq, self.session_arrays(), self._b, self.queues.queue)
             self.seq += 1
-            if np.isnan(self.s_admitted[i]):
-                self.s_admitted[i] = now
-                self.admitted[i] = True
-            if not self.started[i]:
-                # a new session: its first frame (prompt + input) is its prefill, submitted at its tick
+            if new:  # its first frame (prompt + input) is its prefill, submitted at its tick
                 self.rebase_next[i] = False  # (nothing was lost: it never reached an engine)
-                self.state[i] = RUNNING
-                self.running_since[i] = serving.frame_tick(self.next_frame[i], self.P_of[i], self.phase[i])
                 continue
             self._readmit(i, now)
 
@@ -539,10 +529,9 @@ class FrontEnd:
             rebases += 1
             self._event("rebase", i, now, prompt_tokens=prompt, kept_tokens=prompt, reason="max_model_len")
         self._add(i, prompt, 1, origin)  # its one sampled token starts the next chunk
-        self.hist[i], self.pending_in[i], self.rebase_next[i] = prompt, 0, False
+        rules.readmitted(i, prompt, self.model.steps, self.session_arrays())
+        self.rebase_next[i] = False
         self.s_rebase[i] += rebases
-        self.state[i] = PREFILL
-        self.work_step[i] = self.model.steps
         self._event("readmit", i, now, prompt_tokens=prompt)
 
     def _ticks(self, now: float) -> None:
@@ -578,32 +567,27 @@ class FrontEnd:
         """Hand each session's oldest due frame to the engine. Sessions paused in the engine whose frame fits
         go at once (one append each, as arrays); the others (a first frame, a rebase, the length limit) one by
         one, in session order, as the driver does."""
-        chunk = 1 + self.pending_in[idx] + self.n_in_of[idx]
+        ss = self.session_arrays()
+        chunk = rules.chunks_of(idx, ss)
         simple = (self.started[idx] & (self.slot[idx] >= 0)
                   & serving.frame_fits(self.hist[idx] + chunk + self.n_out_of[idx], self.maxlen))
         fast, slow = idx[simple], idx[~simple]
         if fast.size:
             sl = self.slot[fast]
             self.model.append_many(sl, chunk[simple], self.n_out_of[fast])
-            self.fresh_slot[sl] = True
-            f = self.next_frame[fast] - self.backlog[fast]
-            self.hist[fast] += chunk[simple]
-            self.pending_in[fast] = 0
-            self.last_tok[fast] = False
-            self.backlog[fast] -= 1
-            self.inflight[fast], self.inflight_tok[fast] = f, 0
-            self.serving_frame = max(self.serving_frame, int(f.max()))
-            self.work_step[fast] = self.model.steps
+            f = rules.hand_over_each(fast, sl, chunk[simple], self.model.steps, ss, self.fresh_slot)
+            self.serving_frame = max(self.serving_frame, int(f))
             self.stalled = False
-            self._submitted(fast, f, False)
+            self._submitted(fast, self.inflight[fast], False)
         for i in slow.tolist():
             self._submit(i, now)
 
     def _submit(self, i: int, now: float) -> None:
         """Hand the oldest due frame to the engine (rebased or finished at the length limit)."""
+        ss = self.session_arrays()
         f = int(self.next_frame[i] - self.backlog[i])
         n_out = int(self.n_out_of[i])
-        chunk = (1 if self.started[i] else int(self.prompt_of[i])) + int(self.pending_in[i] + self.n_in_of[i])
+        chunk = int(rules.chunk_of(i, ss))
         rebased = not serving.frame_fits(int(self.hist[i]) + chunk + n_out, self.maxlen)
         # (the engine takes the request before anything changes here: an engine that dies meanwhile finds the
         # session as it was)
@@ -623,15 +607,8 @@ class FrontEnd:
         else:
             sl = int(self.slot[i])
             self.model.append(int(self.rid[i]), chunk, n_out)
-        self.fresh_slot[sl] = True
-        self.hist[i] += chunk
-        self.started[i] = True
-        self.pending_in[i] = 0
-        self.last_tok[i] = False
-        self.backlog[i] -= 1
-        self.inflight[i], self.inflight_tok[i] = f, 0
+        rules.hand_over(i, sl, chunk, self.model.steps, ss, self.fresh_slot)
         self.serving_frame = max(self.serving_frame, f)
-        self.work_step[i] = self.model.steps
         self.stalled = False
         self._submitted((i,), (f,), rebased)
 

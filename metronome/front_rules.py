@@ -30,7 +30,7 @@ from collections import namedtuple
 import numba as nb
 import numpy as np
 
-from metronome import compiled
+from metronome import compiled, serving
 from metronome.serving import PHASE_SLOTS
 
 # front-end states of a session (a session's life: metronome.front_end)
@@ -67,6 +67,16 @@ def placeless(st):
 def tick(f, P, ph):
     """Frame ``f``'s tick of a session of period ``P`` and phase ``ph`` (serving.frame_tick)."""
     return f * P + ph
+
+
+_join_frame = nb.njit(cache=True)(serving.join_frame)
+
+
+@_spliced
+def chunk_of(i, ss):
+    """The tokens session ``i``'s next frame hands to the engine: its prompt (its first frame) or the token sampled
+    last (it is re-fed), the input of the frames it missed (silent) and its own."""
+    return (1 if ss.started[i] else ss.prompt_of[i]) + ss.pending_in[i] + ss.n_in_of[i]
 
 
 # ------------------------------------------------------------------------------------------------ the queue
@@ -119,6 +129,84 @@ def book_departure(t, i, b, dep_t, dep_i):
         j -= 1
     dep_t[j], dep_i[j] = t, i
     b.ndeps += 1
+
+
+@_spliced
+def enter(i, t_enter, ss, b, q):
+    """Session ``i`` is past the gate at ``t_enter`` (its arrival, or when the gate's queue let it in): it waits at
+    the tail of the front end's FCFS queue, streams from the first tick at or after ``t_enter`` and departs its
+    ``duration`` after it (``q``: :class:`Queues`, with room for both). Returns its first frame."""
+    ss.state[i] = WAITING
+    nf = _join_frame(t_enter, ss.P_of[i], ss.phase[i])
+    ss.next_frame[i] = nf
+    enqueue(i, b, q.queue)
+    book_departure(t_enter + ss.duration[i], i, b, q.dep_t, q.dep_i)
+    return nf
+
+
+@_spliced
+def admit_head(now, seq, ss, b, queue):
+    """The head of the front end's FCFS queue got the blocks vLLM's gate wants: it is admitted at ``now``, the
+    ``seq``-th admission (the deadlock rule's order). A new session runs from its first frame's tick, which hands its
+    prompt to the engine; one that lost its place is the caller's to readmit (:func:`readmitted`). Returns (the
+    session, whether it is new)."""
+    i = dequeue(b, queue)
+    ss.admit_seq[i] = seq
+    if np.isnan(ss.s_admitted[i]):
+        ss.s_admitted[i] = now
+        ss.admitted[i] = True
+    if ss.started[i]:
+        return i, False
+    ss.state[i] = RUNNING
+    ss.running_since[i] = tick(ss.next_frame[i], ss.P_of[i], ss.phase[i])
+    return i, True
+
+
+@_spliced
+def readmitted(i, prompt, steps, ss):
+    """Session ``i``, which lost its place, is a new request now, whose ``prompt`` is its history (and the input of
+    the frames it missed), or what a rebase keeps of it; it re-prefills from the engine's step ``steps`` on, its
+    frames answered silent meanwhile."""
+    ss.hist[i] = prompt
+    ss.pending_in[i] = 0
+    ss.state[i] = PREFILL
+    ss.work_step[i] = steps
+
+
+@_spliced
+def hand_over(i, sl, chunk, steps, ss, fresh):
+    """Session ``i``'s oldest queued frame (``chunk`` tokens, :func:`chunk_of`) is in its request ``sl`` now, from the
+    engine's step ``steps`` on; ``fresh``: the requests with a frame not yet scheduled (the first-step term). Returns
+    the frame."""
+    fresh[sl] = True
+    f = ss.next_frame[i] - ss.backlog[i]
+    ss.hist[i] += chunk
+    ss.started[i] = True
+    ss.pending_in[i] = 0
+    ss.last_tok[i] = False
+    ss.backlog[i] -= 1
+    ss.inflight[i] = f
+    ss.inflight_tok[i] = 0
+    ss.work_step[i] = steps
+    return f
+
+
+@compiled.uncounted
+def hand_over_each(idx, slots, chunks, steps, ss, fresh):
+    """:func:`hand_over` of each session of ``idx``, in order. Returns the latest frame handed over (-1: none)."""
+    latest = -1
+    for k in range(idx.size):
+        latest = max(latest, hand_over(idx[k], slots[k], chunks[k], steps, ss, fresh))
+    return latest
+
+
+@compiled.counted
+def chunks_of(idx, ss):
+    """:func:`chunk_of` of each session of ``idx``."""
+    out = np.empty(idx.size, np.int64)
+    for k in range(idx.size):
+        out[k] = chunk_of(idx[k], ss)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the answers

@@ -44,8 +44,8 @@ from metronome import control_kernel as ck
 from metronome.calibration import step_inputs
 from metronome.compiled import borrowed, hold
 from metronome.front_rules import (ENDED, PREFILL, REFUSED, RUNNING, WAITING, Queues,  # (the states: declared there)
-                                   Tally, answer_silent, book_departure, dequeue, end_owed, enqueue, leave_queue,
-                                   lose_place, tick_due, tokens_in)
+                                   Tally, admit_head, answer_silent, chunk_of, end_owed, enter, hand_over,
+                                   leave_queue, lose_place, readmitted, tick_due, tokens_in)
 from metronome.front_rules import live as _live
 from metronome.front_rules import placeless as _placeless
 from metronome.front_rules import tick as _tick
@@ -141,7 +141,6 @@ NEW_FIRST, NEW_READMIT, NEW_DROPPED = 0, 1, 2
 _spliced = nb.njit(cache=True, inline="always", no_cpython_wrapper=True, no_cfunc_wrapper=True)
 # the step model's form, a session's first frame and what a silent frame is, compiled from their one statement
 _step_inputs = nb.njit(cache=True)(step_inputs)
-_join_frame = nb.njit(cache=True)(serving.join_frame)
 _silent_cause = _spliced(results.silent_cause)
 
 
@@ -272,16 +271,9 @@ def _slot_tick(k, start, who, state, next_frame, phase, P):
 
 
 @_spliced
-def _first_chunk(i, prompt_of, pending_in, n_in_of):
-    """Session ``i``'s first frame's tokens (FrontEnd._request_tokens): its prompt, the input of its silent frames
-    and its own."""
-    return prompt_of[i] + pending_in[i] + n_in_of[i]
-
-
-@_spliced
 def _first_fits(i, ss, maxlen):
-    """Whether session ``i``'s first frame fits the length limit (FrontEnd._submit: serving.frame_fits)."""
-    return ss.hist[i] + _first_chunk(i, ss.prompt_of, ss.pending_in, ss.n_in_of) + ss.n_out_of[i] < maxlen
+    """Whether session ``i``'s first frame fits the length limit (serving.frame_fits)."""
+    return ss.hist[i] + chunk_of(i, ss) + ss.n_out_of[i] < maxlen
 
 
 @_inlined
@@ -328,20 +320,6 @@ def _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans):
     return n_ans
 
 
-@_spliced
-def _hand_over(i, sl, chunk, ss, fe, steps):
-    """Session ``i``'s oldest queued frame is in its request ``sl`` now (FrontEnd._submit's books). Returns it."""
-    fe.fresh[sl] = True
-    f = ss.next_frame[i] - ss.backlog[i]
-    ss.hist[i] += chunk
-    ss.last_tok[i] = False
-    ss.backlog[i] -= 1
-    ss.inflight[i] = f
-    ss.inflight_tok[i] = 0
-    ss.work_step[i] = steps
-    return f
-
-
 @_njit
 def _sort_in_place(a):
     """Sort the few ints of ``a`` (a turn's first frames) by insertion: numba's sort allocates, and the turn is
@@ -375,11 +353,10 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
                 fe.new_i[n_new + n_first] = i
                 n_first += 1
                 continue
-            chunk = 1 + ss.n_in_of[i] + ss.pending_in[i]  # (the input of frames it missed re-prefilling goes with it)
-            ss.pending_in[i] = 0
+            chunk = chunk_of(i, ss)
             resume_slot(sl, chunk, ss.n_out_of[i], eng.cnt, eng.status, eng.computed, eng.ntok, eng.out, eng.maxtok,
                         eng.kw)
-            latest = max(latest, _hand_over(i, sl, chunk, ss, fe, steps))
+            latest = max(latest, hand_over(i, sl, chunk, steps, ss, fe.fresh))
             n_sub += 1
     firsts = fe.new_i[n_new:n_new + n_first]
     _sort_in_place(firsts)
@@ -389,12 +366,12 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
         if i == last:
             continue
         last = i
-        first = _first_chunk(i, ss.prompt_of, ss.pending_in, ss.n_in_of)
+        first = chunk_of(i, ss)
         sl = add_slot(ss.hist[i] + first, ss.n_out_of[i], eng.cnt, eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
-        ss.slot[i], fe.sess_of_slot[sl], ss.started[i], ss.pending_in[i] = sl, i, True, 0
+        ss.slot[i], fe.sess_of_slot[sl] = sl, i
         fe.new_i[n_new], fe.new_s[n_new], fe.new_k[n_new] = i, sl, NEW_FIRST
         n_new += 1
-        latest = max(latest, _hand_over(i, sl, first, ss, fe, steps))
+        latest = max(latest, hand_over(i, sl, first, steps, ss, fe.fresh))
         n_sub += 1
     s.nnew = n_new
     return n_sub, latest
@@ -568,11 +545,7 @@ def _arrive(now, c, s, ss, fe, w, ctl):
             ss.state[i] = REFUSED
             ss.s_ended[i] = now
             continue
-        ss.state[i] = WAITING
-        nf = _join_frame(ss.arrival[i], c.P, ss.phase[i])
-        ss.next_frame[i] = nf
-        enqueue(i, s, fe.queue)
-        book_departure(ss.arrival[i] + ss.duration[i], i, s, fe.dep_t, fe.dep_i)
+        nf = enter(i, ss.arrival[i], ss, s, Queues(fe.queue, fe.dep_t, fe.dep_i, fe.pend))
         k = ss.pslot[i]
         w.tick[k] = min(w.tick[k], _tick(nf, c.P, ss.phase[i]))  # (its slot's others, if any, tick no later)
 
@@ -593,8 +566,7 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
             gone = gone or d == i
         if gone:
             continue
-        tok = (ss.hist[i] + ss.pending_in[i] if ss.started[i]
-               else _first_chunk(i, ss.prompt_of, ss.pending_in, ss.n_in_of))
+        tok = ss.hist[i] + ss.pending_in[i] if ss.started[i] else chunk_of(i, ss)
         need = gate_blocks_jit(tok, lim[L_BS], lim[L_CAP], 0)
         if need > free:
             break
@@ -613,30 +585,21 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
 
 @_inlined
 def _admit(now, n, c, s, ss, fe, eng):
-    """The ``n`` heads of the front end's queue are admitted (FrontEnd._admit): a new session runs from its
-    first frame's tick, which hands its prompt to the engine; one that lost its place comes back as a new request
-    whose prompt is its whole history, and one token to sample (FrontEnd._readmit)."""
+    """The ``n`` heads of the front end's queue are admitted (front_rules.admit_head); one that lost its place comes
+    back as a new request whose prompt is its whole history, and one token to sample (front_rules.readmitted)."""
     for _ in range(n):
-        i = dequeue(s, fe.queue)
-        ss.admit_seq[i] = s.seq
+        i, new = admit_head(now, s.seq, ss, s, fe.queue)
         s.seq += 1
         s.nrun += 1
-        if np.isnan(ss.s_admitted[i]):
-            ss.s_admitted[i] = now
-            ss.admitted[i] = True
-        if not ss.started[i]:
-            ss.state[i] = RUNNING
-            ss.running_since[i] = _tick(ss.next_frame[i], c.P, ss.phase[i])
+        if new:
             continue
-        ss.hist[i] += ss.pending_in[i]
-        ss.pending_in[i] = 0
-        sl = add_slot(ss.hist[i], 1, eng.cnt, eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
+        prompt = ss.hist[i] + ss.pending_in[i]
+        sl = add_slot(prompt, 1, eng.cnt, eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
         ss.slot[i], fe.sess_of_slot[sl] = sl, i
         fe.new_i[s.nnew], fe.new_s[s.nnew], fe.new_k[s.nnew] = i, sl, NEW_READMIT
         s.nnew += 1
-        ss.state[i] = PREFILL
+        readmitted(i, prompt, eng.cnt[E_STEPS], ss)
         s.npf += 1
-        ss.work_step[i] = eng.cnt[E_STEPS]
 
 
 @_inlined
