@@ -55,7 +55,9 @@ from metronome.serving import check_phases, resident_tokens_jit
 from metronome.workload import Durations
 
 
-_OVERLOADED_P_SAT: dict = {}  # FillModel.p_saturate_fixed past the throughput, by its inputs
+# FillModel.p_saturate_fixed by its inputs: a Monte Carlo asks it once per run of the same scenario (each seed), and
+# it took a fifth of a report's time; kept per process
+_P_SAT: dict = {}
 
 
 @dataclass(frozen=True)
@@ -282,14 +284,16 @@ class FillModel:
         """
         if n_sessions <= 0:
             return 0.0
+        key = (self.calibration.to_json(), self.policy, self.phases, n_sessions, durations, float(horizon_s))
+        if key not in _P_SAT:
+            if len(_P_SAT) >= 256:
+                _P_SAT.clear()
+            _P_SAT[key] = self._p_saturate_fixed(n_sessions, durations, horizon_s)
+        return _P_SAT[key]
+
+    def _p_saturate_fixed(self, n_sessions: int, durations: Durations, horizon_s: float) -> float:
         if not self._keeps_up(n_sessions, float(self.tokens_at(horizon_s))):
-            # a second or so, and a Monte Carlo asks it once per run of the same scenario: kept per process
-            key = (self.calibration.to_json(), self.policy, self.phases, n_sessions, durations, float(horizon_s))
-            if key not in _OVERLOADED_P_SAT:
-                if len(_OVERLOADED_P_SAT) >= 64:
-                    _OVERLOADED_P_SAT.clear()
-                _OVERLOADED_P_SAT[key] = self._p_saturate_overloaded(n_sessions, durations, horizon_s)
-            return _OVERLOADED_P_SAT[key]
+            return self._p_saturate_overloaded(n_sessions, durations, horizon_s)
         times, blocks = self._levels(horizon_s)
         if times.size == 0:
             return 0.0
