@@ -35,6 +35,7 @@ from metronome.front_end import (_EPS, ENDED, NOT_ARRIVED, PREFILL, QUEUED, REFU
 from metronome.kv_policy import KVPolicy
 from metronome.serving import EndReason, EngineLimits, EngineModel
 
+from metronome.sim import recorder
 from metronome.sim.recorder import frame_table, step_table
 
 
@@ -73,10 +74,8 @@ class SimEngine(FrontEnd):
         # extra time of a step that starts a frame after the engine idled (the calibration's "first step after
         # the idle gap"): in lockstep a frame's first step; with independent phases only when nothing ran before
         self.first_s = float(self.lat.frame_first_s)
-        # the frame clock a frame row's tick is read back with (fastpath.flush), one for the run
-        from metronome.sim import fastpath as fp
-
-        self.clock = fp.Clock(self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS)
+        # the frame clock a frame row's tick is read back with (recorder.flush), one for the run
+        self.clock = recorder.Clock(self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS)
         self.idle = True  # the engine waited (no step ran) since its last step
         self.jitter = bool(self.lat.jitter)
         self.seed = int(seed)
@@ -163,9 +162,7 @@ class SimEngine(FrontEnd):
     # ------------------------------------------------------------------------------------------------ records
     def _flush_answers(self, now: float) -> tuple[int, int]:
         """Record the frames answered at ``now`` (one row per tick) and feed the controller; returns (frames, silent).
-        The rows are the compiled loop's own (:func:`metronome.sim.fastpath.flush`): one statement of a row."""
-        from metronome.sim import fastpath as fp
-
+        The rows are the compiled loop's own (:func:`metronome.sim.recorder.flush`): one statement of a row."""
         n = self.n_answers
         if not n:
             return 0, 0
@@ -174,9 +171,9 @@ class SimEngine(FrontEnd):
         fr = self.frames
         fr.reserve(n)
         r0 = fr.rows
-        fr.commit(fp.flush(now, n, fp.Answers(key, who, tok, serving.key_order_work(n)),
-                           fp.Owners(self.state, self.s_admitted, self.s_late), self.clock,
-                           fp.FrameRows(*self._frame_stores()), r0, -1))  # (-1: told below)
+        fr.commit(recorder.flush(now, n, recorder.Answers(key, who, tok, serving.key_order_work(n)),
+                           recorder.Owners(self.state, self.s_admitted, self.s_late), self.clock,
+                           recorder.FrameRows(*self._frame_stores()), r0, -1))  # (-1: told below)
         lat, nn, silent = (fr.column(c)[r0:] for c in ("latency_s", "frames", "silent"))
         if self.controller is not None:
             for lt, k, sl in zip(lat.tolist(), nn.tolist(), silent.tolist()):
@@ -185,7 +182,7 @@ class SimEngine(FrontEnd):
         return int(nn.sum()), int(silent.sum())
 
     def _frame_stores(self) -> tuple:
-        """The frames table's storage as :func:`metronome.sim.fastpath.flush` writes it: frame, tick, answered,
+        """The frames table's storage as :func:`metronome.sim.recorder.flush` writes it: frame, tick, answered,
         latency, and the integer block."""
         fr = self.frames
         return fr.store("frame"), fr.store("tick_s"), fr.store("done_s"), fr.store("latency_s"), fr.block
@@ -271,7 +268,7 @@ class SimEngine(FrontEnd):
         self.steps.reserve(n_max, int(2 * ahead * self.steps.rows))
         self.frames.reserve(4 * n_max + 4 * ans_cap, int(2 * ahead * self.frames.rows))
         st, fr = self.steps, self.frames
-        rec = fp.Rows(st.store("t_s"), st.store("step_s"), st.block, *self._frame_stores())
+        rec = recorder.Rows(st.store("t_s"), st.store("step_s"), st.block, *self._frame_stores())
         state["step0"], state["nrows"] = st.rows, fr.rows
         na0 = self.next_arrival
         fp.run_span(conf, state, np.array(self.lat.coefficients, dtype=np.float64), sess, self.session_arrays(), fe,
@@ -422,8 +419,6 @@ class SimEngine(FrontEnd):
     def _compiled_records(self, n: int, rows_end: int) -> None:
         """The compiled loop wrote ``n`` steps and frame rows up to ``rows_end`` into the tables' storage: they are
         the tables' now (and a controller deciding in Python is told the rows)."""
-        from metronome.sim import fastpath as fp
-
         st, fr = self.steps, self.frames
         if n:
             self.stalled = False
@@ -435,7 +430,7 @@ class SimEngine(FrontEnd):
         if rows_end > r0 and self.controller is not None and not self.controller.compiled:  # (else the loop told it)
             self.controller.observe_many(fr.column("done_s")[r0:], fr.column("latency_s")[r0:],
                                          fr.column("frames")[r0:], fr.column("silent")[r0:],
-                                         in_flight=fr.block[fp.R_INFLIGHT, r0:rows_end])
+                                         in_flight=fr.block[recorder.R_INFLIGHT, r0:rows_end])
 
     # ------------------------------------------------------------------------------------------------ results
     def release(self) -> None:

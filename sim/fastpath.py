@@ -52,9 +52,11 @@ from metronome.front_rules import tick as _tick
 from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, L_SINKB,
                                L_WINDOW, O_CTX, O_NEW, O_PRE, O_SAM, O_SCHED, O_USED, PHASE_SLOTS, EngineModel,
-                               abort_slot, add_slot, deadlock_pick, engine_step, gate_blocks_jit, key_order_in,
+                               abort_slot, add_slot, deadlock_pick, engine_step, gate_blocks_jit,
                                key_order_work, resume_need, resume_slot)
-from metronome.sim.recorder import FRAME_BLOCK, STEP_BLOCK
+from metronome.sim import recorder
+from metronome.sim.recorder import (Q_BATCH, Q_CTX, Q_DONE, Q_NEW, Q_OUT, Q_PRE, Q_RUNNING, Q_SILENT, Q_USED,
+                                    Q_WAITING, R_FRAMES, R_SILENT, flush)
 
 P_CODE = EngineModel.PAUSED_CODE
 W_CODE, X_CODE = EngineModel.WAITING_CODE, EngineModel.PREEMPTED_CODE  # waiting: new or resumed; preempted
@@ -101,28 +103,14 @@ Front = namedtuple("Front", "queue dep_t dep_i pend sess_of_slot fresh new_i new
 # ones (lockstep); the moment's answers (tick key, session, tokens got) and room to sort them in; scratch and victims
 # for _victims
 Span = namedtuple("Span", "wheel_start wheel_who tick due visit ready run_sess key who tok work scr vic")
-# the steps and frames tables' storage (sim/recorder.py), written from the given rows on
-Rows = namedtuple("Rows", "st_t st_lat st_i fr_f fr_tick fr_done fr_lat fr_i")
 # the step jitter: each step's ratio (independent), or each step's own score and the shared and frame-only parts of
 # the frames from CONF.f_lo on, with the table of the ratio's distribution (correlated)
 Draws = namedtuple("Draws", "jit jz ja jb jp jr")
-# flush's arguments from the step-by-step path (the loop hands it its own records, which have these fields too)
-Answers = namedtuple("Answers", "key who tok work")
-Owners = namedtuple("Owners", "state s_admitted s_late")
-Clock = namedtuple("Clock", "P Pq deadline eps")
-FrameRows = namedtuple("FrameRows", "fr_f fr_tick fr_done fr_lat fr_i")
 
 # CONF.ctl: no controller; one deciding in Python (the caller hands it the frame rows after the call, with each
 # row's in-flight count, R_INFLIGHT); a compiled one (control_kernel), which this loop runs at each arrival and each
 # frame row, as SimEngine does
 CTL_NONE, CTL_AFTER, CTL_COMPILED = 0, 1, 2
-# frame rows' integer columns (fr_i) and a step row's (st_i): the tables' blocks, by name
-R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_SILENT_WAIT, R_SILENT_DEP, R_INFLIGHT = (
-    FRAME_BLOCK.index(c) for c in ("frames", "late", "tokens", "silent", "silent_preempted", "silent_waiting",
-                                   "silent_departed", "in_flight"))
-(Q_BATCH, Q_NEW, Q_CTX, Q_USED, Q_OUT, Q_DONE, Q_RUNNING, Q_WAITING, Q_SILENT, Q_PRE) = (
-    STEP_BLOCK.index(c) for c in ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out",
-                                  "frames_done", "running", "waiting", "silent_frames", "preemptions"))
 NO_JITTER, INDEPENDENT, CORRELATED = 0, 1, 2
 # STATE.turned: 0 the caller takes the turn at `now`; 1 the turn there is taken, the step is the caller's; 2 a step
 # (or a wait) starts at `now` and ends at out_s, at or past the horizon, where SimPy stops the run (the step-by-step
@@ -141,7 +129,6 @@ NEW_FIRST, NEW_READMIT, NEW_DROPPED = 0, 1, 2
 _spliced = nb.njit(cache=True, inline="always", no_cpython_wrapper=True, no_cfunc_wrapper=True)
 # the step model's form, a session's first frame and what a silent frame is, compiled from their one statement
 _step_inputs = nb.njit(cache=True)(step_inputs)
-_silent_cause = _spliced(results.silent_cause)
 
 
 # The loop's parts are called from compiled code only: numba's wrapper for a call from Python (which unboxes every
@@ -151,57 +138,6 @@ _njit = nb.njit(cache=True, **_bare)
 _inlined = nb.njit(cache=True, _nrt=False, forceinline=True, **_bare)
 _uncounted = nb.njit(cache=True, _nrt=False, forceinline=False, **_bare)
 _counted = nb.njit(cache=True, _nrt=True, forceinline=False, **_bare)
-
-
-@compiled.inlined
-def flush(now, n, ans, ss, c, rows, nrows, in_flight):
-    """``n`` answers (``ans``: tick key, session, tokens got) become one row per tick of ``rows``, in tick order, all
-    answered at ``now`` with ``in_flight`` sessions in flight (-1: nobody reads it, not written); a late frame
-    counts against its session (``ss.s_late``), a silent one is counted by what it is (results.silent_cause: a
-    session that ended now was answered at its departure). Both paths record their rows with it
-    (SimEngine._flush_answers: ``c`` the frame clock). Returns the rows written so far."""
-    if n == 0:
-        return nrows
-    keys, who, toks, state, s_admitted, s_late = ans.key, ans.who, ans.tok, ss.state, ss.s_admitted, ss.s_late
-    P, Pq, deadline, eps = c.P, c.Pq, c.deadline, c.eps
-    # rows are sums over a tick: the order within one does not matter
-    key_order_in(keys, n, ans.work)
-    order = ans.work[:n]
-    j = 0
-    while j < n:
-        key = keys[order[j]]
-        e = j
-        while e < n and keys[order[e]] == key:
-            e += 1
-        f, sl = key // PHASE_SLOTS, key % PHASE_SLOTS
-        tick = f * P + sl * Pq
-        latency = now - tick
-        late = latency > deadline + eps
-        tk = pre = wait = dep = 0
-        for q in range(j, e):
-            i = who[order[q]]
-            tok = toks[order[q]]
-            tk += tok
-            if tok == 0:  # serving.frame_is_silent
-                cause = _silent_cause(tok, state[i] == ENDED, tick, s_admitted[i])
-                if cause == results.SILENT_PREEMPTED:
-                    pre += 1
-                elif cause == results.SILENT_WAITING:
-                    wait += 1
-                else:
-                    dep += 1
-            if late:
-                s_late[i] += 1
-        rows.fr_f[nrows], rows.fr_tick[nrows], rows.fr_done[nrows], rows.fr_lat[nrows] = f, tick, now, latency
-        fr_i = rows.fr_i
-        fr_i[R_FRAMES, nrows], fr_i[R_LATE, nrows], fr_i[R_TOKENS, nrows] = e - j, (e - j) if late else 0, tk
-        fr_i[R_SILENT, nrows], fr_i[R_SILENT_PRE, nrows] = pre + wait + dep, pre
-        fr_i[R_SILENT_WAIT, nrows], fr_i[R_SILENT_DEP, nrows] = wait, dep
-        if in_flight >= 0:
-            fr_i[R_INFLIGHT, nrows] = in_flight
-        nrows += 1
-        j = e
-    return nrows
 
 
 @_counted  # (it allocates)
@@ -879,5 +815,5 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
 # model's form, the jitter ratio, the admission controllers, the hold on borrowed arrays, what a silent frame is and
 # the session states (the front end's module: its constants are compiled in as they were)
 FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, admission, percentile_kernel, compiled,
-              results.silent_cause, front_end, front_rules)
+              results.silent_cause, front_end, front_rules, recorder)
 STEP_FORM = compiled.guard(run_span, FORM_PARTS)  # before any loop is called, so none has loaded its cache yet

@@ -9,11 +9,16 @@ three times.
 from __future__ import annotations
 
 import mmap
+from collections import namedtuple
 
+import numba as nb
 import numpy as np
 import pandas as pd
 
+from metronome import compiled, front_rules, results, serving
+from metronome.front_rules import ENDED
 from metronome.results import weighted_percentile
+from metronome.serving import PHASE_SLOTS, key_order_in
 
 STEP_COLUMNS = (
     "t_s", "step_s", "batch", "new_tokens", "context_tokens", "resident_blocks", "free_blocks",
@@ -29,6 +34,76 @@ STEP_BLOCK = ("batch", "new_tokens", "context_tokens", "resident_blocks", "token
               "waiting", "silent_frames", "free_blocks", "preemptions")
 FRAME_BLOCK = ("frames", "late", "tokens", "silent", "silent_preempted", "silent_waiting", "silent_departed",
                "in_flight")
+
+
+# frame rows' integer columns (fr_i) and a step row's (st_i): the tables' blocks, by name
+R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_SILENT_WAIT, R_SILENT_DEP, R_INFLIGHT = (
+    FRAME_BLOCK.index(c) for c in ("frames", "late", "tokens", "silent", "silent_preempted", "silent_waiting",
+                                   "silent_departed", "in_flight"))
+(Q_BATCH, Q_NEW, Q_CTX, Q_USED, Q_OUT, Q_DONE, Q_RUNNING, Q_WAITING, Q_SILENT, Q_PRE) = (
+    STEP_BLOCK.index(c) for c in ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out",
+                                  "frames_done", "running", "waiting", "silent_frames", "preemptions"))
+
+# the steps and frames tables' storage (sim/recorder.py), written from the given rows on
+Rows = namedtuple("Rows", "st_t st_lat st_i fr_f fr_tick fr_done fr_lat fr_i")
+# flush's arguments from the step-by-step path (the loop hands it its own records, which have these fields too)
+Answers = namedtuple("Answers", "key who tok work")
+Owners = namedtuple("Owners", "state s_admitted s_late")
+Clock = namedtuple("Clock", "P Pq deadline eps")
+FrameRows = namedtuple("FrameRows", "fr_f fr_tick fr_done fr_lat fr_i")
+# what a silent frame is, compiled from its one statement into the writer (spliced: its body joins the caller's)
+_silent_cause = nb.njit(cache=True, inline="always")(results.silent_cause)
+
+
+@compiled.inlined
+def flush(now, n, ans, ss, c, rows, nrows, in_flight):
+    """``n`` answers (``ans``: tick key, session, tokens got) become one row per tick of ``rows``, in tick order, all
+    answered at ``now`` with ``in_flight`` sessions in flight (-1: nobody reads it, not written); a late frame
+    counts against its session (``ss.s_late``), a silent one is counted by what it is (results.silent_cause: a
+    session that ended now was answered at its departure). Both paths record their rows with it
+    (SimEngine._flush_answers: ``c`` the frame clock). Returns the rows written so far."""
+    if n == 0:
+        return nrows
+    keys, who, toks, state, s_admitted, s_late = ans.key, ans.who, ans.tok, ss.state, ss.s_admitted, ss.s_late
+    P, Pq, deadline, eps = c.P, c.Pq, c.deadline, c.eps
+    # rows are sums over a tick: the order within one does not matter
+    key_order_in(keys, n, ans.work)
+    order = ans.work[:n]
+    j = 0
+    while j < n:
+        key = keys[order[j]]
+        e = j
+        while e < n and keys[order[e]] == key:
+            e += 1
+        f, sl = key // PHASE_SLOTS, key % PHASE_SLOTS
+        tick = f * P + sl * Pq
+        latency = now - tick
+        late = latency > deadline + eps
+        tk = pre = wait = dep = 0
+        for q in range(j, e):
+            i = who[order[q]]
+            tok = toks[order[q]]
+            tk += tok
+            if tok == 0:  # serving.frame_is_silent
+                cause = _silent_cause(tok, state[i] == ENDED, tick, s_admitted[i])
+                if cause == results.SILENT_PREEMPTED:
+                    pre += 1
+                elif cause == results.SILENT_WAITING:
+                    wait += 1
+                else:
+                    dep += 1
+            if late:
+                s_late[i] += 1
+        rows.fr_f[nrows], rows.fr_tick[nrows], rows.fr_done[nrows], rows.fr_lat[nrows] = f, tick, now, latency
+        fr_i = rows.fr_i
+        fr_i[R_FRAMES, nrows], fr_i[R_LATE, nrows], fr_i[R_TOKENS, nrows] = e - j, (e - j) if late else 0, tk
+        fr_i[R_SILENT, nrows], fr_i[R_SILENT_PRE, nrows] = pre + wait + dep, pre
+        fr_i[R_SILENT_WAIT, nrows], fr_i[R_SILENT_DEP, nrows] = wait, dep
+        if in_flight >= 0:
+            fr_i[R_INFLIGHT, nrows] = in_flight
+        nrows += 1
+        j = e
+    return nrows
 
 
 def _fresh(shape, dtype) -> np.ndarray:
@@ -134,3 +209,7 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
 
     The one percentile every report uses (:func:`metronome.results.weighted_percentile`)."""
     return weighted_percentile(values, weights, 100.0 * q)
+
+
+# what flush compiles in from other modules (its cache is guarded against their changes, as the loop's is)
+ROWS_FORM = compiled.guard(flush, (serving, results.silent_cause, front_rules))
