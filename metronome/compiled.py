@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import pickle
 import sys
 from pathlib import Path
 
@@ -34,6 +35,31 @@ def give_llvmlite_a_dict() -> None:
 # at import: every process that loads numba through metronome, a spawned one (vLLM's engine and workers import the
 # parent's main module again, and with it numba) included
 give_llvmlite_a_dict()
+
+
+def read_stale_indexes_as_empty() -> None:
+    """numba's cache index pickles each cached function's signatures, and with them the classes of its arguments by
+    module and name. An index written before such a class moved or was renamed (a record of the simulator's loop,
+    say, passed to a function in a module that did not change) cannot be read back, and numba raises instead of
+    compiling again: the first run after an upgrade failed. An index that cannot be read is what numba calls an
+    obsolete one, and is read as empty (the function compiles and the index is written anew)."""
+    from numba.core import caching
+
+    load = caching.IndexDataCacheFile._load_index
+    if getattr(load, "reads_stale_as_empty", False):
+        return
+
+    def _load_index(self):
+        try:
+            return load(self)
+        except (AttributeError, ImportError, EOFError, pickle.UnpicklingError):
+            return {}
+
+    _load_index.reads_stale_as_empty = True
+    caching.IndexDataCacheFile._load_index = _load_index
+
+
+read_stale_indexes_as_empty()
 
 
 def form_of(parts) -> str:

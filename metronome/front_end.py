@@ -711,8 +711,8 @@ class FrontEnd:
                 out.append(i)
         m = self.model
         # starved: work handed over before this step, not scheduled in it, waiting in the engine
-        cand = np.flatnonzero((self.slot >= 0) & ((self.inflight >= 0) | (self.state == PREFILL))
-                              & (self.work_step <= step_no)) if self.sees_starvation else np.zeros(0, np.int64)
+        cand = np.empty(self.state.size, np.int64)
+        cand = cand[:rules.awaiting_engine(step_no, self.session_arrays(), cand)] if self.sees_starvation else cand[:0]
         if cand.size:
             scheduled = np.zeros(self.sess_of_slot.size, dtype=bool)
             scheduled[rec.slots] = True
@@ -763,7 +763,8 @@ class FrontEnd:
         owed = int(self.backlog[i]) + 1
         self.room(ahead=1, owed=owed if self.lockstep else 0)
         a = self._answer_room(0 if self.lockstep else owed)
-        self.n_answers = rules.lose_place(i, self.lockstep, self.session_arrays(), self._b, self.queues, a, self.n_answers)
+        self.n_answers = rules.lose_place(i, self.lockstep, self.session_arrays(), self._b, self.queues, a,
+                                          self.n_answers)
         if lost:
             self.rebase_next[i] = True
         else:

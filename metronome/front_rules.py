@@ -395,6 +395,25 @@ def tokens_in(sampled, now, ss, sess_of_slot, a, n_ans, moved):
     return n_ans, n_pre, n_inf, n_ready
 
 
+@_spliced
+def awaits_engine(i, step_no, ss):
+    """Whether session ``i``'s work (a frame, or a re-prefill) was in its request before the engine's step
+    ``step_no``: if the step did not schedule it and the request waits in the engine, the session is starved for
+    blocks (a candidate of the deadlock rule, serving.deadlock_pick)."""
+    return ss.slot[i] >= 0 and (ss.inflight[i] >= 0 or ss.state[i] == PREFILL) and ss.work_step[i] <= step_no
+
+
+@compiled.uncounted
+def awaiting_engine(step_no, ss, out):
+    """The sessions of which :func:`awaits_engine` holds, in order, into ``out``. Returns how many."""
+    n = 0
+    for i in range(ss.state.size):
+        if awaits_engine(i, step_no, ss):
+            out[n] = i
+            n += 1
+    return n
+
+
 # ------------------------------------------------------------------------------------------- a session's end
 @compiled.inlined
 def end_owed(i, now, clock, ss, b, pend, a, n_ans, censored):
@@ -466,3 +485,9 @@ def lose_place(i, lockstep, ss, b, q, a, n_ans):
     ss.state[i] = WAITING
     requeue(i, b, q.queue)
     return n_ans
+
+
+# what the rules compile in from other modules (the join frame, the tick key's slots): their cache is dropped when
+# those change (metronome.compiled.guard), before any rule has loaded it
+RULES_PARTS = (serving,)
+RULES_FORM = compiled.guard(tick_due, RULES_PARTS)

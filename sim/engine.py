@@ -35,7 +35,7 @@ from metronome.front_end import (_EPS, ENDED, NOT_ARRIVED, PREFILL, QUEUED, REFU
 from metronome.kv_policy import KVPolicy
 from metronome.serving import EndReason, EngineLimits, EngineModel
 
-from metronome.sim import recorder
+from metronome.sim import recorder, span
 from metronome.sim.recorder import frame_table, step_table
 
 
@@ -224,24 +224,22 @@ class SimEngine(FrontEnd):
         return int(min(self.COMPILED_STEPS, max(64, 2 * self._last_span)))
 
     def _span_draws(self, n_max: int, live: np.ndarray, t_next: float):
-        """The compiled loop's jitter: its kind, the draws (:class:`metronome.sim.fastpath.Draws`: each step's ratio
+        """The compiled loop's jitter: its kind, the draws (:class:`metronome.sim.span.Draws`: each step's ratio
         under independent jitter; under correlated jitter each step's own score and the shared and frame-only parts
         of the frames the span can be serving, from the serving frame to the last tick before ``t_next``, a step
         past them handed back, and the table) and the parts' weights."""
-        from metronome.sim import fastpath as fp
-
         none = np.zeros(0)
         d = self.draws
         if not self.jitter:
-            return fp.NO_JITTER, fp.Draws(none, none, none, none, none, none), (0.0, 0.0, 0.0)
+            return span.NO_JITTER, span.Draws(none, none, none, none, none, none), (0.0, 0.0, 0.0)
         steps = self.n_steps + np.arange(n_max)
         if not d.correlated:
-            return fp.INDEPENDENT, fp.Draws(d.ratio(steps, 0), none, none, none, none, none), (0.0, 0.0, 0.0)
+            return span.INDEPENDENT, span.Draws(d.ratio(steps, 0), none, none, none, none, none), (0.0, 0.0, 0.0)
         f_lo = self.serving_frame
         last = int(np.floor((min(t_next, self.horizon) + _EPS - self.phase[live].min()) / self.P)) + 1
         shared, own = d.frame_parts(np.arange(f_lo, max(f_lo, min(last, f_lo + self.SPAN_FRAMES)) + 1))
         p, r = d.table()
-        return fp.CORRELATED, fp.Draws(none, d.step_scores(steps), shared, own, p, r), d.weights()
+        return span.CORRELATED, span.Draws(none, d.step_scores(steps), shared, own, p, r), d.weights()
 
     def _compiled_span(self, now: float):
         """Turns and steps of a steady span in :func:`metronome.sim.fastpath.run_span` (compiled), from just
@@ -281,17 +279,17 @@ class SimEngine(FrontEnd):
             self.t_sat = float(s["t_sat"])
         self._last_span = n
         self.idle = bool(s["idle"])
-        if n == 0 and end == now and turned not in (fp.PAST_HORIZON, fp.PAUSED, fp.STEP_TAKEN):
+        if n == 0 and end == now and turned not in (span.PAST_HORIZON, span.PAUSED, span.STEP_TAKEN):
             return None
         self.serving_frame, self.peak_used = int(s["sframe"]), int(s["peak"])
         self.n_steps += n
         self.fast_steps += n
         self._compiled_records(n, int(s["nrows"]))
-        if turned == fp.PAST_HORIZON:  # its last step outlives the run: SimPy stops while it runs
+        if turned == span.PAST_HORIZON:  # its last step outlives the run: SimPy stops while it runs
             self.now = end
             return float(s["out_s"]), False, False, None
         taken = None
-        if turned == fp.STEP_TAKEN:
+        if turned == span.STEP_TAKEN:
             self.n_steps += 1
             self.fast_steps += 1
             lat = float(s["out_s"])
@@ -299,22 +297,20 @@ class SimEngine(FrontEnd):
             end += lat
         elif self.check_invariants:
             self.assert_invariants()
-        return end, turned in (fp.TURN_TAKEN, fp.PAUSED), turned == fp.PAUSED, taken
+        return end, turned in (span.TURN_TAKEN, span.PAUSED), turned == span.PAUSED, taken
 
     def _front_arrays(self, now: float, n_coming: int, n_sess: int):
-        """The compiled loop's counters (:data:`metronome.sim.fastpath.STATE`: the front end's books and the loop's
-        own) and the arrays it runs the front end on (:class:`metronome.sim.fastpath.Front`: the front end's own
+        """The compiled loop's counters (:data:`metronome.sim.span.STATE`: the front end's books and the loop's
+        own) and the arrays it runs the front end on (:class:`metronome.sim.span.Front`: the front end's own
         queues, with room for ``n_coming`` arrivals and, before the queue's head, for the ``n_sess`` sessions it may
         see (a preempted session goes back to the head, and no more can than run), for the silent frames owed in
         lockstep (an engine behind the frame clock owes more every tick), and for the requests it adds and
         aborts)."""
-        from metronome.sim import fastpath as fp
-
         self.room(ahead=n_sess + 1, behind=n_coming, departures=n_coming, owed=8 * n_sess + 64)
         q = self.queues
         new_i, new_s, new_k = (np.zeros(4 * n_sess + 64, dtype=np.int64) for _ in range(3))
-        fe = fp.Front(q.queue, q.dep_t, q.dep_i, q.pend, self.sess_of_slot, self.fresh_slot, new_i, new_s, new_k)
-        state = np.zeros(1, fp.STATE)
+        fe = span.Front(q.queue, q.dep_t, q.dep_i, q.pend, self.sess_of_slot, self.fresh_slot, new_i, new_s, new_k)
+        state = np.zeros(1, span.STATE)
         for name, _ in rules.BOOK_FIELDS:
             state[name] = self.books[name]
         for name, value in (("now", now), ("t_sat", math.nan if self.t_sat is None else self.t_sat),
@@ -328,17 +324,15 @@ class SimEngine(FrontEnd):
         """The front end's books after the compiled loop (``s``: its counters): its queues' heads and lengths, its
         requests named and forgotten, in order (before departures: one may have left), the arrivals it refused and
         the departures it took (from ``dep0`` on)."""
-        from metronome.sim import fastpath as fp
-
         for name, _ in rules.BOOK_FIELDS:
             self.books[name] = s[name]
         for i, sl, k in zip(fe.new_i[:n_new].tolist(), fe.new_s[:n_new].tolist(), fe.new_k[:n_new].tolist()):
-            if k == fp.NEW_DROPPED:
+            if k == span.NEW_DROPPED:
                 self._forget_request(i)
                 self.loop_preemptions += 1
                 continue
             self._name_request(i, sl)
-            if k == fp.NEW_FIRST:
+            if k == span.NEW_FIRST:
                 self.loop_first_frames += 1
             else:
                 self.loop_readmissions += 1
@@ -396,18 +390,16 @@ class SimEngine(FrontEnd):
         return live, t_next, na_end
 
     def _compiled_config(self, now: float, sess: np.ndarray, t_next: float, n_max: int, na_end: int):
-        """The compiled loop's constants (:data:`metronome.sim.fastpath.CONF`) and the jitter draws (``sess``: the
+        """The compiled loop's constants (:data:`metronome.sim.span.CONF`) and the jitter draws (``sess``: the
         sessions the loop may see)."""
-        from metronome.sim import fastpath as fp
-
         kind, draws, (wz, wshared, wown) = self._span_draws(n_max, sess, t_next)
         c = self.controller
-        conf = np.zeros(1, fp.CONF)
+        conf = np.zeros(1, span.CONF)
         for name, value in (
                 ("max_steps", n_max), ("ans_cap", 2 * max(self.model.status_a.size, sess.size) + 64),
                 ("f_lo", self.serving_frame), ("lockstep", self.lockstep), ("sees", self.sees_starvation),
-                ("na_end", na_end), ("ctl", fp.CTL_NONE if c is None else fp.CTL_COMPILED if c.compiled
-                                     else fp.CTL_AFTER), ("tpf", self.tpf), ("P", self.P),
+                ("na_end", na_end), ("ctl", span.CTL_NONE if c is None else span.CTL_COMPILED if c.compiled
+                                     else span.CTL_AFTER), ("tpf", self.tpf), ("P", self.P),
                 ("Pq", self.clock.Pq), ("deadline", self.deadline), ("t_next", t_next), ("first_s", self.first_s),
                 ("eps", _EPS), ("jitter", kind), ("horizon", self.horizon), ("wz", wz),
                 ("wshared", wshared), ("wown", wown), ("route", self.lat.moe_route),

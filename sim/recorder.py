@@ -212,4 +212,5 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
 
 
 # what flush compiles in from other modules (its cache is guarded against their changes, as the loop's is)
-ROWS_FORM = compiled.guard(flush, (serving, results.silent_cause, front_rules))
+ROWS_PARTS = (serving, results.silent_cause, front_rules)
+ROWS_FORM = compiled.guard(flush, ROWS_PARTS)
