@@ -489,12 +489,10 @@ class FrontEnd:
         rules.enter(i, float(t_enter), self.session_arrays(), self._b, self.queues)
 
     def _request_tokens(self, i: int) -> int:
-        """Tokens the session's request will carry when (re)admitted: its first frame, or its history (what a
-        rebase keeps of it, when its KV was lost with the engine)."""
-        if not self.started[i]:
-            return int(rules.chunk_of(i, self.session_arrays()))
-        n = int(self.hist[i] + self.pending_in[i])
-        return min(n, self.keep_tokens) if self.rebase_next[i] else n
+        """Tokens the session's request will carry when (re)admitted (rules.request_tokens), or what a rebase keeps
+        of its history when its KV was lost with the engine."""
+        n = int(rules.request_tokens(i, self.session_arrays()))
+        return min(n, self.keep_tokens) if self.started[i] and self.rebase_next[i] else n
 
     def _admission_need(self, i: int) -> int:
         return serving.admission_need_blocks(self.policy, self._request_tokens(i), self.cap_blocks)

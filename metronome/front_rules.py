@@ -79,6 +79,13 @@ def chunk_of(i, ss):
     return (1 if ss.started[i] else ss.prompt_of[i]) + ss.pending_in[i] + ss.n_in_of[i]
 
 
+@_spliced
+def request_tokens(i, ss):
+    """Tokens session ``i``'s request carries when it is admitted: its first frame or, once it lost its place, its
+    history and the input of the frames it missed (what a rebase keeps of them is the caller's)."""
+    return ss.hist[i] + ss.pending_in[i] if ss.started[i] else chunk_of(i, ss)
+
+
 # ------------------------------------------------------------------------------------------------ the queue
 @_spliced
 def enqueue(i, b, queue):

@@ -1,34 +1,19 @@
 """The simulator's hot loop, compiled: turns and steps of a steady span, one machine-code loop.
 
-An hour of Moshi is hundreds of thousands of steps, and under independent phases nothing repeats from one step
-to the next that numpy could take a whole span at a time. This module runs the front end's turns and steps in
-numba, under either phase regime: the turn (frames that came due are handed to the engine; a session without a
-place hears silence, at once or, in lockstep, with its tick's running frames), the engine step, the step's latency
-with its jitter draw, the reaction to the step and the records. The engine step is not restated here: it is
-:func:`metronome.serving.engine_step`, the one statement of vLLM's step, called on the engine model's own arrays
-(what :meth:`EngineModel.step` runs too). A turn visits only the phase slots whose tick came due and a step reads
-only the requests with work, so a step's cost follows its batch, not the sessions in flight.
+An hour of Moshi is hundreds of thousands of steps, and under independent phases nothing repeats from one step to
+the next that numpy could take a whole span at a time. This module runs the front end's turns and the engine's
+steps in numba, under either phase regime. It states no rule of its own: the front end's are
+:mod:`metronome.front_rules`' (what :class:`metronome.front_end.FrontEnd` calls too), the engine step is
+:func:`metronome.serving.engine_step` on the engine model's own arrays, the deadlock rule
+:func:`metronome.serving.deadlock_pick` and a frame row :func:`metronome.sim.recorder.flush`. What is here is the
+loop: the order of a turn, the step's latency with its jitter draw, and what it may take without the caller.
 
-A step may preempt, stop an admission at the token budget, ``max_num_seqs``, the gate or the watermark: the engine
-step decides it. With a front end that steps vLLM itself (``--loop driver``) the requests vLLM preempted and the
-deadlock rule's victims (serving.deadlock_pick, the need serving.resume_need) lose their place, their frames owed,
-and go back to the head of the front end's queue; a later turn readmits one as a request whose prompt is its
-history, which re-prefills while its frames are answered silent. A step that scheduled nothing, or a reaction the
-span has no room for, is handed back *after* the step is taken (``STEP_TAKEN``) and the step-by-step path does the
-rest. A session's first frame becomes a new request here (serving.add_slot); the caller names the requests the
-loop adds and forgets those it aborts (``new_k``).
-
-Before a turn it would take differently (the length limit, a rebase, the next arrival) it stops and hands back,
-and the step-by-step path takes it from exactly there. Departures are taken here (each frame row carries the
-sessions in flight, which an admission controller is told). ``tests/test_sim_scenarios.py`` compares the two, bit
+A turn visits only the phase slots whose tick came due (:mod:`metronome.sim.span`'s wheel) and a step reads only
+the requests with work, so a step's cost follows its batch, not the sessions in flight. Before a turn it would take
+differently (the length limit, a rebase, an arrival the gate queues) it stops and hands back, and the step-by-step
+path takes it from exactly there; a step after which the front end must act in Python (a stall, a reaction the span
+has no room for) is handed back once taken (``STEP_TAKEN``). ``tests/test_sim_scenarios.py`` compares the two, bit
 for bit, and ``tests/test_front_end_differential.py`` both with the live driver.
-
-The loop's state is named records, not lists of arguments: the front end's per-session arrays
-(:class:`metronome.front_end.Sessions`), the engine model's (:class:`metronome.serving.EngineArrays`), the front
-end's queues and the span's buffers (:class:`Front`, :class:`Span`), the tables' storage (:class:`Rows`), the jitter
-draws (:class:`Draws`), and two numpy records, the span's constants (:data:`CONF`) and its counters
-(:data:`STATE`). A field is named where it is read and written; one added in the wrong place of a positional list
-would break silently.
 """
 
 from __future__ import annotations
@@ -42,23 +27,23 @@ from metronome import control_kernel as ck
 from metronome.calibration import step_inputs
 from metronome.compiled import borrowed, hold
 from metronome.front_rules import (ENDED, PREFILL, REFUSED, WAITING, Queues, Tally,  # (the states: declared there)
-                                   admit_head, answer_silent, awaits_engine, chunk_of, end_owed, enter, hand_over,
-                                   leave_queue, lose_place, readmitted, tick_due, tokens_in)
+                                   admit_head, answer_silent, chunk_of, end_owed, enter, hand_over, leave_queue,
+                                   readmitted, request_tokens, tick_due, tokens_in)
 from metronome.front_rules import live as _live
 from metronome.front_rules import placeless as _placeless
 from metronome.front_rules import tick as _tick
 from metronome.jitter_kernel import correlated_ratio
-from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, L_SINKB,
-                               L_WINDOW, O_CTX, O_NEW, O_PRE, O_SAM, O_SCHED, O_USED, abort_slot, add_slot,
-                               deadlock_pick, engine_step, gate_blocks_jit, resume_need, resume_slot)
-from metronome.sim import recorder, span
-from metronome.sim.span import (CORRELATED, CTL_AFTER, CTL_COMPILED, INDEPENDENT, NEW_DROPPED, NEW_FIRST, NEW_READMIT,
-                                P_CODE, PAST_HORIZON, PAUSED, STEP_TAKEN, TURN_CALLER, TURN_TAKEN, W_CODE, X_CODE)
+from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX,
+                               O_NEW, O_PRE, O_SAM, O_SCHED, O_USED, add_slot, engine_step, gate_blocks_jit,
+                               resume_slot)
+from metronome.sim import reaction, recorder, span
+from metronome.sim.recorder import (Q_BATCH, Q_CTX, Q_DONE, Q_NEW, Q_OUT, Q_PRE, Q_RUNNING, Q_SILENT, Q_USED,
+                                    Q_WAITING, R_FRAMES, R_SILENT, flush)
+from metronome.sim.span import (CORRELATED, CTL_AFTER, CTL_COMPILED, INDEPENDENT, NEW_FIRST, NEW_READMIT, P_CODE,
+                                PAST_HORIZON, PAUSED, STEP_TAKEN, TURN_CALLER, TURN_TAKEN)
 from metronome.sim.span import inlined as _inlined
 from metronome.sim.span import njit as _njit
 from metronome.sim.span import spliced as _spliced
-from metronome.sim.recorder import (Q_BATCH, Q_CTX, Q_DONE, Q_NEW, Q_OUT, Q_PRE, Q_RUNNING, Q_SILENT, Q_USED,
-                                    Q_WAITING, R_FRAMES, R_SILENT, flush)
 
 # the step model's form, a session's first frame and what a silent frame is, compiled from their one statement
 _step_inputs = nb.njit(cache=True)(step_inputs)
@@ -131,8 +116,8 @@ def _sort_in_place(a):
 def _submit_due(n_visit, s, ss, fe, w, eng):
     """The turn, second half: a paused session's oldest queued frame is handed to its request
     (EngineModel.append_many: serving.resume_slot), which waits in its place in the kv-holding queue; then a
-    session's first frame, with its prompt, becomes a new request at the tail of ``waiting`` (FrontEnd._submit:
-    serving.add_slot), in session order as the step-by-step turn hands them over. Returns (how many were handed
+    session's first frame, with its prompt, becomes a new request at the tail of ``waiting`` (serving.add_slot),
+    in session order as the step-by-step turn hands them over (front_rules.hand_over). Returns (how many were handed
     over, the latest frame handed)."""
     n_sub = 0
     latest = -1
@@ -193,7 +178,7 @@ def _step_latency(coef, c, o_n, first, step_no, sframe, dr):
 def _tokens_to_frames(now, s, ss, fe, w, eng):
     """The step's sampled tokens to their frames (front_rules.tokens_in), the frames done answered from the
     moment's first answer on. Returns (tokens out, frames done, sessions with frames still queued)."""
-    scr = w.scr  # (rows 1-3: _victims's scratch, free again; row 0 is its marks, kept at 0)
+    scr = w.scr  # (rows 1-3: reaction.victims's scratch, free again; row 0 is its marks, kept at 0)
     n_done, n_pre, tokens_out, n_ready = tokens_in(
         eng.o_sam[:eng.o_n[O_SAM]], now, ss, fe.sess_of_slot, Tally(ss.pslot, ss.s_frames, ss.s_silent, w.key, w.who,
                                                                     w.tok), np.int64(0),
@@ -203,115 +188,15 @@ def _tokens_to_frames(now, s, ss, fe, w, eng):
 
 
 @_inlined
-def _victims(ss, fe, w, eng):
-    """FrontEnd._preempt_after_step's choice, after a step that scheduled something (a stall is the caller's):
-    the sessions whose requests the engine preempted, then the deadlock rule's victims (serving.deadlock_pick)
-    among the sessions still in the engine, the starved ones' need asked of serving.resume_need. Written to
-    ``w.vic`` in the order they are preempted; ``w.scr`` is scratch, a row per slot, its marks all 0 between calls.
-    Returns (how many, an upper bound of the frames they will be owed: their frame in flight and those queued).
-
-    A starved request waits in the engine (EngineModel.waiting_of), so it is in the kv-holding or the waiting
-    queue: the starved ones' need is summed over those two queues, and only when it exceeds the free blocks (the
-    rule takes victims) are the slots scanned for every session in the engine. Past N* a step leaves requests
-    waiting every time, and a scan of every slot the run ever used, each step, was the loop's cost."""
-    mark, who, need, seq, hl, order = w.scr[0], w.scr[1], w.scr[2], w.scr[3], w.scr[4], w.scr[5]
-    cnt, o_n, held, status, vic = eng.cnt, eng.o_n, eng.held, eng.status, w.vic
-    n_vic = 0
-    owed = 0
-    free = eng.lim[L_NB] - cnt[E_USED]
-    for j in range(o_n[O_PRE]):  # (aborted first: its blocks, if any, are free for the rule below)
-        sl = eng.o_pre[j]
-        i = fe.sess_of_slot[sl]
-        mark[sl] = 2
-        vic[n_vic] = i
-        n_vic += 1
-        owed += 1 + ss.backlog[i]
-        free += held[sl]
-    for j in range(o_n[O_SCHED]):
-        if mark[eng.o_s[j]] == 0:
-            mark[eng.o_s[j]] = 1
-    step_no = cnt[E_STEPS] - 1
-    total = 0
-    n_kw = cnt[E_KW]
-    for q in range(n_kw + cnt[E_WQ]):
-        sl = eng.kw[q] if q < n_kw else eng.wq[q - n_kw]
-        if mark[sl] == 0:
-            total += _starved_need(sl, ss, fe, eng, step_no)
-    if total > free:
-        k = 0
-        for sl in range(cnt[E_NEXT]):  # every session with a request in the engine
-            if mark[sl] == 2 or status[sl] == 0:
-                continue
-            i = fe.sess_of_slot[sl]
-            if ss.slot[i] != sl:
-                continue
-            who[k], seq[k], hl[k] = i, ss.admit_seq[i], held[sl]
-            need[k] = 0 if mark[sl] else _starved_need(sl, ss, fe, eng, step_no)
-            k += 1
-        m = deadlock_pick(need[:k], seq[:k], hl[:k], free, False, order)
-        for q in range(m):
-            i = who[order[q]]
-            vic[n_vic] = i
-            n_vic += 1
-            owed += 1 + ss.backlog[i]
-    for j in range(o_n[O_PRE]):  # (the marks back to 0, without touching every slot)
-        mark[eng.o_pre[j]] = 0
-    for j in range(o_n[O_SCHED]):
-        mark[eng.o_s[j]] = 0
-    return n_vic, owed
-
-
-@_spliced
-def _starved_need(sl, ss, fe, eng, step_no):
-    """Blocks request ``sl`` is starved for (serving.resume_need), 0 if it is not starved: its session's work (a
-    frame, or a re-prefill) was handed over before the step, and it waits in the engine (EngineModel.waiting_of).
-    The caller has ruled out a request scheduled or preempted in the step."""
-    i = fe.sess_of_slot[sl]
-    st = eng.status[sl]
-    if ss.slot[i] == sl and awaits_engine(i, step_no, ss) and (st == W_CODE or st == X_CODE):
-        lim = eng.lim
-        return resume_need(eng.ntok[sl], eng.computed[sl], eng.held[sl], lim[L_BS], lim[L_CAP], lim[L_SINKB],
-                           lim[L_WINDOW])
-    return 0
-
-
-@_spliced
-def _abort(i, ss, fe, eng):
-    """Session ``i``'s request aborted (EngineModel.abort: serving.abort_slot), if it has one (none before its first
-    frame); the caller forgets its id."""
-    sl = ss.slot[i]
-    if sl >= 0:
-        abort_slot(sl, eng.cnt, eng.status, eng.slots, eng.held, eng.run, eng.kw, eng.wq)
-        fe.fresh[sl] = False
-        ss.slot[i] = -1
-    return sl
-
-
-@_inlined
-def _preempt_session(i, c, s, ss, fe, a, eng, n_ans):
-    """Session ``i`` loses its place (front_rules.lose_place), its request aborted (the caller forgets its id).
-    Returns the answers."""
-    sl = _abort(i, ss, fe, eng)
-    fe.new_i[s.nnew], fe.new_s[s.nnew], fe.new_k[s.nnew] = i, sl, NEW_DROPPED
-    s.nnew += 1
-    if ss.state[i] == PREFILL:
-        s.npf -= 1
-    s.nrun -= 1
-    n_ans = lose_place(i, c.lockstep, ss, s, Queues(fe.queue, fe.dep_t, fe.dep_i, fe.pend), a, n_ans)
-    ss.s_preempt[i] += 1
-    return n_ans
-
-
-@_inlined
 def _departures_due(now, s, ss, fe, held):
-    """The departures due at a turn at ``now``, in FrontEnd._turn's order (its heap's): where they end in
-    ``fe.dep_t``, the blocks they free and (at most) the frames they leave owed."""
+    """The departures due at a turn at ``now``, in the order booked: where they end in ``fe.dep_t``, the blocks
+    they free and (at most) the frames they leave owed."""
     freed = 0
     owed = 0
     k = s.dep
     while k < s.ndeps and fe.dep_t[k] <= now:
         i = fe.dep_i[k]
-        if _live(ss.state[i]):  # (a session that already ended is passed over, as FrontEnd._turn does)
+        if _live(ss.state[i]):  # (a session that already ended is passed over)
             if ss.slot[i] >= 0:  # (admitted, its first frame not yet due: no request yet)
                 freed += held[ss.slot[i]]
             owed += ss.backlog[i] + 1
@@ -324,9 +209,8 @@ def _departures_due(now, s, ss, fe, held):
 
 @_inlined
 def _arrive(now, c, s, ss, fe, w, ctl):
-    """FrontEnd._turn's arrivals (those up to ``now``): each passes the gate (the controller's may_admit,
-    compiled) with the sessions in flight, or is refused (the caller names the reason). One let in waits at the
-    tail of the front end's queue, streams from its join frame and has its departure booked (FrontEnd._enter)."""
+    """The arrivals up to ``now``: each passes the gate (the controller's may_admit, compiled) with the sessions in
+    flight and enters (front_rules.enter), or is refused (the caller names the reason)."""
     while s.narr < c.na_end and ss.arrival[s.narr] <= now:
         i = s.narr
         s.narr += 1
@@ -345,9 +229,9 @@ def _arrive(now, c, s, ss, fe, w, ctl):
 
 @_inlined
 def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
-    """FrontEnd._admit's FCFS pass (serving.admit_fcfs), planned: how many heads of the front end's queue (less
-    those ``leaving`` before it) get the blocks vLLM's gate wants (serving.admission_need_blocks), none right after a
-    step that preempted (``s.prelast``), or -1 when one that does is one this loop does not take (a readmission
+    """The FCFS admission (serving.admit_fcfs), planned: how many heads of the front end's queue (less those
+    ``leaving`` before it) get the blocks vLLM's gate wants (serving.admission_need_blocks), none right after a step
+    that preempted (``s.prelast``), or -1 when one that does is one this loop does not take (a readmission
     past the length limit; a first frame due now past it; either without room for its request)."""
     if s.prelast:
         return 0
@@ -359,11 +243,10 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
             gone = gone or d == i
         if gone:
             continue
-        tok = ss.hist[i] + ss.pending_in[i] if ss.started[i] else chunk_of(i, ss)
-        need = gate_blocks_jit(tok, lim[L_BS], lim[L_CAP], 0)
+        need = gate_blocks_jit(request_tokens(i, ss), lim[L_BS], lim[L_CAP], 0)
         if need > free:
             break
-        if ss.started[i]:  # readmitted at once, its history its prompt (FrontEnd._readmit), unless it must rebase
+        if ss.started[i]:  # readmitted at once, its history its prompt, unless it must rebase (the caller's)
             room -= 1
             if room < 0 or ss.hist[i] + ss.pending_in[i] + c.tpf >= lim[L_MAXLEN]:  # (serving.frame_fits)
                 return -1
@@ -400,7 +283,7 @@ def _depart(i, now, c, s, ss, fe, a, eng, n_ans):
     """A session departs: its request aborted, or its place in the front end's queue given up, then the frames it
     is owed answered once their deadline has passed (front_rules.end_owed; the loop keeps no rows of those it never
     answers). Returns the answers."""
-    _abort(i, ss, fe, eng)
+    reaction.abort(i, ss, fe, eng)
     if ss.state[i] == WAITING:
         leave_queue(i, s, fe.queue)
     else:
@@ -418,8 +301,8 @@ def _depart(i, now, c, s, ss, fe, a, eng, n_ans):
 @_inlined
 def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
     """The checks of the turn at ``now``, after its arrivals: the sessions it visits, whether this loop takes the
-    rest as FrontEnd._turn would (_turn_fits, the departures, the admissions, room for the answers) and what it
-    takes: (visited, slots due, taken, departures' end in ``fe.dep_t``, sessions admitted)."""
+    rest as the step-by-step turn would (_turn_fits, the departures, the admissions, room for the answers) and what
+    it takes: (visited, slots due, taken, departures' end in ``fe.dep_t``, sessions admitted)."""
     n_visit, n_due = span.due_sessions(now, c.eps, w, n_ready, ss.state)
     fits, n_ans, room = _turn_fits(now, n_visit, c, ss, w, eng, n_room)
     k0 = s.dep
@@ -439,10 +322,11 @@ def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
 # compiled.inlined: either way its flags are its own, not the turn's. This module's own helpers take the turn's.
 @_inlined
 def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
-    """The front end's turn at ``now`` (FrontEnd._turn): the arrivals, then, if the checks pass (:func:`_turn_plan`;
-    else the caller takes the rest of the turn), the departures due, the admissions and the sessions whose frames
-    came due (_ticks, _answer_silent). None of it when the span ends here: at its next event, after its steps, or
-    without room for another turn and step. Returns (taken, frames handed over, the latest)."""
+    """The front end's turn at ``now``, in the order FrontEnd takes it: the arrivals, then, if the checks pass
+    (:func:`_turn_plan`; else the caller takes the rest of the turn), the departures due, the admissions, the frames
+    that came due and, in lockstep, the silent frames they release. None of it when the span ends here: at its next
+    event, after its steps, or without room for another turn and step. Returns (taken, frames handed over, the
+    latest)."""
     ans_cap = c.ans_cap
     if (now >= c.t_next or s.nsteps >= c.max_steps or s.nrows + 2 * ans_cap > rec.fr_f.size
             or ck.open_samples(ctl) + 2 * ans_cap > ctl.lat.size or s.nnew + live.size + 1 > fe.new_i.size):
@@ -492,23 +376,11 @@ def _answered(now, n_ans, c, s, ss, w, rec, ctl):
 
 
 @_inlined
-def _preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans):
-    """After the tokens of a step that started at ``step_start``, the ``n_vic`` sessions of ``w.vic`` preempted
-    (:func:`_preempt_session`; the first ever dates t_sat). Returns the answers."""
-    for v in range(n_vic):
-        n_ans = _preempt_session(w.vic[v], c, s, ss, fe, a, eng, n_ans)
-    if np.isnan(s.t_sat):
-        s.t_sat = step_start
-    return n_ans
-
-
-@_inlined
 def _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts):
     """A step that started at ``step_start``, took ``lat`` and ended at ``now``, its tokens gone to their frames
     and its victims preempted (``counts``: answers up to the frames done, all answers, tokens out, victims, and
-    the step's batch, new and context tokens and blocks used): in
-    lockstep the silent frames they held back, then all answered, one row per tick, and the step's row
-    (FrontEnd._after_step)."""
+    the step's batch, new and context tokens and blocks used): in lockstep the silent frames they held back, then
+    all answered, one row per tick, and the step's row."""
     n_done, n_ans, tokens_out, n_vic, batch, new_tokens, ctx, used = counts
     if s.npend:
         n_ans = answer_silent(s, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
@@ -563,29 +435,13 @@ def _engine_step(now, c, coef, eng, dr, fe, idle, step_no, sframe):
             first = idle
             fe.fresh[eng.o_s[j]] = False
     lat = _step_latency(coef, c, o_n, first, step_no, sframe, dr)
-    # FrontEnd._after_step's own rules: a step that scheduled nothing stalls; a front end that steps vLLM itself
-    # takes back what it preempted, and looks at every request left waiting (serving.deadlock_pick)
+    # what the front end does after a step in Python: a step that scheduled nothing stalls; a front end that steps
+    # vLLM itself takes back what it preempted, and looks at every request left waiting (serving.deadlock_pick)
     cnt = eng.cnt
     plain = o_n[O_SCHED] > 0 and (not c.sees or (o_n[O_PRE] == 0 and cnt[E_KW] + cnt[E_WQ] == 0))
     if now + lat >= c.horizon:
         return lat, PAST_HORIZON
     return lat, TURN_CALLER if plain else STEP_TAKEN
-
-
-@_inlined
-def _reaction(turned, c, s, ss, fe, w, eng):
-    """After _engine_step said ``turned``: a step the front end reacts to (STEP_TAKEN) that scheduled something,
-    with a front end that steps vLLM itself, is taken on here (its victims chosen: :func:`_victims`) when the span
-    has room for the frames they will be owed and the requests they give up; the rest is the caller's (a stall, or
-    vLLM's own loop seeing nothing). Returns (the victims, TURN_CALLER, or ``turned`` as it was)."""
-    o_n = eng.o_n
-    if turned != STEP_TAKEN or not c.sees or o_n[O_SCHED] == 0:
-        return 0, turned
-    n_vic, owed = _victims(ss, fe, w, eng)
-    if (o_n[O_SAM] + s.npend + owed > c.ans_cap or s.npend + owed > fe.pend.shape[0]
-            or s.nnew + n_vic > fe.new_i.size):
-        return 0, STEP_TAKEN
-    return n_vic, TURN_CALLER
 
 
 @nb.njit(cache=True)
@@ -622,7 +478,7 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
         lat, turned = _engine_step(now, c, coef, eng, dr, fe, idle, s.nsteps, s.sframe)
         n_vic = 0
         if turned == STEP_TAKEN:  # the front end reacts to the step: here, if it can
-            n_vic, turned = _reaction(turned, c, s, ss, fe, w, eng)
+            n_vic, turned = reaction.react(turned, c, s, ss, fe, w, eng)
         idle = idle and turned == TURN_TAKEN  # (TURN_TAKEN: the step is the step-by-step path's to take)
         if turned != TURN_CALLER:  # (SimPy stops a run during a step that outlives it; STEP_TAKEN: it took `lat`)
             s.out_s = now + lat if turned == PAST_HORIZON else lat
@@ -631,7 +487,7 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
         tokens_out, n_done, n_ready = _tokens_to_frames(now, s, ss, fe, w, eng)
         n_ans = n_done
         if n_vic:
-            n_ans = _preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans)
+            n_ans = reaction.preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans)
         counts = (n_done, n_ans, tokens_out, n_vic, o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], o_n[O_USED])
         _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts)
         s.peak, s.nsteps = max(s.peak, o_n[O_USED]), s.nsteps + 1
@@ -643,5 +499,5 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
 # model's form, the jitter ratio, the admission controllers, the hold on borrowed arrays, what a silent frame is and
 # the session states (the front end's module: its constants are compiled in as they were)
 FORM_PARTS = (serving, kv_policy, step_inputs, jitter_kernel, control_kernel, admission, percentile_kernel, compiled,
-              results.silent_cause, front_end, front_rules, recorder, span)
+              results.silent_cause, front_end, front_rules, reaction, recorder, span)
 STEP_FORM = compiled.guard(run_span, FORM_PARTS)  # before any loop is called, so none has loaded its cache yet

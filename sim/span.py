@@ -62,7 +62,7 @@ Front = namedtuple("Front", "queue dep_t dep_i pend sess_of_slot fresh new_i new
 # what a span allocates: the wheel over the phase slots (slot k's sessions: wheel_who[wheel_start[k]:wheel_start[k +
 # 1]], its next tick; the slots due at a turn), the sessions a turn visits, those with frames queued, the running
 # ones (lockstep); the moment's answers (tick key, session, tokens got) and room to sort them in; scratch and victims
-# for _victims
+# for the reaction to a step (sim/reaction.py)
 Span = namedtuple("Span", "wheel_start wheel_who tick due visit ready run_sess key who tok work scr vic")
 # the step jitter: each step's ratio (independent), or each step's own score and the shared and frame-only parts of
 # the frames from CONF.f_lo on, with the table of the ratio's distribution (correlated)

@@ -49,12 +49,13 @@ def test_each_guard_covers_every_module_whose_compiled_code_it_takes_in():
     assert _foreign_compiled_modules(fp) <= _covered(fp.FORM_PARTS)
     # the loop's helpers in modules of their own, each guarded the same way
     from metronome import front_rules
-    from metronome.sim import recorder, span
+    from metronome.sim import reaction, recorder, span
 
     for module, parts in ((front_rules, front_rules.RULES_PARTS), (span, span.SPAN_PARTS),
-                          (recorder, recorder.ROWS_PARTS)):
+                          (recorder, recorder.ROWS_PARTS), (reaction, reaction.REACTION_PARTS)):
         assert _foreign_compiled_modules(module) <= _covered(parts), module.__name__
-    assert {"metronome.front_rules", "metronome.sim.span", "metronome.sim.recorder"} <= _covered(fp.FORM_PARTS)
+    assert ({"metronome.front_rules", "metronome.sim.span", "metronome.sim.recorder", "metronome.sim.reaction"}
+            <= _covered(fp.FORM_PARTS))
 
 
 def test_the_loop_is_compiled_once_with_or_without_correlated_jitter():
