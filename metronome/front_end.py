@@ -558,9 +558,11 @@ class FrontEnd:
         a = self._answer_room(0 if self.lockstep else most)
         # (the frames heard, for a front end whose hooks read them; the simulator's do not)
         hears = self.HEARS_TICKS or type(self)._silenced is not FrontEnd._silenced
-        heard = tuple(np.empty(most if hears else 0, t) for t in (np.int64, np.int64, np.bool_))
+        heard = tuple(np.empty(most, t) for t in (np.int64, np.int64, np.bool_)) if hears else None
         self.n_answers, n = rules.ticks_due(due, now, _EPS, self.lockstep, self.session_arrays(), self._b,
                                             self.queues.pend, a, self.n_answers, heard)
+        if heard is None:
+            return
         who, f, quiet = (x[:n] for x in heard)
         if self.HEARS_TICKS:
             self._ticked(who, f)

@@ -314,14 +314,13 @@ def tick_due(i, now, eps, lockstep, ss, b, pend, a, n_ans, heard, n_heard):
     queues those from its place on (``running_since``); each other one is answered silent (owed: :func:`owe`) and
     its input joins what the session owes the engine (``pending_in``). ``ss``: the front end's per-session arrays
     (:class:`metronome.front_end.Sessions`). ``heard``: (sessions, frames, silent) where each frame that came due
-    is written, in the session's order of frames, when the caller keeps them (a server takes each frame's input at
-    its tick; empty arrays: not kept), from ``n_heard`` on. Returns (the answers, the frames heard)."""
+    is written, in the session's order of frames, from ``n_heard`` on, when the caller keeps them (a server takes
+    each frame's input at its tick; None: not kept, and numba compiles the writes out). Returns (the answers, the
+    frames heard)."""
     P, ph = ss.P_of[i], ss.phase[i]
     nf = ss.next_frame[i]
     if tick(nf, P, ph) > now + eps:
         return n_ans, n_heard
-    hw, hf, hq = heard
-    keep = hw.size > 0
     runs = ss.state[i] == RUNNING
     if runs and tick(nf, P, ph) >= ss.running_since[i] - eps:  # all of them queued (the usual)
         if tick(nf + 1, P, ph) > now + eps:  # exactly one came due
@@ -333,9 +332,9 @@ def tick_due(i, now, eps, lockstep, ss, b, pend, a, n_ans, heard, n_heard):
                 n_due -= 1
             if tick(nf + n_due, P, ph) <= now + eps:
                 n_due += 1
-        if keep:
+        if heard is not None:
             for k in range(n_due):
-                hw[n_heard], hf[n_heard], hq[n_heard] = i, nf + k, False
+                heard[0][n_heard], heard[1][n_heard], heard[2][n_heard] = i, nf + k, False
                 n_heard += 1
         ss.backlog[i] += n_due
         ss.next_frame[i] = nf + n_due
@@ -347,8 +346,8 @@ def tick_due(i, now, eps, lockstep, ss, b, pend, a, n_ans, heard, n_heard):
         else:
             ss.pending_in[i] += ss.n_in_of[i]
             n_ans = owe(i, nf, np.int64(0), lockstep, b, pend, a, n_ans)
-        if keep:
-            hw[n_heard], hf[n_heard], hq[n_heard] = i, nf, not queued
+        if heard is not None:
+            heard[0][n_heard], heard[1][n_heard], heard[2][n_heard] = i, nf, not queued
             n_heard += 1
         nf += 1
     ss.next_frame[i] = nf
@@ -429,11 +428,9 @@ def end_owed(i, now, clock, ss, b, pend, a, n_ans, censored):
     once their deadline has passed and the rest are never answered. ``clock``: its period, phase, deadline, the
     tolerance of a tick test and whether the run itself ended (its last frames are all left unanswered, as the
     run's end leaves them). ``censored``: (frames, tokens) where those never answered are written, when the caller
-    keeps them (a live front end's rows; empty arrays: not kept). Its frame clock is then clear of them. Returns
+    keeps them (a live front end's rows; None: not kept, and numba compiles the writes out). Its frame clock is then clear of them. Returns
     (the answers, the frames never answered)."""
     P, ph, deadline, eps, run_over = clock
-    cf, ct = censored
-    keep = cf.size > 0
     n_cens = 0
     m = b.phead
     for q in range(b.phead, b.npend):
@@ -441,8 +438,8 @@ def end_owed(i, now, clock, ss, b, pend, a, n_ans, censored):
             f, tok = pend[q, 1], pend[q, 2]
             if not run_over and tick(f, P, ph) + deadline <= now + eps:
                 n_ans = answer(i, f, tok, a, n_ans)
-            elif keep:
-                cf[n_cens], ct[n_cens] = f, tok
+            elif censored is not None:
+                censored[0][n_cens], censored[1][n_cens] = f, tok
                 n_cens += 1
         else:
             pend[m, 0], pend[m, 1], pend[m, 2] = pend[q, 0], pend[q, 1], pend[q, 2]
@@ -458,8 +455,8 @@ def end_owed(i, now, clock, ss, b, pend, a, n_ans, censored):
         f, tok = (inflight[i], inflight_tok[i]) if q < 0 else (first_q + q, np.int64(0))
         if not run_over and tick(f, P, ph) + deadline <= now + eps:
             n_ans = answer(i, f, tok, a, n_ans)
-        elif keep:
-            cf[n_cens], ct[n_cens] = f, tok
+        elif censored is not None:
+            censored[0][n_cens], censored[1][n_cens] = f, tok
             n_cens += 1
     inflight[i] = -1
     backlog[i] = 0

@@ -91,11 +91,10 @@ def _turn_fits(now, n_visit, c, ss, w, eng, room):
 def _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans):
     """The turn, first half: frames that came due are queued (a running session's) or owed silent
     (front_rules.tick_due), after the ``n_ans`` answers already written. Returns the answers."""
-    none = (fe.new_i[:0], fe.new_i[:0], fe.fresh[:0])  # (the loop keeps no record of each frame heard)
     for j in range(n_visit):
         i = w.visit[j]
         if ss.state[i] != ENDED:  # (departed in this turn)
-            n_ans, _ = tick_due(i, now, c.eps, c.lockstep, ss, s, fe.pend, a, n_ans, none, 0)
+            n_ans, _ = tick_due(i, now, c.eps, c.lockstep, ss, s, fe.pend, a, n_ans, None, 0)  # (no record kept)
     return n_ans
 
 
@@ -290,10 +289,9 @@ def _depart(i, now, c, s, ss, fe, a, eng, n_ans):
         s.nrun -= 1
         if ss.state[i] == PREFILL:
             s.npf -= 1
-    none = fe.new_i[:0]
     n_ans, _ = end_owed(i, now, (c.P, ss.phase[i], c.deadline, c.eps, False),
                         (ss.state, ss.inflight, ss.inflight_tok, ss.next_frame, ss.backlog), s, fe.pend, a, n_ans,
-                        (none, none))
+                        None)
     ss.s_ended[i] = now
     return n_ans
 
