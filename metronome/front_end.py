@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections import namedtuple
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -92,6 +93,40 @@ class FrontEndOptions:
     loop: str = "driver"
     cap: str | None = None
     rebase_tokens: int | None = None
+
+
+def compile_rules() -> None:
+    """Compile the rules :class:`FrontEnd` calls from Python (:mod:`metronome.front_rules`) now, for the types it
+    calls them with, as a front end with hooks (a live one) does: a live driver calls it before its clock starts, so
+    that its first turns do not stop the frame clock while numba compiles (seconds each on an empty cache). Each is
+    called on scratch arrays, with nothing to do."""
+    shape = SimpleNamespace(prompt=1, P=1.0, deadline=1.0, n_in=1, n_out=1)
+    arrays = FrontEnd._session_arrays(shape, 2)
+    arrays.update(arrival=np.zeros(2), duration=np.zeros(2), pslot=np.zeros(2, np.int64), phase=np.zeros(2))
+    ss = Sessions(*(arrays[name] for name in Sessions._fields))
+    b = np.zeros(1, rules.BOOKS)[0]
+    b["qhead"] = 4
+    q = Queues(np.zeros(8, np.int64), np.zeros(8), np.zeros(8, np.int64), np.zeros((8, 3), np.int64))
+    none = np.zeros(0, np.int64)
+    a = Tally(ss.pslot, ss.s_frames, ss.s_silent, *(np.zeros(8, np.int64) for _ in range(3)))
+    rules.enter(0, 0.0, ss, b, q)
+    rules.request_tokens(0, ss)
+    rules.admit_head(0.0, 0, ss, b, q.queue)
+    rules.readmitted(0, 1, 0, ss)
+    rules.ticks_due(none, 0.0, _EPS, False, ss, b, q.pend, a, 0, (none, none, np.zeros(0, bool)))
+    rules.chunks_of(none, ss)
+    rules.hand_over_each(none, none, none, 0, ss, np.zeros(1, bool))
+    rules.hand_over(0, 0, 1, 0, ss, np.zeros(1, bool))
+    rules.answer_each(none, none, none, a, 0)
+    rules.owe_each(none, none, none, False, b, q.pend, a, 0)
+    rules.answer_silent(b, q.pend, none, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, 0)
+    rules.tokens_in(none, 0.0, ss, none, a, 0, (none, none, none, none))
+    rules.awaiting_engine(0, ss, np.zeros(2, np.int64))
+    rules.lose_place(0, False, ss, b, q, a, 0)
+    rules.leave_queue(0, b, q.queue)
+    rules.end_owed(0, 0.0, (1.0, 0.0, 1.0, _EPS, False), (ss.state, ss.inflight, ss.inflight_tok, ss.next_frame,
+                                                          ss.backlog), b, q.pend, a, 0, (none, none))
+    rules.book_departure(0.0, 0, b, q.dep_t, q.dep_i)
 
 
 class FrontEnd:

@@ -30,7 +30,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from metronome import results, serving
+from metronome import front_end, results, serving
 from metronome.calibration import TokenStream
 from metronome.front_end import ENDED, PREFILL, REFUSED, RUNNING, WAITING, FrontEnd, FrontEndOptions, Roster
 from metronome.kv_policy import KVPolicy
@@ -176,6 +176,7 @@ class Driver(FrontEnd):
         self.engine, self.cfg = engine, config
         self.clock, self.sleep = clock, sleep  # injectable: tests run the driver on a fake engine's virtual time
         serving.compile_front_end_rules()  # (before the clock starts)
+        front_end.compile_rules()
         self.admission = admission if admission is not None else AdmitAll()
         self.admission.compile_now()  # (before the clock starts, as the front end's rules)
         self.policy = config.policy or engine.policy
