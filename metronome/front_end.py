@@ -162,6 +162,7 @@ class FrontEnd:
     admitted: np.ndarray  # s_admitted is set (what the compiled loop reads, kept rather than derived per call)
     s_ended: np.ndarray
     s_end_reason: np.ndarray
+    _ss: Sessions | None  # the per-session arrays as one record (session_arrays; None: made at its next call)
     # one entry per engine slot
     sess_of_slot: np.ndarray
     fresh_slot: np.ndarray  # a frame submitted and not yet scheduled (first-step term)
