@@ -120,7 +120,7 @@ def compile_rules() -> None:
     rules.answer_each(none, none, none, a, 0)
     rules.owe_each(none, none, none, False, b, q.pend, a, 0)
     rules.answer_silent(b, q.pend, none, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, 0)
-    rules.tokens_in(none, 0.0, ss, none, a, 0, (none, none, none, none))
+    rules.tokens_in(none, 0.0, ss, none, a, 0, (none, none, none), None)
     rules.awaiting_engine(0, ss, np.zeros(2, np.int64))
     rules.lose_place(0, False, ss, b, q, a, 0)
     rules.leave_queue(0, b, q.queue)
@@ -719,10 +719,10 @@ class FrontEnd:
         step_no = self.model.steps - 1
         sampled = np.asarray(rec.sampled_slots, np.int64)
         a = self._answer_room(sampled.size)
-        moved = tuple(np.empty(sampled.size, np.int64) for _ in range(4))
+        told = tuple(np.empty(sampled.size, np.int64) for _ in range(3))
         self.n_answers, n_pre, tokens_out, _ = rules.tokens_in(sampled, now, self.session_arrays(),
-                                                               self.sess_of_slot, a, self.n_answers, moved)
-        self._tokens_in(moved[0][:n_pre], moved[1][:tokens_out], moved[2][:tokens_out])
+                                                               self.sess_of_slot, a, self.n_answers, told, None)
+        self._tokens_in(told[0][:n_pre], told[1][:tokens_out], told[2][:tokens_out])
         used = self.model.used
         victims = self._preempt_after_step(rec, step_no, start)
         if victims and self.t_sat is None:

@@ -365,39 +365,38 @@ def ticks_due(idx, now, eps, lockstep, ss, b, pend, a, n_ans, heard):
 
 # ---------------------------------------------------------------------------------------------- after a step
 @compiled.inlined
-def tokens_in(sampled, now, ss, sess_of_slot, a, n_ans, moved):
+def tokens_in(sampled, now, ss, sess_of_slot, a, n_ans, told, ready):
     """A step ended at ``now`` and sampled a token for each request of ``sampled`` (engine slots; ``sess_of_slot``:
     whose each is): a re-prefill's token starts its session's next chunk (the session runs from now); any other goes
     to its session's frame in flight, and a frame with all its tokens is answered (vLLM keeps every sampled token
-    but the last, which the next chunk re-feeds). ``moved``: (pre, inf, frame, ready), where the sessions whose
-    re-prefill is done, those whose frame got a token (and that frame) and those answered with frames still queued
-    are written. Returns (the answers, how many pre, inf and ready)."""
-    pre, inf, frame, ready = moved
-    n_pre = n_inf = 0
+    but the last, which the next chunk re-feeds). ``told``: (pre, inf, frame), where the sessions whose re-prefill
+    is done and those whose frame got a token (and that frame) are written for a live front end's hooks; ``ready``:
+    where those answered with frames still queued are written (the compiled loop visits them next). Either None:
+    not kept, and numba compiles the writes out. Returns (the answers, how many pre, inf and ready)."""
+    n_pre = n_inf = n_ready = 0
     for j in range(sampled.size):
         i = sess_of_slot[sampled[j]]
         if ss.state[i] == PREFILL:
             ss.state[i] = RUNNING
             ss.last_tok[i] = True
             ss.running_since[i] = now
-            pre[n_pre] = i
+            if told is not None:
+                told[0][n_pre] = i
             n_pre += 1
         elif ss.inflight[i] >= 0:
-            inf[n_inf], frame[n_inf] = i, ss.inflight[i]
+            if told is not None:
+                told[1][n_inf], told[2][n_inf] = i, ss.inflight[i]
             n_inf += 1
             ss.inflight_tok[i] += 1
             ss.s_tokens[i] += 1
-    n_ready = 0
-    for j in range(n_inf):
-        i = inf[j]
-        if ss.inflight_tok[i] >= ss.n_out_of[i]:
-            n_ans = answer(i, ss.inflight[i], ss.inflight_tok[i], a, n_ans)
-            ss.hist[i] += ss.n_out_of[i] - 1
-            ss.last_tok[i] = True
-            ss.inflight[i] = -1
-            if ss.backlog[i] > 0:
-                ready[n_ready] = i
-                n_ready += 1
+            if ss.inflight_tok[i] >= ss.n_out_of[i]:
+                n_ans = answer(i, ss.inflight[i], ss.inflight_tok[i], a, n_ans)
+                ss.hist[i] += ss.n_out_of[i] - 1
+                ss.last_tok[i] = True
+                ss.inflight[i] = -1
+                if ready is not None and ss.backlog[i] > 0:
+                    ready[n_ready] = i
+                    n_ready += 1
     return n_ans, n_pre, n_inf, n_ready
 
 

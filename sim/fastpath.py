@@ -177,11 +177,9 @@ def _step_latency(coef, c, o_n, first, step_no, sframe, dr):
 def _tokens_to_frames(now, s, ss, fe, w, eng):
     """The step's sampled tokens to their frames (front_rules.tokens_in), the frames done answered from the
     moment's first answer on. Returns (tokens out, frames done, sessions with frames still queued)."""
-    scr = w.scr  # (rows 1-3: reaction.victims's scratch, free again; row 0 is its marks, kept at 0)
     n_done, n_pre, tokens_out, n_ready = tokens_in(
         eng.o_sam[:eng.o_n[O_SAM]], now, ss, fe.sess_of_slot, Tally(ss.pslot, ss.s_frames, ss.s_silent, w.key, w.who,
-                                                                    w.tok), np.int64(0),
-        (scr[1], scr[2], scr[3], w.ready))
+                                                                    w.tok), np.int64(0), None, w.ready)
     s.npf -= n_pre
     return tokens_out, n_done, n_ready
 
