@@ -44,11 +44,11 @@ CONF = np.dtype([("max_steps", np.int64), ("ans_cap", np.int64), ("f_lo", np.int
 # (re-prefilling ones included), departures taken (of Front.dep_t) and booked, sessions waiting in its FCFS queue
 # (Front.queue[qhead:qhead + nwait]; a preempted session goes back to its head), the next arrival, the next
 # admission's sequence number, sessions re-prefilling; in lockstep the frames owed are Front.pend's rows
-# phead:npend, and rows phead:psorted are known to be in frame order (_answer_silent). The call's: requests added
-# or aborted (nnew), the latest frame handed to the engine, the peak of blocks used, the first step row to write
-# (step0) and the steps written (nsteps), the row after the last frame row written (nrows), where it stopped
-# (turned, TURN_*), whether the engine waited since its last step (idle: a frame's step then pays first_s) and
-# whether the last step preempted (prelast: the next turn admits nobody).
+# phead:npend, and rows phead:psorted are known to be in frame order (front_rules.answer_silent). The call's:
+# requests added or aborted (nnew), the latest frame handed to the engine, the peak of blocks used, the first step
+# row to write (step0) and the steps written (nsteps), the row after the last frame row written (nrows), where it
+# stopped (turned, TURN_*), whether the engine waited since its last step (idle: a frame's step then pays first_s)
+# and whether the last step preempted (prelast: the next turn admits nobody).
 STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("t_sat", np.float64), ("nrun", np.int64),
                   *front_rules.BOOK_FIELDS, ("narr", np.int64), ("seq", np.int64), ("npf", np.int64),
                   ("nnew", np.int64), ("sframe", np.int64),
