@@ -31,7 +31,7 @@ A frame's life:
    whose prompt is their whole history.
 4. **Silence.** A waiting or re-prefilling session's frame is answered empty, on time; its input joins the
    history. In lockstep it is answered when every running session's frame of its tick is done; with
-   independent phases the front end answers it at once (:meth:`FrontEnd._owe`).
+   independent phases the front end answers it at once (``front_rules.owe``).
 """
 
 from __future__ import annotations
@@ -117,8 +117,6 @@ def compile_rules() -> None:
     rules.chunks_of(none, ss)
     rules.hand_over_each(none, none, none, 0, ss, np.zeros(1, bool))
     rules.hand_over(0, 0, 1, 0, ss, np.zeros(1, bool))
-    rules.answer_each(none, none, none, a, 0)
-    rules.owe_each(none, none, none, False, b, q.pend, a, 0)
     rules.answer_silent(b, q.pend, none, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, 0)
     rules.tokens_in(none, 0.0, ss, none, a, 0, (none, none, none), None)
     rules.awaiting_engine(0, ss, np.zeros(2, np.int64))
@@ -410,6 +408,13 @@ class FrontEnd:
             key, who, tok = self.answers
         return Tally(self.pslot, self.s_frames, self.s_silent, key, who, tok)
 
+    def _owing_room(self, n: int) -> Tally:
+        """Room for ``n`` more frames owed (rules.owe: rows waiting for their tick in lockstep, else answers now);
+        returns where answers go."""
+        if self.lockstep:
+            self.room(owed=n)
+        return self._answer_room(0 if self.lockstep else n)
+
     def _book_departure(self, t: float, i: int) -> None:
         """Session ``i`` departs at ``t`` (rules.book_departure)."""
         self.room(departures=1)
@@ -574,24 +579,20 @@ class FrontEnd:
 
     def _ticks(self, now: float) -> None:
         """Frames that came due: running sessions queue them (and submit one); the others hear silence."""
-        self._tick_due(now)
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
+        self._tick_due(now, live)
         submit = live[(self.state[live] == RUNNING) & (self.inflight[live] < 0) & (self.backlog[live] > 0)]
         if submit.size:
             self._submit_many(submit, now)
 
-    def _tick_due(self, now: float) -> None:
-        """The frames that came due by ``now`` (rules.tick_due), told to the hooks."""
-        live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
-        P, ph = self.P_of[live], self.phase[live]
-        due = live[serving.frame_tick(self.next_frame[live], P, ph) <= now + _EPS]
+    def _tick_due(self, now: float, live: np.ndarray) -> None:
+        """The frames of sessions ``live`` that came due by ``now`` (rules.tick_due), told to the hooks."""
+        due = live[serving.frame_tick(self.next_frame[live], self.P_of[live], self.phase[live]) <= now + _EPS]
         if not due.size:
             return
         # at most this many came due (the division's rounding aside: +1)
         most = int((np.floor((now + _EPS - self.phase[due]) / self.P_of[due]) - self.next_frame[due] + 2).sum())
-        if self.lockstep:
-            self.room(owed=most)
-        a = self._answer_room(0 if self.lockstep else most)
+        a = self._owing_room(most)
         # (the frames heard, for a front end whose hooks read them; the simulator's do not)
         hears = self.HEARS_TICKS or type(self)._silenced is not FrontEnd._silenced
         heard = tuple(np.empty(most, t) for t in (np.int64, np.int64, np.bool_)) if hears else None
@@ -675,29 +676,9 @@ class FrontEnd:
         self.s_ended[i], self.s_end_reason[i] = now, reason
 
     # ------------------------------------------------------------------------------------------------ answers
-    def _answer_many(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
-        """Count sessions ``idx``'s frames ``f`` as answered now with ``tokens`` tokens each (0: silent); they are
-        recorded, one row per tick, when the moment's answers are flushed."""
-        a = self._answer_room(len(idx))
-        self.n_answers = rules.answer_each(np.asarray(idx, np.int64), np.asarray(f, np.int64),
-                                           np.asarray(tokens, np.int64), a, self.n_answers)
-
     def buffered_answers(self) -> int:
         """Frames answered at the current moment and not yet recorded."""
         return self.n_answers
-
-    def _owe(self, idx: np.ndarray, f: np.ndarray, tokens: np.ndarray) -> None:
-        """Frames of sessions without a place (waiting, re-prefilling, just preempted), answered short or empty.
-        In lockstep they are answered with their tick's running frames (:meth:`_answer_silent`); a front end
-        serving clients on their own clocks answers them at once (rules.owe)."""
-        if not len(idx):
-            return
-        if self.lockstep:
-            self.room(owed=len(idx))
-        a = self._answer_room(0 if self.lockstep else len(idx))
-        self.n_answers = rules.owe_each(np.asarray(idx, np.int64), np.asarray(f, np.int64),
-                                        np.asarray(tokens, np.int64), self.lockstep, self._b, self.queues.pend, a,
-                                        self.n_answers)
 
     def _answer_silent(self, now: float) -> None:
         """Lockstep: silent frames are answered once every running session's frame of their tick is done
@@ -796,9 +777,8 @@ class FrontEnd:
         first_q = int(self.next_frame[i] - self.backlog[i])
         if self.backlog[i]:  # due frames never submitted: silent
             self._silenced(np.full(int(self.backlog[i]), i), np.arange(first_q, int(self.next_frame[i])), WAITING)
-        owed = int(self.backlog[i]) + 1
-        self.room(ahead=1, owed=owed if self.lockstep else 0)
-        a = self._answer_room(0 if self.lockstep else owed)
+        self.room(ahead=1)
+        a = self._owing_room(int(self.backlog[i]) + 1)
         self.n_answers = rules.lose_place(i, self.lockstep, self.session_arrays(), self._b, self.queues, a,
                                           self.n_answers)
         if lost:

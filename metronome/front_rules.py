@@ -242,22 +242,6 @@ def owe(i, f, tok, lockstep, b, pend, a, n_ans):
     return answer(i, f, tok, a, n_ans)
 
 
-@compiled.uncounted
-def answer_each(idx, f, tok, a, n_ans):
-    """:func:`answer` of each (``idx[k]``, ``f[k]``, ``tok[k]``), in order. Returns the answers."""
-    for k in range(idx.size):
-        n_ans = answer(idx[k], f[k], tok[k], a, n_ans)
-    return n_ans
-
-
-@compiled.uncounted
-def owe_each(idx, f, tok, lockstep, b, pend, a, n_ans):
-    """:func:`owe` of each (``idx[k]``, ``f[k]``, ``tok[k]``), in order. Returns the answers."""
-    for k in range(idx.size):
-        n_ans = owe(idx[k], f[k], tok[k], lockstep, b, pend, a, n_ans)
-    return n_ans
-
-
 @compiled.inlined
 def answer_silent(b, pend, run_sess, ss, a, n_ans):
     """Lockstep: frames owed to sessions without a place (``pend``'s rows ``b.phead:b.npend``: session, frame,

@@ -485,10 +485,10 @@ def test_frames_due_together_for_a_session_without_a_place_are_each_ticked(monke
     def owed(eng):  # frames owed and not yet answered, and those answered at the current moment
         return len(eng.silent_pending) + eng.n_answers
 
-    def checked(eng, now):
+    def checked(eng, now, live):
         before = {k: getattr(eng, k).copy() for k in names}
         n_owed = owed(eng)
-        real(eng, now)
+        real(eng, now, live)
         quiet = 0
         for i in np.flatnonzero((before["state"] >= WAITING) & (before["state"] <= RUNNING)).tolist():
             P, ph, f = float(eng.P_of[i]), float(eng.phase[i]), int(before["next_frame"][i])
