@@ -172,8 +172,8 @@ class SimEngine(FrontEnd):
         fr.reserve(n)
         r0 = fr.rows
         fr.commit(recorder.flush(now, n, recorder.Answers(key, who, tok, serving.key_order_work(n)),
-                           recorder.Owners(self.state, self.s_admitted, self.s_late), self.clock,
-                           recorder.FrameRows(*self._frame_stores()), r0, -1))  # (-1: told below)
+                                 recorder.Owners(self.state, self.s_admitted, self.s_late), self.clock,
+                                 recorder.FrameRows(*self._frame_stores()), r0, -1))  # (-1: told below)
         lat, nn, silent = (fr.column(c)[r0:] for c in ("latency_s", "frames", "silent"))
         if self.controller is not None:
             for lt, k, sl in zip(lat.tolist(), nn.tolist(), silent.tolist()):
