@@ -58,7 +58,15 @@ _EPS = 1e-12
 Sessions = namedtuple("Sessions", "state phase pslot slot next_frame backlog inflight inflight_tok hist last_tok "
                                   "pending_in work_step running_since started admitted admit_seq s_tokens s_frames "
                                   "s_silent s_late s_preempt s_ended s_admitted arrival duration prompt_of n_in_of "
-                                  "n_out_of P_of")
+                                  "n_out_of P_of deadline_of")
+
+
+def on_run_clock(period_s, phase_s, slot, run_period_s):
+    """Whether a session (or each, given arrays) ticks on the run's clock: the run's period, and the phase of its
+    phase slot (``serving.phase_offset_s``), so that its ticks are the run's tick keys (``serving.tick_key``) and
+    it ticks with the other sessions of its slot. A session with a period of its own (a roster's, or
+    :meth:`FrontEnd.reshape`'s) ticks on a clock of its own."""
+    return (period_s == run_period_s) & (phase_s == serving.phase_offset_s(slot, run_period_s))
 
 
 def tokens_within(tokens, most: int) -> bool:
@@ -71,9 +79,10 @@ def tokens_within(tokens, most: int) -> bool:
 @dataclass(frozen=True)
 class Roster:
     """The sessions a front end is given up front (in any order; more may be offered later, :meth:`FrontEnd.offer`):
-    when each arrives and how long it stays, its phase slot (None: all 0), its first frame's prompt and its input
+    when each arrives and how long it stays, its phase slot (None: all 0), its first frame's prompt, its input
     and output tokens per frame (None: the stream's; a session streams no more tokens a frame than the stream, the
-    most the rebase's room is checked for)."""
+    most the rebase's room is checked for) and its frame period and deadline in seconds (None: the stream's period
+    and the run's deadline; independent phases only: its phase slot is then a slot of its own period)."""
 
     arrival_s: np.ndarray
     duration_s: np.ndarray
@@ -81,6 +90,8 @@ class Roster:
     prompt_tokens: np.ndarray | None = None
     input_tokens: np.ndarray | None = None
     output_tokens: np.ndarray | None = None
+    period_s: np.ndarray | None = None
+    deadline_s: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,7 @@ class FrontEnd:
     admitted: np.ndarray  # s_admitted is set (what the compiled loop reads, kept rather than derived per call)
     s_ended: np.ndarray
     s_end_reason: np.ndarray
+    own_clocks: bool  # some session ticks on a clock of its own (on_run_clock)
     _ss: Sessions | None  # the per-session arrays as one record (session_arrays; None: made at its next call)
     # one entry per engine slot
     sess_of_slot: np.ndarray
@@ -214,6 +226,9 @@ class FrontEnd:
                 if given.shape != (M,) or not tokens_within(given, most):
                     raise ValueError(f"a session's tokens per frame are 1 to the stream's {most}, one per session")
                 own[:] = given[order]
+        self.own_clocks = False  # whether a session ticks on a clock other than the run's (on_run_clock)
+        if roster.period_s is not None or roster.deadline_s is not None:
+            self._own_shapes(roster, order)
         self.offered = M  # sessions known: those given, and those offered since (offer)
 
         # its queues (the FCFS queue, the departures booked, the frames owed in lockstep) as arrays, their heads and
@@ -344,7 +359,22 @@ class FrontEnd:
             self.phase[i] = serving.phase_offset_s(self.pslot[i], period_s)
         self.P_of[i], self.deadline_of[i] = period_s, deadline_s
         self.n_in_of[i], self.n_out_of[i] = input_tokens, output_tokens
+        self.own_clocks = self.own_clocks or not on_run_clock(period_s, self.phase[i], self.pslot[i], self.P)
         return True
+
+    def _own_shapes(self, roster: Roster, order: np.ndarray) -> None:
+        """Each session's own frame period and deadline, as the roster gives them (in arrival ``order``)."""
+        M = order.size
+        for given, own in ((roster.period_s, self.P_of), (roster.deadline_s, self.deadline_of)):
+            if given is not None:
+                given = np.asarray(given, dtype=np.float64)
+                if given.shape != (M,) or not (np.isfinite(given) & (given > 0)).all():
+                    raise ValueError("a session's period and deadline are positive seconds, one per session")
+                own[:] = given[order]
+        if self.lockstep and (self.P_of != self.P).any():
+            raise ValueError("aligned phases: every session streams the run's period")
+        self.phase = serving.phase_offset_s(self.pslot, self.P_of)
+        self.own_clocks = not on_run_clock(self.P_of, self.phase, self.pslot, self.P).all()
 
     def _grow(self, M: int) -> None:
         """Room for ``M`` sessions; the room not yet offered arrives never (at infinity)."""

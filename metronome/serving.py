@@ -459,7 +459,7 @@ def key_order_in(v, n, work):
         hi = max(hi, v[j])
     span = hi - lo + 1
     if span > 4 * n + 64:
-        _merge_order(v, n, work)
+        merge_order(v, n, work)
         return
     order, start = work[:n], work[n:n + span + 1]
     start[:] = 0
@@ -474,9 +474,10 @@ def key_order_in(v, n, work):
 
 
 @compiled.counted
-def _merge_order(v, n, work):
-    """:func:`key_order_in` for keys spread wide: a bottom-up merge sort of positions (stable, as numpy's
-    ``argsort(kind="mergesort")``), the order in ``work[:n]``, ``work[n:2n]`` its scratch."""
+def merge_order(v, n, work):
+    """Positions ``0 .. n-1`` in ascending order of ``v[:n]`` (any ordered values; ties in position order): a
+    bottom-up merge sort of positions (stable, as numpy's ``argsort(kind="mergesort")``), the order in
+    ``work[:n]``, ``work[n:2n]`` its scratch. :func:`key_order_in` sorts keys spread wide with it."""
     order, tmp = work[:n], work[n:2 * n]
     for j in range(n):
         order[j] = j

@@ -108,6 +108,10 @@ class SessionPlan:
     # its own input and output tokens per frame, at most the stream's (None: the stream's)
     input_tokens: int | None = None
     output_tokens: int | None = None
+    # its own frame period and deadline, in seconds (None: the stream's period, the run's deadline; independent
+    # phases only)
+    period_s: float | None = None
+    deadline_s: float | None = None
     # live runs only: it also leaves once this many of its frames were answered (whichever comes first), so that a
     # scenario unfolds frame by frame however slow the host (None: by duration_s alone)
     frames: int | None = None
@@ -251,7 +255,11 @@ class Driver(FrontEnd):
                         np.array([cfg.stream.input_tokens_per_frame if p.input_tokens is None else p.input_tokens
                                   for p in self.plans], dtype=np.int64),
                         np.array([cfg.stream.output_tokens_per_frame if p.output_tokens is None else p.output_tokens
-                                  for p in self.plans], dtype=np.int64))
+                                  for p in self.plans], dtype=np.int64),
+                        np.array([cfg.stream.frame_period_s if p.period_s is None else p.period_s
+                                  for p in self.plans], dtype=np.float64),
+                        np.array([cfg.deadline if p.deadline_s is None else p.deadline_s
+                                  for p in self.plans], dtype=np.float64))
         FrontEnd.__init__(self, self.slots, self.policy, self.limits, cfg.stream, roster, cfg.horizon_s, cfg.deadline,
                           controller=self.admission,
                           options=FrontEndOptions(phases=cfg.phases, cap=cfg.cap, rebase_tokens=cfg.rebase_tokens))

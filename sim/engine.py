@@ -74,8 +74,7 @@ class SimEngine(FrontEnd):
         # extra time of a step that starts a frame after the engine idled (the calibration's "first step after
         # the idle gap"): in lockstep a frame's first step; with independent phases only when nothing ran before
         self.first_s = float(self.lat.frame_first_s)
-        # the frame clock a frame row's tick is read back with (recorder.flush), one for the run
-        self.clock = recorder.Clock(self.P, float(serving.phase_offset_s(1, self.P)), self.deadline, _EPS)
+        self.Pq = float(serving.phase_offset_s(1, self.P))  # one phase slot of the run's clock
         self.idle = True  # the engine waited (no step ran) since its last step
         self.jitter = bool(self.lat.jitter)
         self.seed = int(seed)
@@ -171,9 +170,11 @@ class SimEngine(FrontEnd):
         fr = self.frames
         fr.reserve(n)
         r0 = fr.rows
-        fr.commit(recorder.flush(now, n, recorder.Answers(key, who, tok, serving.key_order_work(n)),
-                                 recorder.Owners(self.state, self.s_admitted, self.s_late), self.clock,
-                                 recorder.FrameRows(*self._frame_stores()), r0, -1))  # (-1: told below)
+        # (the frame clock a row's tick is read back with: the run's, or each session's own)
+        clock = recorder.Clock(self.P, self.Pq, _EPS, self.own_clocks)
+        owners = recorder.Owners(self.state, self.s_admitted, self.s_late, self.P_of, self.phase, self.deadline_of)
+        fr.commit(recorder.flush(now, n, recorder.Answers(key, who, tok, np.empty(n), serving.key_order_work(n)),
+                                 owners, clock, recorder.FrameRows(*self._frame_stores()), r0, -1))  # (-1: told below)
         lat, nn, silent = (fr.column(c)[r0:] for c in ("latency_s", "frames", "silent"))
         if self.controller is not None:
             for lt, k, sl in zip(lat.tolist(), nn.tolist(), silent.tolist()):
@@ -236,7 +237,7 @@ class SimEngine(FrontEnd):
         if not d.correlated:
             return span.INDEPENDENT, span.Draws(d.ratio(steps, 0), none, none, none, none, none), (0.0, 0.0, 0.0)
         f_lo = self.serving_frame
-        last = int(np.floor((min(t_next, self.horizon) + _EPS - self.phase[live].min()) / self.P)) + 1
+        last = int(np.floor((min(t_next, self.horizon) + _EPS - self.phase[live]) / self.P_of[live]).max()) + 1
         shared, own = d.frame_parts(np.arange(f_lo, max(f_lo, min(last, f_lo + self.SPAN_FRAMES)) + 1))
         p, r = d.table()
         return span.CORRELATED, span.Draws(none, d.step_scores(steps), shared, own, p, r), d.weights()
@@ -400,7 +401,7 @@ class SimEngine(FrontEnd):
                 ("f_lo", self.serving_frame), ("lockstep", self.lockstep), ("sees", self.sees_starvation),
                 ("na_end", na_end), ("ctl", span.CTL_NONE if c is None else span.CTL_COMPILED if c.compiled
                                      else span.CTL_AFTER), ("tpf", self.tpf), ("P", self.P),
-                ("Pq", self.clock.Pq), ("deadline", self.deadline), ("t_next", t_next), ("first_s", self.first_s),
+                ("Pq", self.Pq), ("shaped", self.own_clocks), ("t_next", t_next), ("first_s", self.first_s),
                 ("eps", _EPS), ("jitter", kind), ("horizon", self.horizon), ("wz", wz),
                 ("wshared", wshared), ("wown", wown), ("route", self.lat.moe_route),
                 ("t_pause", math.inf if not self.pause_every_s

@@ -61,10 +61,11 @@ def _turn_fits(now, n_visit, c, ss, w, eng, room):
     step-by-step one would (a running session's, on a paused request or, its first, on a new one for which the
     engine's arrays have ``room``, fitting the length limit). Returns (whether all pass, the silent answers the
     turn will write, the room left)."""
-    P, eps, maxlen = c.P, c.eps, eng.lim[L_MAXLEN]
+    eps, maxlen = c.eps, eng.lim[L_MAXLEN]
     n_ans = 0
     for j in range(n_visit):
         i = w.visit[j]
+        P = ss.P_of[i]
         t = _tick(ss.next_frame[i], P, ss.phase[i])
         due = t <= now + eps
         if _placeless(ss.state[i]):  # each due frame will be answered silent
@@ -220,8 +221,8 @@ def _arrive(now, c, s, ss, fe, w, ctl):
             ss.s_ended[i] = now
             continue
         nf = enter(i, ss.arrival[i], ss, s, Queues(fe.queue, fe.dep_t, fe.dep_i, fe.pend))
-        k = ss.pslot[i]
-        w.tick[k] = min(w.tick[k], _tick(nf, c.P, ss.phase[i]))  # (its slot's others, if any, tick no later)
+        k = span.wheel_slot(i, ss, c)
+        w.tick[k] = min(w.tick[k], _tick(nf, ss.P_of[i], ss.phase[i]))  # (its slot's others, if any, no later)
 
 
 @_inlined
@@ -247,7 +248,7 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
             room -= 1
             if room < 0 or ss.hist[i] + ss.pending_in[i] + c.tpf >= lim[L_MAXLEN]:  # (serving.frame_fits)
                 return -1
-        elif _tick(ss.next_frame[i], c.P, ss.phase[i]) <= now + c.eps:  # its first frame is due now
+        elif _tick(ss.next_frame[i], ss.P_of[i], ss.phase[i]) <= now + c.eps:  # its first frame is due now
             room -= 1
             if room < 0 or not _first_fits(i, ss, lim[L_MAXLEN]):
                 return -1
@@ -287,7 +288,7 @@ def _depart(i, now, c, s, ss, fe, a, eng, n_ans):
         s.nrun -= 1
         if ss.state[i] == PREFILL:
             s.npf -= 1
-    n_ans, _ = end_owed(i, now, (c.P, ss.phase[i], c.deadline, c.eps, False),
+    n_ans, _ = end_owed(i, now, (ss.P_of[i], ss.phase[i], ss.deadline_of[i], c.eps, False),
                         (ss.state, ss.inflight, ss.inflight_tok, ss.next_frame, ss.backlog), s, fe.pend, a, n_ans,
                         None)
     ss.s_ended[i] = now
@@ -334,22 +335,22 @@ def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
         return False, 0, -1
     # (the constants a loop below reads, in locals: a record's field is read from memory again after every store
     # the compiler cannot tell apart from it, and the slot loop runs at every turn)
-    P, eps = c.P, c.eps
+    eps = c.eps
     n_ans = np.int64(0)  # (not a literal: see _engine_step)
     for k in range(s.dep, k1):
         i = fe.dep_i[k]
         if _live(ss.state[i]):
             n_ans = _depart(i, now, c, s, ss, fe, a, eng, n_ans)
-            sl = ss.pslot[i]
-            if w.tick[sl] > now + eps:  # its slot may have no one left to tick
-                w.tick[sl] = span.slot_tick(sl, w.wheel_start, w.wheel_who, ss.state, ss.next_frame, ss.phase, P)
+            sl = span.wheel_slot(i, ss, c)
+            if w.tick[sl] > now + eps:  # its slot may have no one left to tick (or, OWN, a later tick)
+                w.tick[sl] = span.slot_tick(sl, w, ss)
     s.dep = k1
     if n_adm:  # (rare: a call with all it needs costs every turn)
         _admit(now, n_adm, c, s, ss, fe, eng)
     n_ans = _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans)
     for j in range(n_due):  # the slots that came due: their sessions moved on together (a departure leaves a slot
         k = w.due[j]  # that was not due as it was, and nothing else here moves a slot's tick)
-        w.tick[k] = span.slot_tick(k, w.wheel_start, w.wheel_who, ss.state, ss.next_frame, ss.phase, P)
+        w.tick[k] = span.slot_tick(k, w, ss)
     n_sub, latest = _submit_due(n_visit, s, ss, fe, w, eng)
     if c.lockstep and s.npend:  # (none owed: nothing to answer, and no need to scan the running sessions)
         n_ans = answer_silent(s, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)

@@ -18,7 +18,7 @@ import pandas as pd
 from metronome import compiled, front_rules, results, serving
 from metronome.front_rules import ENDED
 from metronome.results import weighted_percentile
-from metronome.serving import PHASE_SLOTS, key_order_in
+from metronome.serving import PHASE_SLOTS, key_order_in, merge_order
 
 STEP_COLUMNS = (
     "t_s", "step_s", "batch", "new_tokens", "context_tokens", "resident_blocks", "free_blocks",
@@ -47,39 +47,65 @@ R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_SILENT_WAIT, R_SILENT_DEP,
 # the steps and frames tables' storage (sim/recorder.py), written from the given rows on
 Rows = namedtuple("Rows", "st_t st_lat st_i fr_f fr_tick fr_done fr_lat fr_i")
 # flush's arguments from the step-by-step path (the loop hands it its own records, which have these fields too)
-Answers = namedtuple("Answers", "key who tok work")
-Owners = namedtuple("Owners", "state s_admitted s_late")
-Clock = namedtuple("Clock", "P Pq deadline eps")
+Answers = namedtuple("Answers", "key who tok at work")
+Owners = namedtuple("Owners", "state s_admitted s_late P_of phase deadline_of")
+Clock = namedtuple("Clock", "P Pq eps shaped")
 FrameRows = namedtuple("FrameRows", "fr_f fr_tick fr_done fr_lat fr_i")
 # what a silent frame is, compiled from its one statement into the writer (spliced: its body joins the caller's)
 _silent_cause = nb.njit(cache=True, inline="always")(results.silent_cause)
 
 
+@compiled.counted  # (its slices are views: code without numba's reference counting makes none)
+def _tick_order(n, ans, ss):
+    """The answers' order by tick, then tick key (``ans.work[2n:3n]``), when sessions tick on clocks of their own
+    (``Clock.shaped``): a tick key then names a frame and a phase slot, not a moment. ``ans.work[:n]`` holds their
+    order by tick key (serving.key_order_in), and each tick is the session's own (front_rules.tick)."""
+    keys, who, at, work = ans.key, ans.who, ans.at, ans.work
+    for q in range(n):
+        a = work[q]
+        i = who[a]
+        at[q] = front_rules.tick(keys[a] // PHASE_SLOTS, ss.P_of[i], ss.phase[i])
+    merge_order(at, n, work[n:])  # (stable: in a tick, by key, so a frame number's answers lie together)
+    for q in range(n):
+        work[2 * n + q] = work[work[n + q]]
+
+
 @compiled.inlined
 def flush(now, n, ans, ss, c, rows, nrows, in_flight):
-    """``n`` answers (``ans``: tick key, session, tokens got) become one row per tick of ``rows``, in tick order, all
-    answered at ``now`` with ``in_flight`` sessions in flight (-1: nobody reads it, not written); a late frame
-    counts against its session (``ss.s_late``), a silent one is counted by what it is (results.silent_cause: a
-    session that ended now was answered at its departure). Both paths record their rows with it
-    (SimEngine._flush_answers: ``c`` the frame clock). Returns the rows written so far."""
+    """``n`` answers (``ans``: tick key, session, tokens got) become one row per tick (and frame number, for
+    sessions on clocks of their own) of ``rows``, in tick order, all answered at ``now`` with ``in_flight``
+    sessions in flight (-1: nobody reads it, not written); a frame late for its session's deadline counts against
+    it (``ss.s_late``), a silent one is counted by what it is (results.silent_cause: a session that ended now was
+    answered at its departure). Both paths record their rows with it (SimEngine._flush_answers: ``c`` the frame
+    clock). Returns the rows written so far."""
     if n == 0:
         return nrows
     keys, who, toks, state, s_admitted, s_late = ans.key, ans.who, ans.tok, ss.state, ss.s_admitted, ss.s_late
-    P, Pq, deadline, eps = c.P, c.Pq, c.deadline, c.eps
+    deadline_of, P, Pq, eps, shaped = ss.deadline_of, c.P, c.Pq, c.eps, c.shaped
     # rows are sums over a tick: the order within one does not matter
     key_order_in(keys, n, ans.work)
     order = ans.work[:n]
+    if shaped:
+        _tick_order(n, ans, ss)
+        order = ans.work[2 * n:3 * n]
     j = 0
     while j < n:
         key = keys[order[j]]
-        e = j
-        while e < n and keys[order[e]] == key:
-            e += 1
-        f, sl = key // PHASE_SLOTS, key % PHASE_SLOTS
-        tick = f * P + sl * Pq
+        f = key // PHASE_SLOTS
+        if shaped:  # (a session's own tick: the run's, f·P + slot·Pq, for one on the run's clock)
+            i = who[order[j]]
+            tick = front_rules.tick(f, ss.P_of[i], ss.phase[i])
+            e = j + 1
+            while (e < n and keys[order[e]] // PHASE_SLOTS == f
+                   and front_rules.tick(f, ss.P_of[who[order[e]]], ss.phase[who[order[e]]]) == tick):
+                e += 1
+        else:
+            tick = f * P + (key % PHASE_SLOTS) * Pq
+            e = j + 1
+            while e < n and keys[order[e]] == key:
+                e += 1
         latency = now - tick
-        late = latency > deadline + eps
-        tk = pre = wait = dep = 0
+        tk = pre = wait = dep = late = 0
         for q in range(j, e):
             i = who[order[q]]
             tok = toks[order[q]]
@@ -92,11 +118,12 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
                     wait += 1
                 else:
                     dep += 1
-            if late:
+            if latency > deadline_of[i] + eps:
                 s_late[i] += 1
+                late += 1
         rows.fr_f[nrows], rows.fr_tick[nrows], rows.fr_done[nrows], rows.fr_lat[nrows] = f, tick, now, latency
         fr_i = rows.fr_i
-        fr_i[R_FRAMES, nrows], fr_i[R_LATE, nrows], fr_i[R_TOKENS, nrows] = e - j, (e - j) if late else 0, tk
+        fr_i[R_FRAMES, nrows], fr_i[R_LATE, nrows], fr_i[R_TOKENS, nrows] = e - j, late, tk
         fr_i[R_SILENT, nrows], fr_i[R_SILENT_PRE, nrows] = pre + wait + dep, pre
         fr_i[R_SILENT_WAIT, nrows], fr_i[R_SILENT_DEP, nrows] = wait, dep
         if in_flight >= 0:

@@ -50,6 +50,10 @@ class Scenario:
     # a mix of streams: session k (in arrival order) streams token_mix[k % len] (input, output tokens per frame,
     # at most the stream's); empty: every session the calibration's stream
     token_mix: tuple[tuple[int, int], ...] = ()
+    # a mix of clocks: session k (in arrival order) streams a frame every period_mix[k % len][0] seconds, each due
+    # period_mix[k % len][1] seconds after its tick (independent phases: its phase slot is one of its own period);
+    # empty: every session the calibration's period and the run's deadline
+    period_mix: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         serving.check_phases(self.phases)
@@ -67,6 +71,12 @@ class Scenario:
                     and tokens_within(n_out, st.output_tokens_per_frame)):
                 raise MetronomeError(f"a stream of the mix has 1 to {st.input_tokens_per_frame} input and 1 to "
                                      f"{st.output_tokens_per_frame} output tokens a frame, got ({n_in}, {n_out})")
+        for period_s, deadline_s in self.period_mix:
+            if not (0 < period_s < math.inf and 0 < deadline_s < math.inf):
+                raise MetronomeError(f"a clock of the mix has a positive period and deadline in seconds, got "
+                                     f"({period_s!r}, {deadline_s!r})")
+        if self.period_mix and self.phases == "aligned":
+            raise MetronomeError("a mix of clocks needs independent phases: in lockstep every session ticks together")
         one = self.policy.resident_blocks(st.prompt_tokens + st.kv_tokens_per_frame)
         if fm.usable_blocks < int(one):
             raise MetronomeError(
@@ -342,11 +352,15 @@ def write(result: Result, out_dir: str | Path, replace: bool = False) -> Path:
 def roster(sc: Scenario, arrival: np.ndarray, duration: np.ndarray) -> Roster:
     """The scenario's sessions as a front end takes them: arrivals, durations, phases and the stream each runs."""
     slots = draw_phases(arrival.size, sc.phases, sc.seed)
-    if not sc.token_mix:
-        return Roster(arrival, duration, slots)
-    mix = np.array(sc.token_mix, dtype=np.int64)[np.arange(arrival.size) % len(sc.token_mix)]
     order = np.argsort(np.argsort(arrival, kind="stable"), kind="stable")  # each session's place in arrival order
-    return Roster(arrival, duration, slots, input_tokens=mix[order, 0], output_tokens=mix[order, 1])
+    own = {}
+    if sc.token_mix:
+        mix = np.array(sc.token_mix, dtype=np.int64)[order % len(sc.token_mix)]
+        own.update(input_tokens=mix[:, 0], output_tokens=mix[:, 1])
+    if sc.period_mix:
+        mix = np.array(sc.period_mix, dtype=np.float64)[order % len(sc.period_mix)]
+        own.update(period_s=mix[:, 0], deadline_s=mix[:, 1])
+    return Roster(arrival, duration, slots, **own)
 
 
 # ------------------------------------------------------------------------------- from plain options

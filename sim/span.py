@@ -29,13 +29,14 @@ W_CODE, X_CODE = EngineModel.WAITING_CODE, EngineModel.PREEMPTED_CODE  # waiting
 # first frame whose correlated-jitter parts the call is given; sees: the front end sees starved and preempted
 # requests after each step (serving.sees_starvation); na_end: the arrivals the loop takes are those before this one;
 # ctl: how the admission controller hears answered frames (CTL_*); tpf: a frame's KV tokens (a readmission leaves
-# room for one); P: the frame period; Pq: one phase slot; t_next: the next event the loop leaves to the caller;
-# first_s: the first-step term; jitter: NO_JITTER, INDEPENDENT or CORRELATED; wz, wshared, wown: the correlated
+# room for one); P: the run's frame period; Pq: one phase slot; shaped: some session ticks on a clock of its own
+# (front_end.on_run_clock: each row's tick is then its sessions', recorder.flush); t_next: the next event the loop
+# leaves to the caller; first_s: the first-step term; jitter: NO_JITTER, INDEPENDENT or CORRELATED; wz, wshared, wown: the correlated
 # jitter's weights; t_pause: the loop hands back after the first turn from then on, so a caller can look at the run
 # (unlike t_next it is no event, and nothing waits for it); route: the step model's moe_route (step_inputs)
 CONF = np.dtype([("max_steps", np.int64), ("ans_cap", np.int64), ("f_lo", np.int64), ("lockstep", np.bool_),
                  ("sees", np.bool_), ("na_end", np.int64), ("ctl", np.int64), ("tpf", np.int64), ("P", np.float64),
-                 ("Pq", np.float64), ("deadline", np.float64), ("t_next", np.float64), ("first_s", np.float64),
+                 ("Pq", np.float64), ("shaped", np.bool_), ("t_next", np.float64), ("first_s", np.float64),
                  ("eps", np.float64), ("jitter", np.int64), ("horizon", np.float64), ("wz", np.float64),
                  ("wshared", np.float64), ("wown", np.float64), ("t_pause", np.float64), ("route", np.float64)],
                 align=True)
@@ -61,9 +62,10 @@ STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("t_sat", np.float
 Front = namedtuple("Front", "queue dep_t dep_i pend sess_of_slot fresh new_i new_s new_k")
 # what a span allocates: the wheel over the phase slots (slot k's sessions: wheel_who[wheel_start[k]:wheel_start[k +
 # 1]], its next tick; the slots due at a turn), the sessions a turn visits, those with frames queued, the running
-# ones (lockstep); the moment's answers (tick key, session, tokens got) and room to sort them in; scratch and victims
+# ones (lockstep); the moment's answers (tick key, session, tokens got), room for their ticks and to sort them in
+# (recorder.flush); scratch and victims
 # for the reaction to a step (sim/reaction.py)
-Span = namedtuple("Span", "wheel_start wheel_who tick due visit ready run_sess key who tok work scr vic")
+Span = namedtuple("Span", "wheel_start wheel_who tick due visit ready run_sess key who tok at work scr vic")
 # the step jitter: each step's ratio (independent), or each step's own score and the shared and frame-only parts of
 # the frames from CONF.f_lo on, with the table of the ratio's distribution (correlated)
 Draws = namedtuple("Draws", "jit jz ja jb jp jr")
@@ -100,35 +102,53 @@ uncounted = nb.njit(cache=True, _nrt=False, forceinline=False, **_bare)
 counted = nb.njit(cache=True, _nrt=True, forceinline=False, **_bare)
 
 
-@counted  # (it allocates)
-def wheel(live, ss, P):
-    """The sessions by phase slot (slot k's: ``who[start[k]:start[k + 1]]``) and each slot's next tick: the live
-    ones, and those yet to arrive in the span (they tick once they arrive, :func:`metronome.sim.fastpath._arrive`).
+# The wheel's last slot: the sessions on a clock of their own (a period or a phase of their own:
+# front_end.on_run_clock), whose ticks are no phase slot's. It ticks at the earliest of its sessions' next ticks.
+OWN = PHASE_SLOTS
+SLOTS = PHASE_SLOTS + 1
 
-    A turn takes every frame that came due, so every live session of a slot is before the same next frame; the
-    turn then visits only the slots that came due, not every live session. ``ok`` is False when a slot's sessions
-    are not on one frame (the caller then steps one at a time)."""
-    pslot, state, next_frame, phase = ss.pslot, ss.state, ss.next_frame, ss.phase
-    start = np.zeros(PHASE_SLOTS + 1, np.int64)
+
+@spliced
+def wheel_slot(i, ss, c):
+    """Session ``i``'s slot of the wheel: its phase slot on the run's clock (front_end.on_run_clock), else OWN."""
+    k = ss.pslot[i]
+    return k if ss.P_of[i] == c.P and ss.phase[i] == k * c.Pq else OWN
+
+
+@counted  # (it allocates)
+def wheel(live, ss, c):
+    """The sessions by slot of the wheel (slot k's: ``who[start[k]:start[k + 1]]``, :func:`wheel_slot`) and each
+    slot's next tick: the live ones, and those yet to arrive in the span (they tick once they arrive,
+    :func:`metronome.sim.fastpath._arrive`).
+
+    A turn takes every frame that came due, so every live session of a phase slot is before the same next frame;
+    the turn then visits only the slots that came due, not every live session. ``ok`` is False when a phase slot's
+    sessions are not on one frame (the caller then steps one at a time)."""
+    state, next_frame, phase, P_of = ss.state, ss.next_frame, ss.phase, ss.P_of
+    slot = np.empty(live.size, np.int64)
+    start = np.zeros(SLOTS + 1, np.int64)
     for j in range(live.size):
-        start[pslot[live[j]] + 1] += 1
-    for k in range(PHASE_SLOTS):
+        slot[j] = wheel_slot(live[j], ss, c)
+        start[slot[j] + 1] += 1
+    for k in range(SLOTS):
         start[k + 1] += start[k]
-    fill = start[:PHASE_SLOTS].copy()
+    fill = start[:SLOTS].copy()
     who = np.empty(live.size, np.int64)
-    frame = np.full(PHASE_SLOTS, -1, np.int64)
-    tick = np.full(PHASE_SLOTS, np.inf)
+    frame = np.full(SLOTS, -1, np.int64)
+    tick = np.full(SLOTS, np.inf)
     ok = True
     for j in range(live.size):
         i = live[j]
-        k = pslot[i]
+        k = slot[j]
         who[fill[k]] = i
         fill[k] += 1
         if not _live(state[i]):
             continue
-        if frame[k] < 0:
+        if k == OWN:
+            tick[k] = min(tick[k], _tick(next_frame[i], P_of[i], phase[i]))
+        elif frame[k] < 0:
             frame[k] = next_frame[i]
-            tick[k] = _tick(next_frame[i], P, phase[i])
+            tick[k] = _tick(next_frame[i], P_of[i], phase[i])
         elif frame[k] != next_frame[i]:
             ok = False
     return start, who, tick, ok
@@ -141,7 +161,7 @@ def due_sessions(now, eps, w, n_ready, state):
     departed. Returns how many (a session may appear twice) and how many slots came due."""
     n = 0
     n_due = 0
-    for k in range(PHASE_SLOTS):
+    for k in range(SLOTS):
         if w.tick[k] <= now + eps:
             w.due[n_due] = k
             n_due += 1
@@ -157,13 +177,17 @@ def due_sessions(now, eps, w, n_ready, state):
 
 
 @spliced
-def slot_tick(k, start, who, state, next_frame, phase, P):
-    """Slot ``k``'s next tick: its live sessions' (all on one frame), or never when all of them departed."""
-    for q in range(start[k], start[k + 1]):
-        i = who[q]
-        if _live(state[i]):
-            return _tick(next_frame[i], P, phase[i])
-    return np.inf
+def slot_tick(k, w, ss):
+    """Slot ``k``'s next tick: its live sessions' (a phase slot's are all on one frame; OWN's, the earliest), or
+    never when all of them departed."""
+    t = np.inf
+    for q in range(w.wheel_start[k], w.wheel_start[k + 1]):
+        i = w.wheel_who[q]
+        if _live(ss.state[i]):
+            t = min(t, _tick(ss.next_frame[i], ss.P_of[i], ss.phase[i]))
+            if k != OWN:
+                break
+    return t
 
 
 @counted  # (it allocates)
@@ -185,12 +209,13 @@ def allocate(live, ss, c, n_answers, n_slots):
     a turn visits, those with frames queued, the running ones (lockstep), room for a step's ``n_answers`` answers
     and, for the front end's reaction to a step (the loop's victims), room for its victims and scratch over the
     ``n_slots`` slots. Returns (it, whether the wheel holds, the sessions with frames queued)."""
-    start, who, tick, ok = wheel(live, ss, c.P)
+    start, who, tick, ok = wheel(live, ss, c)
     ready, n_ready = queued_behind(live, ss)
     run_sess = live if c.lockstep else live[:0]
-    span = Span(start, who, tick, np.empty(PHASE_SLOTS, np.int64), np.empty(2 * live.size, np.int64), ready,
+    span = Span(start, who, tick, np.empty(SLOTS, np.int64), np.empty(2 * live.size, np.int64), ready,
                 run_sess, np.empty(n_answers, np.int64),
-                np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), key_order_work(n_answers),
+                np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), np.empty(n_answers),
+                key_order_work(n_answers),
                 np.zeros((6, n_slots), np.int64), np.empty(live.size, np.int64))
     return span, ok, n_ready
 

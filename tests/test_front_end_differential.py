@@ -69,11 +69,13 @@ def drive(sc):
                      max_num_batched_tokens=cal.engine.max_num_batched_tokens, max_num_seqs=cal.engine.max_num_seqs,
                      watermark_blocks=cal.engine.watermark_blocks, sleep_min_s=0.0, own_loop=sc.loop == "vllm",
                      latency=lambda rec: lat.step_s(int(rec.slots.size), rec.context_tokens, rec.new_tokens))
-    roster = sc_mod.roster(sc, arrival, duration)  # (each session's stream, when the scenario mixes them)
-    own = roster.input_tokens is not None
+    roster = sc_mod.roster(sc, arrival, duration)  # (each session's stream and clock, when the scenario mixes them)
+    own, clocks = roster.input_tokens is not None, roster.period_s is not None
     plans = [SessionPlan(str(i), float(arrival[i]), float(duration[i]), max(cal.stream.prompt_tokens, 1),
                          int(slots[i]), input_tokens=int(roster.input_tokens[i]) if own else None,
-                         output_tokens=int(roster.output_tokens[i]) if own else None) for i in range(arrival.size)]
+                         output_tokens=int(roster.output_tokens[i]) if own else None,
+                         period_s=float(roster.period_s[i]) if clocks else None,
+                         deadline_s=float(roster.deadline_s[i]) if clocks else None) for i in range(arrival.size)]
     cfg = DriverConfig(stream=cal.stream, horizon_s=sc.horizon_s, deadline_s=sc.deadline, policy=policy,
                        phases=sc.phases)
     admission = sc.admission() if callable(sc.admission) else None
@@ -326,6 +328,57 @@ def test_sessions_that_stream_their_own_token_counts_are_served_alike():
     assert sum(f > 0 for f in fast) >= len(fast) // 2, fast
 
 
+def test_sessions_on_clocks_of_their_own_are_served_alike():
+    """A mix of clocks and streams: each session its own frame period, deadline and tokens a frame, under
+    independent phases and both loops. The driver ticks each session on its own clock; the simulator's front end
+    and its compiled loop read each session's clock (the wheel's slot of sessions on clocks of their own, each
+    row's tick the session's own): every step, frame and session must agree as in the family above, the sessions
+    must have been served on their own clocks (each frame's tick on its session's grid), and the compiled loop
+    must have taken part of each run."""
+    loops, fast, n = Counter(), [], 0
+    for k, sc in random_scenarios(90):
+        if sc.phases != "independent":
+            continue
+        st = sc.calibration.stream
+        r = np.random.default_rng([k, 53])
+        P = st.frame_period_s
+        # periods a half to twice the stream's (a shorter one ticks twice between two of the run's), on and off
+        # the run's grid; deadlines a half to one of each period
+        clocks = tuple((p, float(p * r.choice([0.5, 1.0]))) for p in
+                       (float(P * r.choice([0.5, 0.75, 1.0, 1.5, 2.0])), float(r.uniform(0.5, 2.0) * P)))
+        tokens = tuple((int(r.integers(1, st.input_tokens_per_frame + 1)),
+                        int(r.integers(1, st.output_tokens_per_frame + 1))) for _ in range(3))
+        sc = replace(sc, period_mix=clocks, token_mix=tokens)
+        live, _ = compare(sc)
+        arrival, duration = sc_mod.workload(sc)
+        roster = sc_mod.roster(sc, arrival, duration)
+        f = pd.DataFrame(live.frames)
+        if len(f):
+            sid = f.session.astype(int).values
+            per, ph = roster.period_s[sid], serving.phase_offset_s(roster.phase_slot[sid], roster.period_s[sid])
+            on_grid = np.abs((f.tick_s.values - ph) / per - np.round((f.tick_s.values - ph) / per))
+            assert on_grid.max() < 1e-6, on_grid.max()  # (every tick f·P_i + φ_i, to rounding)
+        loops[sc.loop] += 1
+        fast.append(simulate(sc, True).fast_steps)
+        n += 1
+    assert len(loops) == 2 and n >= 30, (loops, n)
+    assert sum(f > 0 for f in fast) >= len(fast) // 2, fast
+    # and a busy one: 60 sessions on three periods (one the run's), two deadlines on two of them, so that sessions
+    # of one clock tick together (one frame row for several, some on time and some late) and some frames miss their
+    # session's deadline, in a run the loop takes whole
+    cal = calibration(period=0.08, n_in=4, n_out=2, prompt=8, blocks=400, maxlen=4096, budget=512, seqs=64,
+                      watermark=0, slow=0.1)
+    for loop in serving.LOOPS:
+        sc = replace(sc_mod.make_scenario(calibration=cal, kv="sinks", sinks=4, window=64, horizon=4.0, seed=7,
+                                          phases="independent", loop=loop, deadline=0.08, sessions=60),
+                     period_mix=((0.08, 0.08), (0.16, 0.08), (0.056, 0.056), (0.08, 0.03), (0.16, 0.16)), token_mix=((4, 2), (2, 1)))
+        compare(sc)
+        sim = simulate(sc, True)
+        f = sim.frames
+        assert (f.frames > 1).sum() > 100 and 0 < f.late.sum() < 0.1 * f.frames.sum(), f.describe()
+        assert sim.fast_steps > 1000, sim.fast_steps
+
+
 @pytest.mark.parametrize("mix", [((0, 1),), ((1, 0),), ((21, 1),), ((1, 9),)])
 def test_a_mix_beyond_the_stream_is_refused_before_the_run(mix):
     """A stream of the mix streams 1 to the calibration stream's tokens a frame (here 20 in, 8 out): one line,
@@ -343,3 +396,26 @@ def test_a_mix_beyond_the_stream_is_refused_before_the_run(mix):
     with pytest.raises(ValueError, match="tokens per frame are 1 to the stream's"):
         FrontEnd(serving.EngineModel(sc.policy, limits), sc.policy, limits, cal.stream,
                  Roster(np.zeros(1), np.ones(1), input_tokens=[n_in], output_tokens=[n_out]), 1.0, 0.08)
+
+
+@pytest.mark.parametrize("clocks, phases, message", [
+    (((0.0, 0.08),), "independent", "a clock of the mix has a positive period and deadline"),
+    (((0.08, -1.0),), "independent", "a clock of the mix has a positive period and deadline"),
+    (((float("inf"), 0.08),), "independent", "a clock of the mix has a positive period and deadline"),
+    (((0.16, 0.08),), "aligned", "a mix of clocks needs independent phases")])
+def test_a_mix_of_clocks_that_cannot_be_served_is_refused_before_the_run(clocks, phases, message):
+    """A clock of the mix is a positive period and deadline, in seconds, and sessions on clocks of their own
+    cannot tick in lockstep: one line, before any work; the front end refuses the same rosters."""
+    from metronome.front_end import FrontEnd, FrontEndOptions, Roster
+
+    cal = calibration(period=0.08, n_in=20, n_out=8, prompt=0, blocks=64, maxlen=4096, budget=512, seqs=64,
+                      watermark=0, slow=1.0)
+    sc = sc_mod.make_scenario(calibration=cal, kv="unbounded", sessions=2, horizon=1.0, phases=phases)
+    with pytest.raises(MetronomeError, match=message):
+        replace(sc, period_mix=clocks)
+    (period, deadline), = clocks
+    limits = serving.EngineLimits(num_blocks=64, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=4096)
+    with pytest.raises(ValueError, match="positive seconds" if phases == "independent" else "aligned phases"):
+        FrontEnd(serving.EngineModel(sc.policy, limits), sc.policy, limits, cal.stream,
+                 Roster(np.zeros(1), np.ones(1), period_s=[period], deadline_s=[deadline]), 1.0, 0.08,
+                 options=FrontEndOptions(phases=phases))

@@ -71,3 +71,58 @@ def test_a_large_table_does_not_ask_for_huge_pages():
         assert "hg" not in _vm_flags(t.store(c)), c
     t.add(**{c: 1 for c in FRAME_COLUMNS})  # the storage is written as any other
     assert t.column("tick_s").tolist() == [1.0]
+
+
+def _flush(answers, *, P_of, phase, deadline_of, shaped, now=1.0, P=0.08):
+    """Rows of ``answers`` (tick key, session, tokens) answered at ``now``, as both paths write them."""
+    from metronome import serving
+    from metronome.sim import recorder
+
+    key, who, tok = (np.array(x, np.int64) for x in zip(*answers))
+    n, M = key.size, len(P_of)
+    t = frame_table()
+    t.reserve(n)
+    owners = recorder.Owners(np.full(M, 3, np.int8), np.zeros(M), np.zeros(M, np.int64), np.array(P_of, float),
+                             np.array(phase, float), np.array(deadline_of, float))
+    clock = recorder.Clock(P, float(serving.phase_offset_s(1, P)), 1e-12, shaped)
+    stores = t.store("frame"), t.store("tick_s"), t.store("done_s"), t.store("latency_s"), t.block
+    t.commit(recorder.flush(now, n, recorder.Answers(key, who, tok, np.empty(n), serving.key_order_work(n)), owners,
+                            clock, recorder.FrameRows(*stores), 0, -1))
+    return t.frame()[["frame", "tick_s", "frames", "late", "tokens"]], owners.s_late
+
+
+def test_a_frame_row_is_one_tick_of_each_sessions_own_clock():
+    """Sessions on clocks of their own (``Clock.shaped``): each row is one tick of the sessions' own clocks (frame
+    f of session i ticks at f·P_i + φ_i), rows in tick order, and a frame is late by its own session's deadline.
+    Sessions 0 and 1 are on the run's clock (80 ms, phase slots 0 and 32: φ 0 and 40 ms); session 2 ticks every
+    120 ms from 10 ms, session 3 every 120 ms from 10 ms too but with a 20 ms deadline, session 4 every 40 ms."""
+    P_of, phase = [0.08, 0.08, 0.12, 0.12, 0.04], [0.0, 0.04, 0.01, 0.01, 0.0]
+    deadline_of = [0.08, 0.08, 0.12, 0.02, 0.04]
+    k = lambda f, slot: f * 64 + slot  # noqa: E731 (serving.tick_key: the frame and the session's phase slot)
+    # answered at 1.0 s: session 0 frame 12 (0.96), session 1 frame 11 (0.92), sessions 2 and 3 frame 8 (0.97),
+    # session 4 frames 23 (0.92) and 24 (0.96: the tick of session 0's frame 12, numbered 24 on its clock)
+    answers = [(k(24, 0), 4, 1), (k(8, 5), 2, 2), (k(12, 0), 0, 3), (k(11, 32), 1, 0), (k(8, 5), 3, 4),
+               (k(23, 0), 4, 5)]
+    rows, s_late = _flush(answers, P_of=P_of, phase=phase, deadline_of=deadline_of, shaped=True)
+    assert rows.frame.tolist() == [11, 23, 12, 24, 8]
+    assert np.allclose(rows.tick_s, [0.92, 0.92, 0.96, 0.96, 0.97], atol=1e-12)
+    assert rows.frames.tolist() == [1, 1, 1, 1, 2] and rows.tokens.tolist() == [0, 5, 3, 1, 6]
+    # late: latency 80 ms past a 40 ms deadline (session 4's frame 23), 30 ms past 20 ms (session 3; session 2,
+    # on the same tick, has 120 ms)
+    assert rows.late.tolist() == [0, 1, 0, 0, 1] and s_late.tolist() == [0, 0, 0, 1, 1]
+
+
+def test_rows_of_the_runs_clock_are_the_same_read_either_way():
+    """On the run's clock a tick key names a moment: reading each session's own clock (``shaped``) must give the
+    very rows the run's clock gives, bit for bit, deadlines per session included."""
+    r = np.random.default_rng(3)
+    M, P = 40, 0.08
+    slot = r.integers(0, 64, M)
+    phase = slot * (P / 64)  # serving.phase_offset_s
+    deadline_of = r.choice([0.04, 0.08], M)
+    who = r.integers(0, M, 300)
+    answers = [(int(r.integers(100, 104)) * 64 + int(slot[i]), int(i), int(r.integers(0, 3))) for i in who]
+    a, late_a = _flush(answers, P_of=[P] * M, phase=phase, deadline_of=deadline_of, shaped=False, now=8.3)
+    b, late_b = _flush(answers, P_of=[P] * M, phase=phase, deadline_of=deadline_of, shaped=True, now=8.3)
+    assert len(a) > 60 and a.late.sum() > 0 and (a.frames > 1).any()
+    assert a.equals(b) and (late_a == late_b).all()
