@@ -310,23 +310,41 @@ _W, _R, _P, _X = 1, 2, 3, 4  # waiting, running, paused, preempted (0: no reques
 # frame's max_tokens and the request's place in the kv-holding queue. The queues: ``run`` (vLLM's running
 # list, in order), ``kw`` (the kv-holding queue's *waiting* entries: the paused ones keep their place, ``kseq``,
 # and are only counted, since the waiting pass skips them) and ``wq`` (vLLM's waiting queue: new and
-# preempted requests). The counters (``cnt``; E_NEXT: the next request slot to hand out):
-E_USED, E_PAUSED, E_RUN, E_KW, E_WQ, E_KSEQ, E_STEPS, E_NEXT = range(8)
+# preempted requests). Its counters, limits, what a step did and the rules reached are numpy records (one
+# element each, ``np.recarray`` so that the step's Python form, which the differential test mutates, reads their
+# fields by name as numba does): numba reads and writes a field as a load or a store at its offset.
+# The counters (``cnt``): blocks used, requests paused, the lengths of ``run``, ``kw`` and ``wq``, the next
+# kv-holding sequence number, steps taken and the next request slot to hand out
+COUNTS = np.dtype([(f, np.int64) for f in ("used", "paused", "n_run", "n_kw", "n_wq", "next_kseq", "steps",
+                                            "next_slot")], align=True)
 # the engine's arrays by name, in engine_step's order (what EngineModel.arrays gives a compiled caller)
 EngineArrays = namedtuple("EngineArrays", "lim cnt status computed ntok slots held out maxtok kseq run kw wq o_s o_k "
                                           "o_pre o_sam o_pau o_n reached")
-# the limits and the policy's residency, as the compiled step reads them (``lim``)
-L_NB, L_SEQS, L_BUDGET, L_MAXLEN, L_WM, L_THR, L_CAP, L_BS, L_SINKB, L_WINDOW = range(10)
+# the limits and the policy's residency, as the compiled step reads them (``lim``): the pool, max_num_seqs, the
+# token budget, max_model_len, the watermark, the long-prefill threshold, the admission cap, and the block size,
+# sink blocks and window of KVPolicy.residency
+LIMITS = np.dtype([(f, np.int64) for f in ("num_blocks", "max_seqs", "budget", "max_len", "watermark",
+                                            "long_prefill", "cap", "block_size", "sink_blocks", "window")],
+                  align=True)
 # what a step did (``o_n``): scheduled (running pass, then admitted), admitted, preempted, sampled, paused, new
 # tokens, context tokens (resident after the step, summed over the scheduled), blocks used after scheduling
-O_SCHED, O_ADMIT, O_PRE, O_SAM, O_PAUSE, O_NEW, O_CTX, O_USED = range(8)
+DID = np.dtype([(f, np.int64) for f in ("sched", "admitted", "preempted", "sampled", "paused", "new_tokens",
+                                         "ctx_tokens", "used")], align=True)
 # the rules that can decide a step besides "everyone gets their own" (``reached`` counts each time one did, so a
 # test can say which a scenario covers): a dry pool preempting running[-1], out-of-window blocks freed, the token
 # budget cutting a request short, max_num_seqs or the full-sequence gate or the watermark stopping an admission,
 # max_model_len capping a request's tokens, the long-prefill threshold capping them
 RULES = ("preemption", "window_free", "token_budget", "max_num_seqs", "full_sequence_gate", "watermark",
          "length_limit", "long_prefill")
-R_PREEMPT, R_WFREE, R_BUDGET, R_SEQS, R_GATE, R_WM, R_LEN, R_LONG = range(len(RULES))
+REACHED = np.dtype([(r, np.int64) for r in RULES], align=True)
+
+
+def record(dtype, **fields) -> np.recarray:
+    """A record of ``dtype`` (one element, as the engine's arrays hold it), its ``fields`` set, the rest 0."""
+    r = np.zeros(1, dtype).view(np.recarray)
+    for name, value in fields.items():
+        r[name] = value
+    return r
 
 # the policy's residency, compiled: the engine step's and the fill model's clock (one dispatcher each, one cache)
 resident_blocks_jit = compiled.counted(resident_blocks_of)
@@ -386,10 +404,10 @@ def _chunk(s, budget, thr, ntok, computed, reached):
     """Tokens request ``s`` is scheduled from ``budget``: what it has left, at most the long-prefill threshold."""
     k = ntok[s] - computed[s]
     if 0 < thr < k:
-        reached[R_LONG] += 1
+        reached.long_prefill += 1
         k = thr
     if budget < k:
-        reached[R_BUDGET] += 1
+        reached.token_budget += 1
         return budget
     return k
 
@@ -399,32 +417,32 @@ def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
     """``KVCacheManager.allocate_slots(s, k)``: True and the blocks taken, or False and nothing taken (the frees
     stay). Admitting a waiting request, the full-sequence gate and the watermark (once anything runs) come first;
     then blocks that left the window at the *computed* count go back to the pool; then the chunk's new blocks."""
-    bs = lim[L_BS]
-    wm = lim[L_WM] if admitting and cnt[E_RUN] > 0 else 0
-    free = lim[L_NB] - cnt[E_USED]
+    bs = lim.block_size
+    wm = lim.watermark if admitting and cnt.n_run > 0 else 0
+    free = lim.num_blocks - cnt.used
     need = max((computed[s] + k + bs - 1) // bs - slots[s], 0)
     if admitting:
-        gate = gate_blocks_jit(min(ntok[s], lim[L_MAXLEN]), bs, lim[L_CAP], slots[s])
+        gate = gate_blocks_jit(min(ntok[s], lim.max_len), bs, lim.cap, slots[s])
         if gate + wm > free:
             if gate <= free:
-                reached[R_WM] += 1
+                reached.watermark += 1
             elif need + wm <= free:
-                reached[R_GATE] += 1  # the chunk would fit, the whole sequence not
+                reached.full_sequence_gate += 1  # the chunk would fit, the whole sequence not
             return False
     if slots[s] > 0:  # remove_skipped_blocks
-        keep = resident_blocks_jit(computed[s], bs, lim[L_SINKB], lim[L_WINDOW])
+        keep = resident_blocks_jit(computed[s], bs, lim.sink_blocks, lim.window)
         if keep < held[s]:
-            cnt[E_USED] -= held[s] - keep
+            cnt.used -= held[s] - keep
             free += held[s] - keep
             held[s] = keep
-            reached[R_WFREE] += 1
+            reached.window_free += 1
     if need + wm > free:
         if need <= free:
-            reached[R_WM] += 1
+            reached.watermark += 1
         return False
     slots[s] += need
     held[s] += need
-    cnt[E_USED] += need
+    cnt.used += need
     return True
 
 
@@ -432,16 +450,16 @@ def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
 def _preempt(v, cnt, status, computed, slots, held, wq, reached):
     """Recompute preemption of ``v``: all its blocks freed, nothing computed, at the head of ``waiting`` (its
     sampled tokens stay)."""
-    cnt[E_USED] -= held[v]
+    cnt.used -= held[v]
     held[v] = 0
     slots[v] = 0
     status[v] = _X
     computed[v] = 0
-    for j in range(cnt[E_WQ], 0, -1):
+    for j in range(cnt.n_wq, 0, -1):
         wq[j] = wq[j - 1]
     wq[0] = v
-    cnt[E_WQ] += 1
-    reached[R_PREEMPT] += 1
+    cnt.n_wq += 1
+    reached.preemption += 1
 
 
 @compiled.counted
@@ -555,39 +573,39 @@ def _running_pass(eng, thr):
     """The running requests in order, each its chunk (within the budget and below max_model_len); when the pool
     is dry the last running request is preempted and the allocation retried, and a request that would preempt
     itself ends the pass. Returns the budget left."""
-    lim, cnt, status, computed, ntok, slots, held, run, wq = (eng.lim, eng.cnt, eng.status, eng.computed, eng.ntok,
-                                                              eng.slots, eng.held, eng.run, eng.wq)
-    o_s, o_k, o_pre, o_n, reached = eng.o_s, eng.o_k, eng.o_pre, eng.o_n, eng.reached
-    budget = lim[L_BUDGET]
+    lim, cnt, status, computed, ntok, slots, held, run, wq = (eng.lim[0], eng.cnt[0], eng.status, eng.computed,
+                                                              eng.ntok, eng.slots, eng.held, eng.run, eng.wq)
+    o_s, o_k, o_pre, o_n, reached = eng.o_s, eng.o_k, eng.o_pre, eng.o_n[0], eng.reached[0]
+    budget = lim.budget
     i = 0
-    while i < cnt[E_RUN] and budget > 0:
+    while i < cnt.n_run and budget > 0:
         s = run[i]
         k = _chunk(s, budget, thr, ntok, computed, reached)
-        room = lim[L_MAXLEN] - computed[s] - 1
+        room = lim.max_len - computed[s] - 1
         if room < k:
-            reached[R_LEN] += 1
+            reached.length_limit += 1
             k = room
         if k <= 0:
             i += 1
             continue
         ok = _alloc(s, k, False, lim, cnt, computed, ntok, slots, held, reached)
         while not ok:
-            cnt[E_RUN] -= 1
-            v = run[cnt[E_RUN]]
+            cnt.n_run -= 1
+            v = run[cnt.n_run]
             _preempt(v, cnt, status, computed, slots, held, wq, reached)
-            o_pre[o_n[O_PRE]] = v
-            o_n[O_PRE] += 1
+            o_pre[o_n.preempted] = v
+            o_n.preempted += 1
             if v == s:
                 break
             ok = _alloc(s, k, False, lim, cnt, computed, ntok, slots, held, reached)
         if not ok:
             break
-        o_s[o_n[O_SCHED]], o_k[o_n[O_SCHED]] = s, k
-        o_n[O_SCHED] += 1
+        o_s[o_n.sched], o_k[o_n.sched] = s, k
+        o_n.sched += 1
         budget -= k
         i += 1
-    if budget <= 0 and i < cnt[E_RUN]:
-        reached[R_BUDGET] += 1  # the budget ran out before the last running requests
+    if budget <= 0 and i < cnt.n_run:
+        reached.token_budget += 1  # the budget ran out before the last running requests
     return budget
 
 
@@ -598,38 +616,39 @@ def _waiting_pass(budget, eng, thr):
     the full-sequence gate, the watermark and the pool allow; the first that does not fit ends the pass (no later,
     smaller request jumps it)."""
     lim, cnt, status, computed, ntok, slots, held, kseq, run, kw, wq = (
-        eng.lim, eng.cnt, eng.status, eng.computed, eng.ntok, eng.slots, eng.held, eng.kseq, eng.run, eng.kw, eng.wq)
-    o_s, o_k, o_n, reached = eng.o_s, eng.o_k, eng.o_n, eng.reached
-    _kv_order(kw, cnt[E_KW], kseq)
+        eng.lim[0], eng.cnt[0], eng.status, eng.computed, eng.ntok, eng.slots, eng.held, eng.kseq, eng.run, eng.kw,
+        eng.wq)
+    o_s, o_k, o_n, reached = eng.o_s, eng.o_k, eng.o_n[0], eng.reached[0]
+    _kv_order(kw, cnt.n_kw, kseq)
     a = q = 0  # admitted from kw, from wq
     while budget > 0:
-        if a < cnt[E_KW]:
+        if a < cnt.n_kw:
             s = kw[a]
-        elif q < cnt[E_WQ]:
+        elif q < cnt.n_wq:
             s = wq[q]
         else:
             break
-        if cnt[E_RUN] + cnt[E_PAUSED] >= lim[L_SEQS]:
-            reached[R_SEQS] += 1
+        if cnt.n_run + cnt.paused >= lim.max_seqs:
+            reached.max_num_seqs += 1
             break
         k = _chunk(s, budget, thr, ntok, computed, reached)
         if k <= 0 or not _alloc(s, k, True, lim, cnt, computed, ntok, slots, held, reached):
             break
         status[s] = _R
-        run[cnt[E_RUN]] = s
-        cnt[E_RUN] += 1
-        o_s[o_n[O_SCHED]], o_k[o_n[O_SCHED]] = s, k
-        o_n[O_SCHED] += 1
-        o_n[O_ADMIT] += 1
+        run[cnt.n_run] = s
+        cnt.n_run += 1
+        o_s[o_n.sched], o_k[o_n.sched] = s, k
+        o_n.sched += 1
+        o_n.admitted += 1
         budget -= k
-        if a < cnt[E_KW]:
+        if a < cnt.n_kw:
             a += 1
         else:
             q += 1
-    if budget <= 0 and (a < cnt[E_KW] or q < cnt[E_WQ]):
-        reached[R_BUDGET] += 1  # the budget ran out before the waiting requests
-    cnt[E_KW] = _pop_front(kw, cnt[E_KW], a)
-    cnt[E_WQ] = _pop_front(wq, cnt[E_WQ], q)
+    if budget <= 0 and (a < cnt.n_kw or q < cnt.n_wq):
+        reached.token_budget += 1  # the budget ran out before the waiting requests
+    cnt.n_kw = _pop_front(kw, cnt.n_kw, a)
+    cnt.n_wq = _pop_front(wq, cnt.n_wq, q)
 
 
 @compiled.uncounted
@@ -645,15 +664,15 @@ def _pop_front(queue, n, k):
 def _model_run(eng):
     """The model runs: each scheduled request computes its tokens; one whose tokens are all computed samples one;
     one that reached its frame's max_tokens pauses and joins the kv-holding queue's tail, in schedule order."""
-    lim, cnt, status, computed, ntok, out, maxtok, kseq, run = (eng.lim, eng.cnt, eng.status, eng.computed, eng.ntok,
-                                                                eng.out, eng.maxtok, eng.kseq, eng.run)
-    o_s, o_k, o_sam, o_pau, o_n = eng.o_s, eng.o_k, eng.o_sam, eng.o_pau, eng.o_n
+    lim, cnt, status, computed, ntok, out, maxtok, kseq, run = (eng.lim[0], eng.cnt[0], eng.status, eng.computed,
+                                                                eng.ntok, eng.out, eng.maxtok, eng.kseq, eng.run)
+    o_s, o_k, o_sam, o_pau, o_n = eng.o_s, eng.o_k, eng.o_sam, eng.o_pau, eng.o_n[0]
     new = ctx = n_sam = n_pau = 0
-    for j in range(o_n[O_SCHED]):
+    for j in range(o_n.sched):
         s = o_s[j]
         computed[s] += o_k[j]
         new += o_k[j]
-        ctx += resident_tokens_jit(computed[s], lim[L_BS], lim[L_SINKB], lim[L_WINDOW])
+        ctx += resident_tokens_jit(computed[s], lim.block_size, lim.sink_blocks, lim.window)
         if computed[s] >= ntok[s]:
             ntok[s] += 1
             out[s] += 1
@@ -661,19 +680,19 @@ def _model_run(eng):
             n_sam += 1
             if out[s] >= maxtok[s]:
                 status[s] = _P
-                kseq[s] = cnt[E_KSEQ]
-                cnt[E_KSEQ] += 1
+                kseq[s] = cnt.next_kseq
+                cnt.next_kseq += 1
                 o_pau[n_pau] = s
                 n_pau += 1
     if n_pau:
         m = 0
-        for j in range(cnt[E_RUN]):
+        for j in range(cnt.n_run):
             if status[run[j]] == _R:
                 run[m] = run[j]
                 m += 1
-        cnt[E_RUN] = m
-        cnt[E_PAUSED] += n_pau
-    o_n[O_SAM], o_n[O_PAUSE], o_n[O_NEW], o_n[O_CTX] = n_sam, n_pau, new, ctx
+        cnt.n_run = m
+        cnt.paused += n_pau
+    o_n.sampled, o_n.paused, o_n.new_tokens, o_n.ctx_tokens = n_sam, n_pau, new, ctx
 
 
 @compiled.inlined
@@ -682,15 +701,16 @@ def engine_step(eng):
     running pass, then, only in a step that preempted nothing, the waiting pass; then sampling and pausing. What
     it did is written to ``o_*`` (``o_n`` counts them) and each rule that decided something is counted in
     ``reached``. The one statement of vLLM's step: every path of the simulator and the differential test run it."""
-    lim, cnt, o_n = eng.lim, eng.cnt, eng.o_n
-    o_n[:] = 0
-    thr = lim[L_THR] if cnt[E_RUN] + cnt[E_WQ] + cnt[E_KW] + cnt[E_PAUSED] > 1 else 0  # paused sessions count
+    lim, cnt, o_n = eng.lim[0], eng.cnt[0], eng.o_n[0]
+    o_n.sched = o_n.admitted = o_n.preempted = o_n.sampled = o_n.paused = o_n.new_tokens = o_n.ctx_tokens = 0
+    o_n.used = 0
+    thr = lim.long_prefill if cnt.n_run + cnt.n_wq + cnt.n_kw + cnt.paused > 1 else 0  # paused sessions count
     budget = _running_pass(eng, thr)
-    if o_n[O_PRE] == 0:
+    if o_n.preempted == 0:
         _waiting_pass(budget, eng, thr)
-    o_n[O_USED] = cnt[E_USED]
+    o_n.used = cnt.used
     _model_run(eng)
-    cnt[E_STEPS] += 1
+    cnt.steps += 1
 
 
 @compiled.counted
@@ -709,31 +729,31 @@ def abort_slot(s, cnt, status, slots, held, run, kw, wq):
     """Abort request ``s`` (``EngineModel.abort``; the compiled loop's departures call it too): its blocks go back,
     and it leaves whichever list or queue holds it."""
     st = status[s]
-    cnt[E_USED] -= held[s]
+    cnt.used -= held[s]
     held[s] = 0
     slots[s] = 0
     status[s] = 0
     if st == _R:
-        cnt[E_RUN] = _drop(run, cnt[E_RUN], s)
+        cnt.n_run = _drop(run, cnt.n_run, s)
     elif st == _P:
-        cnt[E_PAUSED] -= 1
+        cnt.paused -= 1
     elif st != 0:  # waiting: in the kv-holding queue (resumed) or in vLLM's waiting queue
-        n = _drop(kw, cnt[E_KW], s)
-        if n < cnt[E_KW]:
-            cnt[E_KW] = n
+        n = _drop(kw, cnt.n_kw, s)
+        if n < cnt.n_kw:
+            cnt.n_kw = n
         else:
-            cnt[E_WQ] = _drop(wq, cnt[E_WQ], s)
+            cnt.n_wq = _drop(wq, cnt.n_wq, s)
 
 
 @compiled.counted
 def add_slot(prompt_tokens, max_tokens, cnt, status, ntok, maxtok, kseq, wq):
     """A new request (``EngineModel.add``; the compiled loop adds a session's first frame with it too): the next
     slot, waiting at the tail of ``waiting``. Returns the slot."""
-    s = cnt[E_NEXT]
-    cnt[E_NEXT] += 1
+    s = cnt.next_slot
+    cnt.next_slot += 1
     status[s], ntok[s], maxtok[s], kseq[s] = _W, prompt_tokens, max_tokens, -1
-    wq[cnt[E_WQ]] = s
-    cnt[E_WQ] += 1
+    wq[cnt.n_wq] = s
+    cnt.n_wq += 1
     return s
 
 
@@ -746,9 +766,9 @@ def resume_slot(s, chunk, max_tokens, cnt, status, computed, ntok, out, maxtok, 
     maxtok[s] = max_tokens
     out[s] = 0
     status[s] = _W
-    cnt[E_PAUSED] -= 1
-    kw[cnt[E_KW]] = s
-    cnt[E_KW] += 1
+    cnt.paused -= 1
+    kw[cnt.n_kw] = s
+    cnt.n_kw += 1
 
 
 @compiled.counted
@@ -828,7 +848,7 @@ class EngineModel:
     paused one, :meth:`abort`, :meth:`step`. No prefix caching, no speculative decoding, one batch in
     flight (what the probe runs). Residency comes from the :class:`KVPolicy` (:meth:`KVPolicy.residency`: blocks
     that left the window freed on the computed-token basis before each allocation, as ``remove_skipped_blocks``
-    does). A step is :func:`engine_step` on this model's arrays (the layout at ``E_USED``); the simulator's compiled
+    does). A step is :func:`engine_step` on this model's arrays (the layout at ``COUNTS``); the simulator's compiled
     loop calls the same function on the same arrays."""
 
     WAITING_CODE, RUNNING_CODE, PAUSED_CODE, PREEMPTED_CODE = _W, _R, _P, _X  # status_a values
@@ -841,14 +861,18 @@ class EngineModel:
         self.policy, self.limits = policy, limits
         self.bs = policy.block_size
         self.cap = policy.admission_cap_blocks(limits.in_flight_tokens, limits.max_model_len)
-        self.lim = np.array([limits.num_blocks, limits.max_num_seqs, limits.max_num_batched_tokens,
-                             limits.max_model_len, limits.watermark_blocks, limits.long_prefill_token_threshold,
-                             NO_CAP if self.cap is None else self.cap, *policy.residency()], dtype=np.int64)
+        block_size, sink_blocks, window = policy.residency()
+        self.lim = record(LIMITS, num_blocks=limits.num_blocks, max_seqs=limits.max_num_seqs,
+                          budget=limits.max_num_batched_tokens, max_len=limits.max_model_len,
+                          watermark=limits.watermark_blocks, long_prefill=limits.long_prefill_token_threshold,
+                          cap=NO_CAP if self.cap is None else self.cap, block_size=block_size,
+                          sink_blocks=sink_blocks, window=window)
         self._slot_of: dict = {}
         self.rid_of: list = []
-        self.cnt = np.zeros(8, dtype=np.int64)
-        self.o_n = np.zeros(8, dtype=np.int64)
-        self.reached_a = np.zeros(len(RULES), dtype=np.int64)
+        self.cnt, self.o_n, self.reached_a = record(COUNTS), record(DID), record(REACHED)
+        # the records' one element (a view: compiled code writes through it, and r["name"] reads it 4x faster than
+        # a record's attribute)
+        self._c, self._did = self.cnt[0], self.o_n[0]
         n = 64
         self.status_a = np.zeros(n, dtype=np.int8)
         for name in self._ARRAYS[1:]:
@@ -863,25 +887,25 @@ class EngineModel:
     # -- the counters, by name ---------------------------------------------------------------------------
     @property
     def used(self) -> int:
-        return int(self.cnt[E_USED])
+        return int(self._c["used"])
 
     @property
     def steps(self) -> int:
-        return int(self.cnt[E_STEPS])
+        return int(self._c["steps"])
 
     @property
     def n_paused(self) -> int:
-        return int(self.cnt[E_PAUSED])
+        return int(self._c["paused"])
 
     @property
     def running(self) -> list:
         """Slots in vLLM's running order."""
-        return self.run_a[:self.cnt[E_RUN]].tolist()
+        return self.run_a[:self._c["n_run"]].tolist()
 
     @property
     def reached(self) -> dict:
         """How often each of :data:`RULES` decided something in a step."""
-        return dict(zip(RULES, self.reached_a.tolist()))
+        return {r: int(self.reached_a[0][r]) for r in RULES}
 
     # -- the engine interface ------------------------------------------------------------------------
     def add(self, rid, prompt_tokens: int, max_tokens: int, origin: Origin | None = None) -> int:
@@ -892,14 +916,14 @@ class EngineModel:
         if prompt_tokens < 1 or max_tokens < 1:
             raise MetronomeError("a request needs at least one prompt token and one output token")
         self.reserve(1)
-        s = add_slot(prompt_tokens, max_tokens, self.cnt, self.status_a, self.ntok_a, self.maxtok_a, self.kseq_a,
+        s = add_slot(prompt_tokens, max_tokens, self._c, self.status_a, self.ntok_a, self.maxtok_a, self.kseq_a,
                      self.wq_a)
         self.adopt(rid, s)
         return s
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` more requests in the arrays (the compiled loop adds requests without growing them)."""
-        while self.cnt[E_NEXT] + n > self.status_a.size:
+        while self._c["next_slot"] + n > self.status_a.size:
             self._grow()
 
     def adopt(self, rid, s: int) -> None:
@@ -913,11 +937,11 @@ class EngineModel:
         s = self._slot_of[rid]
         if self.status_a[s] != _P:
             raise MetronomeError(f"request {rid!r} is {_NAME[int(self.status_a[s])]}, not paused between frames")
-        resume_slot(s, chunk_tokens, max_tokens, self.cnt, self.status_a, self.computed_a, self.ntok_a, self.out_a,
+        resume_slot(s, chunk_tokens, max_tokens, self._c, self.status_a, self.computed_a, self.ntok_a, self.out_a,
                     self.maxtok_a, self.kw_a)
 
     def abort(self, rid) -> None:
-        abort_slot(self._slot_of.pop(rid), self.cnt, self.status_a, self.slots_a, self.held_a, self.run_a,
+        abort_slot(self._slot_of.pop(rid), self._c, self.status_a, self.slots_a, self.held_a, self.run_a,
                    self.kw_a, self.wq_a)
 
     def session_ended(self, session: int) -> None:
@@ -943,11 +967,11 @@ class EngineModel:
         return int(self.held_a[self._slot_of[rid]])
 
     def free_blocks(self) -> int:
-        return self.limits.num_blocks - int(self.cnt[E_USED])
+        return self.limits.num_blocks - int(self._c["used"])
 
     def has_work(self) -> bool:
-        c = self.cnt
-        return bool(c[E_RUN] or c[E_WQ] or c[E_KW])
+        c = self._c
+        return bool(c["n_run"] or c["n_wq"] or c["n_kw"])
 
     # -- by slot, for callers that keep arrays (the simulator) -------------------------------------------
     def append_many(self, slots: np.ndarray, chunk_tokens, max_tokens) -> None:
@@ -958,7 +982,7 @@ class EngineModel:
         if (self.status_a[slots] != _P).any():
             raise MetronomeError("append_many: a request is not paused between frames")
         _resume_many(np.asarray(slots, np.int64), np.broadcast_to(np.asarray(chunk_tokens, np.int64), slots.shape),
-                     np.broadcast_to(np.asarray(max_tokens, np.int64), slots.shape), self.cnt, self.status_a,
+                     np.broadcast_to(np.asarray(max_tokens, np.int64), slots.shape), self._c, self.status_a,
                      self.computed_a, self.ntok_a, self.out_a, self.maxtok_a, self.kw_a)
 
     def computed_of(self, slots: np.ndarray) -> np.ndarray:
@@ -985,25 +1009,25 @@ class EngineModel:
 
     def last_step(self) -> StepRecord:
         """The record of the step just taken (by :meth:`step`, or by the compiled loop on these arrays)."""
-        n = self.o_n
-        ns, na = int(n[O_SCHED]), int(n[O_ADMIT])
+        n = self._did
+        ns, na = int(n["sched"]), int(n["admitted"])
         slots = self.o_s[:ns].copy()
-        return StepRecord(slots, self.o_k[:ns].copy(), preempted=[self.rid_of[v] for v in self.o_pre[:n[O_PRE]]],
-                          admitted=[self.rid_of[v] for v in slots[ns - na:].tolist()], used_blocks=int(n[O_USED]),
-                          sampled_slots=self.o_sam[:n[O_SAM]].copy(), paused_slots=self.o_pau[:n[O_PAUSE]].copy(),
-                          rid_of=self.rid_of, context_tokens=int(n[O_CTX]))
+        return StepRecord(slots, self.o_k[:ns].copy(), preempted=[self.rid_of[v] for v in self.o_pre[:n["preempted"]]],
+                          admitted=[self.rid_of[v] for v in slots[ns - na:].tolist()], used_blocks=int(n["used"]),
+                          sampled_slots=self.o_sam[:n["sampled"]].copy(), paused_slots=self.o_pau[:n["paused"]].copy(),
+                          rid_of=self.rid_of, context_tokens=int(n["ctx_tokens"]))
 
     def check(self) -> None:
         """Pool accounting: used = Σ held, 0 <= used <= pool; every request with work is in exactly one queue."""
         held = int(self.held_a.sum())
         assert held == self.used, f"pool accounting drifted: {held} held vs {self.used} used"
         assert 0 <= self.used <= self.limits.num_blocks, f"used {self.used} outside [0, {self.limits.num_blocks}]"
-        c = self.cnt
-        queued = np.concatenate([self.run_a[:c[E_RUN]], self.kw_a[:c[E_KW]], self.wq_a[:c[E_WQ]]])
+        c = self._c
+        queued = np.concatenate([self.run_a[:c["n_run"]], self.kw_a[:c["n_kw"]], self.wq_a[:c["n_wq"]]])
         st = self.status_a
         assert np.unique(queued).size == queued.size, "a request is in two queues"
         assert ((st == _R) | (st == _W) | (st == _X)).sum() == queued.size, "a request with work is in no queue"
-        assert int((st == _P).sum()) == int(c[E_PAUSED]), "paused requests miscounted"
+        assert int((st == _P).sum()) == int(c["paused"]), "paused requests miscounted"
 
 
 # ------------------------------------------------------------------------- the front end's deadlock rule

@@ -371,7 +371,7 @@ class SimEngine(FrontEnd):
         at the latest, the arrivals it may take are those before this one), or None."""
         m = self.model
         if (self.gate.queue or self.n_answers or self.stalled or not isinstance(m, EngineModel)
-                or (self.sees_starvation and m.cnt[serving.E_WQ])):  # (vLLM's own loop re-prefills what it preempts)
+                or (self.sees_starvation and m.cnt[0].n_wq)):  # (vLLM's own loop re-prefills what it preempts)
             return None
         live = np.flatnonzero((self.state >= WAITING) & (self.state <= RUNNING))
         run = live[self.state[live] == RUNNING]

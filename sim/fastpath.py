@@ -33,9 +33,7 @@ from metronome.front_rules import live as _live
 from metronome.front_rules import placeless as _placeless
 from metronome.front_rules import tick as _tick
 from metronome.jitter_kernel import correlated_ratio
-from metronome.serving import (E_KW, E_NEXT, E_RUN, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_MAXLEN, L_NB, O_CTX,
-                               O_NEW, O_PRE, O_SAM, O_SCHED, O_USED, add_slot, engine_step, gate_blocks_jit,
-                               resume_slot)
+from metronome.serving import add_slot, engine_step, gate_blocks_jit, resume_slot
 from metronome.sim import reaction, recorder, span
 from metronome.sim.recorder import (Q_BATCH, Q_CTX, Q_DONE, Q_NEW, Q_OUT, Q_PRE, Q_RUNNING, Q_SILENT, Q_USED,
                                     Q_WAITING, R_FRAMES, R_SILENT, flush)
@@ -61,7 +59,7 @@ def _turn_fits(now, n_visit, c, ss, w, eng, room):
     step-by-step one would (a running session's, on a paused request or, its first, on a new one for which the
     engine's arrays have ``room``, fitting the length limit). Returns (whether all pass, the silent answers the
     turn will write, the room left)."""
-    eps, maxlen = c.eps, eng.lim[L_MAXLEN]
+    eps, maxlen = c.eps, eng.lim[0].max_len
     n_ans = 0
     for j in range(n_visit):
         i = w.visit[j]
@@ -123,7 +121,7 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
     latest = -1
     n_first = 0
     n_new = s.nnew
-    steps = eng.cnt[E_STEPS]
+    steps = eng.cnt[0].steps
     for j in range(n_visit):
         i = w.visit[j]
         if ss.inflight[i] < 0 and ss.backlog[i] > 0:
@@ -133,7 +131,7 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
                 n_first += 1
                 continue
             chunk = chunk_of(i, ss)
-            resume_slot(sl, chunk, ss.n_out_of[i], eng.cnt, eng.status, eng.computed, eng.ntok, eng.out, eng.maxtok,
+            resume_slot(sl, chunk, ss.n_out_of[i], eng.cnt[0], eng.status, eng.computed, eng.ntok, eng.out, eng.maxtok,
                         eng.kw)
             latest = max(latest, hand_over(i, sl, chunk, steps, ss, fe.fresh))
             n_sub += 1
@@ -146,7 +144,8 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
             continue
         last = i
         first = chunk_of(i, ss)
-        sl = add_slot(ss.hist[i] + first, ss.n_out_of[i], eng.cnt, eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
+        sl = add_slot(ss.hist[i] + first, ss.n_out_of[i], eng.cnt[0], eng.status, eng.ntok, eng.maxtok, eng.kseq,
+                      eng.wq)
         ss.slot[i], fe.sess_of_slot[sl] = sl, i
         fe.new_i[n_new], fe.new_s[n_new], fe.new_k[n_new] = i, sl, NEW_FIRST
         n_new += 1
@@ -160,7 +159,7 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
 def _step_latency(coef, c, o_n, first, step_no, sframe, dr):
     """StepLatencyModel.step_s of the step ``o_n`` counts (the same sums in the same order, bit for bit), the
     first-step term, the jitter."""
-    xs = _step_inputs(float(o_n[O_SCHED]), float(o_n[O_CTX]), float(o_n[O_NEW]), c.route)
+    xs = _step_inputs(float(o_n.sched), float(o_n.ctx_tokens), float(o_n.new_tokens), c.route)
     lat = 0.0
     for i in range(coef.size):
         lat += coef[i] * xs[i]
@@ -178,9 +177,9 @@ def _step_latency(coef, c, o_n, first, step_no, sframe, dr):
 def _tokens_to_frames(now, s, ss, fe, w, eng):
     """The step's sampled tokens to their frames (front_rules.tokens_in), the frames done answered from the
     moment's first answer on. Returns (tokens out, frames done, sessions with frames still queued)."""
-    n_done, n_pre, tokens_out, n_ready = tokens_in(
-        eng.o_sam[:eng.o_n[O_SAM]], now, ss, fe.sess_of_slot, Tally(ss.pslot, ss.s_frames, ss.s_silent, w.key, w.who,
-                                                                    w.tok), np.int64(0), None, w.ready)
+    a = Tally(ss.pslot, ss.s_frames, ss.s_silent, w.key, w.who, w.tok)
+    n_done, n_pre, tokens_out, n_ready = tokens_in(eng.o_sam[:eng.o_n[0].sampled], now, ss, fe.sess_of_slot, a,
+                                                   np.int64(0), None, w.ready)
     s.npf -= n_pre
     return tokens_out, n_done, n_ready
 
@@ -241,16 +240,16 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
             gone = gone or d == i
         if gone:
             continue
-        need = gate_blocks_jit(request_tokens(i, ss), lim[L_BS], lim[L_CAP], 0)
+        need = gate_blocks_jit(request_tokens(i, ss), lim.block_size, lim.cap, 0)
         if need > free:
             break
         if ss.started[i]:  # readmitted at once, its history its prompt, unless it must rebase (the caller's)
             room -= 1
-            if room < 0 or ss.hist[i] + ss.pending_in[i] + c.tpf >= lim[L_MAXLEN]:  # (serving.frame_fits)
+            if room < 0 or ss.hist[i] + ss.pending_in[i] + c.tpf >= lim.max_len:  # (serving.frame_fits)
                 return -1
         elif _tick(ss.next_frame[i], ss.P_of[i], ss.phase[i]) <= now + c.eps:  # its first frame is due now
             room -= 1
-            if room < 0 or not _first_fits(i, ss, lim[L_MAXLEN]):
+            if room < 0 or not _first_fits(i, ss, lim.max_len):
                 return -1
         free -= need
         n += 1
@@ -268,11 +267,11 @@ def _admit(now, n, c, s, ss, fe, eng):
         if new:
             continue
         prompt = ss.hist[i] + ss.pending_in[i]
-        sl = add_slot(prompt, 1, eng.cnt, eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
+        sl = add_slot(prompt, 1, eng.cnt[0], eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
         ss.slot[i], fe.sess_of_slot[sl] = sl, i
         fe.new_i[s.nnew], fe.new_s[s.nnew], fe.new_k[s.nnew] = i, sl, NEW_READMIT
         s.nnew += 1
-        readmitted(i, prompt, eng.cnt[E_STEPS], ss)
+        readmitted(i, prompt, eng.cnt[0].steps, ss)
         s.npf += 1
 
 
@@ -304,7 +303,7 @@ def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
     fits, n_ans, room = _turn_fits(now, n_visit, c, ss, w, eng, n_room)
     k0 = s.dep
     k1, freed, owed = _departures_due(now, s, ss, fe, eng.held)
-    n_adm = _admissions(now, c, s, ss, fe, eng.lim, eng.lim[L_NB] - (eng.cnt[E_USED] - freed), room,
+    n_adm = _admissions(now, c, s, ss, fe, eng.lim[0], eng.lim[0].num_blocks - (eng.cnt[0].used - freed), room,
                         fe.dep_i[k0:k1])
     taken = (fits and n_adm >= 0 and owed + n_ans <= c.ans_cap
              and (not c.lockstep or s.npend + n_ans <= fe.pend.shape[0]))
@@ -330,7 +329,7 @@ def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
         return False, 0, -1
     _arrive(now, c, s, ss, fe, w, ctl)
     n_visit, n_due, taken, k1, n_adm = _turn_plan(now, c, s, ss, fe, w, eng, n_ready,
-                                           min(eng.status.size - eng.cnt[E_NEXT], fe.new_i.size - s.nnew))
+                                           min(eng.status.size - eng.cnt[0].next_slot, fe.new_i.size - s.nnew))
     if not taken:
         return False, 0, -1
     # (the constants a loop below reads, in locals: a record's field is read from memory again after every store
@@ -423,19 +422,19 @@ def _engine_step(now, c, coef, eng, dr, fe, idle, step_no, sframe):
     if c.jitter == CORRELATED and sframe - c.f_lo >= dr.ja.size:
         return -1.0, TURN_TAKEN
     engine_step(eng)
-    o_n = eng.o_n
+    o_n = eng.o_n[0]
     # SimEngine._step: a frame starts in a step after the engine idled. (Not a literal False: numba would compile
     # what it is handed to for the literal too; so the zeros below)
     first = np.bool_(False)
-    for j in range(o_n[O_SCHED]):
+    for j in range(o_n.sched):
         if fe.fresh[eng.o_s[j]]:
             first = idle
             fe.fresh[eng.o_s[j]] = False
     lat = _step_latency(coef, c, o_n, first, step_no, sframe, dr)
     # what the front end does after a step in Python: a step that scheduled nothing stalls; a front end that steps
     # vLLM itself takes back what it preempted, and looks at every request left waiting (serving.deadlock_pick)
-    cnt = eng.cnt
-    plain = o_n[O_SCHED] > 0 and (not c.sees or (o_n[O_PRE] == 0 and cnt[E_KW] + cnt[E_WQ] == 0))
+    cnt = eng.cnt[0]
+    plain = o_n.sched > 0 and (not c.sees or (o_n.preempted == 0 and cnt.n_kw + cnt.n_wq == 0))
     if now + lat >= c.horizon:
         return lat, PAST_HORIZON
     return lat, TURN_CALLER if plain else STEP_TAKEN
@@ -455,7 +454,7 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
     owned, ok, n_ready = span.allocate(live, ss, c, c.ans_cap + fe.pend.shape[0], eng.status.size)
     w = borrowed(owned)  # (held to the end: hold)
     a = Tally(ss.pslot, ss.s_frames, ss.s_silent, w.key, w.who, w.tok)
-    o_n = eng.o_n
+    o_n = eng.o_n[0]
     while ok:
         if turned == TURN_CALLER:
             taken, n_sub, latest = _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live)
@@ -466,7 +465,8 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
                 turned = PAUSED
                 break
         turned = TURN_CALLER
-        if eng.cnt[E_RUN] + eng.cnt[E_KW] + eng.cnt[E_WQ] == 0:  # no work: wait (no step ran: none is "right after")
+        cnt = eng.cnt[0]
+        if cnt.n_run + cnt.n_kw + cnt.n_wq == 0:  # no work: wait (no step ran: none is "right after")
             now, idle, turned, ends = _idle(now, c, s, ss, fe, w, idle, turned)
             s.prelast = False
             if ends:
@@ -485,9 +485,9 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
         n_ans = n_done
         if n_vic:
             n_ans = reaction.preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans)
-        counts = (n_done, n_ans, tokens_out, n_vic, o_n[O_SCHED], o_n[O_NEW], o_n[O_CTX], o_n[O_USED])
+        counts = (n_done, n_ans, tokens_out, n_vic, o_n.sched, o_n.new_tokens, o_n.ctx_tokens, o_n.used)
         _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts)
-        s.peak, s.nsteps = max(s.peak, o_n[O_USED]), s.nsteps + 1
+        s.peak, s.nsteps = max(s.peak, o_n.used), s.nsteps + 1
     s.turned, s.idle, s.now = turned, idle, now
     hold(owned)
 

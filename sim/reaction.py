@@ -13,8 +13,7 @@ import numpy as np
 
 from metronome import compiled, front_rules, serving
 from metronome.front_rules import PREFILL, Queues, awaits_engine, lose_place
-from metronome.serving import (E_KW, E_NEXT, E_STEPS, E_USED, E_WQ, L_BS, L_CAP, L_NB, L_SINKB, L_WINDOW, O_PRE,
-                               O_SAM, O_SCHED, abort_slot, deadlock_pick, resume_need)
+from metronome.serving import abort_slot, deadlock_pick, resume_need
 from metronome.sim import span
 from metronome.sim.span import NEW_DROPPED, STEP_TAKEN, TURN_CALLER, W_CODE, X_CODE, inlined, spliced
 
@@ -33,11 +32,11 @@ def victims(ss, fe, w, eng):
     victims) are the slots scanned for every session in the engine. Past N* a step leaves requests waiting every
     time, and a scan of every slot the run ever used, each step, was the loop's cost."""
     mark, who, need, seq, hl, order = w.scr[0], w.scr[1], w.scr[2], w.scr[3], w.scr[4], w.scr[5]
-    cnt, o_n, held, status, vic = eng.cnt, eng.o_n, eng.held, eng.status, w.vic
+    cnt, o_n, held, status, vic = eng.cnt[0], eng.o_n[0], eng.held, eng.status, w.vic
     n_vic = 0
     owed = 0
-    free = eng.lim[L_NB] - cnt[E_USED]
-    for j in range(o_n[O_PRE]):  # (aborted first: its blocks, if any, are free for the rule below)
+    free = eng.lim[0].num_blocks - cnt.used
+    for j in range(o_n.preempted):  # (aborted first: its blocks, if any, are free for the rule below)
         sl = eng.o_pre[j]
         i = fe.sess_of_slot[sl]
         mark[sl] = 2
@@ -45,19 +44,19 @@ def victims(ss, fe, w, eng):
         n_vic += 1
         owed += 1 + ss.backlog[i]
         free += held[sl]
-    for j in range(o_n[O_SCHED]):
+    for j in range(o_n.sched):
         if mark[eng.o_s[j]] == 0:
             mark[eng.o_s[j]] = 1
-    step_no = cnt[E_STEPS] - 1
+    step_no = cnt.steps - 1
     total = 0
-    n_kw = cnt[E_KW]
-    for q in range(n_kw + cnt[E_WQ]):
+    n_kw = cnt.n_kw
+    for q in range(n_kw + cnt.n_wq):
         sl = eng.kw[q] if q < n_kw else eng.wq[q - n_kw]
         if mark[sl] == 0:
             total += starved_need(sl, ss, fe, eng, step_no)
     if total > free:
         k = 0
-        for sl in range(cnt[E_NEXT]):  # every session with a request in the engine
+        for sl in range(cnt.next_slot):  # every session with a request in the engine
             if mark[sl] == 2 or status[sl] == 0:
                 continue
             i = fe.sess_of_slot[sl]
@@ -72,9 +71,9 @@ def victims(ss, fe, w, eng):
             vic[n_vic] = i
             n_vic += 1
             owed += 1 + ss.backlog[i]
-    for j in range(o_n[O_PRE]):  # (the marks back to 0, without touching every slot)
+    for j in range(o_n.preempted):  # (the marks back to 0, without touching every slot)
         mark[eng.o_pre[j]] = 0
-    for j in range(o_n[O_SCHED]):
+    for j in range(o_n.sched):
         mark[eng.o_s[j]] = 0
     return n_vic, owed
 
@@ -87,9 +86,9 @@ def starved_need(sl, ss, fe, eng, step_no):
     i = fe.sess_of_slot[sl]
     st = eng.status[sl]
     if ss.slot[i] == sl and awaits_engine(i, step_no, ss) and (st == W_CODE or st == X_CODE):
-        lim = eng.lim
-        return resume_need(eng.ntok[sl], eng.computed[sl], eng.held[sl], lim[L_BS], lim[L_CAP], lim[L_SINKB],
-                           lim[L_WINDOW])
+        lim = eng.lim[0]
+        return resume_need(eng.ntok[sl], eng.computed[sl], eng.held[sl], lim.block_size, lim.cap, lim.sink_blocks,
+                           lim.window)
     return 0
 
 
@@ -99,7 +98,7 @@ def abort(i, ss, fe, eng):
     frame); the caller forgets its id."""
     sl = ss.slot[i]
     if sl >= 0:
-        abort_slot(sl, eng.cnt, eng.status, eng.slots, eng.held, eng.run, eng.kw, eng.wq)
+        abort_slot(sl, eng.cnt[0], eng.status, eng.slots, eng.held, eng.run, eng.kw, eng.wq)
         fe.fresh[sl] = False
         ss.slot[i] = -1
     return sl
@@ -137,11 +136,11 @@ def react(turned, c, s, ss, fe, w, eng):
     with a front end that steps vLLM itself, is taken on here (its victims chosen: :func:`victims`) when the span
     has room for the frames they will be owed and the requests they give up; the rest is the caller's (a stall, or
     vLLM's own loop seeing nothing). Returns (the victims, TURN_CALLER, or ``turned`` as it was)."""
-    o_n = eng.o_n
-    if turned != STEP_TAKEN or not c.sees or o_n[O_SCHED] == 0:
+    o_n = eng.o_n[0]
+    if turned != STEP_TAKEN or not c.sees or o_n.sched == 0:
         return 0, turned
     n_vic, owed = victims(ss, fe, w, eng)
-    if (o_n[O_SAM] + s.npend + owed > c.ans_cap or s.npend + owed > fe.pend.shape[0]
+    if (o_n.sampled + s.npend + owed > c.ans_cap or s.npend + owed > fe.pend.shape[0]
             or s.nnew + n_vic > fe.new_i.size):
         return 0, STEP_TAKEN
     return n_vic, TURN_CALLER

@@ -455,10 +455,9 @@ def test_the_comparison_fails_when_the_model_frees_window_blocks_ahead_of_the_ch
 
     def frees_ahead(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
         if slots[s]:  # free at the count after the step, before the allocation
-            keep = serving.resident_blocks_jit(computed[s] + k, lim[serving.L_BS], lim[serving.L_SINKB],
-                                               lim[serving.L_WINDOW])
+            keep = serving.resident_blocks_jit(computed[s] + k, lim.block_size, lim.sink_blocks, lim.window)
             if keep < held[s]:
-                cnt[serving.E_USED] -= held[s] - keep
+                cnt.used -= held[s] - keep
                 held[s] = keep
         return alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached)
 
@@ -507,23 +506,23 @@ def test_the_comparison_fails_when_waiting_requests_are_admitted_before_the_runn
     py = {name: getattr(serving, name).py_func for name in ("_running_pass", "_waiting_pass", "_model_run")}
 
     def admit_first(eng):
-        lim, cnt, run, o_k, o_n = eng.lim, eng.cnt, eng.run, eng.o_k, eng.o_n
-        o_n[:] = 0
-        many = cnt[serving.E_RUN] + cnt[serving.E_WQ] + cnt[serving.E_KW] + cnt[serving.E_PAUSED] > 1
-        thr = lim[serving.L_THR] if many else 0
-        n0 = cnt[serving.E_RUN]
-        py["_waiting_pass"](lim[serving.L_BUDGET], eng, thr)
-        admitted = run[n0:cnt[serving.E_RUN]].copy()
-        cnt[serving.E_RUN] = n0
-        left = lim.copy()
-        left[serving.L_BUDGET] -= o_k[:o_n[serving.O_SCHED]].sum()
+        lim, cnt, run, o_k, o_n = eng.lim[0], eng.cnt[0], eng.run, eng.o_k, eng.o_n[0]
+        eng.o_n[0] = 0
+        many = cnt.n_run + cnt.n_wq + cnt.n_kw + cnt.paused > 1
+        thr = lim.long_prefill if many else 0
+        n0 = cnt.n_run
+        py["_waiting_pass"](lim.budget, eng, thr)
+        admitted = run[n0:cnt.n_run].copy()
+        cnt.n_run = n0
+        left = eng.lim.copy()
+        left[0].budget -= o_k[:o_n.sched].sum()
         py["_running_pass"](eng._replace(lim=left), thr)
         for a in admitted:  # (behind the running ones, as admissions are)
-            run[cnt[serving.E_RUN]] = a
-            cnt[serving.E_RUN] += 1
-        o_n[serving.O_USED] = cnt[serving.E_USED]
+            run[cnt.n_run] = a
+            cnt.n_run += 1
+        o_n.used = cnt.used
         py["_model_run"](eng)
-        cnt[serving.E_STEPS] += 1
+        cnt.steps += 1
 
     _interpreted(monkeypatch, engine_step=admit_first)
     with pytest.raises(AssertionError, match="step"):
@@ -532,10 +531,10 @@ def test_the_comparison_fails_when_waiting_requests_are_admitted_before_the_runn
 
 def test_the_comparison_fails_when_another_running_request_is_preempted(monkeypatch):
     """vLLM's victim is ``running[-1]``; the one before it (when neither is scheduled yet) is another rule."""
-    other = _mutant(serving._running_pass, "            v = run[cnt[E_RUN]]",
-                    "            if cnt[E_RUN] - 1 > i:\n"
-                    "                run[cnt[E_RUN]], run[cnt[E_RUN] - 1] = run[cnt[E_RUN] - 1], run[cnt[E_RUN]]\n"
-                    "            v = run[cnt[E_RUN]]")
+    other = _mutant(serving._running_pass, "            v = run[cnt.n_run]",
+                    "            if cnt.n_run - 1 > i:\n"
+                    "                run[cnt.n_run], run[cnt.n_run - 1] = run[cnt.n_run - 1], run[cnt.n_run]\n"
+                    "            v = run[cnt.n_run]")
     _interpreted(monkeypatch, _running_pass=other)
     with pytest.raises(AssertionError, match="step"):
         _both(_vllm_loop())
@@ -545,8 +544,8 @@ def test_the_comparison_fails_without_the_watermark(monkeypatch):
     alloc = serving._alloc.py_func
 
     def no_watermark(s, k, admitting, lim, *state):
-        lim = lim.copy()
-        lim[serving.L_WM] = 0
+        lim = serving.record(serving.LIMITS, **{f: lim[f] for f in serving.LIMITS.names})[0]
+        lim.watermark = 0
         return alloc(s, k, admitting, lim, *state)
 
     _interpreted(monkeypatch, _alloc=no_watermark)
@@ -561,7 +560,7 @@ def test_the_comparison_fails_with_the_admission_cap_a_block_off(monkeypatch):
 
     def cap_plus_one(self, policy, limits):
         init(self, policy, limits)
-        self.lim[serving.L_CAP] += 1
+        self.lim[0].cap += 1
 
     monkeypatch.setattr(ModelBackend, "__init__", cap_plus_one)
     with pytest.raises(AssertionError, match="step"):
