@@ -183,10 +183,9 @@ class SimEngine(FrontEnd):
         return int(nn.sum()), int(silent.sum())
 
     def _frame_stores(self) -> tuple:
-        """The frames table's storage as :func:`metronome.sim.recorder.flush` writes it: frame, tick, answered,
-        latency, and the integer block."""
+        """The frames table's storage as :func:`metronome.sim.recorder.flush` writes it (``FrameRows``' columns)."""
         fr = self.frames
-        return fr.store("frame"), fr.store("tick_s"), fr.store("done_s"), fr.store("latency_s"), fr.block
+        return tuple(fr.store(c) for c in recorder.FRAME_ROWS)
 
     # ----------------------------------------------------------------------------------------------- one step
     def _step(self, now: float):
@@ -267,7 +266,8 @@ class SimEngine(FrontEnd):
         self.steps.reserve(n_max, int(2 * ahead * self.steps.rows))
         self.frames.reserve(4 * n_max + 4 * ans_cap, int(2 * ahead * self.frames.rows))
         st, fr = self.steps, self.frames
-        rec = recorder.Rows(st.store("t_s"), st.store("step_s"), st.block, *self._frame_stores())
+        rec = recorder.Rows(st.store("t_s"), st.store("step_s"), *(st.store(c) for c in recorder.STEP_BLOCK),
+                            *self._frame_stores())
         state["step0"], state["nrows"] = st.rows, fr.rows
         na0 = self.next_arrival
         fp.run_span(conf, state, np.array(self.lat.coefficients, dtype=np.float64), sess, self.session_arrays(), fe,
@@ -423,7 +423,7 @@ class SimEngine(FrontEnd):
         if rows_end > r0 and self.controller is not None and not self.controller.compiled:  # (else the loop told it)
             self.controller.observe_many(fr.column("done_s")[r0:], fr.column("latency_s")[r0:],
                                          fr.column("frames")[r0:], fr.column("silent")[r0:],
-                                         in_flight=fr.block[recorder.R_INFLIGHT, r0:rows_end])
+                                         in_flight=fr.store("in_flight")[r0:rows_end])
 
     # ------------------------------------------------------------------------------------------------ results
     def release(self) -> None:

@@ -35,8 +35,7 @@ from metronome.front_rules import tick as _tick
 from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import add_slot, engine_step, gate_blocks_jit, resume_slot
 from metronome.sim import reaction, recorder, span
-from metronome.sim.recorder import (Q_BATCH, Q_CTX, Q_DONE, Q_NEW, Q_OUT, Q_PRE, Q_RUNNING, Q_SILENT, Q_USED,
-                                    Q_WAITING, R_FRAMES, R_SILENT, flush)
+from metronome.sim.recorder import flush
 from metronome.sim.span import (CORRELATED, CTL_AFTER, CTL_COMPILED, INDEPENDENT, NEW_FIRST, NEW_READMIT, P_CODE,
                                 PAST_HORIZON, PAUSED, STEP_TAKEN, TURN_CALLER, TURN_TAKEN)
 from metronome.sim.span import inlined as _inlined
@@ -367,8 +366,8 @@ def _answered(now, n_ans, c, s, ss, w, rec, ctl):
     in_flight = s.nrun + s.nwait
     s.nrows = flush(now, n_ans, w, ss, c, rec, r0, in_flight if c.ctl == CTL_AFTER else -1)
     if c.ctl == CTL_COMPILED:  # (the rows were all answered at `now` with `in_flight` in flight)
-        ck.observe_moment(ctl, now, in_flight, rec.fr_lat[r0:s.nrows], rec.fr_i[R_FRAMES][r0:s.nrows],
-                          rec.fr_i[R_SILENT][r0:s.nrows])
+        ck.observe_moment(ctl, now, in_flight, rec.fr_lat[r0:s.nrows], rec.frames[r0:s.nrows],
+                          rec.silent[r0:s.nrows])
 
 
 @_inlined
@@ -386,11 +385,10 @@ def _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts):
     for j in range(n_done, n_ans):
         if w.tok[j] == 0:  # serving.frame_is_silent
             silent += 1
-    st_i = rec.st_i
-    st_i[Q_BATCH, k], st_i[Q_NEW, k], st_i[Q_CTX, k], st_i[Q_USED, k] = batch, new_tokens, ctx, used
-    st_i[Q_OUT, k], st_i[Q_DONE, k], st_i[Q_SILENT, k] = tokens_out, n_ans, silent
+    rec.batch[k], rec.new_tokens[k], rec.context_tokens[k], rec.resident_blocks[k] = batch, new_tokens, ctx, used
+    rec.tokens_out[k], rec.frames_done[k], rec.silent_frames[k] = tokens_out, n_ans, silent
     # running (not re-prefilling) and waiting at the front end (the caller fills the free blocks)
-    st_i[Q_RUNNING, k], st_i[Q_WAITING, k], st_i[Q_PRE, k] = s.nrun - s.npf, s.nwait, n_vic
+    rec.running[k], rec.waiting[k], rec.preemptions[k] = s.nrun - s.npf, s.nwait, n_vic
     rec.st_t[k], rec.st_lat[k] = step_start, lat
 
 

@@ -27,30 +27,26 @@ STEP_COLUMNS = (
 # silent_preempted, silent_waiting, silent_departed: the silent frames by what they are (metronome.results)
 FRAME_COLUMNS = ("frame", "tick_s", "done_s", "latency_s", "frames", "silent", "silent_preempted", "silent_waiting",
                  "silent_departed", "late", "tokens")
-# the integer columns a compiled writer takes as one array, one row each, in its order (metronome.sim.fastpath
-# indexes them by these names); "in_flight" is the writer's own: what a controller deciding in Python is told with a
-# frame row, no column of the table, and written only for one (a row of storage never written costs nothing)
+# the integer columns, kept as the rows of one array (Table.block: the table grows by one allocation) and written
+# through a view of each, by name (Rows); "in_flight" is the writer's own: what a controller deciding in Python is
+# told with a frame row, no column of the table, and written only for one (a row of storage never written costs
+# nothing)
 STEP_BLOCK = ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out", "frames_done", "running",
               "waiting", "silent_frames", "free_blocks", "preemptions")
 FRAME_BLOCK = ("frames", "late", "tokens", "silent", "silent_preempted", "silent_waiting", "silent_departed",
                "in_flight")
 
 
-# frame rows' integer columns (fr_i) and a step row's (st_i): the tables' blocks, by name
-R_FRAMES, R_LATE, R_TOKENS, R_SILENT, R_SILENT_PRE, R_SILENT_WAIT, R_SILENT_DEP, R_INFLIGHT = (
-    FRAME_BLOCK.index(c) for c in ("frames", "late", "tokens", "silent", "silent_preempted", "silent_waiting",
-                                   "silent_departed", "in_flight"))
-(Q_BATCH, Q_NEW, Q_CTX, Q_USED, Q_OUT, Q_DONE, Q_RUNNING, Q_WAITING, Q_SILENT, Q_PRE) = (
-    STEP_BLOCK.index(c) for c in ("batch", "new_tokens", "context_tokens", "resident_blocks", "tokens_out",
-                                  "frames_done", "running", "waiting", "silent_frames", "preemptions"))
-
-# the steps and frames tables' storage (sim/recorder.py), written from the given rows on
-Rows = namedtuple("Rows", "st_t st_lat st_i fr_f fr_tick fr_done fr_lat fr_i")
+# the steps and frames tables' storage as a writer writes it (each column by its name, a view of the table's own:
+# SimEngine._rows), from the given rows on: a step's start and latency and its integer columns, a frame row's
+# frame, tick, answer and latency and its integer columns
+Rows = namedtuple("Rows", ("st_t", "st_lat", *STEP_BLOCK, "fr_f", "fr_tick", "fr_done", "fr_lat", *FRAME_BLOCK))
+FRAME_ROWS = ("frame", "tick_s", "done_s", "latency_s", *FRAME_BLOCK)  # (its columns, in FrameRows' order)
 # flush's arguments from the step-by-step path (the loop hands it its own records, which have these fields too)
 Answers = namedtuple("Answers", "key who tok at work")
 Owners = namedtuple("Owners", "state s_admitted s_late P_of phase deadline_of")
 Clock = namedtuple("Clock", "P Pq eps shaped")
-FrameRows = namedtuple("FrameRows", "fr_f fr_tick fr_done fr_lat fr_i")
+FrameRows = namedtuple("FrameRows", ("fr_f", "fr_tick", "fr_done", "fr_lat", *FRAME_BLOCK))
 # what a silent frame is, compiled from its one statement into the writer (spliced: its body joins the caller's)
 _silent_cause = nb.njit(cache=True, inline="always")(results.silent_cause)
 
@@ -122,12 +118,11 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
                 s_late[i] += 1
                 late += 1
         rows.fr_f[nrows], rows.fr_tick[nrows], rows.fr_done[nrows], rows.fr_lat[nrows] = f, tick, now, latency
-        fr_i = rows.fr_i
-        fr_i[R_FRAMES, nrows], fr_i[R_LATE, nrows], fr_i[R_TOKENS, nrows] = e - j, late, tk
-        fr_i[R_SILENT, nrows], fr_i[R_SILENT_PRE, nrows] = pre + wait + dep, pre
-        fr_i[R_SILENT_WAIT, nrows], fr_i[R_SILENT_DEP, nrows] = wait, dep
+        rows.frames[nrows], rows.late[nrows], rows.tokens[nrows] = e - j, late, tk
+        rows.silent[nrows], rows.silent_preempted[nrows] = pre + wait + dep, pre
+        rows.silent_waiting[nrows], rows.silent_departed[nrows] = wait, dep
         if in_flight >= 0:
-            fr_i[R_INFLIGHT, nrows] = in_flight
+            rows.in_flight[nrows] = in_flight
         nrows += 1
         j = e
     return nrows

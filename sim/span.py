@@ -31,9 +31,10 @@ W_CODE, X_CODE = EngineModel.WAITING_CODE, EngineModel.PREEMPTED_CODE  # waiting
 # ctl: how the admission controller hears answered frames (CTL_*); tpf: a frame's KV tokens (a readmission leaves
 # room for one); P: the run's frame period; Pq: one phase slot; shaped: some session ticks on a clock of its own
 # (front_end.on_run_clock: each row's tick is then its sessions', recorder.flush); t_next: the next event the loop
-# leaves to the caller; first_s: the first-step term; jitter: NO_JITTER, INDEPENDENT or CORRELATED; wz, wshared, wown: the correlated
-# jitter's weights; t_pause: the loop hands back after the first turn from then on, so a caller can look at the run
-# (unlike t_next it is no event, and nothing waits for it); route: the step model's moe_route (step_inputs)
+# leaves to the caller; first_s: the first-step term; jitter: NO_JITTER, INDEPENDENT or CORRELATED; wz, wshared,
+# wown: the correlated jitter's weights; t_pause: the loop hands back after the first turn from then on, so a
+# caller can look at the run (unlike t_next it is no event, and nothing waits for it); route: the step model's
+# moe_route (step_inputs)
 CONF = np.dtype([("max_steps", np.int64), ("ans_cap", np.int64), ("f_lo", np.int64), ("lockstep", np.bool_),
                  ("sees", np.bool_), ("na_end", np.int64), ("ctl", np.int64), ("tpf", np.int64), ("P", np.float64),
                  ("Pq", np.float64), ("shaped", np.bool_), ("t_next", np.float64), ("first_s", np.float64),
@@ -71,7 +72,7 @@ Span = namedtuple("Span", "wheel_start wheel_who tick due visit ready run_sess k
 Draws = namedtuple("Draws", "jit jz ja jb jp jr")
 
 # CONF.ctl: no controller; one deciding in Python (the caller hands it the frame rows after the call, with each
-# row's in-flight count, R_INFLIGHT); a compiled one (control_kernel), which this loop runs at each arrival and each
+# row's in-flight count, Rows.in_flight); a compiled one (control_kernel), which this loop runs at each arrival and each
 # frame row, as SimEngine does
 CTL_NONE, CTL_AFTER, CTL_COMPILED = 0, 1, 2
 NO_JITTER, INDEPENDENT, CORRELATED = 0, 1, 2

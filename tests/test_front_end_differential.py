@@ -371,7 +371,8 @@ def test_sessions_on_clocks_of_their_own_are_served_alike():
     for loop in serving.LOOPS:
         sc = replace(sc_mod.make_scenario(calibration=cal, kv="sinks", sinks=4, window=64, horizon=4.0, seed=7,
                                           phases="independent", loop=loop, deadline=0.08, sessions=60),
-                     period_mix=((0.08, 0.08), (0.16, 0.08), (0.056, 0.056), (0.08, 0.03), (0.16, 0.16)), token_mix=((4, 2), (2, 1)))
+                     period_mix=((0.08, 0.08), (0.16, 0.08), (0.056, 0.056), (0.08, 0.03), (0.16, 0.16)),
+                     token_mix=((4, 2), (2, 1)))
         compare(sc)
         sim = simulate(sc, True)
         f = sim.frames

@@ -85,7 +85,7 @@ def _flush(answers, *, P_of, phase, deadline_of, shaped, now=1.0, P=0.08):
     owners = recorder.Owners(np.full(M, 3, np.int8), np.zeros(M), np.zeros(M, np.int64), np.array(P_of, float),
                              np.array(phase, float), np.array(deadline_of, float))
     clock = recorder.Clock(P, float(serving.phase_offset_s(1, P)), 1e-12, shaped)
-    stores = t.store("frame"), t.store("tick_s"), t.store("done_s"), t.store("latency_s"), t.block
+    stores = (t.store(c) for c in recorder.FRAME_ROWS)
     t.commit(recorder.flush(now, n, recorder.Answers(key, who, tok, np.empty(n), serving.key_order_work(n)), owners,
                             clock, recorder.FrameRows(*stores), 0, -1))
     return t.frame()[["frame", "tick_s", "frames", "late", "tokens"]], owners.s_late
