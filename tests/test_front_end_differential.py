@@ -399,6 +399,19 @@ def test_a_mix_beyond_the_stream_is_refused_before_the_run(mix):
                  Roster(np.zeros(1), np.ones(1), input_tokens=[n_in], output_tokens=[n_out]), 1.0, 0.08)
 
 
+def test_a_mix_goes_to_the_sessions_in_the_order_they_arrive():
+    """Session k in arrival order streams clock k % len of the mix and tokens k % len of the token mix, whatever
+    order the roster lists them in (here the second listed arrives first)."""
+    cal = calibration(period=0.08, n_in=20, n_out=8, prompt=0, blocks=64, maxlen=4096, budget=512, seqs=64,
+                      watermark=0, slow=1.0)
+    sc = replace(sc_mod.make_scenario(calibration=cal, kv="unbounded", sessions=2, horizon=1.0),
+                 period_mix=((0.08, 0.04), (0.16, 0.1), (0.12, 0.12)), token_mix=((3, 1), (5, 2)))
+    roster = sc_mod.roster(sc, np.array([0.3, 0.1, 0.2]), np.ones(3))
+    assert roster.period_s.tolist() == [0.12, 0.08, 0.16]  # (their places in arrival order: 2, 0, 1)
+    assert roster.deadline_s.tolist() == [0.12, 0.04, 0.1]
+    assert roster.input_tokens.tolist() == [3, 3, 5] and roster.output_tokens.tolist() == [1, 1, 2]
+
+
 @pytest.mark.parametrize("clocks, phases, message", [
     (((0.0, 0.08),), "independent", "a clock of the mix has a positive period and deadline"),
     (((0.08, -1.0),), "independent", "a clock of the mix has a positive period and deadline"),
