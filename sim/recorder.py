@@ -51,21 +51,6 @@ FrameRows = namedtuple("FrameRows", ("fr_f", "fr_tick", "fr_done", "fr_lat", *FR
 _silent_cause = nb.njit(cache=True, inline="always")(results.silent_cause)
 
 
-@compiled.counted  # (its slices are views: code without numba's reference counting makes none)
-def _tick_order(n, ans, ss):
-    """The answers' order by tick, then tick key (``ans.work[2n:3n]``), when sessions tick on clocks of their own
-    (``Clock.shaped``): a tick key then names a frame and a phase slot, not a moment. ``ans.work[:n]`` holds their
-    order by tick key (serving.key_order_in), and each tick is the session's own (front_rules.tick)."""
-    keys, who, at, work = ans.key, ans.who, ans.at, ans.work
-    for q in range(n):
-        a = work[q]
-        i = who[a]
-        at[q] = front_rules.tick(keys[a] // PHASE_SLOTS, ss.P_of[i], ss.phase[i])
-    merge_order(at, n, work[n:])  # (stable: in a tick, by key, so a frame number's answers lie together)
-    for q in range(n):
-        work[2 * n + q] = work[work[n + q]]
-
-
 @compiled.inlined
 def flush(now, n, ans, ss, c, rows, nrows, in_flight):
     """``n`` answers (``ans``: tick key, session, tokens got) become one row per tick (and frame number, for
@@ -76,56 +61,79 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
     clock). Returns the rows written so far."""
     if n == 0:
         return nrows
-    keys, who, toks, state, s_admitted, s_late = ans.key, ans.who, ans.tok, ss.state, ss.s_admitted, ss.s_late
-    deadline_of, P, Pq, eps, shaped = ss.deadline_of, c.P, c.Pq, c.eps, c.shaped
+    keys, who, shaped = ans.key, ans.who, c.shaped
     # rows are sums over a tick: the order within one does not matter
     key_order_in(keys, n, ans.work)
     order = ans.work[:n]
-    if shaped:
-        _tick_order(n, ans, ss)
+    if shaped:  # (by each session's own tick, then by key)
+        _tick_order(n, keys, who, ans.at, ans.work, ss.P_of, ss.phase)
         order = ans.work[2 * n:3 * n]
     j = 0
     while j < n:
         key = keys[order[j]]
         f = key // PHASE_SLOTS
+        e = j + 1
         if shaped:  # (a session's own tick: the run's, f·P + slot·Pq, for one on the run's clock)
             i = who[order[j]]
             tick = front_rules.tick(f, ss.P_of[i], ss.phase[i])
-            e = j + 1
             while (e < n and keys[order[e]] // PHASE_SLOTS == f
                    and front_rules.tick(f, ss.P_of[who[order[e]]], ss.phase[who[order[e]]]) == tick):
                 e += 1
         else:
-            tick = f * P + (key % PHASE_SLOTS) * Pq
-            e = j + 1
+            tick = f * c.P + (key % PHASE_SLOTS) * c.Pq
             while e < n and keys[order[e]] == key:
                 e += 1
-        latency = now - tick
-        tk = pre = wait = dep = late = 0
-        for q in range(j, e):
-            i = who[order[q]]
-            tok = toks[order[q]]
-            tk += tok
-            if tok == 0:  # serving.frame_is_silent
-                cause = _silent_cause(tok, state[i] == ENDED, tick, s_admitted[i])
-                if cause == results.SILENT_PREEMPTED:
-                    pre += 1
-                elif cause == results.SILENT_WAITING:
-                    wait += 1
-                else:
-                    dep += 1
-            if latency > deadline_of[i] + eps:
-                s_late[i] += 1
-                late += 1
-        rows.fr_f[nrows], rows.fr_tick[nrows], rows.fr_done[nrows], rows.fr_lat[nrows] = f, tick, now, latency
-        rows.frames[nrows], rows.late[nrows], rows.tokens[nrows] = e - j, late, tk
-        rows.silent[nrows], rows.silent_preempted[nrows] = pre + wait + dep, pre
-        rows.silent_waiting[nrows], rows.silent_departed[nrows] = wait, dep
-        if in_flight >= 0:
-            rows.in_flight[nrows] = in_flight
-        nrows += 1
+        nrows = _row(now, (f, tick), order[j:e], ans, ss, rows, nrows, in_flight, c.eps)
         j = e
     return nrows
+
+
+@compiled.counted  # (its slices are views: code without numba's reference counting makes none)
+def _tick_order(n, keys, who, at, work, P_of, phase):
+    """The order of ``n`` answers (tick ``keys``, sessions ``who``) by their session's own tick, then by tick key
+    (``work[2n:3n]``), when sessions tick on clocks of their own (``Clock.shaped``: a tick key then names a frame
+    and a phase slot, not a moment). ``work[:n]`` holds their order by tick key (serving.key_order_in). It takes
+    arrays, not the records they come in: a function compiled apart unpacks every array of a record it is given."""
+    for q in range(n):
+        a = work[q]
+        i = who[a]
+        at[q] = front_rules.tick(keys[a] // PHASE_SLOTS, P_of[i], phase[i])
+    merge_order(at, n, work[n:])  # (stable: in a tick, by key, so a frame number's answers lie together)
+    for q in range(n):
+        work[2 * n + q] = work[work[n + q]]
+
+
+@compiled.inlined
+def _row(now, frame_tick, members, ans, ss, rows, nrows, in_flight, eps):
+    """Row ``nrows``: the answers ``members`` (positions in ``ans``) of frame f's tick (``frame_tick``: f and the
+    tick), answered at ``now``. Returns the next row."""
+    f, tick = frame_tick
+    who, toks, state, s_admitted = ans.who, ans.tok, ss.state, ss.s_admitted
+    s_late, deadline_of = ss.s_late, ss.deadline_of
+    latency = now - tick
+    tk = pre = wait = dep = late = 0
+    for a in members:
+        i = who[a]
+        tok = toks[a]
+        tk += tok
+        if tok == 0:  # serving.frame_is_silent
+            cause = _silent_cause(tok, state[i] == ENDED, tick, s_admitted[i])
+            if cause == results.SILENT_PREEMPTED:
+                pre += 1
+            elif cause == results.SILENT_WAITING:
+                wait += 1
+            else:
+                dep += 1
+        if latency > deadline_of[i] + eps:
+            s_late[i] += 1
+            late += 1
+    rows.fr_f[nrows], rows.fr_tick[nrows], rows.fr_done[nrows], rows.fr_lat[nrows] = f, tick, now, latency
+    rows.frames[nrows], rows.late[nrows], rows.tokens[nrows] = members.size, late, tk
+    rows.silent[nrows], rows.silent_preempted[nrows] = pre + wait + dep, pre
+    rows.silent_waiting[nrows], rows.silent_departed[nrows] = wait, dep
+    if in_flight >= 0:
+        rows.in_flight[nrows] = in_flight
+    return nrows + 1
 
 
 def _fresh(shape, dtype) -> np.ndarray:
