@@ -83,7 +83,7 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
             tick = f * c.P + (key % PHASE_SLOTS) * c.Pq
             while e < n and keys[order[e]] == key:
                 e += 1
-        nrows = _row(now, (f, tick), order[j:e], ans, ss, rows, nrows, in_flight, c.eps)
+        nrows = _row(now, (f, tick), (order, j, e), ans, ss, rows, nrows, in_flight, c.eps)
         j = e
     return nrows
 
@@ -105,16 +105,17 @@ def _tick_order(n, keys, who, at, work, P_of, phase):
 
 @compiled.inlined
 def _row(now, frame_tick, members, ans, ss, rows, nrows, in_flight, eps):
-    """Row ``nrows``: the answers ``members`` (positions in ``ans``) of frame f's tick (``frame_tick``: f and the
-    tick), answered at ``now``. Returns the next row."""
+    """Row ``nrows``: the answers ``members`` (``order[j:e]``: their positions in ``ans``) of frame f's tick
+    (``frame_tick``: f and the tick), answered at ``now``. Returns the next row."""
     f, tick = frame_tick
+    order, j, e = members
     who, toks, state, s_admitted = ans.who, ans.tok, ss.state, ss.s_admitted
     s_late, deadline_of = ss.s_late, ss.deadline_of
     latency = now - tick
     tk = pre = wait = dep = late = 0
-    for a in members:
-        i = who[a]
-        tok = toks[a]
+    for q in range(j, e):
+        i = who[order[q]]
+        tok = toks[order[q]]
         tk += tok
         if tok == 0:  # serving.frame_is_silent
             cause = _silent_cause(tok, state[i] == ENDED, tick, s_admitted[i])
@@ -128,7 +129,7 @@ def _row(now, frame_tick, members, ans, ss, rows, nrows, in_flight, eps):
             s_late[i] += 1
             late += 1
     rows.fr_f[nrows], rows.fr_tick[nrows], rows.fr_done[nrows], rows.fr_lat[nrows] = f, tick, now, latency
-    rows.frames[nrows], rows.late[nrows], rows.tokens[nrows] = members.size, late, tk
+    rows.frames[nrows], rows.late[nrows], rows.tokens[nrows] = e - j, late, tk
     rows.silent[nrows], rows.silent_preempted[nrows] = pre + wait + dep, pre
     rows.silent_waiting[nrows], rows.silent_departed[nrows] = wait, dep
     if in_flight >= 0:
