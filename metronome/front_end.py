@@ -65,8 +65,9 @@ def on_run_clock(period_s, phase_s, slot, run_period_s):
     """Whether a session (or each, given arrays) ticks on the run's clock: the run's period, and the phase of its
     phase slot (``serving.phase_offset_s``), so that its ticks are the run's tick keys (``serving.tick_key``) and
     it ticks with the other sessions of its slot. A session with a period of its own (a roster's, or
-    :meth:`FrontEnd.reshape`'s) ticks on a clock of its own."""
-    return (period_s == run_period_s) & (phase_s == serving.phase_offset_s(slot, run_period_s))
+    :meth:`FrontEnd.reshape`'s) ticks on a clock of its own. The compiled loop's wheel asks it too
+    (``sim.span.wheel_slot``): the phase is ``serving.phase_offset_s`` spelled out, which numba compiles."""
+    return (period_s == run_period_s) & (phase_s == slot * (run_period_s / serving.PHASE_SLOTS))
 
 
 def tokens_within(tokens, most: int) -> bool:

@@ -13,7 +13,7 @@ from collections import namedtuple
 import numba as nb
 import numpy as np
 
-from metronome import compiled, front_rules, serving
+from metronome import compiled, front_end, front_rules, serving
 from metronome.front_rules import RUNNING
 from metronome.front_rules import live as _live
 from metronome.front_rules import tick as _tick
@@ -103,6 +103,8 @@ uncounted = nb.njit(cache=True, _nrt=False, forceinline=False, **_bare)
 counted = nb.njit(cache=True, _nrt=True, forceinline=False, **_bare)
 
 
+_on_run_clock = nb.njit(cache=True, inline="always")(front_end.on_run_clock)  # (the front end's rule, compiled in)
+
 # The wheel's last slot: the sessions on a clock of their own (a period or a phase of their own:
 # front_end.on_run_clock), whose ticks are no phase slot's. It ticks at the earliest of its sessions' next ticks.
 OWN = PHASE_SLOTS
@@ -113,7 +115,7 @@ SLOTS = PHASE_SLOTS + 1
 def wheel_slot(i, ss, c):
     """Session ``i``'s slot of the wheel: its phase slot on the run's clock (front_end.on_run_clock), else OWN."""
     k = ss.pslot[i]
-    return k if ss.P_of[i] == c.P and ss.phase[i] == k * c.Pq else OWN
+    return k if _on_run_clock(ss.P_of[i], ss.phase[i], k, c.P) else OWN
 
 
 @counted  # (it allocates)
@@ -221,6 +223,6 @@ def allocate(live, ss, c, n_answers, n_slots):
     return span, ok, n_ready
 
 
-# what the span's parts compile in from other modules (the front end's rules, serving's sort buffer)
-SPAN_PARTS = (front_rules, serving)
+# what the span's parts compile in from other modules (the front end's clock rule and rules, serving's sort buffer)
+SPAN_PARTS = (front_end, front_rules, serving)
 SPAN_FORM = compiled.guard(allocate, SPAN_PARTS)
