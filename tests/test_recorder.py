@@ -73,6 +73,62 @@ def test_a_large_table_does_not_ask_for_huge_pages():
     assert t.column("tick_s").tolist() == [1.0]
 
 
+def _big_table(rows: int):
+    """A frames table whose storage is the system's pages (each column 4 MB or more: recorder._fresh), ``rows``
+    rows written, each row's values its own number."""
+    t = frame_table()
+    t.reserve(1 << 20)
+    t.add(**{c: np.arange(rows) for c in FRAME_COLUMNS})
+    return t
+
+
+def test_pages_mapped_ahead_keep_the_rows_written():
+    # 1,001 rows: the last page a column has written is part written, part not; mapping pages anew over it
+    # would zero what it holds
+    t = _big_table(1001)
+    t.map_ahead(200_000)
+    t.map_ahead(300_000)  # (again, further: the pages it mapped already are left as they are)
+    want = np.arange(1001)
+    for c in FRAME_COLUMNS:
+        assert np.array_equal(t.column(c), want), c
+    r0 = t.rows
+    t.store("tick_s")[r0:r0 + 5000] = np.arange(r0, r0 + 5000)
+    t.block[FRAME_BLOCK.index("frames"), r0:r0 + 5000] = np.arange(r0, r0 + 5000)
+    t.commit(r0 + 5000)
+    t.map_ahead(100_000)  # (from past the rows written since)
+    assert np.array_equal(t.column("tick_s"), np.arange(r0 + 5000))
+    assert np.array_equal(t.column("frames"), np.arange(r0 + 5000))
+    t.reserve(t.capacity)  # grown: new storage, the rows copied into it, its pages mapped ahead from there
+    t.map_ahead(10_000)
+    assert np.array_equal(t.column("frames"), np.arange(r0 + 5000))
+
+
+def _faults_writing(a: np.ndarray) -> int:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    a[:] = 1
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_pages_mapped_ahead_are_written_without_a_fault_each():
+    from metronome.sim import recorder
+
+    if recorder._MMAP is None:
+        pytest.skip("no populated mappings on this system (MAP_POPULATE is Linux's)")
+    n = 100_000  # 800 kB of a float column: about 200 pages
+    plain = _big_table(10)
+    faults = _faults_writing(plain.store("tick_s")[10:10 + n])
+    if faults < 100:
+        pytest.skip(f"the system mapped the pages before they were written ({faults} faults): nothing to tell apart")
+    t = _big_table(10)
+    t.map_ahead(n, skip=("in_flight",))
+    assert _faults_writing(t.store("tick_s")[10:10 + n]) < faults / 10
+    assert _faults_writing(t.store("frames")[10:10 + n]) < faults / 10
+    # a column skipped (one a writer writes only at times) is mapped as it is written, as before
+    assert _faults_writing(t.store("in_flight")[10:10 + n]) > faults / 4
+
+
 def _flush(answers, *, P_of, phase, deadline_of, shaped, now=1.0, P=0.08):
     """Rows of ``answers`` (tick key, session, tokens) answered at ``now``, as both paths write them."""
     from metronome import serving
