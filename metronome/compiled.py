@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import numba as nb
-from numba.core import cgutils
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 
@@ -100,8 +100,8 @@ def guard(dispatcher, parts) -> str:
 
 @intrinsic
 def borrowed(typingctx, arrays):
-    """The arrays of the tuple ``arrays`` without their reference counts (compiled code only): the same data, shape
-    and strides, no owner.
+    """The arrays of the tuple ``arrays`` (and of the tuples within it) without their reference counts (compiled
+    code only): the same data, shape and strides, no owner.
 
     Every array a compiled function holds is reference counted with an atomic add and subtract, at each call that
     hands it on, each view and each binding; the simulator's loop hands some fifty arrays on at every step, and
@@ -109,14 +109,20 @@ def borrowed(typingctx, arrays):
     it they need no count. Only for the arguments of the function that borrows them: an array it allocated itself,
     or one that outlives the call, must keep its owner."""
 
-    def codegen(context, builder, sig, args):
+    def strip(context, builder, tys, value):
         out = []
-        for ty, value in zip(sig.args[0], cgutils.unpack_tuple(builder, args[0])):
-            ary = context.make_array(ty)(context, builder, value=value)
+        for ty, v in zip(tys, cgutils.unpack_tuple(builder, value)):
+            if isinstance(ty, types.BaseTuple):  # (a record within the record: its arrays too)
+                out.append(strip(context, builder, ty, v))
+                continue
+            ary = context.make_array(ty)(context, builder, value=v)
             ary.meminfo = cgutils.get_null_value(ary.meminfo.type)
             ary.parent = cgutils.get_null_value(ary.parent.type)
             out.append(ary._getvalue())
-        return context.make_tuple(builder, sig.return_type, out)
+        return context.make_tuple(builder, tys, out)
+
+    def codegen(context, builder, sig, args):
+        return strip(context, builder, sig.args[0], args[0])
 
     return arrays(arrays), codegen
 

@@ -270,7 +270,7 @@ class SimEngine(FrontEnd):
             st.map_ahead(self._last_span)
             fr.map_ahead(self._last_span * fr.rows // self.n_steps, skip=("in_flight",))
         rec = recorder.Rows(st.store("t_s"), st.store("step_s"), *(st.store(c) for c in recorder.STEP_BLOCK),
-                            *self._frame_stores())
+                            recorder.FrameRows(*self._frame_stores()))
         state["step0"], state["nrows"] = st.rows, fr.rows
         na0 = self.next_arrival
         fp.run_span(conf, state, np.array(self.lat.coefficients, dtype=np.float64), sess, self.session_arrays(), fe,

@@ -35,7 +35,7 @@ from metronome.front_rules import tick as _tick
 from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import add_slot, engine_step, gate_blocks_jit, resume_slot
 from metronome.sim import reaction, recorder, span
-from metronome.sim.recorder import flush
+from metronome.sim.recorder import Answers, Clock, Owners, flush
 from metronome.sim.span import (CORRELATED, CTL_AFTER, CTL_COMPILED, INDEPENDENT, NEW_FIRST, NEW_READMIT, P_CODE,
                                 PAST_HORIZON, PAUSED, STEP_TAKEN, TURN_CALLER, TURN_TAKEN)
 from metronome.sim.span import inlined as _inlined
@@ -323,7 +323,7 @@ def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
     event, after its steps, or without room for another turn and step. Returns (taken, frames handed over, the
     latest)."""
     ans_cap = c.ans_cap
-    if (now >= c.t_next or s.nsteps >= c.max_steps or s.nrows + 2 * ans_cap > rec.fr_f.size
+    if (now >= c.t_next or s.nsteps >= c.max_steps or s.nrows + 2 * ans_cap > rec.fr.fr_f.size
             or ck.open_samples(ctl) + 2 * ans_cap > ctl.lat.size or s.nnew + live.size + 1 > fe.new_i.size):
         return False, 0, -1
     _arrive(now, c, s, ss, fe, w, ctl)
@@ -364,10 +364,13 @@ def _answered(now, n_ans, c, s, ss, w, rec, ctl):
         return
     r0 = s.nrows
     in_flight = s.nrun + s.nwait
-    s.nrows = flush(now, n_ans, w, ss, c, rec, r0, in_flight if c.ctl == CTL_AFTER else -1)
+    ans = Answers(w.key, w.who, w.tok, w.at, w.work)
+    owners = Owners(ss.state, ss.s_admitted, ss.s_late, ss.P_of, ss.phase, ss.deadline_of)
+    fr = rec.fr
+    s.nrows = flush(now, n_ans, ans, owners, Clock(c.P, c.Pq, c.eps, c.shaped), fr, r0,
+                    in_flight if c.ctl == CTL_AFTER else -1)
     if c.ctl == CTL_COMPILED:  # (the rows were all answered at `now` with `in_flight` in flight)
-        ck.observe_moment(ctl, now, in_flight, rec.fr_lat[r0:s.nrows], rec.frames[r0:s.nrows],
-                          rec.silent[r0:s.nrows])
+        ck.observe_moment(ctl, now, in_flight, fr.fr_lat[r0:s.nrows], fr.frames[r0:s.nrows], fr.silent[r0:s.nrows])
 
 
 @_inlined

@@ -39,27 +39,28 @@ FRAME_BLOCK = ("frames", "late", "tokens", "silent", "silent_preempted", "silent
 
 
 # the steps and frames tables' storage as a writer writes it (each column by its name, a view of the table's own:
-# SimEngine._rows), from the given rows on: a step's start and latency and its integer columns, a frame row's
-# frame, tick, answer and latency and its integer columns
-Rows = namedtuple("Rows", ("st_t", "st_lat", *STEP_BLOCK, "fr_f", "fr_tick", "fr_done", "fr_lat", *FRAME_BLOCK))
+# SimEngine._rows), from the given rows on: a step's start and latency and its integer columns, and the frame
+# rows' (FrameRows: a frame row's frame, tick, answer and latency and its integer columns)
+FrameRows = namedtuple("FrameRows", ("fr_f", "fr_tick", "fr_done", "fr_lat", *FRAME_BLOCK))
+Rows = namedtuple("Rows", ("st_t", "st_lat", *STEP_BLOCK, "fr"))
 FRAME_ROWS = ("frame", "tick_s", "done_s", "latency_s", *FRAME_BLOCK)  # (its columns, in FrameRows' order)
-# flush's arguments from the step-by-step path (the loop hands it its own records, which have these fields too)
+# flush's arguments, from both paths: the compiled loop hands it these records too, made of its own arrays, so that
+# numba compiles flush once for both (each record of other fields would be another compile of it, seconds each)
 Answers = namedtuple("Answers", "key who tok at work")
 Owners = namedtuple("Owners", "state s_admitted s_late P_of phase deadline_of")
 Clock = namedtuple("Clock", "P Pq eps shaped")
-FrameRows = namedtuple("FrameRows", ("fr_f", "fr_tick", "fr_done", "fr_lat", *FRAME_BLOCK))
 # what a silent frame is, compiled from its one statement into the writer (spliced: its body joins the caller's)
 _silent_cause = nb.njit(cache=True, inline="always")(results.silent_cause)
 
 
 @compiled.inlined
 def flush(now, n, ans, ss, c, rows, nrows, in_flight):
-    """``n`` answers (``ans``: tick key, session, tokens got) become one row per tick (and frame number, for
-    sessions on clocks of their own) of ``rows``, in tick order, all answered at ``now`` with ``in_flight``
-    sessions in flight (-1: nobody reads it, not written); a frame late for its session's deadline counts against
-    it (``ss.s_late``), a silent one is counted by what it is (results.silent_cause: a session that ended now was
-    answered at its departure). Both paths record their rows with it (SimEngine._flush_answers: ``c`` the frame
-    clock). Returns the rows written so far."""
+    """``n`` answers (``ans``, :data:`Answers`: tick key, session, tokens got) become one row per tick (and frame
+    number, for sessions on clocks of their own) of ``rows`` (:data:`FrameRows`), in tick order, all answered at
+    ``now`` with ``in_flight`` sessions in flight (-1: nobody reads it, not written); a frame late for its
+    session's deadline counts against it (``ss.s_late``), a silent one is counted by what it is
+    (results.silent_cause: a session that ended now was answered at its departure). Both paths record their rows with it, with the same records (``ss`` the
+    sessions' :data:`Owners`, ``c`` the frame :data:`Clock`). Returns the rows written so far."""
     if n == 0:
         return nrows
     keys, who, shaped = ans.key, ans.who, c.shaped
