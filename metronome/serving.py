@@ -412,6 +412,8 @@ def _chunk(s, budget, thr, ntok, computed, reached):
     return k
 
 
+# (an argument that is a literal constant has a type of its own, Literal[bool](False): numba compiles a function
+# once for each literal it is handed, and once more for a variable; a call makes its constant with np.bool_)
 @compiled.inlined
 def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
     """``KVCacheManager.allocate_slots(s, k)``: True and the blocks taken, or False and nothing taken (the frees
@@ -588,7 +590,7 @@ def _running_pass(eng, thr):
         if k <= 0:
             i += 1
             continue
-        ok = _alloc(s, k, False, lim, cnt, computed, ntok, slots, held, reached)
+        ok = _alloc(s, k, np.bool_(False), lim, cnt, computed, ntok, slots, held, reached)
         while not ok:
             cnt.n_run -= 1
             v = run[cnt.n_run]
@@ -597,7 +599,7 @@ def _running_pass(eng, thr):
             o_n.preempted += 1
             if v == s:
                 break
-            ok = _alloc(s, k, False, lim, cnt, computed, ntok, slots, held, reached)
+            ok = _alloc(s, k, np.bool_(False), lim, cnt, computed, ntok, slots, held, reached)
         if not ok:
             break
         o_s[o_n.sched], o_k[o_n.sched] = s, k
@@ -632,7 +634,7 @@ def _waiting_pass(budget, eng, thr):
             reached.max_num_seqs += 1
             break
         k = _chunk(s, budget, thr, ntok, computed, reached)
-        if k <= 0 or not _alloc(s, k, True, lim, cnt, computed, ntok, slots, held, reached):
+        if k <= 0 or not _alloc(s, k, np.bool_(True), lim, cnt, computed, ntok, slots, held, reached):
             break
         status[s] = _R
         run[cnt.n_run] = s

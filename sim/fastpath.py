@@ -266,7 +266,7 @@ def _admit(now, n, c, s, ss, fe, eng):
         if new:
             continue
         prompt = ss.hist[i] + ss.pending_in[i]
-        sl = add_slot(prompt, 1, eng.cnt[0], eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
+        sl = add_slot(prompt, np.int64(1), eng.cnt[0], eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
         ss.slot[i], fe.sess_of_slot[sl] = sl, i
         fe.new_i[s.nnew], fe.new_s[s.nnew], fe.new_k[s.nnew] = i, sl, NEW_READMIT
         s.nnew += 1

@@ -70,7 +70,7 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
     if shaped:  # (by each session's own tick, then by key)
         _tick_order(n, keys, who, ans.at, ans.work, ss.P_of, ss.phase)
         order = ans.work[2 * n:3 * n]
-    j = 0
+    j = np.int64(0)  # (not a literal 0: _row would be compiled for it too)
     while j < n:
         key = keys[order[j]]
         f = key // PHASE_SLOTS
