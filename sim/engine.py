@@ -27,7 +27,6 @@ import numpy as np
 import simpy
 
 from metronome import control_kernel as ck
-from metronome import front_rules as rules
 from metronome import serving
 from metronome.calibration import Calibration
 from metronome.front_end import (_EPS, ENDED, NOT_ARRIVED, PREFILL, QUEUED, REFUSED, RUNNING,  # noqa: F401
@@ -260,7 +259,7 @@ class SimEngine(FrontEnd):
         conf, draws = self._compiled_config(now, sess, t_next, n_max, na_end)
         ans_cap = int(conf[0]["ans_cap"])
         state, fe = self._front_arrays(now, sess.size - live.size, sess.size)
-        dep0 = int(state[0]["dep"])
+        dep0 = int(self._b["dep"])
         ctl = self._controller_arrays(ans_cap)
         ahead = self.horizon / now if now > 0 else 1.0  # twice the rows of the run so far, to its horizon
         self.steps.reserve(n_max, int(2 * ahead * self.steps.rows))
@@ -304,19 +303,18 @@ class SimEngine(FrontEnd):
         return end, turned in (span.TURN_TAKEN, span.PAUSED), turned == span.PAUSED, taken
 
     def _front_arrays(self, now: float, n_coming: int, n_sess: int):
-        """The compiled loop's counters (:data:`metronome.sim.span.STATE`: the front end's books and the loop's
-        own) and the arrays it runs the front end on (:class:`metronome.sim.span.Front`: the front end's own
-        queues, with room for ``n_coming`` arrivals and, before the queue's head, for the ``n_sess`` sessions it may
+        """The compiled loop's counters (:data:`metronome.sim.span.STATE`) and the arrays it runs the front end on
+        (:class:`metronome.sim.span.Front`: the front end's own queues and their books, which it writes in place,
+        with room for ``n_coming`` arrivals and, before the queue's head, for the ``n_sess`` sessions it may
         see (a preempted session goes back to the head, and no more can than run), for the silent frames owed in
         lockstep (an engine behind the frame clock owes more every tick), and for the requests it adds and
         aborts)."""
         self.room(ahead=n_sess + 1, behind=n_coming, departures=n_coming, owed=8 * n_sess + 64)
         q = self.queues
         new_i, new_s, new_k = (np.zeros(4 * n_sess + 64, dtype=np.int64) for _ in range(3))
-        fe = span.Front(q.queue, q.dep_t, q.dep_i, q.pend, self.sess_of_slot, self.fresh_slot, new_i, new_s, new_k)
+        fe = span.Front(q.queue, q.dep_t, q.dep_i, q.pend, self.books, self.sess_of_slot, self.fresh_slot, new_i,
+                        new_s, new_k)
         state = np.zeros(1, span.STATE)
-        for name, _ in rules.BOOK_FIELDS:
-            state[name] = self.books[name]
         for name, value in (("now", now), ("t_sat", math.nan if self.t_sat is None else self.t_sat),
                             ("nrun", int((self.state == RUNNING).sum())), ("narr", self.next_arrival),
                             ("seq", self.seq), ("sframe", self.serving_frame), ("peak", self.peak_used),
@@ -325,11 +323,9 @@ class SimEngine(FrontEnd):
         return state, fe
 
     def _front_books(self, s, fe, na0: int, dep0: int, n_new: int) -> None:
-        """The front end's books after the compiled loop (``s``: its counters): its queues' heads and lengths, its
-        requests named and forgotten, in order (before departures: one may have left), the arrivals it refused and
-        the departures it took (from ``dep0`` on)."""
-        for name, _ in rules.BOOK_FIELDS:
-            self.books[name] = s[name]
+        """The front end's books after the compiled loop (``s``: its counters; its queues' books it wrote in
+        place): its requests named and forgotten, in order (before departures: one may have left), the arrivals it
+        refused and the departures it took (from ``dep0`` on)."""
         for i, sl, k in zip(fe.new_i[:n_new].tolist(), fe.new_s[:n_new].tolist(), fe.new_k[:n_new].tolist()):
             if k == span.NEW_DROPPED:
                 self._forget_request(i)
@@ -347,7 +343,7 @@ class SimEngine(FrontEnd):
         self.loop_refused += refused.size
         self.loop_admissions += int(s["seq"]) - self.seq
         self.next_arrival, self.seq = int(s["narr"]), int(s["seq"])
-        self._departed_in_loop(fe.dep_i[dep0:int(s["dep"])].tolist())
+        self._departed_in_loop(fe.dep_i[dep0:int(self._b["dep"])].tolist())
 
     def _controller_arrays(self, ans_cap: int) -> ck.ControllerArrays:
         """The controller's arrays the compiled loop runs it on (a compiled controller's own, with room until the

@@ -89,10 +89,11 @@ def _turn_fits(now, n_visit, c, ss, w, eng, room):
 def _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans):
     """The turn, first half: frames that came due are queued (a running session's) or owed silent
     (front_rules.tick_due), after the ``n_ans`` answers already written. Returns the answers."""
+    b = fe.books[0]
     for j in range(n_visit):
         i = w.visit[j]
         if ss.state[i] != ENDED:  # (departed in this turn)
-            n_ans, _ = tick_due(i, now, c.eps, c.lockstep, ss, s, fe.pend, a, n_ans, None, 0)  # (no record kept)
+            n_ans, _ = tick_due(i, now, c.eps, c.lockstep, ss, b, fe.pend, a, n_ans, None, 0)  # (no record kept)
     return n_ans
 
 
@@ -187,16 +188,17 @@ def _tokens_to_frames(now, s, ss, fe, w, eng):
 def _departures_due(now, s, ss, fe, held):
     """The departures due at a turn at ``now``, in the order booked: where they end in ``fe.dep_t``, the blocks
     they free and (at most) the frames they leave owed."""
+    b = fe.books[0]
     freed = 0
     owed = 0
-    k = s.dep
-    while k < s.ndeps and fe.dep_t[k] <= now:
+    k = b.dep
+    while k < b.ndeps and fe.dep_t[k] <= now:
         i = fe.dep_i[k]
         if _live(ss.state[i]):  # (a session that already ended is passed over)
             if ss.slot[i] >= 0:  # (admitted, its first frame not yet due: no request yet)
                 freed += held[ss.slot[i]]
             owed += ss.backlog[i] + 1
-            for q in range(s.phead, s.npend):
+            for q in range(b.phead, b.npend):
                 if fe.pend[q, 0] == i:
                     owed += 1
         k += 1
@@ -207,18 +209,19 @@ def _departures_due(now, s, ss, fe, held):
 def _arrive(now, c, s, ss, fe, w, ctl):
     """The arrivals up to ``now``: each passes the gate (the controller's may_admit, compiled) with the sessions in
     flight and enters (front_rules.enter), or is refused (the caller names the reason)."""
+    b = fe.books[0]
     while s.narr < c.na_end and ss.arrival[s.narr] <= now:
         i = s.narr
         s.narr += 1
         if ss.arrival[i] >= c.horizon:
             continue
-        in_flight = s.nrun + s.nwait
+        in_flight = s.nrun + b.nwait
         # (the count as a float, as every other caller gives it: one compiled form of the controller's kernel)
         if c.ctl == CTL_COMPILED and not ck.may_admit(ctl, now, float(in_flight)):
             ss.state[i] = REFUSED
             ss.s_ended[i] = now
             continue
-        nf = enter(i, ss.arrival[i], ss, s, Queues(fe.queue, fe.dep_t, fe.dep_i, fe.pend))
+        nf = enter(i, ss.arrival[i], ss, b, Queues(fe.queue, fe.dep_t, fe.dep_i, fe.pend))
         k = span.wheel_slot(i, ss, c)
         w.tick[k] = min(w.tick[k], _tick(nf, ss.P_of[i], ss.phase[i]))  # (its slot's others, if any, no later)
 
@@ -231,8 +234,9 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
     past the length limit; a first frame due now past it; either without room for its request)."""
     if s.prelast:
         return 0
+    b = fe.books[0]
     n = 0
-    for q in range(s.qhead, s.qhead + s.nwait):
+    for q in range(b.qhead, b.qhead + b.nwait):
         i = fe.queue[q]
         gone = False
         for d in leaving:
@@ -259,8 +263,9 @@ def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
 def _admit(now, n, c, s, ss, fe, eng):
     """The ``n`` heads of the front end's queue are admitted (front_rules.admit_head); one that lost its place comes
     back as a new request whose prompt is its whole history, and one token to sample (front_rules.readmitted)."""
+    b = fe.books[0]
     for _ in range(n):
-        i, new = admit_head(now, s.seq, ss, s, fe.queue)
+        i, new = admit_head(now, s.seq, ss, b, fe.queue)
         s.seq += 1
         s.nrun += 1
         if new:
@@ -281,14 +286,14 @@ def _depart(i, now, c, s, ss, fe, a, eng, n_ans):
     answers). Returns the answers."""
     reaction.abort(i, ss, fe, eng)
     if ss.state[i] == WAITING:
-        leave_queue(i, s, fe.queue)
+        leave_queue(i, fe.books[0], fe.queue)
     else:
         s.nrun -= 1
         if ss.state[i] == PREFILL:
             s.npf -= 1
     n_ans, _ = end_owed(i, now, (ss.P_of[i], ss.phase[i], ss.deadline_of[i], c.eps, False),
-                        (ss.state, ss.inflight, ss.inflight_tok, ss.next_frame, ss.backlog), s, fe.pend, a, n_ans,
-                        None)
+                        (ss.state, ss.inflight, ss.inflight_tok, ss.next_frame, ss.backlog), fe.books[0], fe.pend, a,
+                        n_ans, None)
     ss.s_ended[i] = now
     return n_ans
 
@@ -300,12 +305,12 @@ def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
     it takes: (visited, slots due, taken, departures' end in ``fe.dep_t``, sessions admitted)."""
     n_visit, n_due = span.due_sessions(now, c.eps, w, n_ready, ss.state)
     fits, n_ans, room = _turn_fits(now, n_visit, c, ss, w, eng, n_room)
-    k0 = s.dep
+    k0 = fe.books[0].dep
     k1, freed, owed = _departures_due(now, s, ss, fe, eng.held)
     n_adm = _admissions(now, c, s, ss, fe, eng.lim[0], eng.lim[0].num_blocks - (eng.cnt[0].used - freed), room,
                         fe.dep_i[k0:k1])
     taken = (fits and n_adm >= 0 and owed + n_ans <= c.ans_cap
-             and (not c.lockstep or s.npend + n_ans <= fe.pend.shape[0]))
+             and (not c.lockstep or fe.books[0].npend + n_ans <= fe.pend.shape[0]))
     return n_visit, n_due, taken, k1, n_adm
 
 
@@ -335,14 +340,15 @@ def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
     # the compiler cannot tell apart from it, and the slot loop runs at every turn)
     eps = c.eps
     n_ans = np.int64(0)  # (not a literal: see _engine_step)
-    for k in range(s.dep, k1):
+    b = fe.books[0]
+    for k in range(b.dep, k1):
         i = fe.dep_i[k]
         if _live(ss.state[i]):
             n_ans = _depart(i, now, c, s, ss, fe, a, eng, n_ans)
             sl = span.wheel_slot(i, ss, c)
             if w.tick[sl] > now + eps:  # its slot may have no one left to tick (or, OWN, a later tick)
                 w.tick[sl] = span.slot_tick(sl, w, ss)
-    s.dep = k1
+    b.dep = k1
     if n_adm:  # (rare: a call with all it needs costs every turn)
         _admit(now, n_adm, c, s, ss, fe, eng)
     n_ans = _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans)
@@ -350,20 +356,20 @@ def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
         k = w.due[j]  # that was not due as it was, and nothing else here moves a slot's tick)
         w.tick[k] = span.slot_tick(k, w, ss)
     n_sub, latest = _submit_due(n_visit, s, ss, fe, w, eng)
-    if c.lockstep and s.npend:  # (none owed: nothing to answer, and no need to scan the running sessions)
-        n_ans = answer_silent(s, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
-    _answered(now, n_ans, c, s, ss, w, rec, ctl)
+    if c.lockstep and b.npend:  # (none owed: nothing to answer, and no need to scan the running sessions)
+        n_ans = answer_silent(b, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
+    _answered(now, n_ans, c, s, ss, fe, w, rec, ctl)
     return True, n_sub, latest
 
 
 @_inlined
-def _answered(now, n_ans, c, s, ss, w, rec, ctl):
+def _answered(now, n_ans, c, s, ss, fe, w, rec, ctl):
     """The moment's answers recorded (:func:`flush`) and told to a compiled controller as SimEngine._flush_answers
     tells it (row by row; all at one moment: control_kernel.observe_moment)."""
     if n_ans == 0:
         return
     r0 = s.nrows
-    in_flight = s.nrun + s.nwait
+    in_flight = s.nrun + fe.books[0].nwait
     ans = Answers(w.key, w.who, w.tok, w.at, w.work)
     owners = Owners(ss.state, ss.s_admitted, ss.s_late, ss.P_of, ss.phase, ss.deadline_of)
     fr = rec.fr
@@ -380,9 +386,10 @@ def _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts):
     the step's batch, new and context tokens and blocks used): in lockstep the silent frames they held back, then
     all answered, one row per tick, and the step's row."""
     n_done, n_ans, tokens_out, n_vic, batch, new_tokens, ctx, used = counts
-    if s.npend:
-        n_ans = answer_silent(s, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
-    _answered(now, n_ans, c, s, ss, w, rec, ctl)
+    b = fe.books[0]
+    if b.npend:
+        n_ans = answer_silent(b, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
+    _answered(now, n_ans, c, s, ss, fe, w, rec, ctl)
     k = s.step0 + s.nsteps
     silent = 0
     for j in range(n_done, n_ans):
@@ -391,7 +398,7 @@ def _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts):
     rec.batch[k], rec.new_tokens[k], rec.context_tokens[k], rec.resident_blocks[k] = batch, new_tokens, ctx, used
     rec.tokens_out[k], rec.frames_done[k], rec.silent_frames[k] = tokens_out, n_ans, silent
     # running (not re-prefilling) and waiting at the front end (the caller fills the free blocks)
-    rec.running[k], rec.waiting[k], rec.preemptions[k] = s.nrun - s.npf, s.nwait, n_vic
+    rec.running[k], rec.waiting[k], rec.preemptions[k] = s.nrun - s.npf, b.nwait, n_vic
     rec.st_t[k], rec.st_lat[k] = step_start, lat
 
 
@@ -401,8 +408,9 @@ def _idle(now, c, s, ss, fe, w, idle, turned):
     than ``now`` hands the span back, one that would wake at the horizon or after waits and the run ends there
     (PAST_HORIZON, ``s.out_s``). Returns (now, idle, turned, whether the span ends)."""
     until = min(w.tick.min(), c.t_next)
-    if s.dep < s.ndeps:
-        until = min(until, fe.dep_t[s.dep])
+    b = fe.books[0]
+    if b.dep < b.ndeps:
+        until = min(until, fe.dep_t[b.dep])
     if s.narr < c.na_end:
         until = min(until, ss.arrival[s.narr])
     if until <= now:

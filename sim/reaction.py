@@ -114,7 +114,7 @@ def preempt_session(i, c, s, ss, fe, a, eng, n_ans):
     if ss.state[i] == PREFILL:
         s.npf -= 1
     s.nrun -= 1
-    n_ans = lose_place(i, c.lockstep, ss, s, Queues(fe.queue, fe.dep_t, fe.dep_i, fe.pend), a, n_ans)
+    n_ans = lose_place(i, c.lockstep, ss, fe.books[0], Queues(fe.queue, fe.dep_t, fe.dep_i, fe.pend), a, n_ans)
     ss.s_preempt[i] += 1
     return n_ans
 
@@ -140,7 +140,8 @@ def react(turned, c, s, ss, fe, w, eng):
     if turned != STEP_TAKEN or not c.sees or o_n.sched == 0:
         return 0, turned
     n_vic, owed = victims(ss, fe, w, eng)
-    if (o_n.sampled + s.npend + owed > c.ans_cap or s.npend + owed > fe.pend.shape[0]
+    npend = fe.books[0].npend
+    if (o_n.sampled + npend + owed > c.ans_cap or npend + owed > fe.pend.shape[0]
             or s.nnew + n_vic > fe.new_i.size):
         return 0, STEP_TAKEN
     return n_vic, TURN_CALLER

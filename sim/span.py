@@ -43,24 +43,23 @@ CONF = np.dtype([("max_steps", np.int64), ("ans_cap", np.int64), ("f_lo", np.int
                 align=True)
 # The span's counters, in and out. now: where the loop is; out_s: where a step past the horizon ends, or how long a
 # STEP_TAKEN step took; t_sat: when a step first preempted (NaN until one does). The front end's: sessions running
-# (re-prefilling ones included), departures taken (of Front.dep_t) and booked, sessions waiting in its FCFS queue
-# (Front.queue[qhead:qhead + nwait]; a preempted session goes back to its head), the next arrival, the next
-# admission's sequence number, sessions re-prefilling; in lockstep the frames owed are Front.pend's rows
-# phead:npend, and rows phead:psorted are known to be in frame order (front_rules.answer_silent). The call's:
+# (re-prefilling ones included), the next arrival, the next admission's sequence number, sessions re-prefilling
+# (its queues' heads and lengths are its own books, Front.books, which the loop writes in place). The call's:
 # requests added or aborted (nnew), the latest frame handed to the engine, the peak of blocks used, the first step
 # row to write (step0) and the steps written (nsteps), the row after the last frame row written (nrows), where it
 # stopped (turned, TURN_*), whether the engine waited since its last step (idle: a frame's step then pays first_s)
 # and whether the last step preempted (prelast: the next turn admits nobody).
 STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("t_sat", np.float64), ("nrun", np.int64),
-                  *front_rules.BOOK_FIELDS, ("narr", np.int64), ("seq", np.int64), ("npf", np.int64),
+                  ("narr", np.int64), ("seq", np.int64), ("npf", np.int64),
                   ("nnew", np.int64), ("sframe", np.int64),
                   ("peak", np.int64), ("step0", np.int64), ("nsteps", np.int64), ("nrows", np.int64),
                   ("turned", np.int64), ("idle", np.bool_), ("prelast", np.bool_)], align=True)
 # the front end's queues as the loop keeps them: its FCFS queue, the departures booked (in time order), the frames
-# owed in lockstep (session, frame, tokens got), the session of each request slot and whether a frame was handed to
+# owed in lockstep (session, frame, tokens got), its books of them (front_rules.BOOKS, the front end's own record:
+# one element, written in place), the session of each request slot and whether a frame was handed to
 # it and not yet scheduled (the first-step term), and each request the loop added (first frame, readmission) or
 # aborted (preemption), in order
-Front = namedtuple("Front", "queue dep_t dep_i pend sess_of_slot fresh new_i new_s new_k")
+Front = namedtuple("Front", "queue dep_t dep_i pend books sess_of_slot fresh new_i new_s new_k")
 # what a span allocates: the wheel over the phase slots (slot k's sessions: wheel_who[wheel_start[k]:wheel_start[k +
 # 1]], its next tick; the slots due at a turn), the sessions a turn visits, those with frames queued, the running
 # ones (lockstep); the moment's answers (tick key, session, tokens got), room for their ticks and to sort them in
