@@ -94,10 +94,25 @@ def weighted_percentile(values, weights, q: float) -> float | None:
     return weighted_percentiles(values, weights, (q,))[0]
 
 
+def _as_writable_type(a: np.ndarray) -> np.ndarray:
+    """``a``, or a view of it flagged writable where its memory is: for the compiled percentile, which only reads
+    it. numba compiles a function once for each type of array it is handed, and a read-only array is a type of its
+    own; pandas hands out its columns read-only, while an admission controller's samples are writable, so a process
+    that summarizes a run and runs a controller (every simulated run) compiled the percentile twice (1.5 s)."""
+    if a.flags.writeable:
+        return a
+    view = a.view()
+    try:
+        view.flags.writeable = True
+    except ValueError:  # (memory that is read-only itself: the read-only form is compiled)
+        return a
+    return view
+
+
 def weighted_percentiles(values, weights, qs) -> list[float | None]:
     """:func:`weighted_percentile` at each of ``qs``, the samples checked once (a run's frames are millions)."""
-    v = np.asarray(values, dtype=float).ravel()
-    w = np.asarray(weights, dtype=float).ravel()
+    v = _as_writable_type(np.asarray(values, dtype=float).ravel())
+    w = _as_writable_type(np.asarray(weights, dtype=float).ravel())
     if v.shape != w.shape:
         raise ValueError(f"values and weights differ in length: {v.size} vs {w.size}")
     for q in qs:

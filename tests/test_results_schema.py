@@ -270,6 +270,20 @@ def test_the_percentile_has_one_home():
     assert results.percentile([], 99) is None and results.percentile([math.nan, 0.3], 50) == 0.3
 
 
+def test_a_read_only_column_gets_the_same_percentile_and_stays_read_only():
+    # pandas hands out its columns read-only; the percentile reads them through a writable view (one compiled
+    # form for both kinds), and must leave the caller's array as it was
+    lat = pd.Series(SAMPLES).to_numpy()
+    weights = pd.Series(np.arange(1, 11)).to_numpy()
+    assert not lat.flags.writeable and not weights.flags.writeable
+    want = results.weighted_percentiles(np.array(SAMPLES), np.arange(1.0, 11.0), (50, 99))
+    assert results.weighted_percentiles(lat, weights, (50, 99)) == want
+    assert not lat.flags.writeable and not weights.flags.writeable
+    assert lat.tolist() == SAMPLES
+    frozen = np.frombuffer(np.array(SAMPLES).tobytes())  # (memory that is read-only itself)
+    assert results.weighted_percentiles(frozen, np.ones(10), (99,)) == [0.10]
+
+
 # ----------------------------------------------------------------------------------- 4. one workload draw
 @pytest.mark.parametrize("arrivals, durations", [
     (Arrivals("poisson", rate_per_s=4.0), Durations.parse("exp:3")),
