@@ -731,10 +731,14 @@ class FrontEnd:
         step_no = self.model.steps - 1
         sampled = np.asarray(rec.sampled_slots, np.int64)
         a = self._answer_room(sampled.size)
-        told = tuple(np.empty(sampled.size, np.int64) for _ in range(3))
+        if type(self)._tokens_in is not FrontEnd._tokens_in:  # (its hook reads what the tokens went to)
+            told, ready = tuple(np.empty(sampled.size, np.int64) for _ in range(3)), None
+        else:  # (nobody reads it: as the simulator's loop calls the rule, so that numba compiles it once for both)
+            told, ready = None, np.empty(sampled.size, np.int64)
         self.n_answers, n_pre, tokens_out, _ = rules.tokens_in(sampled, now, self.session_arrays(),
-                                                               self.sess_of_slot, a, self.n_answers, told, None)
-        self._tokens_in(told[0][:n_pre], told[1][:tokens_out], told[2][:tokens_out])
+                                                               self.sess_of_slot, a, self.n_answers, told, ready)
+        if told is not None:
+            self._tokens_in(told[0][:n_pre], told[1][:tokens_out], told[2][:tokens_out])
         used = self.model.used
         victims = self._preempt_after_step(rec, step_no, start)
         if victims and self.t_sat is None:
