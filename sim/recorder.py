@@ -8,8 +8,8 @@ three times.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
+import sys
 from collections import namedtuple
 
 import numba as nb
@@ -140,61 +140,50 @@ def _row(now, frame_tick, members, ans, ss, rows, nrows, in_flight, eps):
 
 
 def _fresh(shape, dtype) -> np.ndarray:
-    """Room for a table's storage, mapped page by page as it is first written, without numpy's request for huge
-    pages. numpy asks the kernel for huge pages on every array of 4 MB or more (``madvise(MADV_HUGEPAGE)``), and
-    under the kernels' usual setting (``defrag`` = ``madvise``) the first write to such a region waits while the
-    kernel compacts memory into huge pages. A run writes its frames table once, row after row (150 MB in a
-    realistic hour of Moshi): on a host whose memory is fragmented that wait was a third of the run (system time
-    0.1 s without the request, 0.4-0.5 s with it, the loop's own time the same), and it varied from one process
-    to the next. Plain anonymous memory gets what the system gives without asking (huge pages where the setting is
-    ``always`` and they are free), and never that wait."""
+    """Room for a table's storage, mapped page by page as it is first written (or as :meth:`Table.map_ahead` asks),
+    private to the process and without numpy's request for huge pages. numpy asks the kernel for huge pages on every
+    array of 4 MB or more (``madvise(MADV_HUGEPAGE)``), and under the kernels' usual setting (``defrag`` =
+    ``madvise``) the first write to such a region waits while the kernel compacts memory into huge pages. A run
+    writes its frames table once, row after row (126 MB in a realistic hour of Moshi): on a host whose memory is
+    fragmented that wait was a third of the run (system time 0.1 s without the request, 0.4-0.5 s with it, the
+    loop's own time the same), and it varied from one process to the next. Plain anonymous memory gets what the
+    system gives without asking (huge pages where the setting is ``always`` and they are free), and never that
+    wait. Private, not the mmap module's default of shared: a shared page is the kernel's shared memory, and its
+    first write cost half as much again (docs/benchmarks.md)."""
     dtype = np.dtype(dtype)
     n = int(np.prod(shape)) * dtype.itemsize
     if n < (4 << 20):  # (numpy's threshold: below it, numpy's own allocation asks nothing either)
         return np.empty(shape, dtype=dtype)
-    return np.frombuffer(mmap.mmap(-1, n), dtype=dtype).reshape(shape)
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:
+        m = mmap.mmap(-1, n)
+    return np.frombuffer(m, dtype=dtype).reshape(shape)
 
 
-def _libc_mmap():
-    """libc's ``mmap``, to map pages at a given address (Python's ``mmap`` module cannot), or None where pages
-    cannot be mapped populated (``MAP_POPULATE`` is Linux's)."""
-    if not hasattr(mmap, "MAP_POPULATE"):
-        return None
+# madvise(MADV_POPULATE_WRITE) (Linux 5.14 on): the pages of a range faulted in, writable, in one call, as writes
+# would fault them one by one; what they hold is left as it is. The mmap module names it from Python 3.13 on.
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
+
+
+def _populate(a: np.ndarray, lo: int, hi: int) -> None:
+    """The pages of ``a[lo:hi]`` faulted in now, ``a`` a view of storage :func:`_fresh` mapped itself (else
+    nothing is done). Why: each first write to a page is a fault (on this project's VM 2-4 µs: 36,000 of them in a
+    realistic hour, a fifth of its run), and one call for a span's pages costs about two thirds as much
+    (docs/benchmarks.md)."""
+    global _POPULATE_WRITE
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    m = root.base.obj if isinstance(root.base, memoryview) else None
+    if _POPULATE_WRITE is None or not isinstance(m, mmap.mmap):
+        return
+    start = (a.ctypes.data + lo * a.itemsize - root.ctypes.data) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = a.ctypes.data + hi * a.itemsize - root.ctypes.data
     try:
-        f = ctypes.CDLL(None, use_errno=True).mmap
-    except (OSError, AttributeError):
-        return None
-    f.restype = ctypes.c_void_p
-    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    return f
-
-
-_MMAP = _libc_mmap()
-_MAP_FIXED = 0x10  # (Linux's value, on every architecture; the mmap module does not export it)
-
-
-def _map_populated(a: np.ndarray, lo: int, hi: int) -> None:
-    """The whole pages of ``a[lo:hi]`` mapped anew, populated: ``a`` is storage :func:`_fresh` mapped, and no byte
-    of those pages has been written (a page that holds one of ``a[:lo]``'s is left alone: the new pages are zero).
-
-    Why: a run writes its tables row after row into memory the system maps page by page as it is first touched,
-    and each first touch is a fault (on this project's VM, 3-4 µs: 36,000 of them, a fifth of a realistic hour's
-    run). One ``mmap`` with ``MAP_POPULATE`` maps a span's pages in one call, at about half the cost
-    (``docs/benchmarks.md``). ``MAP_FIXED`` replaces the untouched pages of the mapping in place, so every view of
-    the storage stays valid."""
-    base = a.ctypes.data
-    start = -(-(base + lo * a.itemsize) // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (base + hi * a.itemsize) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | mmap.MAP_POPULATE
-        _MMAP(start, end - start, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)  # (failed: pages fault as before)
-
-
-def _mapped(a: np.ndarray) -> bool:
-    """Whether ``a`` is storage :func:`_fresh` mapped itself (a view of it), not numpy's."""
-    while isinstance(a, np.ndarray):
-        a = a.base
-    return isinstance(a.obj if isinstance(a, memoryview) else a, mmap.mmap)
+        m.madvise(_POPULATE_WRITE, start, end - start)
+    except OSError:  # (a kernel before 5.14: the pages fault as they are written, as before)
+        _POPULATE_WRITE = None
 
 
 class Table:
@@ -238,16 +227,15 @@ class Table:
         self._ready = self.rows
 
     def map_ahead(self, n: int, skip=()) -> None:
-        """The pages of the next ``n`` rows (within the room :meth:`reserve` made) mapped now, one call per column
-        (:func:`_map_populated`), but for the columns in ``skip`` (a writer writes them only at times). A writer
+        """The pages of the next ``n`` rows (within the room :meth:`reserve` made) faulted in now, one call per column
+        (:func:`_populate`), but for the columns in ``skip`` (a writer writes them only at times). A writer
         that knows about how many rows it will write calls it first; rows past those fault as they are written."""
         lo, hi = max(self.rows, self._ready), min(self.capacity, self.rows + n)
-        if _MMAP is None or hi <= lo:
+        if _POPULATE_WRITE is None or hi <= lo:
             return
         for c in self.columns + tuple(c for c in self.block_names if c not in self.columns):
-            a = self.store(c)
-            if c not in skip and _mapped(a):
-                _map_populated(a, lo, hi)
+            if c not in skip:
+                _populate(self.store(c), lo, hi)
         self._ready = hi
 
     def commit(self, rows: int) -> None:

@@ -83,8 +83,8 @@ def _big_table(rows: int):
 
 
 def test_pages_mapped_ahead_keep_the_rows_written():
-    # 1,001 rows: the last page a column has written is part written, part not; mapping pages anew over it
-    # would zero what it holds
+    # 1,001 rows: the last page a column has written is part written, part not; faulting its pages in ahead
+    # must leave what they hold
     t = _big_table(1001)
     t.map_ahead(200_000)
     t.map_ahead(300_000)  # (again, further: the pages it mapped already are left as they are)
@@ -114,8 +114,8 @@ def _faults_writing(a: np.ndarray) -> int:
 def test_pages_mapped_ahead_are_written_without_a_fault_each():
     from metronome.sim import recorder
 
-    if recorder._MMAP is None:
-        pytest.skip("no populated mappings on this system (MAP_POPULATE is Linux's)")
+    if recorder._POPULATE_WRITE is None:
+        pytest.skip("pages are not faulted in ahead on this system (MADV_POPULATE_WRITE is Linux's, 5.14 on)")
     n = 100_000  # 800 kB of a float column: about 200 pages
     plain = _big_table(10)
     faults = _faults_writing(plain.store("tick_s")[10:10 + n])
