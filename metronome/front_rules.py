@@ -36,8 +36,8 @@ from metronome.serving import PHASE_SLOTS
 # front-end states of a session (a session's life: metronome.front_end)
 NOT_ARRIVED, WAITING, PREFILL, RUNNING, ENDED, REFUSED, QUEUED = 0, 1, 2, 3, 4, 5, 6
 
-# The queues' heads and lengths (see the module's docstring); the simulator's loop keeps them in its own counters
-# record, which has these fields too (the rules read them by name).
+# The queues' heads and lengths (see the module's docstring); the simulator's loop writes the front end's own record
+# of them in place (sim/span.py, Front.books).
 BOOK_FIELDS = [("qhead", np.int64), ("nwait", np.int64), ("dep", np.int64), ("ndeps", np.int64),
                ("phead", np.int64), ("psorted", np.int64), ("npend", np.int64)]
 BOOKS = np.dtype(BOOK_FIELDS, align=True)

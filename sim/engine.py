@@ -265,7 +265,7 @@ class SimEngine(FrontEnd):
         self.steps.reserve(n_max, int(2 * ahead * self.steps.rows))
         self.frames.reserve(4 * n_max + 4 * ans_cap, int(2 * ahead * self.frames.rows))
         st, fr = self.steps, self.frames
-        if self.n_steps:  # the rows it will likely write, as many steps as the last call took (their pages mapped)
+        if self.n_steps:  # the rows it will likely write, as many steps as the last call took (their pages faulted in)
             st.map_ahead(self._last_span)
             fr.map_ahead(self._last_span * fr.rows // self.n_steps, skip=("in_flight",))
         rec = recorder.Rows(st.store("t_s"), st.store("step_s"), *(st.store(c) for c in recorder.STEP_BLOCK),
