@@ -66,8 +66,8 @@ def on_run_clock(period_s, phase_s, slot, run_period_s):
     phase slot (``serving.phase_offset_s``), so that its ticks are the run's tick keys (``serving.tick_key``) and
     it ticks with the other sessions of its slot. A session with a period of its own (a roster's, or
     :meth:`FrontEnd.reshape`'s) ticks on a clock of its own. The compiled loop's wheel asks it too
-    (``sim.span.wheel_slot``): the phase is ``serving.phase_offset_s`` spelled out, which numba compiles."""
-    return (period_s == run_period_s) & (phase_s == slot * (run_period_s / serving.PHASE_SLOTS))
+    (``sim.span.wheel_slot``)."""
+    return (period_s == run_period_s) & (phase_s == serving.phase_offset_s(slot, run_period_s))
 
 
 def tokens_within(tokens, most: int) -> bool:

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+from numba.extending import register_jitable
 
 from metronome import compiled
 from metronome.errors import MetronomeError
@@ -101,6 +102,7 @@ def check_phases(phases: str) -> str:
     return phases
 
 
+@register_jitable  # (Python's function as it is, and compiled into the compiled code that calls it)
 def phase_offset_s(slot, period_s: float):
     """The phase of a session on grid point ``slot`` (ints or arrays): ``slot · P / PHASE_SLOTS``."""
     return slot * (period_s / PHASE_SLOTS)

@@ -59,8 +59,9 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
     number, for sessions on clocks of their own) of ``rows`` (:data:`FrameRows`), in tick order, all answered at
     ``now`` with ``in_flight`` sessions in flight (-1: nobody reads it, not written); a frame late for its
     session's deadline counts against it (``ss.s_late``), a silent one is counted by what it is
-    (results.silent_cause: a session that ended now was answered at its departure). Both paths record their rows with it, with the same records (``ss`` the
-    sessions' :data:`Owners`, ``c`` the frame :data:`Clock`). Returns the rows written so far."""
+    (results.silent_cause: a session that ended now was answered at its departure). Both paths record their rows
+    with it, with the same records (``ss`` the sessions' :data:`Owners`, ``c`` the frame :data:`Clock`). Returns
+    the rows written so far."""
     if n == 0:
         return nrows
     keys, who, shaped = ans.key, ans.who, c.shaped
