@@ -349,7 +349,11 @@ class Driver(FrontEnd):
         now = self.clock() - t0
         info = self.slots.last_info
         if info.t_end is not None:  # stepped on its own: the step ran and its outputs came in before we looked
-            t_start, now = info.t_start - t0, info.t_end - t0
+            # A report that came in while this turn ran is the front end's at the turn, not earlier: the turn
+            # handed over the frames that ticked by then, and a frame answered at the report's time (silent, its
+            # session a victim of the stall the report tells) would be answered before its tick. The step's own
+            # start and duration stay the engine's.
+            t_start, now = info.t_start - t0, max(info.t_end - t0, self.now)
         if any(info.outputs.values()):
             self.supervisor.token(now)
         self.now = now

@@ -28,6 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -498,6 +499,8 @@ class ServerProcess:
     :meth:`wait_ready`; :meth:`terminate_and_wait` drains it. As a context manager it starts on entry, and on exit
     a server still running is drained (so that vLLM's processes go with it) or, if it will not end, killed."""
 
+    running: weakref.WeakSet = weakref.WeakSet()  # started and not yet ended: their logs go with a test's failure
+
     def __init__(self, out, *args: str, drain_s: float = 5.0):
         self.out = Path(out)
         self.args, self.drain_s = tuple(args), float(drain_s)
@@ -518,7 +521,18 @@ class ServerProcess:
         # (on a 2-core box vLLM's default reserved core makes every step ~5x slower)
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **os.environ}
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        ServerProcess.running.add(self)
         return self
+
+    def log_tails(self, chars: int = 6000) -> list[tuple[str, str]]:
+        """The end of its log and of its engine's (``OUT/engine.log``), each ``(title, text)``: what a failed
+        check shows, so that a failure on a machine nobody can reach says what the server said."""
+        out = []
+        for title, path in (("server.log", self.log_path), ("engine.log", self.out / "engine.log")):
+            if path.exists():
+                out.append((f"{title} of the server on port {self.port} (last {chars} characters)",
+                            path.read_text(errors="replace")[-chars:]))
+        return out
 
     def log_text(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
@@ -566,6 +580,7 @@ class ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
+        ServerProcess.running.discard(self)
         if self.proc is not None and self.proc.poll() is None:
             self.terminate_and_wait(self.drain_s + 120)
         if self._log is not None:

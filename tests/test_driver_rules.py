@@ -482,3 +482,45 @@ def test_a_frame_is_late_against_its_own_sessions_deadline_not_the_runs(run_dead
     counted = [f for f in res.frames if not f["censored"]]
     late = sum(1 for f in counted if f["session"] == "b")
     assert res.summary["deadline_miss_fraction"] == pytest.approx(late / len(counted))  # b's frames, and only its
+
+
+class LateReports(FakeEngine):
+    """vLLM's own loop as the driver reads it when the driver is slower than the engine: each step's report has
+    come in (``t_end``) by the time the driver looks, and is read only at its next look, after a turn (vLLM steps
+    on its own; the driver, busy with a turn, reads a report that waited). A request aborted meanwhile is not in
+    the report it reads (as ``probe.own_loop`` drops it)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.held = None
+        self.aborted: set[str] = set()
+
+    def abort(self, rid):
+        self.aborted.add(rid)
+        return super().abort(rid)
+
+    def step(self, wait_s=None):
+        info = super().step(wait_s)
+        info.t_end = info.t_start + info.duration_s  # (in the driver's clock: its start is 0)
+        prev, self.held = self.held, info
+        if prev is not None:
+            for d in (prev.scheduled, prev.computed, prev.outputs):
+                for rid in [r for r in d if r in self.aborted]:
+                    del d[rid]
+        self.aborted = set()
+        return prev
+
+
+def test_a_step_report_read_after_a_turn_answers_no_frame_before_its_tick():
+    """The driver reads a report of vLLM's own loop only after a turn that came later (the report waited while
+    the turn ran): the turn handed over the frames that ticked meanwhile, so the step is the front end's at that
+    turn, not when its report came in. Every frame is answered at or after its tick (a latency below zero
+    stopped a server's gateway: the admission controller refuses it), on a pool small enough that sessions wait
+    and are preempted (their frames answered silent at the step's end)."""
+    eng = LateReports(num_blocks=24, sleep_min_s=0.0, own_loop=True, step_base_s=0.02)
+    plans = [SessionPlan(f"s{k}", arrival_s=0.013 * k, prompt_tokens=1, phase_slot=(17 * k) % 64) for k in range(8)]
+    res = drive(eng, plans, 3.0, phases="independent")
+    answered = [f for f in res.frames if not f["censored"]]
+    assert len(answered) > 100 and any(f["silent"] for f in answered), len(answered)
+    early = [f for f in answered if f["done_s"] is not None and f["done_s"] < f["tick_s"] - EPS]
+    assert not early and min(f["latency_s"] for f in answered) >= 0.0, early[:3]

@@ -30,6 +30,19 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed check while a server runs (tests/serve_harness.py's ``ServerProcess``) shows the end of its log and
+    its engine's: CI keeps only what pytest prints."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and rep.when in ("setup", "call"):
+        harness = sys.modules.get("serve_harness")
+        for srv in list(getattr(getattr(harness, "ServerProcess", None), "running", ())):
+            for title, text in srv.log_tails():
+                rep.sections.append((title, text))
+
+
 def run_probe(*args, env=None, timeout=1800, **kw):
     """Run metronome-probe in a subprocess, as a user would."""
     full_env = {**os.environ, **(env or {})}
