@@ -63,12 +63,6 @@ def placeless(st):
     return st == WAITING or st == PREFILL
 
 
-@_spliced
-def tick(f, P, ph):
-    """Frame ``f``'s tick of a session of period ``P`` and phase ``ph`` (serving.frame_tick)."""
-    return f * P + ph
-
-
 _join_frame = nb.njit(cache=True)(serving.join_frame)
 
 
@@ -165,7 +159,7 @@ def admit_head(now, seq, ss, b, queue):
     if ss.started[i]:
         return i, False
     ss.state[i] = RUNNING
-    ss.running_since[i] = tick(ss.next_frame[i], ss.P_of[i], ss.phase[i])
+    ss.running_since[i] = serving.frame_tick(ss.next_frame[i], ss.P_of[i], ss.phase[i])
     return i, True
 
 
@@ -303,18 +297,18 @@ def tick_due(i, now, eps, lockstep, ss, b, pend, a, n_ans, heard, n_heard):
     frames heard)."""
     P, ph = ss.P_of[i], ss.phase[i]
     nf = ss.next_frame[i]
-    if tick(nf, P, ph) > now + eps:
+    if serving.frame_tick(nf, P, ph) > now + eps:
         return n_ans, n_heard
     runs = ss.state[i] == RUNNING
-    if runs and tick(nf, P, ph) >= ss.running_since[i] - eps:  # all of them queued (the usual)
-        if tick(nf + 1, P, ph) > now + eps:  # exactly one came due
+    if runs and serving.frame_tick(nf, P, ph) >= ss.running_since[i] - eps:  # all of them queued (the usual)
+        if serving.frame_tick(nf + 1, P, ph) > now + eps:  # exactly one came due
             n_due = np.int64(1)
         else:  # an engine slower than the frame clock: every tick up to now
             n_due = np.int64(np.floor((now + eps - ph) / P)) - nf + 1
             # the division may round across a tick: settle on the tick test itself (f·P + φ <= now)
-            if tick(nf + n_due - 1, P, ph) > now + eps:
+            if serving.frame_tick(nf + n_due - 1, P, ph) > now + eps:
                 n_due -= 1
-            if tick(nf + n_due, P, ph) <= now + eps:
+            if serving.frame_tick(nf + n_due, P, ph) <= now + eps:
                 n_due += 1
         if heard is not None:
             for k in range(n_due):
@@ -323,8 +317,8 @@ def tick_due(i, now, eps, lockstep, ss, b, pend, a, n_ans, heard, n_heard):
         ss.backlog[i] += n_due
         ss.next_frame[i] = nf + n_due
         return n_ans, n_heard
-    while tick(nf, P, ph) <= now + eps:  # frame by frame: a running session's before its place are silent too
-        queued = runs and tick(nf, P, ph) >= ss.running_since[i] - eps
+    while serving.frame_tick(nf, P, ph) <= now + eps:  # frame by frame: a running session's before its place are silent too
+        queued = runs and serving.frame_tick(nf, P, ph) >= ss.running_since[i] - eps
         if queued:
             ss.backlog[i] += 1
         else:
@@ -419,7 +413,7 @@ def end_owed(i, now, clock, ss, b, pend, a, n_ans, censored):
     for q in range(b.phead, b.npend):
         if pend[q, 0] == i:
             f, tok = pend[q, 1], pend[q, 2]
-            if not run_over and tick(f, P, ph) + deadline <= now + eps:
+            if not run_over and serving.frame_tick(f, P, ph) + deadline <= now + eps:
                 n_ans = answer(i, f, tok, a, n_ans)
             elif censored is not None:
                 censored[0][n_cens], censored[1][n_cens] = f, tok
@@ -436,7 +430,7 @@ def end_owed(i, now, clock, ss, b, pend, a, n_ans, censored):
         if q < 0 and inflight[i] < 0:
             continue
         f, tok = (inflight[i], inflight_tok[i]) if q < 0 else (first_q + q, np.int64(0))
-        if not run_over and tick(f, P, ph) + deadline <= now + eps:
+        if not run_over and serving.frame_tick(f, P, ph) + deadline <= now + eps:
             n_ans = answer(i, f, tok, a, n_ans)
         elif censored is not None:
             censored[0][n_cens], censored[1][n_cens] = f, tok

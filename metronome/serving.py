@@ -108,6 +108,7 @@ def phase_offset_s(slot, period_s: float):
     return slot * (period_s / PHASE_SLOTS)
 
 
+@register_jitable  # (the frame clock's one statement: the compiled rules call it too)
 def frame_tick(frame, period_s: float, phase_s=0.0):
     """When frame ``frame`` of a session with phase ``phase_s`` ticks: ``f·P + φ`` (ints or arrays)."""
     return frame * period_s + phase_s

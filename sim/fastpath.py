@@ -31,7 +31,7 @@ from metronome.front_rules import (ENDED, PREFILL, REFUSED, WAITING, Queues, Tal
                                    readmitted, request_tokens, tick_due, tokens_in)
 from metronome.front_rules import live as _live
 from metronome.front_rules import placeless as _placeless
-from metronome.front_rules import tick as _tick
+from metronome.serving import frame_tick as _tick
 from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import add_slot, engine_step, gate_blocks_jit, resume_slot
 from metronome.sim import reaction, recorder, span

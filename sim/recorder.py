@@ -78,9 +78,9 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
         e = j + 1
         if shaped:  # (a session's own tick: the run's, f·P + slot·Pq, for one on the run's clock)
             i = who[order[j]]
-            tick = front_rules.tick(f, ss.P_of[i], ss.phase[i])
+            tick = serving.frame_tick(f, ss.P_of[i], ss.phase[i])
             while (e < n and keys[order[e]] // PHASE_SLOTS == f
-                   and front_rules.tick(f, ss.P_of[who[order[e]]], ss.phase[who[order[e]]]) == tick):
+                   and serving.frame_tick(f, ss.P_of[who[order[e]]], ss.phase[who[order[e]]]) == tick):
                 e += 1
         else:
             tick = f * c.P + (key % PHASE_SLOTS) * c.Pq
@@ -100,7 +100,7 @@ def _tick_order(n, keys, who, at, work, P_of, phase):
     for q in range(n):
         a = work[q]
         i = who[a]
-        at[q] = front_rules.tick(keys[a] // PHASE_SLOTS, P_of[i], phase[i])
+        at[q] = serving.frame_tick(keys[a] // PHASE_SLOTS, P_of[i], phase[i])
     merge_order(at, n, work[n:])  # (stable: in a tick, by key, so a frame number's answers lie together)
     for q in range(n):
         work[2 * n + q] = work[work[n + q]]

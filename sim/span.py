@@ -16,7 +16,7 @@ import numpy as np
 from metronome import compiled, front_end, front_rules, serving
 from metronome.front_rules import RUNNING
 from metronome.front_rules import live as _live
-from metronome.front_rules import tick as _tick
+from metronome.serving import frame_tick as _tick
 from metronome.serving import PHASE_SLOTS, EngineModel, key_order_work
 
 P_CODE = EngineModel.PAUSED_CODE
