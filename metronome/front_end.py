@@ -233,24 +233,75 @@ class FrontEnd:
         self.offered = M  # sessions known: those given, and those offered since (offer)
 
         # its queues (the FCFS queue, the departures booked, the frames owed in lockstep) as arrays, their heads and
-        # lengths in one record: what the rules over them (metronome.front_rules) take, here and in the simulator's
-        # compiled loop
+        # lengths and its counters in one record: what the rules over them (metronome.front_rules) take, here and in
+        # the simulator's compiled loop, which writes it in place (next_arrival, seq, ... below read it)
         self.books = np.zeros(1, rules.BOOKS)
         self._b = self.books[0]  # (a view: the rules write through it; b["name"] reads it 7x faster than a recarray's)
+        self._b["t_sat"] = math.nan
         self.queues = Queues(np.zeros(16, np.int64), np.zeros(16), np.zeros(16, np.int64), np.zeros((16, 3), np.int64))
         self.by_rid: dict[int, int] = {}
         self.next_rid = 0
-        self.next_arrival = 0
-        self.seq = 0
         self.now = 0.0
-        self.preempted_last = False  # the last step preempted: admit nobody in the next turn
         self.stalled = False  # the last step scheduled nothing and freed nothing: wait for an event
-        self.serving_frame = 0  # the latest frame handed to the engine: the frame a step is taken on (jitter)
         # the frames answered at the current moment (tick key, session, tokens got): the first n_answers
         self.answers = tuple(np.zeros(64, np.int64) for _ in range(3))
         self.n_answers = 0
-        self.t_sat: float | None = None
-        self.peak_used = 0
+
+    # its counters, in its books (front_rules.BOOK_FIELDS)
+    @property
+    def next_arrival(self) -> int:
+        """The next session to arrive (in order of arrival)."""
+        return int(self._b["narr"])
+
+    @next_arrival.setter
+    def next_arrival(self, i: int) -> None:
+        self._b["narr"] = i
+
+    @property
+    def seq(self) -> int:
+        """Sessions admitted so far (the next admission's place in the order of admissions)."""
+        return int(self._b["seq"])
+
+    @seq.setter
+    def seq(self, n: int) -> None:
+        self._b["seq"] = n
+
+    @property
+    def serving_frame(self) -> int:
+        """The latest frame handed to the engine: the frame a step is taken on (the step's jitter draw)."""
+        return int(self._b["sframe"])
+
+    @serving_frame.setter
+    def serving_frame(self, f: int) -> None:
+        self._b["sframe"] = f
+
+    @property
+    def peak_used(self) -> int:
+        """The most blocks held after a step."""
+        return int(self._b["peak"])
+
+    @peak_used.setter
+    def peak_used(self, n: int) -> None:
+        self._b["peak"] = n
+
+    @property
+    def t_sat(self) -> float | None:
+        """The start of the first step after which a session had to be preempted, or None."""
+        t = float(self._b["t_sat"])
+        return None if math.isnan(t) else t
+
+    @t_sat.setter
+    def t_sat(self, t: float | None) -> None:
+        self._b["t_sat"] = math.nan if t is None else t
+
+    @property
+    def preempted_last(self) -> bool:
+        """The last step preempted: nobody is admitted in the next turn."""
+        return bool(self._b["prelast"])
+
+    @preempted_last.setter
+    def preempted_last(self, v: bool) -> None:
+        self._b["prelast"] = v
 
     # ----------------------------------------------------------------------------------- the caller's records
     def _flush_answers(self, now: float) -> tuple[int, int]:

@@ -36,10 +36,15 @@ from metronome.serving import PHASE_SLOTS
 # front-end states of a session (a session's life: metronome.front_end)
 NOT_ARRIVED, WAITING, PREFILL, RUNNING, ENDED, REFUSED, QUEUED = 0, 1, 2, 3, 4, 5, 6
 
-# The queues' heads and lengths (see the module's docstring); the simulator's loop writes the front end's own record
-# of them in place (sim/span.py, Front.books).
+# The queues' heads and lengths (see the module's docstring), then the front end's counters: the next arrival, the
+# sessions admitted so far (their order), the latest frame handed to the engine, the most blocks held after a step,
+# the start of the first step that preempted (NaN: none yet), whether the last step preempted and, for the
+# simulator, whether the engine waited since its last step. The simulator's loop writes the front end's own record
+# in place (sim/span.py, Front.books).
 BOOK_FIELDS = [("qhead", np.int64), ("nwait", np.int64), ("dep", np.int64), ("ndeps", np.int64),
-               ("phead", np.int64), ("psorted", np.int64), ("npend", np.int64)]
+               ("phead", np.int64), ("psorted", np.int64), ("npend", np.int64), ("narr", np.int64),
+               ("seq", np.int64), ("sframe", np.int64), ("peak", np.int64), ("t_sat", np.float64),
+               ("prelast", np.bool_), ("idle", np.bool_)]
 BOOKS = np.dtype(BOOK_FIELDS, align=True)
 Queues = namedtuple("Queues", "queue dep_t dep_i pend")
 # where a frame answered goes (the caller's answers: tick key, session, tokens got) and the counts it updates

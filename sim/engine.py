@@ -54,6 +54,15 @@ class SimEngine(FrontEnd):
     arrivals_in_loop: bool
     _no_controller: ck.ControllerArrays | None
 
+    @property
+    def idle(self) -> bool:
+        """The engine waited (no step ran) since its last step (in the front end's books: the loop writes it)."""
+        return bool(self._b["idle"])
+
+    @idle.setter
+    def idle(self, v: bool) -> None:
+        self._b["idle"] = v
+
     def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy, roster: Roster,
                  horizon_s: float, deadline_s: float, controller=None, fast_forward: bool = True,
                  check_invariants: bool = False, seed: int = 0, engine_model=EngineModel,
@@ -74,7 +83,7 @@ class SimEngine(FrontEnd):
         # the idle gap"): in lockstep a frame's first step; with independent phases only when nothing ran before
         self.first_s = float(self.lat.frame_first_s)
         self.Pq = float(serving.phase_offset_s(1, self.P))  # one phase slot of the run's clock
-        self.idle = True  # the engine waited (no step ran) since its last step
+        self.idle = True
         self.jitter = bool(self.lat.jitter)
         self.seed = int(seed)
         self.draws = self.lat.draws(self.seed, self.P)
@@ -259,7 +268,7 @@ class SimEngine(FrontEnd):
         conf, draws = self._compiled_config(now, sess, t_next, n_max, na_end)
         ans_cap = int(conf[0]["ans_cap"])
         state, fe = self._front_arrays(now, sess.size - live.size, sess.size)
-        dep0 = int(self._b["dep"])
+        dep0, seq0 = int(self._b["dep"]), self.seq
         ctl = self._controller_arrays(ans_cap)
         ahead = self.horizon / now if now > 0 else 1.0  # twice the rows of the run so far, to its horizon
         self.steps.reserve(n_max, int(2 * ahead * self.steps.rows))
@@ -276,15 +285,10 @@ class SimEngine(FrontEnd):
                     m.arrays(), draws, rec, ctl)
         s = state[0]
         n, n_new, turned, end = int(s["nsteps"]), int(s["nnew"]), int(s["turned"]), float(s["now"])
-        self._front_books(s, fe, na0, dep0, n_new)
-        self.preempted_last = bool(s["prelast"])
-        if not math.isnan(s["t_sat"]):
-            self.t_sat = float(s["t_sat"])
+        self._front_books(fe, na0, dep0, seq0, n_new)
         self._last_span = n
-        self.idle = bool(s["idle"])
         if n == 0 and end == now and turned not in (span.PAST_HORIZON, span.PAUSED, span.STEP_TAKEN):
             return None
-        self.serving_frame, self.peak_used = int(s["sframe"]), int(s["peak"])
         self.n_steps += n
         self.fast_steps += n
         self._compiled_records(n, int(s["nrows"]))
@@ -315,17 +319,14 @@ class SimEngine(FrontEnd):
         fe = span.Front(q.queue, q.dep_t, q.dep_i, q.pend, self.books, self.sess_of_slot, self.fresh_slot, new_i,
                         new_s, new_k)
         state = np.zeros(1, span.STATE)
-        for name, value in (("now", now), ("t_sat", math.nan if self.t_sat is None else self.t_sat),
-                            ("nrun", int((self.state == RUNNING).sum())), ("narr", self.next_arrival),
-                            ("seq", self.seq), ("sframe", self.serving_frame), ("peak", self.peak_used),
-                            ("idle", self.idle), ("prelast", self.preempted_last)):
-            state[name] = value
+        state["now"], state["nrun"] = now, int((self.state == RUNNING).sum())
         return state, fe
 
-    def _front_books(self, s, fe, na0: int, dep0: int, n_new: int) -> None:
-        """The front end's books after the compiled loop (``s``: its counters; its queues' books it wrote in
-        place): its requests named and forgotten, in order (before departures: one may have left), the arrivals it
-        refused and the departures it took (from ``dep0`` on)."""
+    def _front_books(self, fe, na0: int, dep0: int, seq0: int, n_new: int) -> None:
+        """The front end's books after the compiled loop (it wrote them in place, counters included; ``na0``,
+        ``dep0`` and ``seq0``: the next arrival, departure and admission before it): its requests named and
+        forgotten, in order (before departures: one may have left), the arrivals it refused and the departures it
+        took."""
         for i, sl, k in zip(fe.new_i[:n_new].tolist(), fe.new_s[:n_new].tolist(), fe.new_k[:n_new].tolist()):
             if k == span.NEW_DROPPED:
                 self._forget_request(i)
@@ -336,13 +337,12 @@ class SimEngine(FrontEnd):
                 self.loop_first_frames += 1
             else:
                 self.loop_readmissions += 1
-        came = np.arange(na0, int(s["narr"]))
+        came = np.arange(na0, self.next_arrival)
         refused = came[self.state[came] == REFUSED]
         self.s_end_reason[refused] = EndReason.REFUSED
         self.loop_arrivals += came.size
         self.loop_refused += refused.size
-        self.loop_admissions += int(s["seq"]) - self.seq
-        self.next_arrival, self.seq = int(s["narr"]), int(s["seq"])
+        self.loop_admissions += self.seq - seq0
         self._departed_in_loop(fe.dep_i[dep0:int(self._b["dep"])].tolist())
 
     def _controller_arrays(self, ans_cap: int) -> ck.ControllerArrays:

@@ -210,9 +210,9 @@ def _arrive(now, c, s, ss, fe, w, ctl):
     """The arrivals up to ``now``: each passes the gate (the controller's may_admit, compiled) with the sessions in
     flight and enters (front_rules.enter), or is refused (the caller names the reason)."""
     b = fe.books[0]
-    while s.narr < c.na_end and ss.arrival[s.narr] <= now:
-        i = s.narr
-        s.narr += 1
+    while b.narr < c.na_end and ss.arrival[b.narr] <= now:
+        i = b.narr
+        b.narr += 1
         if ss.arrival[i] >= c.horizon:
             continue
         in_flight = s.nrun + b.nwait
@@ -230,11 +230,11 @@ def _arrive(now, c, s, ss, fe, w, ctl):
 def _admissions(now, c, s, ss, fe, lim, free, room, leaving):
     """The FCFS admission (serving.admit_fcfs), planned: how many heads of the front end's queue (less those
     ``leaving`` before it) get the blocks vLLM's gate wants (serving.admission_need_blocks), none right after a step
-    that preempted (``s.prelast``), or -1 when one that does is one this loop does not take (a readmission
+    that preempted (the books' ``prelast``), or -1 when one that does is one this loop does not take (a readmission
     past the length limit; a first frame due now past it; either without room for its request)."""
-    if s.prelast:
-        return 0
     b = fe.books[0]
+    if b.prelast:
+        return 0
     n = 0
     for q in range(b.qhead, b.qhead + b.nwait):
         i = fe.queue[q]
@@ -265,8 +265,8 @@ def _admit(now, n, c, s, ss, fe, eng):
     back as a new request whose prompt is its whole history, and one token to sample (front_rules.readmitted)."""
     b = fe.books[0]
     for _ in range(n):
-        i, new = admit_head(now, s.seq, ss, b, fe.queue)
-        s.seq += 1
+        i, new = admit_head(now, b.seq, ss, b, fe.queue)
+        b.seq += 1
         s.nrun += 1
         if new:
             continue
@@ -411,8 +411,8 @@ def _idle(now, c, s, ss, fe, w, idle, turned):
     b = fe.books[0]
     if b.dep < b.ndeps:
         until = min(until, fe.dep_t[b.dep])
-    if s.narr < c.na_end:
-        until = min(until, ss.arrival[s.narr])
+    if b.narr < c.na_end:
+        until = min(until, ss.arrival[b.narr])
     if until <= now:
         return now, idle, turned, True
     if until >= c.horizon:  # SimPy stops the run during this wait
@@ -457,8 +457,8 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
     # the arguments live as long as this call: inside it they need no reference counts (compiled.borrowed)
     coef, live = borrowed((coef, live))
     ss, fe, eng, dr, rec, ctl = borrowed(ss), borrowed(fe), borrowed(eng), borrowed(dr), borrowed(rec), borrowed(ctl)
-    c, s = conf[0], state[0]
-    now, idle, turned = s.now, s.idle, TURN_TAKEN  # (the caller's turn at `now` is done)
+    c, s, b = conf[0], state[0], fe.books[0]
+    now, idle, turned = s.now, b.idle, TURN_TAKEN  # (the caller's turn at `now` is done)
     s.nsteps = s.nnew = 0
     owned, ok, n_ready = span.allocate(live, ss, c, c.ans_cap + fe.pend.shape[0], eng.status.size)
     w = borrowed(owned)  # (held to the end: hold)
@@ -469,7 +469,7 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
             taken, n_sub, latest = _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live)
             if not taken:
                 break
-            s.sframe, n_ready = max(s.sframe, latest), 0
+            b.sframe, n_ready = max(b.sframe, latest), 0
             if now >= c.t_pause:  # the turn is taken: the caller looks, then calls again from here
                 turned = PAUSED
                 break
@@ -477,11 +477,11 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
         cnt = eng.cnt[0]
         if cnt.n_run + cnt.n_kw + cnt.n_wq == 0:  # no work: wait (no step ran: none is "right after")
             now, idle, turned, ends = _idle(now, c, s, ss, fe, w, idle, turned)
-            s.prelast = False
+            b.prelast = False
             if ends:
                 break
             continue
-        lat, turned = _engine_step(now, c, coef, eng, dr, fe, idle, s.nsteps, s.sframe)
+        lat, turned = _engine_step(now, c, coef, eng, dr, fe, idle, s.nsteps, b.sframe)
         n_vic = 0
         if turned == STEP_TAKEN:  # the front end reacts to the step: here, if it can
             n_vic, turned = reaction.react(turned, c, s, ss, fe, w, eng)
@@ -489,15 +489,15 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
         if turned != TURN_CALLER:  # (SimPy stops a run during a step that outlives it; STEP_TAKEN: it took `lat`)
             s.out_s = now + lat if turned == PAST_HORIZON else lat
             break
-        step_start, now, s.prelast = now, now + lat, n_vic > 0
+        step_start, now, b.prelast = now, now + lat, n_vic > 0
         tokens_out, n_done, n_ready = _tokens_to_frames(now, s, ss, fe, w, eng)
         n_ans = n_done
         if n_vic:
             n_ans = reaction.preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans)
         counts = (n_done, n_ans, tokens_out, n_vic, o_n.sched, o_n.new_tokens, o_n.ctx_tokens, o_n.used)
         _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts)
-        s.peak, s.nsteps = max(s.peak, o_n.used), s.nsteps + 1
-    s.turned, s.idle, s.now = turned, idle, now
+        b.peak, s.nsteps = max(b.peak, o_n.used), s.nsteps + 1
+    s.turned, b.idle, s.now = turned, idle, now
     hold(owned)
 
 

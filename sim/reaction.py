@@ -125,8 +125,9 @@ def preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans):
     (:func:`preempt_session`; the first ever dates t_sat). Returns the answers."""
     for v in range(n_vic):
         n_ans = preempt_session(w.vic[v], c, s, ss, fe, a, eng, n_ans)
-    if np.isnan(s.t_sat):
-        s.t_sat = step_start
+    b = fe.books[0]
+    if np.isnan(b.t_sat):
+        b.t_sat = step_start
     return n_ans
 
 

@@ -42,18 +42,15 @@ CONF = np.dtype([("max_steps", np.int64), ("ans_cap", np.int64), ("f_lo", np.int
                  ("wshared", np.float64), ("wown", np.float64), ("t_pause", np.float64), ("route", np.float64)],
                 align=True)
 # The span's counters, in and out. now: where the loop is; out_s: where a step past the horizon ends, or how long a
-# STEP_TAKEN step took; t_sat: when a step first preempted (NaN until one does). The front end's: sessions running
-# (re-prefilling ones included), the next arrival, the next admission's sequence number, sessions re-prefilling
-# (its queues' heads and lengths are its own books, Front.books, which the loop writes in place). The call's:
-# requests added or aborted (nnew), the latest frame handed to the engine, the peak of blocks used, the first step
-# row to write (step0) and the steps written (nsteps), the row after the last frame row written (nrows), where it
-# stopped (turned, TURN_*), whether the engine waited since its last step (idle: a frame's step then pays first_s)
-# and whether the last step preempted (prelast: the next turn admits nobody).
-STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("t_sat", np.float64), ("nrun", np.int64),
-                  ("narr", np.int64), ("seq", np.int64), ("npf", np.int64),
-                  ("nnew", np.int64), ("sframe", np.int64),
-                  ("peak", np.int64), ("step0", np.int64), ("nsteps", np.int64), ("nrows", np.int64),
-                  ("turned", np.int64), ("idle", np.bool_), ("prelast", np.bool_)], align=True)
+# STEP_TAKEN step took; sessions running (re-prefilling ones included: nrun) and re-prefilling (npf), counted for
+# the span; requests added or aborted (nnew), the first step row to write (step0) and the steps written (nsteps),
+# the row after the last frame row written (nrows) and where it stopped (turned, TURN_*). The front end's own
+# counters (the next arrival, the admissions' sequence, the latest frame handed to the engine, the peak of blocks
+# used, t_sat, whether the last step preempted, whether the engine waited since its last step) are in its books
+# (front_rules.BOOK_FIELDS, Front.books), which the loop writes in place.
+STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("nrun", np.int64), ("npf", np.int64),
+                  ("nnew", np.int64), ("step0", np.int64), ("nsteps", np.int64), ("nrows", np.int64),
+                  ("turned", np.int64)], align=True)
 # the front end's queues as the loop keeps them: its FCFS queue, the departures booked (in time order), the frames
 # owed in lockstep (session, frame, tokens got), its books of them (front_rules.BOOKS, the front end's own record:
 # one element, written in place), the session of each request slot and whether a frame was handed to
