@@ -61,6 +61,21 @@ Sessions = namedtuple("Sessions", "state phase pslot slot next_frame backlog inf
                                   "n_out_of P_of deadline_of")
 
 
+class BookCounter:
+    """One of a front end's counters, kept in its books (:data:`metronome.front_rules.BOOKS`) rather than as an
+    attribute, so that the simulator's compiled loop, handed the books, writes it in place: read as ``kind`` of the
+    field, set as is (None: NaN, a float field's "none yet")."""
+
+    def __init__(self, field: str, kind, doc: str):
+        self.field, self.kind, self.__doc__ = field, kind, doc
+
+    def __get__(self, fe, owner=None):
+        return self if fe is None else self.kind(fe._b[self.field])
+
+    def __set__(self, fe, value) -> None:
+        fe._b[self.field] = math.nan if value is None else value
+
+
 def on_run_clock(period_s, phase_s, slot, run_period_s):
     """Whether a session (or each, given arrays) ticks on the run's clock: the run's period, and the phase of its
     phase slot (``serving.phase_offset_s``), so that its ticks are the run's tick keys (``serving.tick_key``) and
@@ -247,61 +262,15 @@ class FrontEnd:
         self.answers = tuple(np.zeros(64, np.int64) for _ in range(3))
         self.n_answers = 0
 
-    # its counters, in its books (front_rules.BOOK_FIELDS)
-    @property
-    def next_arrival(self) -> int:
-        """The next session to arrive (in order of arrival)."""
-        return int(self._b["narr"])
-
-    @next_arrival.setter
-    def next_arrival(self, i: int) -> None:
-        self._b["narr"] = i
-
-    @property
-    def seq(self) -> int:
-        """Sessions admitted so far (the next admission's place in the order of admissions)."""
-        return int(self._b["seq"])
-
-    @seq.setter
-    def seq(self, n: int) -> None:
-        self._b["seq"] = n
-
-    @property
-    def serving_frame(self) -> int:
-        """The latest frame handed to the engine: the frame a step is taken on (the step's jitter draw)."""
-        return int(self._b["sframe"])
-
-    @serving_frame.setter
-    def serving_frame(self, f: int) -> None:
-        self._b["sframe"] = f
-
-    @property
-    def peak_used(self) -> int:
-        """The most blocks held after a step."""
-        return int(self._b["peak"])
-
-    @peak_used.setter
-    def peak_used(self, n: int) -> None:
-        self._b["peak"] = n
-
-    @property
-    def t_sat(self) -> float | None:
-        """The start of the first step after which a session had to be preempted, or None."""
-        t = float(self._b["t_sat"])
-        return None if math.isnan(t) else t
-
-    @t_sat.setter
-    def t_sat(self, t: float | None) -> None:
-        self._b["t_sat"] = math.nan if t is None else t
-
-    @property
-    def preempted_last(self) -> bool:
-        """The last step preempted: nobody is admitted in the next turn."""
-        return bool(self._b["prelast"])
-
-    @preempted_last.setter
-    def preempted_last(self, v: bool) -> None:
-        self._b["prelast"] = v
+    # its counters, in its books (front_rules.BOOK_FIELDS): the simulator's loop writes them in place
+    next_arrival = BookCounter("narr", int, "The next session to arrive (in order of arrival).")
+    seq = BookCounter("seq", int, "Sessions admitted so far (the next admission's place in their order).")
+    serving_frame = BookCounter("sframe", int, "The latest frame handed to the engine: the frame a step is taken on "
+                                           "(the step's jitter draw).")
+    peak_used = BookCounter("peak", int, "The most blocks held after a step.")
+    t_sat = BookCounter("t_sat", lambda t: None if math.isnan(t) else float(t),
+                    "The start of the first step after which a session had to be preempted, or None.")
+    preempted_last = BookCounter("prelast", bool, "The last step preempted: nobody is admitted in the next turn.")
 
     # ----------------------------------------------------------------------------------- the caller's records
     def _flush_answers(self, now: float) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from metronome import control_kernel as ck
 from metronome import serving
 from metronome.calibration import Calibration
 from metronome.front_end import (_EPS, ENDED, NOT_ARRIVED, PREFILL, QUEUED, REFUSED, RUNNING,  # noqa: F401
-                                 WAITING, FrontEnd, FrontEndOptions, Roster)
+                                 WAITING, BookCounter, FrontEnd, FrontEndOptions, Roster)
 from metronome.kv_policy import KVPolicy
 from metronome.serving import EndReason, EngineLimits, EngineModel
 
@@ -54,14 +54,7 @@ class SimEngine(FrontEnd):
     arrivals_in_loop: bool
     _no_controller: ck.ControllerArrays | None
 
-    @property
-    def idle(self) -> bool:
-        """The engine waited (no step ran) since its last step (in the front end's books: the loop writes it)."""
-        return bool(self._b["idle"])
-
-    @idle.setter
-    def idle(self, v: bool) -> None:
-        self._b["idle"] = v
+    idle = BookCounter("idle", bool, "The engine waited (no step ran) since its last step.")
 
     def __init__(self, env: simpy.Environment, calibration: Calibration, policy: KVPolicy, roster: Roster,
                  horizon_s: float, deadline_s: float, controller=None, fast_forward: bool = True,
