@@ -235,6 +235,8 @@ class Gateway(Driver):
                 self._tell(i, "gateway_done", None)
                 self._forget(i)
             self._turn_away(GATEWAY_ERROR)
+            if self.sink.metrics is not None:  # (it holds nobody now: its gauge, set at each turn, would stay)
+                self.sink.metrics.sessions(0)
             raise
         self._turn_away(self._stop_reason or EndReason.STOPPED)
 

@@ -22,9 +22,9 @@ P, N_IN = STREAM.frame_period_s, STREAM.input_tokens_per_frame
 A_IDS, B_IDS = 2000, 3000
 
 
-def _gateway(eng, cap=2, cls=Gateway):
+def _gateway(eng, cap=2, cls=Gateway, metrics=None):
     cfg = DriverConfig(stream=STREAM, horizon_s=math.inf, phases="independent", deadline_s=P)
-    gw = cls(eng, cfg, admission=StaticCap(cap), silence_token=1)
+    gw = cls(eng, cfg, admission=StaticCap(cap), silence_token=1, metrics=metrics)
     th = threading.Thread(target=gw.serve, daemon=True)
     th.start()
     return gw, th
@@ -239,23 +239,29 @@ class _Broken(FakeEngine):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (raised again, for the log)
 def test_a_gateway_that_fails_stops_serving_says_so_and_closes_every_client():
     """The gateway's thread fails mid-session: it stops taking sessions (``serving`` false: /ready fails) and
-    says why (``error``: /health fails), the admitted client is closed with 1011 and its accounts settle, and a
-    the app then refuses anyone else at the door (its /ready check)."""
+    says why (``error``: /health fails), the admitted client is closed with 1011 and its accounts settle, the
+    sessions it says it holds (``metronome_sessions_active``) go to 0, and the app then refuses anyone else at the
+    door (its /ready check)."""
     from fastapi.testclient import TestClient
 
+    from metronome.probe.metrics import LiveMetrics
     from metronome.serve.app import ServeState, make_app
+
+    metrics = LiveMetrics(None)
 
     async def main():
         loop = asyncio.get_running_loop()
         eng = _Broken(num_blocks=128, block_size=16)
-        gw, th = _gateway(eng)
+        gw, th = _gateway(eng, metrics=metrics)
         c = await _admit(gw)
         c.inputs.put_nowait((0, [A_IDS] * N_IN))
         c.sent_in += 1
         await asyncio.sleep(3 * P)
+        assert metrics.active._value.get() == 1
         eng.broken.set()
         await loop.run_in_executor(None, th.join, 5)
         assert not th.is_alive() and not gw.serving and gw.error == "KeyError: 'a bug'"
+        assert metrics.active._value.get() == 0
         for _ in range(50):
             await asyncio.sleep(0.01)
             if c.ended is not None:
