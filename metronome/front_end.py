@@ -265,11 +265,11 @@ class FrontEnd:
     # its counters, in its books (front_rules.BOOK_FIELDS): the simulator's loop writes them in place
     next_arrival = BookCounter("narr", int, "The next session to arrive (in order of arrival).")
     seq = BookCounter("seq", int, "Sessions admitted so far (the next admission's place in their order).")
-    serving_frame = BookCounter("sframe", int, "The latest frame handed to the engine: the frame a step is taken on "
-                                           "(the step's jitter draw).")
+    serving_frame = BookCounter("sframe", int, "The latest frame handed to the engine: the frame a step is taken "
+                                               "on (the step's jitter draw).")
     peak_used = BookCounter("peak", int, "The most blocks held after a step.")
     t_sat = BookCounter("t_sat", lambda t: None if math.isnan(t) else float(t),
-                    "The start of the first step after which a session had to be preempted, or None.")
+                        "The start of the first step after which a session had to be preempted, or None.")
     preempted_last = BookCounter("prelast", bool, "The last step preempted: nobody is admitted in the next turn.")
 
     # ----------------------------------------------------------------------------------- the caller's records

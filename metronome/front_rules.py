@@ -31,7 +31,6 @@ import numba as nb
 import numpy as np
 
 from metronome import compiled, serving
-from metronome.serving import PHASE_SLOTS
 
 # front-end states of a session (a session's life: metronome.front_end)
 NOT_ARRIVED, WAITING, PREFILL, RUNNING, ENDED, REFUSED, QUEUED = 0, 1, 2, 3, 4, 5, 6
@@ -220,11 +219,11 @@ def chunks_of(idx, ss):
 def answer(i, f, tok, a, n_ans):
     """Session ``i``'s frame ``f`` answered now with ``tok`` tokens (0: silent): its tick key, session and tokens
     appended to the answers, its counts kept (``a``, a :class:`Tally`). Returns the answers."""
-    a.key[n_ans] = f * PHASE_SLOTS + a.pslot[i]  # serving.tick_key
+    a.key[n_ans] = serving.tick_key(f, a.pslot[i])
     a.who[n_ans] = i
     a.tok[n_ans] = tok
     a.s_frames[i] += 1
-    if tok == 0:  # serving.frame_is_silent
+    if serving.frame_is_silent(tok):
         a.s_silent[i] += 1
     return n_ans + 1
 
@@ -322,7 +321,8 @@ def tick_due(i, now, eps, lockstep, ss, b, pend, a, n_ans, heard, n_heard):
         ss.backlog[i] += n_due
         ss.next_frame[i] = nf + n_due
         return n_ans, n_heard
-    while serving.frame_tick(nf, P, ph) <= now + eps:  # frame by frame: a running session's before its place are silent too
+    # frame by frame: a running session's before its place are silent too
+    while serving.frame_tick(nf, P, ph) <= now + eps:
         queued = runs and serving.frame_tick(nf, P, ph) >= ss.running_since[i] - eps
         if queued:
             ss.backlog[i] += 1

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from metronome.percentile_kernel import percentile_sorted, percentiles_whole, whole_weights
-from metronome.serving import EndReason
+from metronome.serving import EndReason, frame_is_silent
 
 __all__ = [
     "COLLAPSE_SILENT_FRACTION",
@@ -263,7 +263,7 @@ def silent_cause(tokens: int, departed: bool, tick_s: float, admitted_s: float) 
     tick (``tick_s``) came before its session was first admitted (``admitted_s``; NaN: never admitted), and
     :data:`SILENT_PREEMPTED` otherwise: an admitted session's frame is silent only once it lost its place. The live
     driver asks it of each frame, the simulator's records (compiled) of each answer."""
-    if tokens != 0:  # serving.frame_is_silent
+    if not frame_is_silent(tokens):
         return 0
     if departed:
         return SILENT_DEPARTED

@@ -114,6 +114,7 @@ def frame_tick(frame, period_s: float, phase_s=0.0):
     return frame * period_s + phase_s
 
 
+@register_jitable  # (the compiled rules key their answers with it)
 def tick_key(frame, slot):
     """An integer that orders ticks exactly (frame, then phase slot): ``f·PHASE_SLOTS + slot``."""
     return frame * PHASE_SLOTS + slot
@@ -275,6 +276,7 @@ def admit_fcfs(waiting, need, free: int) -> int:
     return n
 
 
+@register_jitable  # (the compiled rules and records ask it too)
 def frame_is_silent(tokens_delivered: int) -> bool:
     """A frame is silent when the session got no token for it: waiting, re-prefilling or preempted. It is
     answered on time, empty, which is the failure a latency metric cannot see."""

@@ -393,7 +393,7 @@ def _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts):
     k = s.step0 + s.nsteps
     silent = 0
     for j in range(n_done, n_ans):
-        if w.tok[j] == 0:  # serving.frame_is_silent
+        if serving.frame_is_silent(w.tok[j]):
             silent += 1
     rec.batch[k], rec.new_tokens[k], rec.context_tokens[k], rec.resident_blocks[k] = batch, new_tokens, ctx, used
     rec.tokens_out[k], rec.frames_done[k], rec.silent_frames[k] = tokens_out, n_ans, silent

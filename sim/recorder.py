@@ -83,7 +83,7 @@ def flush(now, n, ans, ss, c, rows, nrows, in_flight):
                    and serving.frame_tick(f, ss.P_of[who[order[e]]], ss.phase[who[order[e]]]) == tick):
                 e += 1
         else:
-            tick = f * c.P + (key % PHASE_SLOTS) * c.Pq
+            tick = serving.frame_tick(f, c.P, (key % PHASE_SLOTS) * c.Pq)
             while e < n and keys[order[e]] == key:
                 e += 1
         nrows = _row(now, (f, tick), (order, j, e), ans, ss, rows, nrows, in_flight, c.eps)
@@ -120,7 +120,7 @@ def _row(now, frame_tick, members, ans, ss, rows, nrows, in_flight, eps):
         i = who[order[q]]
         tok = toks[order[q]]
         tk += tok
-        if tok == 0:  # serving.frame_is_silent
+        if serving.frame_is_silent(tok):
             cause = _silent_cause(tok, state[i] == ENDED, tick, s_admitted[i])
             if cause == results.SILENT_PREEMPTED:
                 pre += 1
