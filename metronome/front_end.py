@@ -157,8 +157,7 @@ def compile_rules() -> None:
 class FrontEnd:
     # one entry per session, in arrival order (set by _init_sessions): the front end's state of each
     state: np.ndarray  # NOT_ARRIVED .. QUEUED
-    rid: np.ndarray  # the session's engine request (-1: none)
-    slot: np.ndarray  # its request's slot in the engine model
+    slot: np.ndarray  # its engine request, by the slot the engine gave it (-1: none)
     hist: np.ndarray  # tokens of its history (what a readmission re-prefills)
     last_tok: np.ndarray  # a sampled token not yet in the engine (re-fed next frame)
     pending_in: np.ndarray  # input of silent frames, not yet in the engine
@@ -254,8 +253,6 @@ class FrontEnd:
         self._b = self.books[0]  # (a view: the rules write through it; b["name"] reads it 7x faster than a recarray's)
         self._b["t_sat"] = math.nan
         self.queues = Queues(np.zeros(16, np.int64), np.zeros(16), np.zeros(16, np.int64), np.zeros((16, 3), np.int64))
-        self.by_rid: dict[int, int] = {}
-        self.next_rid = 0
         self.now = 0.0
         self.stalled = False  # the last step scheduled nothing and freed nothing: wait for an event
         # the frames answered at the current moment (tick key, session, tokens got): the first n_answers
@@ -316,7 +313,7 @@ class FrontEnd:
         d = {"state": np.zeros(M, dtype=np.int8), "prompt_of": np.full(M, self.prompt, dtype=np.int64),
              "running_since": np.zeros(M), "s_admitted": np.full(M, np.nan), "s_ended": np.full(M, np.nan),
              "s_end_reason": np.full(M, "", dtype=object)}
-        d.update({k: np.full(M, -1, dtype=np.int64) for k in ("rid", "slot", "inflight", "admit_seq")})
+        d.update({k: np.full(M, -1, dtype=np.int64) for k in ("slot", "inflight", "admit_seq")})
         d.update({k: np.zeros(M, dtype=np.int64) for k in (
             "hist", "pending_in", "next_frame", "backlog", "inflight_tok", "work_step",
             "s_frames", "s_silent", "s_late", "s_tokens", "s_preempt", "s_rebase")})
@@ -490,12 +487,9 @@ class FrontEnd:
     def _add(self, i: int, prompt_tokens: int, max_tokens: int, origin: serving.Origin) -> int:
         """A new engine request for session ``i``: its whole prompt, ``max_tokens`` to sample; ``origin`` says what
         it is (an engine of token ids builds them from it)."""
-        r = self.next_rid
-        self.next_rid += 1
-        slot = self.model.add(r, prompt_tokens, max_tokens, origin=origin)
+        slot = self.model.add(prompt_tokens, max_tokens, origin=origin)
         self._fit_slots(slot + 1)
-        self.rid[i], self.slot[i] = r, slot
-        self.by_rid[r] = i
+        self.slot[i] = slot
         self.sess_of_slot[slot] = i
         return slot
 
@@ -506,14 +500,14 @@ class FrontEnd:
             self.sess_of_slot = np.concatenate([self.sess_of_slot, np.full(grow, -1)])
             self.fresh_slot = np.concatenate([self.fresh_slot, np.zeros(grow, dtype=bool)])
 
-    def _drop_rid(self, i: int) -> None:
-        r = int(self.rid[i])
-        if r >= 0:
-            if self.model.status(r) is not None:
-                self.model.abort(r)
-            self.by_rid.pop(r, None)
-            self.fresh_slot[self.slot[i]] = False
-            self.rid[i] = self.slot[i] = -1
+    def _drop_request(self, i: int) -> None:
+        """Session ``i``'s request aborted, if it has one the engine still holds (a dead engine holds none)."""
+        s = int(self.slot[i])
+        if s >= 0:
+            if self.model.status(s) is not None:
+                self.model.abort(s)
+            self.fresh_slot[s] = False
+            self.slot[i] = -1
 
     # ----------------------------------------------------------------------------------------------- the turn
     def _steps_now(self) -> bool:
@@ -691,7 +685,7 @@ class FrontEnd:
                 return
             origin = serving.Origin(i, "rebase", int(self.hist[i]), chunk)
             kept, chunk = serving.rebase_counts(int(self.hist[i]), chunk, n_out, self.keep_tokens, self.maxlen)
-            self._drop_rid(i)
+            self._drop_request(i)
             sl = self._add(i, kept + chunk, n_out, origin)
             self.hist[i] = kept
             self.s_rebase[i] += 1
@@ -700,14 +694,14 @@ class FrontEnd:
             sl = self._add(i, int(self.hist[i]) + chunk, n_out, serving.Origin(i, "first", 0, chunk))
         else:
             sl = int(self.slot[i])
-            self.model.append(int(self.rid[i]), chunk, n_out)
+            self.model.append(sl, chunk, n_out)
         rules.hand_over(i, sl, chunk, self.model.steps, ss, self.fresh_slot)
         self.serving_frame = max(self.serving_frame, f)
         self.stalled = False
         self._submitted((i,), (f,), rebased)
 
     def _end(self, i: int, now: float, reason: str) -> None:
-        self._drop_rid(i)
+        self._drop_request(i)
         self.model.session_ended(i)
         self.stalled = False
         if self.state[i] == WAITING:  # (not there if it ended while being admitted)
@@ -776,9 +770,9 @@ class FrontEnd:
         """The engine's own preemptions, then the deadlock rule's victims: each loses its place (dated at the
         step's start, as t_sat is)."""
         out = []
-        for r in (rec.preempted if self.sees_starvation else ()):  # else vLLM re-prefills it in its own queue
-            i = self.by_rid.get(r)
-            if i is not None:
+        for s in (rec.preempted if self.sees_starvation else ()):  # else vLLM re-prefills it in its own queue
+            i = int(self.sess_of_slot[s])
+            if self.slot[i] == s:  # (not a request the front end aborted since)
                 self._preempt(i, "engine", start)
                 out.append(i)
         m = self.model
@@ -798,9 +792,9 @@ class FrontEnd:
         inside = np.flatnonzero(self.slot >= 0)
         need = np.zeros(inside.size, dtype=np.int64)
         for i in cand.tolist():
-            r = int(self.rid[i])
-            need[np.searchsorted(inside, i)] = serving.blocks_to_resume(self.policy, m.tokens_of(r), m.computed(r),
-                                                                         m.blocks_of(r), self.cap_blocks)
+            s = int(self.slot[i])
+            need[np.searchsorted(inside, i)] = serving.blocks_to_resume(self.policy, m.tokens_of(s), m.computed(s),
+                                                                         m.blocks_of(s), self.cap_blocks)
         pick = np.empty(inside.size, dtype=np.int64)
         free = m.free_blocks()
         n = serving.deadlock_pick(need, self.admit_seq[inside], m.held_of(self.slot[inside]).astype(np.int64),
@@ -828,7 +822,7 @@ class FrontEnd:
     def _preempt(self, i: int, reason: str, t: float, lost: bool = False) -> None:
         """Recompute preemption at the session level: the request goes, the session waits at the queue's head
         (``reason``: ``engine``, ``pool_dry``, ``stall``; ``t``: when). ``lost``: the engine died with its KV."""
-        self._drop_rid(i)
+        self._drop_request(i)
         first_q = int(self.next_frame[i] - self.backlog[i])
         if self.backlog[i]:  # due frames never submitted: silent
             self._silenced(np.full(int(self.backlog[i]), i), np.arange(first_q, int(self.next_frame[i])), WAITING)
@@ -853,7 +847,7 @@ class FrontEnd:
         assert (self.s_late <= self.s_frames).all() and (self.s_silent <= self.s_frames).all(), \
             "a session has more late or silent frames than frames answered"
         outside = (self.state != PREFILL) & (self.state != RUNNING)
-        assert not (self.rid[outside] >= 0).any(), "a session outside the engine holds a request"
+        assert not (self.slot[outside] >= 0).any(), "a session outside the engine holds a request"
 
     def finalize(self):
         """Close the books at the horizon: sessions still in the engine end with reason 'horizon'."""

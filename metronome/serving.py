@@ -792,17 +792,17 @@ STEP_FORM = compiled.guard(engine_step, (resident_blocks_of, resident_tokens_of)
 class StepRecord:
     """What one ``schedule()`` did: the fields the differential test compares with vLLM.
 
-    ``slots``/``tokens``: the scheduled requests' slots and tokens, in schedule order (``EngineModel.rid_of``
-    turns a slot into its request id; ``scheduled`` is the same as a dict of request ids)."""
+    Requests are named by their slots, which an engine hands out in the order of ``add`` and never reuses.
+    ``slots``/``tokens``: the scheduled requests' slots and tokens, in schedule order (``scheduled`` is the same as
+    a dict)."""
 
     slots: np.ndarray
     tokens: np.ndarray
-    preempted: list = field(default_factory=list)  # request ids, in order
-    admitted: list = field(default_factory=list)  # request ids moved from a waiting queue to running
+    preempted: list = field(default_factory=list)  # slots, in order
+    admitted: list = field(default_factory=list)  # slots moved from a waiting queue to running
     used_blocks: int = 0  # after scheduling
     sampled_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     paused_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    rid_of: list = field(default_factory=list, repr=False)
     context_tokens: int = 0  # resident after the step, summed over the scheduled requests
     # requests the engine says it scheduled, when it names fewer in ``slots`` (a client of vLLM's own loop learns
     # only which requests sampled); -1: ``slots`` names them all
@@ -815,15 +815,15 @@ class StepRecord:
 
     @property
     def scheduled(self) -> dict:
-        return {self.rid_of[s]: k for s, k in zip(self.slots.tolist(), self.tokens.tolist())}
+        return dict(zip(self.slots.tolist(), self.tokens.tolist()))
 
     @property
     def sampled(self) -> list:
-        return [self.rid_of[s] for s in self.sampled_slots.tolist()]
+        return self.sampled_slots.tolist()
 
     @property
     def paused(self) -> list:
-        return [self.rid_of[s] for s in self.paused_slots.tolist()]
+        return self.paused_slots.tolist()
 
     @property
     def new_tokens(self) -> int:
@@ -874,8 +874,6 @@ class EngineModel:
                           watermark=limits.watermark_blocks, long_prefill=limits.long_prefill_token_threshold,
                           cap=NO_CAP if self.cap is None else self.cap, block_size=block_size,
                           sink_blocks=sink_blocks, window=window)
-        self._slot_of: dict = {}
-        self.rid_of: list = []
         self.cnt, self.o_n, self.reached_a = record(COUNTS), record(DID), record(REACHED)
         # the records' one element (a view: compiled code writes through it, and r["name"] reads it 4x faster than
         # a record's attribute)
@@ -915,63 +913,54 @@ class EngineModel:
         return {r: int(self.reached_a[0][r]) for r in RULES}
 
     # -- the engine interface ------------------------------------------------------------------------
-    def add(self, rid, prompt_tokens: int, max_tokens: int, origin: Origin | None = None) -> int:
+    def add(self, prompt_tokens: int, max_tokens: int, origin: Origin | None = None) -> int:
         """A new request of ``prompt_tokens`` tokens, to sample ``max_tokens`` (``origin``: see :class:`Origin`);
-        returns its slot."""
-        if rid in self._slot_of:
-            raise MetronomeError(f"request {rid!r} already exists")
+        returns its slot, the request's name from then on (the next one: slots go in the order of ``add``, here as
+        in the compiled loop's :func:`add_slot`, and are never reused)."""
         if prompt_tokens < 1 or max_tokens < 1:
             raise MetronomeError("a request needs at least one prompt token and one output token")
         self.reserve(1)
-        s = add_slot(prompt_tokens, max_tokens, self._c, self.status_a, self.ntok_a, self.maxtok_a, self.kseq_a,
-                     self.wq_a)
-        self.adopt(rid, s)
-        return s
+        return int(add_slot(prompt_tokens, max_tokens, self._c, self.status_a, self.ntok_a, self.maxtok_a,
+                            self.kseq_a, self.wq_a))
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` more requests in the arrays (the compiled loop adds requests without growing them)."""
         while self._c["next_slot"] + n > self.status_a.size:
             self._grow()
 
-    def adopt(self, rid, s: int) -> None:
-        """Name slot ``s``, which :func:`add_slot` handed out (here, or in the compiled loop), request ``rid``."""
-        assert s == len(self.rid_of), f"slot {s} handed out out of order"
-        self.rid_of.append(rid)
-        self._slot_of[rid] = s
+    def _held(self, s: int) -> int:
+        """Slot ``s``, checked to hold a request (one aborted holds none, here or in the compiled loop)."""
+        if not 0 <= s < self._c["next_slot"] or self.status_a[s] == 0:
+            raise MetronomeError(f"no request in slot {s}")
+        return s
 
-    def append(self, rid, chunk_tokens: int, max_tokens: int) -> None:
+    def append(self, s: int, chunk_tokens: int, max_tokens: int) -> None:
         """The next frame's input for a paused session (:func:`resume_slot`)."""
-        s = self._slot_of[rid]
-        if self.status_a[s] != _P:
-            raise MetronomeError(f"request {rid!r} is {_NAME[int(self.status_a[s])]}, not paused between frames")
+        if self.status_a[self._held(s)] != _P:
+            raise MetronomeError(f"request {s} is {_NAME[int(self.status_a[s])]}, not paused between frames")
         resume_slot(s, chunk_tokens, max_tokens, self._c, self.status_a, self.computed_a, self.ntok_a, self.out_a,
                     self.maxtok_a, self.kw_a)
 
-    def abort(self, rid) -> None:
-        abort_slot(self._slot_of.pop(rid), self._c, self.status_a, self.slots_a, self.held_a, self.run_a,
-                   self.kw_a, self.wq_a)
+    def abort(self, s: int) -> None:
+        abort_slot(self._held(s), self._c, self.status_a, self.slots_a, self.held_a, self.run_a, self.kw_a,
+                   self.wq_a)
 
     def session_ended(self, session: int) -> None:
         """The front end's ``session`` is over: nothing will restart from its requests. The model keeps nothing by
         session; an engine of token ids forgets the ids it kept for a restart."""
 
-    def forget(self, rid) -> None:
-        """Forget request ``rid``, whose slot the simulator's compiled loop has already aborted in the arrays
-        (:func:`abort_slot`)."""
-        del self._slot_of[rid]
+    def status(self, s: int) -> str | None:
+        """What request ``s`` is doing; None once aborted (or never added)."""
+        return _NAME[int(self.status_a[s])] if 0 <= s < self._c["next_slot"] and self.status_a[s] else None
 
-    def status(self, rid) -> str | None:
-        s = self._slot_of.get(rid)
-        return None if s is None else _NAME[int(self.status_a[s])]
+    def computed(self, s: int) -> int:
+        return int(self.computed_a[self._held(s)])
 
-    def computed(self, rid) -> int:
-        return int(self.computed_a[self._slot_of[rid]])
+    def tokens_of(self, s: int) -> int:
+        return int(self.ntok_a[self._held(s)])
 
-    def tokens_of(self, rid) -> int:
-        return int(self.ntok_a[self._slot_of[rid]])
-
-    def blocks_of(self, rid) -> int:
-        return int(self.held_a[self._slot_of[rid]])
+    def blocks_of(self, s: int) -> int:
+        return int(self.held_a[self._held(s)])
 
     def free_blocks(self) -> int:
         return self.limits.num_blocks - int(self._c["used"])
@@ -1019,10 +1008,10 @@ class EngineModel:
         n = self._did
         ns, na = int(n["sched"]), int(n["admitted"])
         slots = self.o_s[:ns].copy()
-        return StepRecord(slots, self.o_k[:ns].copy(), preempted=[self.rid_of[v] for v in self.o_pre[:n["preempted"]]],
-                          admitted=[self.rid_of[v] for v in slots[ns - na:].tolist()], used_blocks=int(n["used"]),
+        return StepRecord(slots, self.o_k[:ns].copy(), preempted=self.o_pre[:n["preempted"]].tolist(),
+                          admitted=slots[ns - na:].tolist(), used_blocks=int(n["used"]),
                           sampled_slots=self.o_sam[:n["sampled"]].copy(), paused_slots=self.o_pau[:n["paused"]].copy(),
-                          rid_of=self.rid_of, context_tokens=int(n["ctx_tokens"]))
+                          context_tokens=int(n["ctx_tokens"]))
 
     def check(self) -> None:
         """Pool accounting: used = Σ held, 0 <= used <= pool; every request with work is in exactly one queue."""

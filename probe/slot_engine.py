@@ -6,7 +6,8 @@
 (:class:`metronome.probe.engine.DrivenEngine`: vLLM in process, on its own loop, or the tests' fake) takes request
 ids and token ids. :class:`SlotEngine` stands between them:
 
-* **Slots and names.** Each request the front end adds gets the next slot (slots are never reused) and a name
+* **Slots and names.** Each request the front end adds gets the next slot (slots are never reused: the front end
+  names a request by its slot, as it does the engine model's) and a name
   vLLM sees: the session's label (``s<i>`` unless told) for its first request, ``<label>.p<n>`` for a
   readmission, ``<label>.r<n>`` for a rebase (a readmission the length limit cut down included), ``n`` counting
   the session's requests.
@@ -50,10 +51,8 @@ class SlotEngine:
         self.current: dict[int, str] = {}  # session -> the name of its latest request
         self.last_freed = 0  # blocks the last aborted request held
         self.finished: list[int] = []  # sessions whose request the engine ended on its own in the last step
-        self.rid_of: list = []  # slot -> the front end's request id
         self.name_of: list[str] = []  # slot -> the engine's request id
         self.session_of: list[int] = []  # slot -> the front end's session
-        self._slot_of: dict = {}  # live request id -> slot
         self._slot_by_name: dict[str, int] = {}  # live engine request id -> slot
         self.held: dict[int, list[int]] = {}  # live slot -> the ids its request holds
         self.gone: dict[int, list[int]] = {}  # session -> the ids its last aborted request held
@@ -93,7 +92,7 @@ class SlotEngine:
                                  f"{prompt_tokens}")
         return ids, tag
 
-    def add(self, rid, prompt_tokens: int, max_tokens: int, origin: Origin | None = None) -> int:
+    def add(self, prompt_tokens: int, max_tokens: int, origin: Origin | None = None) -> int:
         if origin is None:
             raise MetronomeError("a live engine needs each request's origin to build its token ids")
         ids, tag = self._ids(prompt_tokens, max_tokens, origin)
@@ -104,21 +103,18 @@ class SlotEngine:
         self.requests[i] = n + 1
         self.gone.pop(i, None)
         self.current[i] = name
-        s = len(self.rid_of)
-        self.rid_of.append(rid)
+        s = len(self.name_of)
         self.name_of.append(name)
         self.session_of.append(i)
-        self._slot_of[rid] = s
         self._slot_by_name[name] = s
         self.held[s] = list(ids)
         return s
 
     # -- the next frame, and the end of a request ------------------------------------------------------------
-    def append(self, rid, chunk_tokens: int, max_tokens: int) -> None:
-        """The next frame's ``chunk_tokens`` for a paused request: the token it sampled last (vLLM dropped it from
-        the request: it is re-fed), then fresh input."""
-        s = self._slot_of[rid]
-        held = self.held[s]
+    def append(self, s: int, chunk_tokens: int, max_tokens: int) -> None:
+        """The next frame's ``chunk_tokens`` for paused request ``s``: the token it sampled last (vLLM dropped it
+        from the request: it is re-fed), then fresh input."""
+        held = self._held(s)
         ids = held[-1:] + self.fresh(self.session_of[s], chunk_tokens - 1)
         self.engine.append(self.name_of[s], ids, max_tokens)
         held[-1:] = ids
@@ -131,22 +127,22 @@ class SlotEngine:
             for s, k, m in zip(slots.tolist(), np.broadcast_to(chunk_tokens, slots.shape).tolist(),
                                np.broadcast_to(max_tokens, slots.shape).tolist()):
                 last = self.held[s][-1:]
-                self.append(self.rid_of[s], k, m)
+                self.append(s, k, m)
                 done.append((s, last, k))
         except BaseException:
             for s, last, k in done:
                 self.held[s][-k:] = last  # the chunk (the re-fed token, then its input) back to the token alone
             raise
 
-    def abort(self, rid) -> None:
-        """Abort request ``rid``; its ids are kept for the session's next request (a readmission or a rebase starts
+    def abort(self, s: int) -> None:
+        """Abort request ``s``; its ids are kept for the session's next request (a readmission or a rebase starts
         from them) until the session ends."""
-        s = self._slot_of[rid]
+        self._held(s)
         name = self.name_of[s]
         freed = self.engine.blocks_of(name)
         self.engine.abort(name)
         self.last_freed = freed
-        del self._slot_of[rid], self._slot_by_name[name]
+        del self._slot_by_name[name]
         self.gone[self.session_of[s]] = self.held.pop(s)
 
     def lost(self) -> None:
@@ -154,7 +150,7 @@ class SlotEngine:
         as an abort's are, and nothing is aborted."""
         for s, ids in self.held.items():
             self.gone[self.session_of[s]] = ids
-        self.held, self._slot_of, self._slot_by_name = {}, {}, {}
+        self.held, self._slot_by_name = {}, {}
         self.last_freed = 0
 
     def session_ended(self, session: int) -> None:
@@ -180,8 +176,8 @@ class SlotEngine:
                 self.held[s].extend(toks)
                 sampled.append(s)
         rec = StepRecord(slots, np.array(list(info.scheduled.values()), dtype=np.int64),
-                         preempted=[self.rid_of[by[n]] for n in info.preempted], used_blocks=self.used,
-                         sampled_slots=np.array(sampled, dtype=np.int64), rid_of=self.rid_of,
+                         preempted=[by[n] for n in info.preempted], used_blocks=self.used,
+                         sampled_slots=np.array(sampled, dtype=np.int64),
                          engine_batch=info.batch)
         # the context the step model prices: what the policy keeps of each scheduled request after the step
         computed = np.array([info.computed[n] for n in info.scheduled], dtype=np.int64)
@@ -194,8 +190,15 @@ class SlotEngine:
         """Blocks held now (as ``EngineModel.used``: an abort since the last step shows)."""
         return self.engine.pool().used_blocks
 
-    def status(self, rid) -> str | None:
-        return _LIVE if rid in self._slot_of else None
+    def _held(self, s: int) -> list[int]:
+        """The ids live request ``s`` holds (one aborted, or lost with the engine, holds none)."""
+        held = self.held.get(s)
+        if held is None:
+            raise MetronomeError(f"no live request in slot {s}")
+        return held
+
+    def status(self, s: int) -> str | None:
+        return _LIVE if s in self.held else None
 
     def free_blocks(self) -> int:
         return self.engine.pool().free_blocks
@@ -203,14 +206,17 @@ class SlotEngine:
     def has_work(self) -> bool:
         return self.engine.has_work()
 
-    def tokens_of(self, rid) -> int:
-        return self.engine.tokens_of(self.name_of[self._slot_of[rid]])
+    def tokens_of(self, s: int) -> int:
+        self._held(s)
+        return self.engine.tokens_of(self.name_of[s])
 
-    def computed(self, rid) -> int:
-        return self.engine.computed_tokens(self.name_of[self._slot_of[rid]])
+    def computed(self, s: int) -> int:
+        self._held(s)
+        return self.engine.computed_tokens(self.name_of[s])
 
-    def blocks_of(self, rid) -> int:
-        return self.engine.blocks_of(self.name_of[self._slot_of[rid]])
+    def blocks_of(self, s: int) -> int:
+        self._held(s)
+        return self.engine.blocks_of(self.name_of[s])
 
     def held_of(self, slots: np.ndarray) -> np.ndarray:
         return np.array([self.engine.blocks_of(self.name_of[s]) for s in slots.tolist()], dtype=np.int64)

@@ -102,25 +102,6 @@ class SimEngine(FrontEnd):
         self.arrivals_in_loop = (c is None or c.compiled) and self.gate.on_refuse != "queue"
         self._no_controller = None  # the arrays the loop gets without a compiled controller (kept from call to call)
 
-    # --------------------------------------------------------------------------- the compiled loop's requests
-    def _name_request(self, i: int, slot: int) -> None:
-        """Session ``i``'s first frame or readmission became request ``slot`` in the compiled loop: its id, as
-        :meth:`FrontEnd._add`."""
-        r = self.next_rid
-        self.next_rid += 1
-        self.model.adopt(r, slot)
-        self.rid[i] = r
-        self.by_rid[r] = i
-
-    def _forget_request(self, i: int) -> None:
-        """The compiled loop aborted session ``i``'s request (it was preempted or departed), if it had one (none
-        before its first frame): its id goes, as :meth:`FrontEnd._drop_rid`."""
-        r = int(self.rid[i])
-        if r >= 0:
-            self.model.forget(r)
-            self.by_rid.pop(r, None)
-            self.rid[i] = -1
-
     # ----------------------------------------------------------------------------------------------- the loop
     def start(self):
         return self.env.process(self._run())
@@ -277,8 +258,8 @@ class SimEngine(FrontEnd):
         fp.run_span(conf, state, np.array(self.lat.coefficients, dtype=np.float64), sess, self.session_arrays(), fe,
                     m.arrays(), draws, rec, ctl)
         s = state[0]
-        n, n_new, turned, end = int(s["nsteps"]), int(s["nnew"]), int(s["turned"]), float(s["now"])
-        self._front_books(fe, na0, dep0, seq0, n_new)
+        n, turned, end = int(s["nsteps"]), int(s["turned"]), float(s["now"])
+        self._front_books(fe, s, na0, dep0, seq0)
         self._last_span = n
         if n == 0 and end == now and turned not in (span.PAST_HORIZON, span.PAUSED, span.STEP_TAKEN):
             return None
@@ -304,32 +285,21 @@ class SimEngine(FrontEnd):
         (:class:`metronome.sim.span.Front`: the front end's own queues and their books, which it writes in place,
         with room for ``n_coming`` arrivals and, before the queue's head, for the ``n_sess`` sessions it may
         see (a preempted session goes back to the head, and no more can than run), for the silent frames owed in
-        lockstep (an engine behind the frame clock owes more every tick), and for the requests it adds and
-        aborts)."""
+        lockstep (an engine behind the frame clock owes more every tick))."""
         self.room(ahead=n_sess + 1, behind=n_coming, departures=n_coming, owed=8 * n_sess + 64)
         q = self.queues
-        new_i, new_s, new_k = (np.zeros(4 * n_sess + 64, dtype=np.int64) for _ in range(3))
-        fe = span.Front(q.queue, q.dep_t, q.dep_i, q.pend, self.books, self.sess_of_slot, self.fresh_slot, new_i,
-                        new_s, new_k)
+        fe = span.Front(q.queue, q.dep_t, q.dep_i, q.pend, self.books, self.sess_of_slot, self.fresh_slot)
         state = np.zeros(1, span.STATE)
         state["now"], state["nrun"] = now, int((self.state == RUNNING).sum())
         return state, fe
 
-    def _front_books(self, fe, na0: int, dep0: int, seq0: int, n_new: int) -> None:
-        """The front end's books after the compiled loop (it wrote them in place, counters included; ``na0``,
-        ``dep0`` and ``seq0``: the next arrival, departure and admission before it): its requests named and
-        forgotten, in order (before departures: one may have left), the arrivals it refused and the departures it
-        took."""
-        for i, sl, k in zip(fe.new_i[:n_new].tolist(), fe.new_s[:n_new].tolist(), fe.new_k[:n_new].tolist()):
-            if k == span.NEW_DROPPED:
-                self._forget_request(i)
-                self.loop_preemptions += 1
-                continue
-            self._name_request(i, sl)
-            if k == span.NEW_FIRST:
-                self.loop_first_frames += 1
-            else:
-                self.loop_readmissions += 1
+    def _front_books(self, fe, s, na0: int, dep0: int, seq0: int) -> None:
+        """The front end's books after the compiled loop (it wrote them in place, counters and requests included;
+        ``s``: its counters, ``na0``, ``dep0`` and ``seq0``: the next arrival, departure and admission before it):
+        what it counted, the arrivals it refused and the departures it took."""
+        self.loop_first_frames += int(s["nfirst"])
+        self.loop_readmissions += int(s["nreadmit"])
+        self.loop_preemptions += int(s["ndrop"])
         came = np.arange(na0, self.next_arrival)
         refused = came[self.state[came] == REFUSED]
         self.s_end_reason[refused] = EndReason.REFUSED
@@ -356,7 +326,6 @@ class SimEngine(FrontEnd):
                 continue
             self.s_end_reason[i] = EndReason.DEPARTED
             self.loop_departures += 1
-            self._forget_request(i)
 
     def _compiled_start(self, now: float) -> tuple[np.ndarray, float, int] | None:
         """Whether the compiled loop may start after the turn at ``now``: (the live sessions, where it must stop

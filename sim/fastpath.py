@@ -36,8 +36,7 @@ from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import add_slot, engine_step, gate_blocks_jit, resume_slot
 from metronome.sim import reaction, recorder, span
 from metronome.sim.recorder import Answers, Clock, Owners, flush
-from metronome.sim.span import (CORRELATED, CTL_AFTER, CTL_COMPILED, INDEPENDENT, NEW_FIRST, NEW_READMIT, P_CODE,
-                                PAST_HORIZON, PAUSED, STEP_TAKEN, TURN_CALLER, TURN_TAKEN)
+from metronome.sim.span import (CORRELATED, CTL_AFTER, CTL_COMPILED, INDEPENDENT, P_CODE, PAST_HORIZON, PAUSED, STEP_TAKEN, TURN_CALLER, TURN_TAKEN)
 from metronome.sim.span import inlined as _inlined
 from metronome.sim.span import njit as _njit
 from metronome.sim.span import spliced as _spliced
@@ -120,14 +119,13 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
     n_sub = 0
     latest = -1
     n_first = 0
-    n_new = s.nnew
     steps = eng.cnt[0].steps
     for j in range(n_visit):
         i = w.visit[j]
         if ss.inflight[i] < 0 and ss.backlog[i] > 0:
             sl = ss.slot[i]
             if sl < 0:  # its first frame: after the others (a session may be visited twice: kept once, below)
-                fe.new_i[n_new + n_first] = i
+                w.firsts[n_first] = i
                 n_first += 1
                 continue
             chunk = chunk_of(i, ss)
@@ -135,7 +133,7 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
                         eng.kw)
             latest = max(latest, hand_over(i, sl, chunk, steps, ss, fe.fresh))
             n_sub += 1
-    firsts = fe.new_i[n_new:n_new + n_first]
+    firsts = w.firsts[:n_first]
     _sort_in_place(firsts)
     last = -1  # (the kept ones are written back over those already read)
     for a in range(n_first):
@@ -147,11 +145,9 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
         sl = add_slot(ss.hist[i] + first, ss.n_out_of[i], eng.cnt[0], eng.status, eng.ntok, eng.maxtok, eng.kseq,
                       eng.wq)
         ss.slot[i], fe.sess_of_slot[sl] = sl, i
-        fe.new_i[n_new], fe.new_s[n_new], fe.new_k[n_new] = i, sl, NEW_FIRST
-        n_new += 1
+        s.nfirst += 1
         latest = max(latest, hand_over(i, sl, first, steps, ss, fe.fresh))
         n_sub += 1
-    s.nnew = n_new
     return n_sub, latest
 
 
@@ -273,8 +269,7 @@ def _admit(now, n, c, s, ss, fe, eng):
         prompt = ss.hist[i] + ss.pending_in[i]
         sl = add_slot(prompt, np.int64(1), eng.cnt[0], eng.status, eng.ntok, eng.maxtok, eng.kseq, eng.wq)
         ss.slot[i], fe.sess_of_slot[sl] = sl, i
-        fe.new_i[s.nnew], fe.new_s[s.nnew], fe.new_k[s.nnew] = i, sl, NEW_READMIT
-        s.nnew += 1
+        s.nreadmit += 1
         readmitted(i, prompt, eng.cnt[0].steps, ss)
         s.npf += 1
 
@@ -321,7 +316,7 @@ def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
 # compiled.counted, which keeps the counting, or, if it allocates nothing, with compiled.uncounted or
 # compiled.inlined: either way its flags are its own, not the turn's. This module's own helpers take the turn's.
 @_inlined
-def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
+def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready):
     """The front end's turn at ``now``, in the order FrontEnd takes it: the arrivals, then, if the checks pass
     (:func:`_turn_plan`; else the caller takes the rest of the turn), the departures due, the admissions, the frames
     that came due and, in lockstep, the silent frames they release. None of it when the span ends here: at its next
@@ -329,11 +324,11 @@ def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live):
     latest)."""
     ans_cap = c.ans_cap
     if (now >= c.t_next or s.nsteps >= c.max_steps or s.nrows + 2 * ans_cap > rec.fr.fr_f.size
-            or ck.open_samples(ctl) + 2 * ans_cap > ctl.lat.size or s.nnew + live.size + 1 > fe.new_i.size):
+            or ck.open_samples(ctl) + 2 * ans_cap > ctl.lat.size):
         return False, 0, -1
     _arrive(now, c, s, ss, fe, w, ctl)
     n_visit, n_due, taken, k1, n_adm = _turn_plan(now, c, s, ss, fe, w, eng, n_ready,
-                                           min(eng.status.size - eng.cnt[0].next_slot, fe.new_i.size - s.nnew))
+                                           eng.status.size - eng.cnt[0].next_slot)
     if not taken:
         return False, 0, -1
     # (the constants a loop below reads, in locals: a record's field is read from memory again after every store
@@ -459,14 +454,14 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
     ss, fe, eng, dr, rec, ctl = borrowed(ss), borrowed(fe), borrowed(eng), borrowed(dr), borrowed(rec), borrowed(ctl)
     c, s, b = conf[0], state[0], fe.books[0]
     now, idle, turned = s.now, b.idle, TURN_TAKEN  # (the caller's turn at `now` is done)
-    s.nsteps = s.nnew = 0
+    s.nsteps = s.nfirst = s.nreadmit = s.ndrop = 0
     owned, ok, n_ready = span.allocate(live, ss, c, c.ans_cap + fe.pend.shape[0], eng.status.size)
     w = borrowed(owned)  # (held to the end: hold)
     a = Tally(ss.pslot, ss.s_frames, ss.s_silent, w.key, w.who, w.tok)
     o_n = eng.o_n[0]
     while ok:
         if turned == TURN_CALLER:
-            taken, n_sub, latest = _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready, live)
+            taken, n_sub, latest = _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready)
             if not taken:
                 break
             b.sframe, n_ready = max(b.sframe, latest), 0

@@ -15,7 +15,7 @@ from metronome import compiled, front_rules, serving
 from metronome.front_rules import PREFILL, Queues, awaits_engine, lose_place
 from metronome.serving import abort_slot, deadlock_pick, resume_need
 from metronome.sim import span
-from metronome.sim.span import NEW_DROPPED, STEP_TAKEN, TURN_CALLER, W_CODE, X_CODE, inlined, spliced
+from metronome.sim.span import STEP_TAKEN, TURN_CALLER, W_CODE, X_CODE, inlined, spliced
 
 
 @inlined
@@ -95,22 +95,19 @@ def starved_need(sl, ss, fe, eng, step_no):
 @spliced
 def abort(i, ss, fe, eng):
     """Session ``i``'s request aborted (EngineModel.abort: serving.abort_slot), if it has one (none before its first
-    frame); the caller forgets its id."""
+    frame)."""
     sl = ss.slot[i]
     if sl >= 0:
         abort_slot(sl, eng.cnt[0], eng.status, eng.slots, eng.held, eng.run, eng.kw, eng.wq)
         fe.fresh[sl] = False
         ss.slot[i] = -1
-    return sl
 
 
 @inlined
 def preempt_session(i, c, s, ss, fe, a, eng, n_ans):
-    """Session ``i`` loses its place (front_rules.lose_place), its request aborted (the caller forgets its id).
-    Returns the answers."""
-    sl = abort(i, ss, fe, eng)
-    fe.new_i[s.nnew], fe.new_s[s.nnew], fe.new_k[s.nnew] = i, sl, NEW_DROPPED
-    s.nnew += 1
+    """Session ``i`` loses its place (front_rules.lose_place), its request aborted. Returns the answers."""
+    abort(i, ss, fe, eng)
+    s.ndrop += 1
     if ss.state[i] == PREFILL:
         s.npf -= 1
     s.nrun -= 1
@@ -135,15 +132,14 @@ def preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans):
 def react(turned, c, s, ss, fe, w, eng):
     """After _engine_step said ``turned``: a step the front end reacts to (STEP_TAKEN) that scheduled something,
     with a front end that steps vLLM itself, is taken on here (its victims chosen: :func:`victims`) when the span
-    has room for the frames they will be owed and the requests they give up; the rest is the caller's (a stall, or
+    has room for the frames they will be owed; the rest is the caller's (a stall, or
     vLLM's own loop seeing nothing). Returns (the victims, TURN_CALLER, or ``turned`` as it was)."""
     o_n = eng.o_n[0]
     if turned != STEP_TAKEN or not c.sees or o_n.sched == 0:
         return 0, turned
     n_vic, owed = victims(ss, fe, w, eng)
     npend = fe.books[0].npend
-    if (o_n.sampled + npend + owed > c.ans_cap or npend + owed > fe.pend.shape[0]
-            or s.nnew + n_vic > fe.new_i.size):
+    if o_n.sampled + npend + owed > c.ans_cap or npend + owed > fe.pend.shape[0]:
         return 0, STEP_TAKEN
     return n_vic, TURN_CALLER
 

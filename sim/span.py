@@ -43,26 +43,28 @@ CONF = np.dtype([("max_steps", np.int64), ("ans_cap", np.int64), ("f_lo", np.int
                 align=True)
 # The span's counters, in and out. now: where the loop is; out_s: where a step past the horizon ends, or how long a
 # STEP_TAKEN step took; sessions running (re-prefilling ones included: nrun) and re-prefilling (npf), counted for
-# the span; requests added or aborted (nnew), the first step row to write (step0) and the steps written (nsteps),
+# the span; the sessions' first frames it handed over, those it readmitted and preempted (nfirst, nreadmit,
+# ndrop: counts for the caller's books), the first step row to write (step0) and the steps written (nsteps),
 # the row after the last frame row written (nrows) and where it stopped (turned, TURN_*). The front end's own
 # counters (the next arrival, the admissions' sequence, the latest frame handed to the engine, the peak of blocks
 # used, t_sat, whether the last step preempted, whether the engine waited since its last step) are in its books
 # (front_rules.BOOK_FIELDS, Front.books), which the loop writes in place.
 STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("nrun", np.int64), ("npf", np.int64),
-                  ("nnew", np.int64), ("step0", np.int64), ("nsteps", np.int64), ("nrows", np.int64),
+                  ("nfirst", np.int64), ("nreadmit", np.int64), ("ndrop", np.int64), ("step0", np.int64), ("nsteps", np.int64), ("nrows", np.int64),
                   ("turned", np.int64)], align=True)
 # the front end's queues as the loop keeps them: its FCFS queue, the departures booked (in time order), the frames
 # owed in lockstep (session, frame, tokens got), its books of them (front_rules.BOOKS, the front end's own record:
 # one element, written in place), the session of each request slot and whether a frame was handed to
-# it and not yet scheduled (the first-step term), and each request the loop added (first frame, readmission) or
-# aborted (preemption), in order
-Front = namedtuple("Front", "queue dep_t dep_i pend books sess_of_slot fresh new_i new_s new_k")
+# it and not yet scheduled (the first-step term). A request the loop adds takes the engine's next slot, as
+# EngineModel.add would give it: the front end's own `slot` and `sess_of_slot` name it, and nothing is left to
+# translate after the span.
+Front = namedtuple("Front", "queue dep_t dep_i pend books sess_of_slot fresh")
 # what a span allocates: the wheel over the phase slots (slot k's sessions: wheel_who[wheel_start[k]:wheel_start[k +
 # 1]], its next tick; the slots due at a turn), the sessions a turn visits, those with frames queued, the running
-# ones (lockstep); the moment's answers (tick key, session, tokens got), room for their ticks and to sort them in
+# ones (lockstep), the sessions whose first frame a turn hands over; the moment's answers (tick key, session, tokens got), room for their ticks and to sort them in
 # (recorder.flush); scratch and victims
 # for the reaction to a step (sim/reaction.py)
-Span = namedtuple("Span", "wheel_start wheel_who tick due visit ready run_sess key who tok at work scr vic")
+Span = namedtuple("Span", "wheel_start wheel_who tick due visit ready run_sess firsts key who tok at work scr vic")
 # the step jitter: each step's ratio (independent), or each step's own score and the shared and frame-only parts of
 # the frames from CONF.f_lo on, with the table of the ratio's distribution (correlated)
 Draws = namedtuple("Draws", "jit jz ja jb jp jr")
@@ -79,9 +81,6 @@ NO_JITTER, INDEPENDENT, CORRELATED = 0, 1, 2
 # says what it did), and what follows it is the caller's: the front end reacts to a preemption, a request left
 # waiting or a step that scheduled nothing, as the loop does not
 TURN_CALLER, TURN_TAKEN, PAST_HORIZON, PAUSED, STEP_TAKEN = range(5)
-# what the loop did to a session's request, in order (Front.new_k): a first frame or a readmission became request
-# new_s (the caller names it), or its request was aborted (preempted)
-NEW_FIRST, NEW_READMIT, NEW_DROPPED = 0, 1, 2
 
 # A small rule called from several places in the loop, or at every frame, is spliced into each caller by numba
 # (inline="always": its body joins the caller's before either is compiled). A call hands the callee every array of
@@ -212,7 +211,7 @@ def allocate(live, ss, c, n_answers, n_slots):
     ready, n_ready = queued_behind(live, ss)
     run_sess = live if c.lockstep else live[:0]
     span = Span(start, who, tick, np.empty(SLOTS, np.int64), np.empty(2 * live.size, np.int64), ready,
-                run_sess, np.empty(n_answers, np.int64),
+                run_sess, np.empty(2 * live.size, np.int64), np.empty(n_answers, np.int64),
                 np.empty(n_answers, np.int64), np.empty(n_answers, np.int64), np.empty(n_answers),
                 key_order_work(n_answers),
                 np.zeros((6, n_slots), np.int64), np.empty(live.size, np.int64))

@@ -71,10 +71,12 @@ class DriverSpins(AssertionError):
 
 @dataclass
 class _Req:
-    """What the fake keeps beside the model's request: the token ids, for the log."""
+    """What the fake keeps beside the model's request: the token ids, for the log, and the model's slot for it
+    (the model names requests by slot; the fake, as vLLM, by id)."""
 
     tokens: list[int]
     resumable: bool
+    slot: int
 
 
 @dataclass
@@ -105,11 +107,16 @@ class FakeEngine:
         self.limits = EngineLimits(num_blocks=self.num_blocks - 1, max_num_seqs=self.max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens,
                                    max_model_len=self.max_model_len, watermark_blocks=self.watermark_blocks)
-        self.model = EngineModel(self.policy, self.limits)
+        self._new_model()
         self._reqs: dict[str, _Req] = {}
         self._token = 0
         self._reads = 0
         self._last_read = -1.0
+
+    def _new_model(self) -> None:
+        """A new scheduler (a new engine process), whose slots start from 0 again."""
+        self.model = EngineModel(self.policy, self.limits)
+        self._rid_of: list[str] = []  # the model's slot -> the request's id
 
     # -- virtual time (pass to Driver(clock=..., sleep=...)) ---------------------------------------------
     def clock(self) -> float:
@@ -126,7 +133,7 @@ class FakeEngine:
 
     # -- what the driver reads ---------------------------------------------------------------------------
     def _count(self, *statuses: str) -> int:
-        return sum(1 for rid in self._reqs if self.model.status(rid) in statuses)
+        return sum(1 for r in self._reqs.values() if self.model.status(r.slot) in statuses)
 
     def pool(self) -> PoolState:
         free = self.model.free_blocks()
@@ -139,16 +146,16 @@ class FakeEngine:
         return self.model.has_work()
 
     def is_scheduled_waiting(self, rid: str) -> bool:
-        return not self.own_loop and self.model.status(rid) in (WAITING, PREEMPTED)
+        return not self.own_loop and self.status_of(rid) in (WAITING, PREEMPTED)
 
     def tokens_of(self, rid: str) -> int:
-        return self.model.tokens_of(rid) if rid in self._reqs else 0
+        return self.model.tokens_of(self._reqs[rid].slot) if rid in self._reqs else 0
 
     def blocks_of(self, rid: str) -> int:
-        return self.model.blocks_of(rid) if rid in self._reqs else 0
+        return self.model.blocks_of(self._reqs[rid].slot) if rid in self._reqs else 0
 
     def computed_tokens(self, rid: str) -> int:
-        return self.model.computed(rid) if rid in self._reqs else 0
+        return self.model.computed(self._reqs[rid].slot) if rid in self._reqs else 0
 
     def held_tokens(self, rid: str) -> list[int]:
         """The request's tokens (prompt, chunks, sampled tokens; the last sampled one included)."""
@@ -156,7 +163,8 @@ class FakeEngine:
         return [] if r is None else list(r.tokens)
 
     def status_of(self, rid: str) -> str | None:
-        return self.model.status(rid)
+        r = self._reqs.get(rid)
+        return None if r is None else self.model.status(r.slot)
 
     def check_alive(self) -> None:
         pass
@@ -178,8 +186,8 @@ class FakeEngine:
             raise FakeEngineMisuse(f"{rid} asks for {max_tokens} tokens (vLLM needs at least one)")
         r = self._reqs.get(rid)
         new = r is None
-        if not new and self.model.status(rid) != PAUSED:
-            raise FakeEngineMisuse(f"chunk for {rid} while it is {self.model.status(rid)} "
+        if not new and self.status_of(rid) != PAUSED:
+            raise FakeEngineMisuse(f"chunk for {rid} while it is {self.status_of(rid)} "
                                    "(one chunk in flight at a time)")
         # a paused request's last sampled token was never computed: vLLM drops it, the caller re-feeds it
         after = len(tokens) if new else len(r.tokens) - 1 + len(tokens)
@@ -187,10 +195,10 @@ class FakeEngine:
             raise FakeEngineMisuse(f"{rid} would reach {after + max_tokens} tokens, over max_model_len "
                                    f"{self.max_model_len} (vLLM dies)")
         if new:
-            self.model.add(rid, len(tokens), max_tokens)
-            self._reqs[rid] = _Req(list(tokens), resumable)
+            self._reqs[rid] = _Req(list(tokens), resumable, self.model.add(len(tokens), max_tokens))
+            self._rid_of.append(rid)
         else:
-            self.model.append(rid, len(tokens), max_tokens)
+            self.model.append(r.slot, len(tokens), max_tokens)
             r.tokens.pop()
             r.tokens.extend(tokens)
         self.log.append({"op": "append", "t": self.now, "step": self.steps, "rid": rid, "tokens": list(tokens),
@@ -200,14 +208,13 @@ class FakeEngine:
         r = self._reqs.get(rid)
         row = {"op": "abort", "t": self.now, "step": self.steps, "rid": rid, "known": r is not None}
         if r is not None:
-            row.update(held_tokens=list(r.tokens), status=self.model.status(rid), blocks=self.model.blocks_of(rid),
+            row.update(held_tokens=list(r.tokens), status=self.status_of(rid), blocks=self.blocks_of(rid),
                        free=self.model.free_blocks(), paused=self._count(PAUSED))
             self._drop(rid)
         self.log.append(row)
 
     def _drop(self, rid: str) -> None:
-        self.model.abort(rid)
-        del self._reqs[rid]
+        self.model.abort(self._reqs.pop(rid).slot)
 
     def reset(self) -> None:
         for rid in list(self._reqs):
@@ -216,31 +223,33 @@ class FakeEngine:
     def step(self, wait_s: float | None = None) -> StepInfo:
         t0 = self.now
         rec = self.model.step()
-        info = StepInfo(t_start=t0, duration_s=0.0, batch=len(rec.scheduled), new_tokens=rec.new_tokens,
-                        context_tokens=0, prefill_tokens=sum(n for n in rec.scheduled.values() if n > 1),
-                        preempted=[] if self.own_loop else list(rec.preempted), scheduled=dict(rec.scheduled))
-        for rid in rec.scheduled:
-            info.computed[rid] = self.model.computed(rid)
+        ids = self._rid_of
+        scheduled = {ids[s]: k for s, k in rec.scheduled.items()}
+        info = StepInfo(t_start=t0, duration_s=0.0, batch=len(scheduled), new_tokens=rec.new_tokens,
+                        context_tokens=0, prefill_tokens=sum(n for n in scheduled.values() if n > 1),
+                        preempted=[] if self.own_loop else [ids[s] for s in rec.preempted], scheduled=scheduled)
+        for rid in scheduled:
+            info.computed[rid] = self.computed_tokens(rid)
             info.context_tokens += info.computed[rid]
-        for rid in rec.sampled:
+        for rid in (ids[s] for s in rec.sampled):
             tok = 10 + self._token % 990
             self._token += 1
             self._reqs[rid].tokens.append(tok)
             info.outputs[rid] = [tok]
-        for rid in rec.paused:
+        for rid in [ids[s] for s in rec.paused]:
             if not self._reqs[rid].resumable:  # a plain request finishes where a streaming one pauses
                 self._drop(rid)
                 info.finished.append(rid)
         self.model.check()
         for rid, r in self._reqs.items():
-            assert len(r.tokens) == self.model.tokens_of(rid), (rid, len(r.tokens), self.model.tokens_of(rid))
+            assert len(r.tokens) == self.tokens_of(rid), (rid, len(r.tokens), self.tokens_of(rid))
         info.duration_s = (self.step_base_s + self.step_token_s * info.new_tokens if self.latency is None
                            else float(self.latency(rec)))
         self.now += info.duration_s
         self.steps += 1
         self.log.append({"op": "step", "t": self.now, "t_start": t0, "step": self.steps,
-                         "scheduled": dict(rec.scheduled), "preempted": list(rec.preempted),
-                         "admitted": list(rec.admitted), "sampled": {r: t[0] for r, t in info.outputs.items()},
+                         "scheduled": scheduled, "preempted": [ids[s] for s in rec.preempted],
+                         "admitted": [ids[s] for s in rec.admitted], "sampled": {r: t[0] for r, t in info.outputs.items()},
                          "free": self.model.free_blocks()})
         return info
 
@@ -300,7 +309,7 @@ class FakeRemoteEngine(FakeEngine):
 
     def restart(self) -> None:
         FakeEngine.reset(self)
-        self.model = EngineModel(self.policy, self.limits)  # a new process: a new scheduler
+        self._new_model()
         self._dead, self.die_at_s = False, None
         self.pid = (self.pid or 0) + 1
         self._loading_until = self.now + self.load_s

@@ -26,30 +26,80 @@ from __future__ import annotations
 
 import pytest
 
+from metronome.errors import MetronomeError
 from metronome.kv_policy import KVPolicy
 from metronome.serving import EngineLimits, EngineModel
 
 BS = 4
 
 
+class Named:
+    """The engine model, its requests called by the names these tests give them (the model names a request by the
+    slot ``add`` returns)."""
+
+    def __init__(self, m: EngineModel):
+        self.m, self.slot, self.name = m, {}, []
+
+    def __getattr__(self, attr):
+        return getattr(self.m, attr)
+
+    def add(self, rid: str, prompt_tokens: int, max_tokens: int) -> None:
+        self.slot[rid] = self.m.add(prompt_tokens, max_tokens)
+        self.name.append(rid)
+
+    def append(self, rid: str, chunk_tokens: int, max_tokens: int) -> None:
+        self.m.append(self.slot[rid], chunk_tokens, max_tokens)
+
+    def abort(self, rid: str) -> None:
+        self.m.abort(self.slot[rid])
+
+    def status(self, rid: str):
+        return self.m.status(self.slot[rid])
+
+    def computed(self, rid: str) -> int:
+        return self.m.computed(self.slot[rid])
+
+    def tokens_of(self, rid: str) -> int:
+        return self.m.tokens_of(self.slot[rid])
+
+    def blocks_of(self, rid: str) -> int:
+        return self.m.blocks_of(self.slot[rid])
+
+
 def engine(pool: int, *, seqs: int = 16, budget: int = 64, maxlen: int = 256, watermark: int = 0,
-           threshold: int = 0, policy: KVPolicy | None = None) -> EngineModel:
-    return EngineModel(policy or KVPolicy.unbounded(BS),
-                       EngineLimits(num_blocks=pool, max_num_seqs=seqs, max_num_batched_tokens=budget,
-                                    max_model_len=maxlen, watermark_blocks=watermark,
-                                    long_prefill_token_threshold=threshold))
+           threshold: int = 0, policy: KVPolicy | None = None) -> Named:
+    return Named(EngineModel(policy or KVPolicy.unbounded(BS),
+                             EngineLimits(num_blocks=pool, max_num_seqs=seqs, max_num_batched_tokens=budget,
+                                          max_model_len=maxlen, watermark_blocks=watermark,
+                                          long_prefill_token_threshold=threshold)))
 
 
-def step(m: EngineModel) -> tuple[list, list, list]:
-    """One step: (scheduled as [(request, tokens)] in schedule order, preempted, admitted)."""
+def step(m: Named) -> tuple[list, list, list]:
+    """One step: (scheduled as [(request, tokens)] in schedule order, preempted, admitted), by name."""
     rec = m.step()
     m.check()
-    return list(rec.scheduled.items()), rec.preempted, rec.admitted
+    name = m.name
+    return ([(name[s], k) for s, k in rec.scheduled.items()], [name[s] for s in rec.preempted],
+            [name[s] for s in rec.admitted])
 
 
 def state(m: EngineModel, rid) -> tuple:
     """(status, computed tokens, tokens, blocks held)."""
     return m.status(rid), m.computed(rid), m.tokens_of(rid), m.blocks_of(rid)
+
+
+# -- a request's name ----------------------------------------------------------------------------------------------
+def test_a_request_is_named_by_its_slot_which_no_later_request_takes():
+    """Slots go in the order of ``add`` and are never reused (the compiled loop's ``add_slot`` counts on it, and the
+    front end names its requests by them): a slot aborted holds no request, and asking it for one is an error."""
+    m = engine(10).m
+    a, b = m.add(3, 1), m.add(3, 1)
+    assert (a, b) == (0, 1)
+    m.abort(a)
+    assert m.status(a) is None and m.status(b) == "waiting" and m.add(3, 1) == 2
+    for call in (lambda: m.abort(a), lambda: m.append(a, 1, 1), lambda: m.blocks_of(a), lambda: m.tokens_of(3)):
+        with pytest.raises(MetronomeError, match="no request in slot"):
+            call()
 
 
 # -- a request's life ---------------------------------------------------------------------------------------------

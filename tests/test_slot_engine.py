@@ -75,28 +75,31 @@ def _adapter(**kw):
                       fresh=lambda i, n: [next(ids) for _ in range(n)]), eng
 
 
-def _run_frame(se, eng, rid):
-    """Step until ``rid``'s request samples, return the id it sampled."""
+def _run_frame(se, eng, s):
+    """Step until request ``s`` (a slot) samples, return the id it sampled."""
     while True:
         se.step()
         sampled = eng.log[-1]["sampled"]
-        name = se.name_of[se._slot_of[rid]]
+        name = se.name_of[s]
         if name in sampled:
             return sampled[name]
 
 
 def test_a_readmission_carries_what_the_aborted_request_held_then_the_silent_input():
     se, eng = _adapter()
-    se.add(0, 5, 1, Origin(7, "first", 0, 5))
+    se.add(5, 1, Origin(7, "first", 0, 5))
     last = _run_frame(se, eng, 0)
     assert eng.held_tokens("s7") == [100, 101, 102, 103, 104, last]
     se.abort(0)  # preempted: the session waits with what it held (6 tokens) and 2 silent inputs
-    se.add(1, 8, 1, Origin(7, "readmit", 6, 8))
+    assert se.status(0) is None  # (a slot names one request: aborted, it holds none)
+    with pytest.raises(MetronomeError, match="no live request in slot 0"):
+        se.append(0, 2, 1)
+    se.add(8, 1, Origin(7, "readmit", 6, 8))
     assert eng.appends("s7.p1")[0]["tokens"] == [100, 101, 102, 103, 104, last, 105, 106]
     # a front end that counts a history other than what the engine held is caught, not sent
     se.abort(1)
     with pytest.raises(MetronomeError, match="history of 9 tokens; its request held 8"):
-        se.add(2, 11, 1, Origin(7, "readmit", 9, 11))
+        se.add(11, 1, Origin(7, "readmit", 9, 11))
 
 
 def test_a_chunk_re_feeds_the_sampled_token_and_a_rebase_keeps_the_sinks_and_the_last_ids():
@@ -104,7 +107,7 @@ def test_a_chunk_re_feeds_the_sampled_token_and_a_rebase_keeps_the_sinks_and_the
     eng = FakeEngine(num_blocks=40, block_size=4, policy=policy)
     ids = iter(range(100, 10_000))
     se = SlotEngine(eng, policy, eng.limits, keep_tokens=5, fresh=lambda i, n: [next(ids) for _ in range(n)])
-    se.add(0, 6, 1, Origin(3, "first", 0, 6))
+    se.add(6, 1, Origin(3, "first", 0, 6))
     a = _run_frame(se, eng, 0)
     se.append(0, 3, 1)  # the sampled token, then two fresh ids
     assert eng.appends("s3")[-1]["tokens"] == [a, 106, 107]
@@ -112,7 +115,7 @@ def test_a_chunk_re_feeds_the_sampled_token_and_a_rebase_keeps_the_sinks_and_the
     # it holds 100..105, a, 106, 107, b; its next frame does not fit: the new request keeps (keep_tokens=5) S=2
     # sinks and the last 3 ids of the history before b, then the frame's chunk, b re-fed first
     se.abort(0)
-    se.add(1, 5 + 3, 1, Origin(3, "rebase", 9, 3))
+    se.add(5 + 3, 1, Origin(3, "rebase", 9, 3))
     assert eng.appends("s3.r1")[0]["tokens"] == [100, 101, a, 106, 107, b, 108, 109]
     # a session that ends keeps no ids behind
     se.abort(1)
@@ -127,7 +130,7 @@ def test_append_many_asks_each_request_for_its_own_output_tokens():
     limits = serving.EngineLimits(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512)
 
     def paused_pair(model):
-        slots = np.array([model.add(r, 5, 1) for r in (0, 1)], dtype=np.int64)
+        slots = np.array([model.add(5, 1) for _ in range(2)], dtype=np.int64)
         while model.has_work():
             model.step()
         return slots
@@ -150,7 +153,7 @@ def test_append_many_asks_each_request_for_its_own_output_tokens():
     eng = FakeEngine(num_blocks=65, block_size=16, sleep_min_s=0.0)
     eng.append = lambda rid, ids, max_tokens, **kw: asked.append((rid, len(ids), max_tokens))
     slot_engine = SlotEngine(eng, policy, limits, 0, fresh=lambda i, n: [7] * n)
-    sl = np.array([slot_engine.add(r, 5, 1, Origin(r, "first", 0, 5)) for r in (0, 1)], dtype=np.int64)
+    sl = np.array([slot_engine.add(5, 1, Origin(r, "first", 0, 5)) for r in (0, 1)], dtype=np.int64)
     asked.clear()
     slot_engine.append_many(sl, 2, np.array([1, 3]))
     assert [a[2] for a in asked] == [1, 3]

@@ -64,8 +64,8 @@ class ModelBackend(EngineModel, Recorded):
 
 
 class VllmBackend(Recorded):
-    """vLLM's scheduler behind EngineModel's interface: request slots handed out in order of ``add``, the
-    model's status names, a StepRecord of slots."""
+    """vLLM's scheduler behind EngineModel's interface: request slots handed out in order of ``add`` (vLLM's
+    request id is the slot's number), the model's status names, a StepRecord of slots."""
 
     def __init__(self, policy: KVPolicy, limits: serving.EngineLimits):
         # the policy served as a live engine serves it: the plugin for sinks, vLLM's own sliding window for a window
@@ -86,55 +86,54 @@ class VllmBackend(Recorded):
         self.log = []
         self.steps = 0
         self.resumed = 0  # admissions vLLM itself calls a resume of a request it preempted (``admitted_as``)
-        self.rid_of: list = []
-        self.slot_of: dict = {}
+        self.added = 0  # requests added: the next slot
 
-    def _slots(self, rids) -> np.ndarray:
-        return np.array([self.slot_of[r] for r in rids], dtype=np.int64)
+    @staticmethod
+    def _slots(rids) -> np.ndarray:
+        return np.array([int(r) for r in rids], dtype=np.int64)
 
-    def add(self, rid, prompt_tokens, max_tokens, origin=None):
-        self.h.add(str(rid), prompt_tokens, max_tokens)
-        self.slot_of[rid] = len(self.rid_of)
-        self.rid_of.append(rid)
-        return self.slot_of[rid]
+    def add(self, prompt_tokens, max_tokens, origin=None):
+        s = self.added
+        self.h.add(str(s), prompt_tokens, max_tokens)
+        self.added += 1
+        return s
 
-    def append(self, rid, chunk_tokens, max_tokens):
-        assert self.h.status(str(rid)) == "WAITING_FOR_STREAMING_REQ", "the front end appends to paused sessions only"
-        self.h.append(str(rid), chunk_tokens, max_tokens)
+    def append(self, s, chunk_tokens, max_tokens):
+        assert self.h.status(str(s)) == "WAITING_FOR_STREAMING_REQ", "the front end appends to paused sessions only"
+        self.h.append(str(s), chunk_tokens, max_tokens)
 
     def append_many(self, slots, chunk_tokens, max_tokens):
         for s, k, m in zip(slots.tolist(), np.broadcast_to(chunk_tokens, slots.shape).tolist(),
                            np.broadcast_to(max_tokens, slots.shape).tolist()):
-            self.append(self.rid_of[s], k, m)
+            self.append(s, k, m)
 
-    def abort(self, rid):
-        self.h.abort(str(rid))
+    def abort(self, s):
+        self.h.abort(str(s))
 
     def session_ended(self, session):
         pass
 
-    def status(self, rid):
-        r = self.h.scheduler.requests.get(str(rid))
+    def status(self, s):
+        r = self.h.scheduler.requests.get(str(s))
         return _STATUS[r.status.name] if r is not None else None
 
-    def computed(self, rid):
-        return self.h.computed(str(rid))
+    def computed(self, s):
+        return self.h.computed(str(s))
 
-    def tokens_of(self, rid):
-        return self.h.num_tokens(str(rid))
+    def tokens_of(self, s):
+        return self.h.num_tokens(str(s))
 
-    def blocks_of(self, rid):
-        return self.h.blocks_of(str(rid))
+    def blocks_of(self, s):
+        return self.h.blocks_of(str(s))
 
     def computed_of(self, slots):
-        return np.array([self.h.computed(str(self.rid_of[s])) for s in slots.tolist()], dtype=np.int64)
+        return np.array([self.h.computed(str(s)) for s in slots.tolist()], dtype=np.int64)
 
     def held_of(self, slots):
-        return np.array([self.h.blocks_of(str(self.rid_of[s])) for s in slots.tolist()], dtype=np.int64)
+        return np.array([self.h.blocks_of(str(s)) for s in slots.tolist()], dtype=np.int64)
 
     def waiting_of(self, slots):
-        return np.array([self.status(self.rid_of[s]) in (serving.WAITING, serving.PREEMPTED) for s in slots.tolist()],
-                        dtype=bool)
+        return np.array([self.status(s) in (serving.WAITING, serving.PREEMPTED) for s in slots.tolist()], dtype=bool)
 
     def free_blocks(self):
         return self.h.free_blocks()
@@ -153,11 +152,10 @@ class VllmBackend(Recorded):
         rec = self.h.step()
         self.steps += 1
         self.resumed += sum(how == "resumed" for how in rec.admitted_as.values())
-        ids = [int(k) for k in rec.scheduled]
-        out = serving.StepRecord(self._slots(ids), np.array(list(rec.scheduled.values()), dtype=np.int64),
-                                 preempted=[int(r) for r in rec.preempted], admitted=[int(r) for r in rec.admitted],
-                                 used_blocks=rec.used_blocks, sampled_slots=self._slots(int(r) for r in rec.sampled),
-                                 paused_slots=self._slots(int(r) for r in rec.paused), rid_of=self.rid_of)
+        out = serving.StepRecord(self._slots(rec.scheduled), np.array(list(rec.scheduled.values()), dtype=np.int64),
+                                 preempted=self._slots(rec.preempted).tolist(),
+                                 admitted=self._slots(rec.admitted).tolist(), used_blocks=rec.used_blocks,
+                                 sampled_slots=self._slots(rec.sampled), paused_slots=self._slots(rec.paused))
         # the context the step model prices: what the policy keeps of each scheduled request after the step
         out.context_tokens = int(self.policy.resident_tokens(self.computed_of(out.slots)).sum())
         assert not rec.finished, f"vLLM finished {rec.finished} on its own: the front end must prevent it"
