@@ -533,7 +533,20 @@ class FrontEnd:
         return float(serving.frame_tick(self.next_frame[live], self.P_of[live], self.phase[live]).min())
 
     def _turn(self, now: float) -> None:
-        """Arrivals, the gate's queue, departures, admission, due frames, silent answers (the driver's turn)."""
+        """The front end's turn at ``now`` (the driver's, the server's, the simulator's step by step): these
+        methods, in the order of :func:`metronome.front_rules.turn`, which the simulator's compiled loop runs on its
+        own phases."""
+        t = type(self)
+        rules.turn.py_func(self, now, t._arrivals, t._takes_turn, t._departures, t._admit, t._ticks, t._answer_silent,
+                           t._flush_answers)
+
+    def _takes_turn(self, now: float) -> bool:
+        """Whether this front end takes the rest of the turn at ``now`` after its arrivals: always (the compiled
+        loop hands back a turn it would take differently)."""
+        return True
+
+    def _arrivals(self, now: float) -> None:
+        """The arrivals up to ``now`` offered to the gate, then the gate's queue retried."""
         while self.next_arrival < len(self.arrival) and self.arrival[self.next_arrival] <= now:
             i = self.next_arrival
             self.next_arrival += 1
@@ -553,16 +566,15 @@ class FrontEnd:
                 self._refuse(i, now, EndReason.QUEUE_TIMEOUT)
             for i in admitted:
                 self._enter(i, now)
+
+    def _departures(self, now: float) -> None:
+        """The departures due by ``now``, in the order booked."""
         b = self._b
         while b["dep"] < b["ndeps"] and self.queues.dep_t[b["dep"]] <= now:
             i = int(self.queues.dep_i[b["dep"]])
             if WAITING <= self.state[i] <= RUNNING:  # (taken off only once ended: a dying engine may interrupt)
                 self._end(i, now, EndReason.DEPARTED)
             b["dep"] += 1
-        self._admit(now)
-        self._ticks(now)
-        self._answer_silent(now)
-        self._flush_answers(now)
 
     def _refuse(self, i: int, now: float, reason: str) -> None:
         self.state[i] = REFUSED

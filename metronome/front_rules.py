@@ -473,6 +473,27 @@ def lose_place(i, lockstep, ss, b, q, a, n_ans):
     return n_ans
 
 
+@compiled.inlined
+def turn(fe, now, arrivals, takes, departures, admission, due, silence, answers):
+    """The order of a front end's turn at ``now``, stated once for both forms of the front end: each phase is called
+    as ``phase(fe, now)``, the front end's methods from Python (:meth:`metronome.front_end.FrontEnd._turn` calls
+    this function's Python form, ``fe`` the front end) and the simulator's compiled loop's from machine code (``fe``
+    its records). The arrivals up to ``now`` pass the gate (or join its queue, or are refused); ``takes`` says
+    whether the rest of the turn is taken here (the compiled loop hands back one it would take differently); then
+    the departures due, the admissions (FCFS, none right after a step that preempted), the frames that came due
+    (queued, or owed silent, and a paused session's oldest handed to the engine), in lockstep the silent frames
+    they release, and the moment's answers recorded. Returns whether the turn was taken."""
+    arrivals(fe, now)
+    if not takes(fe, now):
+        return False
+    departures(fe, now)
+    admission(fe, now)
+    due(fe, now)
+    silence(fe, now)
+    answers(fe, now)
+    return True
+
+
 # what the rules compile in from other modules (the join frame, the tick key's slots): their cache is dropped when
 # those change (metronome.compiled.guard), before any rule has loaded it
 RULES_PARTS = (serving,)

@@ -28,7 +28,7 @@ from metronome.calibration import step_inputs
 from metronome.compiled import borrowed, hold
 from metronome.front_rules import (ENDED, PREFILL, REFUSED, WAITING, Queues, Tally,  # (the states: declared there)
                                    admit_head, answer_silent, chunk_of, end_owed, enter, hand_over, leave_queue,
-                                   readmitted, request_tokens, tick_due, tokens_in)
+                                   readmitted, request_tokens, tick_due, tokens_in, turn)
 from metronome.front_rules import live as _live
 from metronome.front_rules import placeless as _placeless
 from metronome.serving import frame_tick as _tick
@@ -114,9 +114,8 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
     """The turn, second half: a paused session's oldest queued frame is handed to its request
     (EngineModel.append_many: serving.resume_slot), which waits in its place in the kv-holding queue; then a
     session's first frame, with its prompt, becomes a new request at the tail of ``waiting`` (serving.add_slot),
-    in session order as the step-by-step turn hands them over (front_rules.hand_over). Returns (how many were handed
-    over, the latest frame handed)."""
-    n_sub = 0
+    in session order as the step-by-step turn hands them over (front_rules.hand_over). Returns the latest frame
+    handed over."""
     latest = -1
     n_first = 0
     steps = eng.cnt[0].steps
@@ -132,7 +131,6 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
             resume_slot(sl, chunk, ss.n_out_of[i], eng.cnt[0], eng.status, eng.computed, eng.ntok, eng.out, eng.maxtok,
                         eng.kw)
             latest = max(latest, hand_over(i, sl, chunk, steps, ss, fe.fresh))
-            n_sub += 1
     firsts = w.firsts[:n_first]
     _sort_in_place(firsts)
     last = -1  # (the kept ones are written back over those already read)
@@ -147,8 +145,7 @@ def _submit_due(n_visit, s, ss, fe, w, eng):
         ss.slot[i], fe.sess_of_slot[sl] = sl, i
         s.nfirst += 1
         latest = max(latest, hand_over(i, sl, first, steps, ss, fe.fresh))
-        n_sub += 1
-    return n_sub, latest
+    return latest
 
 
 @_inlined
@@ -201,10 +198,14 @@ def _departures_due(now, s, ss, fe, held):
     return k, freed, owed
 
 
+# The turn's phases (front_rules.turn calls each as phase(x, now), x the turn's records: the conf, the span's
+# counters, the sessions, the front end's queues, the span's own arrays, the answers' tally, the engine, the rows, the
+# controller, and the sessions with frames queued after the last step)
 @_inlined
-def _arrive(now, c, s, ss, fe, w, ctl):
+def _arrive(x, now):
     """The arrivals up to ``now``: each passes the gate (the controller's may_admit, compiled) with the sessions in
     flight and enters (front_rules.enter), or is refused (the caller names the reason)."""
+    c, s, ss, fe, w, _, _, _, ctl, _ = x
     b = fe.books[0]
     while b.narr < c.na_end and ss.arrival[b.narr] <= now:
         i = b.narr
@@ -294,19 +295,79 @@ def _depart(i, now, c, s, ss, fe, a, eng, n_ans):
 
 
 @_inlined
-def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
+def _turn_plan(x, now):
     """The checks of the turn at ``now``, after its arrivals: the sessions it visits, whether this loop takes the
     rest as the step-by-step turn would (_turn_fits, the departures, the admissions, room for the answers) and what
-    it takes: (visited, slots due, taken, departures' end in ``fe.dep_t``, sessions admitted)."""
+    the phases after it take (the span's counters: visited, slots due, the departures' end in ``fe.dep_t``, sessions
+    admitted; no answers yet). Returns whether it is taken."""
+    c, s, ss, fe, w, _, eng, _, _, n_ready = x
     n_visit, n_due = span.due_sessions(now, c.eps, w, n_ready, ss.state)
-    fits, n_ans, room = _turn_fits(now, n_visit, c, ss, w, eng, n_room)
+    fits, n_ans, room = _turn_fits(now, n_visit, c, ss, w, eng, eng.status.size - eng.cnt[0].next_slot)
     k0 = fe.books[0].dep
     k1, freed, owed = _departures_due(now, s, ss, fe, eng.held)
     n_adm = _admissions(now, c, s, ss, fe, eng.lim[0], eng.lim[0].num_blocks - (eng.cnt[0].used - freed), room,
                         fe.dep_i[k0:k1])
-    taken = (fits and n_adm >= 0 and owed + n_ans <= c.ans_cap
-             and (not c.lockstep or fe.books[0].npend + n_ans <= fe.pend.shape[0]))
-    return n_visit, n_due, taken, k1, n_adm
+    s.nvisit, s.ndue, s.depend, s.nadm, s.nans = n_visit, n_due, k1, n_adm, 0
+    return (fits and n_adm >= 0 and owed + n_ans <= c.ans_cap
+            and (not c.lockstep or fe.books[0].npend + n_ans <= fe.pend.shape[0]))
+
+
+@_inlined
+def _departures(x, now):
+    """The departures due (:func:`_depart`), each leaving its phase slot's tick to the sessions left in it."""
+    c, s, ss, fe, w, a, eng, _, _, _ = x
+    # (the constants a loop below reads, in locals: a record's field is read from memory again after every store
+    # the compiler cannot tell apart from it, and the slot loop runs at every turn)
+    eps = c.eps
+    n_ans = s.nans
+    b = fe.books[0]
+    for k in range(b.dep, s.depend):
+        i = fe.dep_i[k]
+        if _live(ss.state[i]):
+            n_ans = _depart(i, now, c, s, ss, fe, a, eng, n_ans)
+            sl = span.wheel_slot(i, ss, c)
+            if w.tick[sl] > now + eps:  # its slot may have no one left to tick (or, OWN, a later tick)
+                w.tick[sl] = span.slot_tick(sl, w, ss)
+    b.dep = s.depend
+    s.nans = n_ans
+
+
+@_inlined
+def _admission(x, now):
+    """The sessions the plan admits (:func:`_admit`; rare: a call with all it needs costs every turn)."""
+    c, s, ss, fe, _, _, eng, _, _, _ = x
+    if s.nadm:
+        _admit(now, s.nadm, c, s, ss, fe, eng)
+
+
+@_inlined
+def _due(x, now):
+    """The frames that came due (:func:`_queue_due`), the wheel's slots that came due moved on, then each paused
+    session's oldest frame and the first frames handed to the engine (:func:`_submit_due`)."""
+    c, s, ss, fe, w, a, eng, _, _, _ = x
+    s.nans = _queue_due(now, s.nvisit, c, s, ss, fe, w, a, s.nans)
+    for j in range(s.ndue):  # the slots that came due: their sessions moved on together (a departure leaves a slot
+        k = w.due[j]  # that was not due as it was, and nothing else here moves a slot's tick)
+        w.tick[k] = span.slot_tick(k, w, ss)
+    b = fe.books[0]
+    b.sframe = max(b.sframe, _submit_due(s.nvisit, s, ss, fe, w, eng))
+
+
+@_inlined
+def _silence(x, now):
+    """In lockstep, the silent frames the turn's work releases (front_rules.answer_silent; none owed: nothing to
+    answer, and no need to scan the running sessions)."""
+    c, s, ss, fe, w, a, _, _, _, _ = x
+    b = fe.books[0]
+    if c.lockstep and b.npend:
+        s.nans = answer_silent(b, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, s.nans)
+
+
+@_inlined
+def _turn_answers(x, now):
+    """The turn's answers recorded (:func:`_answered`)."""
+    c, s, ss, fe, w, _, _, rec, ctl, _ = x
+    _answered(now, s.nans, c, s, ss, fe, w, rec, ctl)
 
 
 # Without numba's reference counting (compiled.inlined: also compiled into run_span): the turn handed on the loop's
@@ -317,44 +378,17 @@ def _turn_plan(now, c, s, ss, fe, w, eng, n_ready, n_room):
 # compiled.inlined: either way its flags are its own, not the turn's. This module's own helpers take the turn's.
 @_inlined
 def _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready):
-    """The front end's turn at ``now``, in the order FrontEnd takes it: the arrivals, then, if the checks pass
-    (:func:`_turn_plan`; else the caller takes the rest of the turn), the departures due, the admissions, the frames
-    that came due and, in lockstep, the silent frames they release. None of it when the span ends here: at its next
-    event, after its steps, or without room for another turn and step. Returns (taken, frames handed over, the
-    latest)."""
+    """The front end's turn at ``now`` in the order it is stated once (front_rules.turn), on this loop's phases: the
+    arrivals, then, if the checks pass (:func:`_turn_plan`; else the caller takes the rest of the turn), the
+    departures due, the admissions, the frames that came due and, in lockstep, the silent frames they release, and
+    the answers recorded. None of it when the span ends here: at its next event, after its steps, or without room
+    for another turn and step. Returns whether it was taken."""
     ans_cap = c.ans_cap
     if (now >= c.t_next or s.nsteps >= c.max_steps or s.nrows + 2 * ans_cap > rec.fr.fr_f.size
             or ck.open_samples(ctl) + 2 * ans_cap > ctl.lat.size):
-        return False, 0, -1
-    _arrive(now, c, s, ss, fe, w, ctl)
-    n_visit, n_due, taken, k1, n_adm = _turn_plan(now, c, s, ss, fe, w, eng, n_ready,
-                                           eng.status.size - eng.cnt[0].next_slot)
-    if not taken:
-        return False, 0, -1
-    # (the constants a loop below reads, in locals: a record's field is read from memory again after every store
-    # the compiler cannot tell apart from it, and the slot loop runs at every turn)
-    eps = c.eps
-    n_ans = np.int64(0)  # (not a literal: see _engine_step)
-    b = fe.books[0]
-    for k in range(b.dep, k1):
-        i = fe.dep_i[k]
-        if _live(ss.state[i]):
-            n_ans = _depart(i, now, c, s, ss, fe, a, eng, n_ans)
-            sl = span.wheel_slot(i, ss, c)
-            if w.tick[sl] > now + eps:  # its slot may have no one left to tick (or, OWN, a later tick)
-                w.tick[sl] = span.slot_tick(sl, w, ss)
-    b.dep = k1
-    if n_adm:  # (rare: a call with all it needs costs every turn)
-        _admit(now, n_adm, c, s, ss, fe, eng)
-    n_ans = _queue_due(now, n_visit, c, s, ss, fe, w, a, n_ans)
-    for j in range(n_due):  # the slots that came due: their sessions moved on together (a departure leaves a slot
-        k = w.due[j]  # that was not due as it was, and nothing else here moves a slot's tick)
-        w.tick[k] = span.slot_tick(k, w, ss)
-    n_sub, latest = _submit_due(n_visit, s, ss, fe, w, eng)
-    if c.lockstep and b.npend:  # (none owed: nothing to answer, and no need to scan the running sessions)
-        n_ans = answer_silent(b, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
-    _answered(now, n_ans, c, s, ss, fe, w, rec, ctl)
-    return True, n_sub, latest
+        return False
+    return turn((c, s, ss, fe, w, a, eng, rec, ctl, n_ready), now, _arrive, _turn_plan, _departures, _admission, _due,
+                _silence, _turn_answers)
 
 
 @_inlined
@@ -461,10 +495,9 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
     o_n = eng.o_n[0]
     while ok:
         if turned == TURN_CALLER:
-            taken, n_sub, latest = _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready)
-            if not taken:
+            if not _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready):
                 break
-            b.sframe, n_ready = max(b.sframe, latest), 0
+            n_ready = 0
             if now >= c.t_pause:  # the turn is taken: the caller looks, then calls again from here
                 turned = PAUSED
                 break
