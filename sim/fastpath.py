@@ -3,10 +3,11 @@
 An hour of Moshi is hundreds of thousands of steps, and under independent phases nothing repeats from one step to
 the next that numpy could take a whole span at a time. This module runs the front end's turns and the engine's
 steps in numba, under either phase regime. It states no rule of its own: the front end's are
-:mod:`metronome.front_rules`' (what :class:`metronome.front_end.FrontEnd` calls too), the engine step is
-:func:`metronome.serving.engine_step` on the engine model's own arrays, the deadlock rule
-:func:`metronome.serving.deadlock_pick` and a frame row :func:`metronome.sim.recorder.flush`. What is here is the
-loop: the order of a turn, the step's latency with its jitter draw, and what it may take without the caller.
+:mod:`metronome.front_rules`' (what :class:`metronome.front_end.FrontEnd` calls too), the order of a turn
+:func:`metronome.front_rules.turn`, the engine step :func:`metronome.serving.engine_step` on the engine model's own
+arrays, the deadlock rule :func:`metronome.serving.deadlock_pick` and a frame row
+:func:`metronome.sim.recorder.flush`. What is here is the loop: a turn's phases on its arrays, the step's latency
+with its jitter draw, and what it may take without the caller.
 
 A turn visits only the phase slots whose tick came due (:mod:`metronome.sim.span`'s wheel) and a step reads only
 the requests with work, so a step's cost follows its batch, not the sessions in flight. Before a turn it would take
