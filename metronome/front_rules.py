@@ -473,7 +473,9 @@ def lose_place(i, lockstep, ss, b, q, a, n_ans):
     return n_ans
 
 
-@compiled.inlined
+# (spliced into its caller: compiled on its own, and inlined, it would be one more level at which LLVM optimizes the
+# whole turn, about a second more of every cold compile of the loop)
+@_spliced
 def turn(fe, now, arrivals, takes, departures, admission, due, silence, answers):
     """The order of a front end's turn at ``now``, stated once for both forms of the front end: each phase is called
     as ``phase(fe, now)``, the front end's methods from Python (:meth:`metronome.front_end.FrontEnd._turn` calls
