@@ -201,7 +201,9 @@ def _departures_due(now, s, ss, fe, held):
 
 # The turn's phases (front_rules.turn calls each as phase(x, now), x the turn's records: the conf, the span's
 # counters, the sessions, the front end's queues, the span's own arrays, the answers' tally, the engine, the rows, the
-# controller, and the sessions with frames queued after the last step)
+# controller, and the sessions with frames queued after the last step). The few lines of a phase that only calls
+# or loops are spliced into the turn: compiled apart, each would be optimized once more on its own (about half a
+# second of every cold compile of the loop).
 @_inlined
 def _arrive(x, now):
     """The arrivals up to ``now``: each passes the gate (the controller's may_admit, compiled) with the sessions in
@@ -313,7 +315,7 @@ def _turn_plan(x, now):
             and (not c.lockstep or fe.books[0].npend + n_ans <= fe.pend.shape[0]))
 
 
-@_inlined
+@_spliced
 def _departures(x, now):
     """The departures due (:func:`_depart`), each leaving its phase slot's tick to the sessions left in it."""
     c, s, ss, fe, w, a, eng, _, _, _ = x
@@ -333,7 +335,7 @@ def _departures(x, now):
     s.nans = n_ans
 
 
-@_inlined
+@_spliced
 def _admission(x, now):
     """The sessions the plan admits (:func:`_admit`; rare: a call with all it needs costs every turn)."""
     c, s, ss, fe, _, _, eng, _, _, _ = x
@@ -341,7 +343,7 @@ def _admission(x, now):
         _admit(now, s.nadm, c, s, ss, fe, eng)
 
 
-@_inlined
+@_spliced
 def _due(x, now):
     """The frames that came due (:func:`_queue_due`), the wheel's slots that came due moved on, then each paused
     session's oldest frame and the first frames handed to the engine (:func:`_submit_due`)."""
@@ -354,7 +356,7 @@ def _due(x, now):
     b.sframe = max(b.sframe, _submit_due(s.nvisit, s, ss, fe, w, eng))
 
 
-@_inlined
+@_spliced
 def _silence(x, now):
     """In lockstep, the silent frames the turn's work releases (front_rules.answer_silent; none owed: nothing to
     answer, and no need to scan the running sessions)."""
@@ -364,7 +366,7 @@ def _silence(x, now):
         s.nans = answer_silent(b, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, s.nans)
 
 
-@_inlined
+@_spliced
 def _turn_answers(x, now):
     """The turn's answers recorded (:func:`_answered`)."""
     c, s, ss, fe, w, _, _, rec, ctl, _ = x
