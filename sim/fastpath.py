@@ -37,7 +37,8 @@ from metronome.jitter_kernel import correlated_ratio
 from metronome.serving import add_slot, engine_step, gate_blocks_jit, resume_slot
 from metronome.sim import reaction, recorder, span
 from metronome.sim.recorder import Answers, Clock, Owners, flush
-from metronome.sim.span import (CORRELATED, CTL_AFTER, CTL_COMPILED, INDEPENDENT, P_CODE, PAST_HORIZON, PAUSED, STEP_TAKEN, TURN_CALLER, TURN_TAKEN)
+from metronome.sim.span import (CORRELATED, CTL_AFTER, CTL_COMPILED, INDEPENDENT, P_CODE, PAST_HORIZON, PAUSED,
+                                STEP_TAKEN, TURN_CALLER, TURN_TAKEN)
 from metronome.sim.span import inlined as _inlined
 from metronome.sim.span import njit as _njit
 from metronome.sim.span import spliced as _spliced

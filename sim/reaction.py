@@ -132,8 +132,8 @@ def preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans):
 def react(turned, c, s, ss, fe, w, eng):
     """After _engine_step said ``turned``: a step the front end reacts to (STEP_TAKEN) that scheduled something,
     with a front end that steps vLLM itself, is taken on here (its victims chosen: :func:`victims`) when the span
-    has room for the frames they will be owed; the rest is the caller's (a stall, or
-    vLLM's own loop seeing nothing). Returns (the victims, TURN_CALLER, or ``turned`` as it was)."""
+    has room for the frames they will be owed; the rest is the caller's (a stall, or vLLM's own loop seeing
+    nothing). Returns (the victims, TURN_CALLER, or ``turned`` as it was)."""
     o_n = eng.o_n[0]
     if turned != STEP_TAKEN or not c.sees or o_n.sched == 0:
         return 0, turned

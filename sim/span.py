@@ -65,9 +65,9 @@ STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("nrun", np.int64)
 Front = namedtuple("Front", "queue dep_t dep_i pend books sess_of_slot fresh")
 # what a span allocates: the wheel over the phase slots (slot k's sessions: wheel_who[wheel_start[k]:wheel_start[k +
 # 1]], its next tick; the slots due at a turn), the sessions a turn visits, those with frames queued, the running
-# ones (lockstep), the sessions whose first frame a turn hands over; the moment's answers (tick key, session, tokens got), room for their ticks and to sort them in
-# (recorder.flush); scratch and victims
-# for the reaction to a step (sim/reaction.py)
+# ones (lockstep), the sessions whose first frame a turn hands over; the moment's answers (tick key, session,
+# tokens got), room for their ticks and to sort them in (recorder.flush); scratch and victims for the reaction to a
+# step (sim/reaction.py)
 Span = namedtuple("Span", "wheel_start wheel_who tick due visit ready run_sess firsts key who tok at work scr vic")
 # the step jitter: each step's ratio (independent), or each step's own score and the shared and frame-only parts of
 # the frames from CONF.f_lo on, with the table of the ratio's distribution (correlated)

@@ -249,7 +249,8 @@ class FakeEngine:
         self.steps += 1
         self.log.append({"op": "step", "t": self.now, "t_start": t0, "step": self.steps,
                          "scheduled": scheduled, "preempted": [ids[s] for s in rec.preempted],
-                         "admitted": [ids[s] for s in rec.admitted], "sampled": {r: t[0] for r, t in info.outputs.items()},
+                         "admitted": [ids[s] for s in rec.admitted],
+                         "sampled": {r: t[0] for r, t in info.outputs.items()},
                          "free": self.model.free_blocks()})
         return info
 
