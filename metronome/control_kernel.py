@@ -37,7 +37,7 @@ from metronome import admission as adm
 from metronome import compiled, percentile_kernel
 # the percentiles the interval reads, re-exported: they were stated here before the report shared them
 from metronome.percentile_kernel import (BRACKET_MIN, BRACKET_SAMPLE, REL_EPS, percentile_sorted,  # noqa: F401
-                                         percentile_threshold, percentile_whole, percentiles_whole, rank_in_bracket,
+                                         percentile_threshold, percentile_whole, percentiles_whole, ranks_in_brackets,
                                          select_whole, whole_rank, whole_weights)
 
 # A controller's records are numpy structured arrays, not named tuples: numba compiles a field of a record to a

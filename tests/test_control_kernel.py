@@ -222,20 +222,20 @@ def test_many_samples_bracket_the_rank_and_fall_back_when_the_sample_misleads():
     between weigh 1,000 and sit elsewhere) the bracket misses, says so (NaN), and the selection answers instead."""
     rng = np.random.default_rng(11)
     n = ck.BRACKET_MIN + 12_345
-    for ties in (False, True):
-        v = rng.integers(0, 300, n) / 300.0 if ties else rng.gamma(2.0, 0.01, n)
+    for ties, shift in ((False, 0.0), (True, 0.0), (False, -7.0)):  # (and values below zero)
+        v = (rng.integers(0, 300, n) / 300.0 if ties else rng.gamma(2.0, 0.01, n)) + shift
         w = rng.integers(0, 6, n).astype(float)
         qs = np.array([0.1, 1.0, 50.0, 90.0, 99.0, 99.9, 100.0])
         rep = np.sort(np.repeat(v, w.astype(int)))
         want = [rep[max(math.ceil(q * rep.size / 100 - 1e-9 * rep.size), 1) - 1] for q in qs]
         assert ck.percentiles_whole(v, w, qs).tolist() == want
         total = w.sum()
-        assert [ck.rank_in_bracket(v, w, ck.whole_rank(total, q), total) for q in qs] == want
+        assert ck.ranks_in_brackets(v, w, np.array([ck.whole_rank(total, q) for q in qs]), total).tolist() == want
     stride = n // ck.BRACKET_SAMPLE
     v = np.where(np.arange(n) % stride == 0, 0.5, 0.9)  # the sample sees only 0.5s
     w = np.where(np.arange(n) % stride == 0, 1.0, 1000.0)  # but nearly all the weight is at 0.9
     total = w.sum()
-    assert math.isnan(ck.rank_in_bracket(v, w, ck.whole_rank(total, 50.0), total))
+    assert math.isnan(ck.ranks_in_brackets(v, w, np.array([ck.whole_rank(total, 50.0)]), total)[0])
     rep_half = 0.9  # the 0.5s weigh about n/stride of some n·1000
     assert ck.percentiles_whole(v, w, np.array([50.0]))[0] == rep_half
     assert weighted_percentiles(v, w, (1.0, 50.0)) == [0.9, 0.9]
