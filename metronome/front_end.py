@@ -122,6 +122,21 @@ class FrontEndOptions:
     rebase_tokens: int | None = None
 
 
+@dataclass
+class StepDone:
+    """What follows a step, between the phases of :func:`metronome.front_rules.after_step`: when it started
+    (``start``, seconds), how long it took (``lat``), the engine's record and the step's number; what the phases
+    leave the next: blocks used after it, tokens out, sessions it preempted."""
+
+    start: float
+    lat: float
+    rec: object
+    step_no: int
+    used: int = 0
+    tokens_out: int = 0
+    victims: int = 0
+
+
 def compile_rules() -> None:
     """Compile the rules :class:`FrontEnd` calls from Python (:mod:`metronome.front_rules`) now, for the types it
     calls them with, as a front end with hooks (a live one) does: a live driver calls it before its clock starts, so
@@ -258,6 +273,7 @@ class FrontEnd:
         # the frames answered at the current moment (tick key, session, tokens got): the first n_answers
         self.answers = tuple(np.zeros(64, np.int64) for _ in range(3))
         self.n_answers = 0
+        self.done: StepDone | None = None  # the step being followed up (_after_step)
 
     # its counters, in its books (front_rules.BOOK_FIELDS): the simulator's loop writes them in place
     next_arrival = BookCounter("narr", int, "The next session to arrive (in order of arrival).")
@@ -750,33 +766,50 @@ class FrontEnd:
 
     # ------------------------------------------------------------------------------------------- after a step
     def _after_step(self, start: float, lat: float, rec) -> None:
-        """The step that started at ``start`` and took ``lat`` ended now (``rec``: the engine's record of it):
-        its tokens to their frames, the finished frames answered, the engine's preemptions and the deadlock rule's
-        victims taken, the silent frames answered, then the records."""
-        now = self.now
-        step_no = self.model.steps - 1
-        sampled = np.asarray(rec.sampled_slots, np.int64)
+        """The step that started at ``start`` and took ``lat`` ended now (``rec``: the engine's record of it): these
+        methods, in the order of :func:`metronome.front_rules.after_step`, which the simulator's compiled loop runs
+        on its own phases; what one leaves the next is in :attr:`done`."""
+        self.done = StepDone(start, lat, rec, self.model.steps - 1)
+        t = type(self)
+        rules.after_step.py_func(self, self.now, t._step_tokens, t._step_preemptions, t._answer_silent,
+                                 t._step_records)
+        if self.check_invariants:
+            self.assert_invariants()
+
+    def _step_tokens(self, now: float) -> None:
+        """The step's sampled tokens to their frames (rules.tokens_in), the frames done answered; the blocks used
+        after the step."""
+        d = self.done
+        sampled = np.asarray(d.rec.sampled_slots, np.int64)
         a = self._answer_room(sampled.size)
         if type(self)._tokens_in is not FrontEnd._tokens_in:  # (its hook reads what the tokens went to)
             told, ready = tuple(np.empty(sampled.size, np.int64) for _ in range(3)), None
         else:  # (nobody reads it: as the simulator's loop calls the rule, so that numba compiles it once for both)
             told, ready = None, np.empty(sampled.size, np.int64)
-        self.n_answers, n_pre, tokens_out, _ = rules.tokens_in(sampled, now, self.session_arrays(),
-                                                               self.sess_of_slot, a, self.n_answers, told, ready)
+        self.n_answers, n_pre, d.tokens_out, _ = rules.tokens_in(sampled, now, self.session_arrays(),
+                                                                 self.sess_of_slot, a, self.n_answers, told, ready)
         if told is not None:
-            self._tokens_in(told[0][:n_pre], told[1][:tokens_out], told[2][:tokens_out])
-        used = self.model.used
-        victims = self._preempt_after_step(rec, step_no, start)
+            self._tokens_in(told[0][:n_pre], told[1][:d.tokens_out], told[2][:d.tokens_out])
+        d.used = self.model.used
+
+    def _step_preemptions(self, now: float) -> None:
+        """The engine's preemptions and the deadlock rule's victims (:meth:`_preempt_after_step`); a step that
+        preempted dates the pool's saturation (its start) and holds admission back for a turn, one that scheduled
+        nothing and preempted no one stalled."""
+        d = self.done
+        victims = self._preempt_after_step(d.rec, d.step_no, d.start)
         if victims and self.t_sat is None:
-            self.t_sat = start
+            self.t_sat = d.start
         self.preempted_last = bool(victims)
-        if not rec.batch and not victims:
+        if not d.rec.batch and not victims:
             self.stalled = True
-        self.peak_used = max(self.peak_used, used)
-        self._answer_silent(now)
-        self._record_step(start, lat, rec, used, tokens_out, len(victims))
-        if self.check_invariants:
-            self.assert_invariants()
+        self.peak_used = max(self.peak_used, d.used)
+        d.victims = len(victims)
+
+    def _step_records(self, now: float) -> None:
+        """The moment's answers and the step recorded (:meth:`_record_step`)."""
+        d = self.done
+        self._record_step(d.start, d.lat, d.rec, d.used, d.tokens_out, d.victims)
 
     def _preempt_after_step(self, rec, step_no: int, start: float) -> list[int]:
         """The engine's own preemptions, then the deadlock rule's victims: each loses its place (dated at the

@@ -410,8 +410,8 @@ def end_owed(i, now, clock, ss, b, pend, a, n_ans, censored):
     once their deadline has passed and the rest are never answered. ``clock``: its period, phase, deadline, the
     tolerance of a tick test and whether the run itself ended (its last frames are all left unanswered, as the
     run's end leaves them). ``censored``: (frames, tokens) where those never answered are written, when the caller
-    keeps them (a live front end's rows; None: not kept, and numba compiles the writes out). Its frame clock is then clear of them. Returns
-    (the answers, the frames never answered)."""
+    keeps them (a live front end's rows; None: not kept, and numba compiles the writes out). Its frame clock is
+    then clear of them. Returns (the answers, the frames never answered)."""
     P, ph, deadline, eps, run_over = clock
     n_cens = 0
     m = b.phead
@@ -494,6 +494,20 @@ def turn(fe, now, arrivals, takes, departures, admission, due, silence, answers)
     silence(fe, now)
     answers(fe, now)
     return True
+
+
+@_spliced
+def after_step(fe, now, tokens, preemptions, silence, records):
+    """The order of what follows a step that ended at ``now``, stated once for both forms of the front end, as
+    :func:`turn` states the turn's (each phase called as ``phase(fe, now)``; the Python form from
+    :meth:`metronome.front_end.FrontEnd._after_step`): the step's sampled tokens go to their frames and the frames
+    they finish are answered; the engine's preemptions and the deadlock rule's victims lose their places; in
+    lockstep the silent frames that releases are answered (the turn's own phase); then the moment's answers and the
+    step are recorded."""
+    tokens(fe, now)
+    preemptions(fe, now)
+    silence(fe, now)
+    records(fe, now)
 
 
 # what the rules compile in from other modules (the join frame, the tick key's slots): their cache is dropped when

@@ -29,7 +29,7 @@ from metronome.calibration import step_inputs
 from metronome.compiled import borrowed, hold
 from metronome.front_rules import (ENDED, PREFILL, REFUSED, WAITING, Queues, Tally,  # (the states: declared there)
                                    admit_head, answer_silent, chunk_of, end_owed, enter, hand_over, leave_queue,
-                                   readmitted, request_tokens, tick_due, tokens_in, turn)
+                                   readmitted, request_tokens, tick_due, tokens_in, turn, after_step)
 from metronome.front_rules import live as _live
 from metronome.front_rules import placeless as _placeless
 from metronome.serving import frame_tick as _tick
@@ -412,27 +412,46 @@ def _answered(now, n_ans, c, s, ss, fe, w, rec, ctl):
         ck.observe_moment(ctl, now, in_flight, fr.fr_lat[r0:s.nrows], fr.frames[r0:s.nrows], fr.silent[r0:s.nrows])
 
 
-@_inlined
-def _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts):
-    """A step that started at ``step_start``, took ``lat`` and ended at ``now``, its tokens gone to their frames
-    and its victims preempted (``counts``: answers up to the frames done, all answers, tokens out, victims, and
-    the step's batch, new and context tokens and blocks used): in lockstep the silent frames they held back, then
-    all answered, one row per tick, and the step's row."""
-    n_done, n_ans, tokens_out, n_vic, batch, new_tokens, ctx, used = counts
-    b = fe.books[0]
-    if b.npend:
-        n_ans = answer_silent(b, fe.pend, w.run_sess, (ss.state, ss.inflight, ss.backlog, ss.next_frame), a, n_ans)
-    _answered(now, n_ans, c, s, ss, fe, w, rec, ctl)
+# What follows a step, in the order front_rules.after_step states once (each phase called as phase(x, now), x the
+# turn's records; in lockstep the turn's own _silence answers the frames the step released). What the step found
+# and what one phase leaves the next live in the span's counters: the step's start, latency and victims
+# (STATE.step_start, step_s, nvic), the frames its tokens finished and the moment's answers (ndone, nans), its tokens
+# out and the sessions with frames still queued (tokens_out, nready).
+@_spliced
+def _step_tokens(x, now):
+    """The step's sampled tokens to their frames, the frames done answered (:func:`_tokens_to_frames`)."""
+    _, s, ss, fe, w, _, eng, _, _, _ = x
+    s.tokens_out, s.ndone, s.nready = _tokens_to_frames(now, s, ss, fe, w, eng)
+    s.nans = s.ndone
+
+
+@_spliced
+def _step_preemptions(x, now):
+    """The engine's preemptions and the deadlock rule's victims (found by reaction.react as the step ended), each
+    losing its place (reaction.preempt_all), dated at the step's start."""
+    c, s, ss, fe, w, a, eng, _, _, _ = x
+    if s.nvic:
+        s.nans = reaction.preempt_all(s.step_start, s.nvic, c, s, ss, fe, w, a, eng, s.nans)
+
+
+@_spliced
+def _step_records(x, now):
+    """The moment's answers recorded, one row per tick (:func:`_answered`), then the step's row: its batch, new and
+    context tokens, blocks used, tokens out, frames answered and silent, the sessions running (not re-prefilling)
+    and waiting at the front end (the caller fills the free blocks), its victims."""
+    c, s, ss, fe, w, _, eng, rec, ctl, _ = x
+    _answered(now, s.nans, c, s, ss, fe, w, rec, ctl)
+    o_n = eng.o_n[0]
     k = s.step0 + s.nsteps
     silent = 0
-    for j in range(n_done, n_ans):
+    for j in range(s.ndone, s.nans):
         if serving.frame_is_silent(w.tok[j]):
             silent += 1
-    rec.batch[k], rec.new_tokens[k], rec.context_tokens[k], rec.resident_blocks[k] = batch, new_tokens, ctx, used
-    rec.tokens_out[k], rec.frames_done[k], rec.silent_frames[k] = tokens_out, n_ans, silent
-    # running (not re-prefilling) and waiting at the front end (the caller fills the free blocks)
-    rec.running[k], rec.waiting[k], rec.preemptions[k] = s.nrun - s.npf, b.nwait, n_vic
-    rec.st_t[k], rec.st_lat[k] = step_start, lat
+    rec.batch[k], rec.new_tokens[k], rec.context_tokens[k], rec.resident_blocks[k] = (o_n.sched, o_n.new_tokens,
+                                                                                       o_n.ctx_tokens, o_n.used)
+    rec.tokens_out[k], rec.frames_done[k], rec.silent_frames[k] = s.tokens_out, s.nans, silent
+    rec.running[k], rec.waiting[k], rec.preemptions[k] = s.nrun - s.npf, fe.books[0].nwait, s.nvic
+    rec.st_t[k], rec.st_lat[k] = s.step_start, s.step_s
 
 
 @_njit
@@ -521,13 +540,10 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
         if turned != TURN_CALLER:  # (SimPy stops a run during a step that outlives it; STEP_TAKEN: it took `lat`)
             s.out_s = now + lat if turned == PAST_HORIZON else lat
             break
-        step_start, now, b.prelast = now, now + lat, n_vic > 0
-        tokens_out, n_done, n_ready = _tokens_to_frames(now, s, ss, fe, w, eng)
-        n_ans = n_done
-        if n_vic:
-            n_ans = reaction.preempt_all(step_start, n_vic, c, s, ss, fe, w, a, eng, n_ans)
-        counts = (n_done, n_ans, tokens_out, n_vic, o_n.sched, o_n.new_tokens, o_n.ctx_tokens, o_n.used)
-        _answer_step(now, step_start, lat, c, s, ss, fe, w, a, rec, ctl, counts)
+        s.step_start, s.step_s, s.nvic, now, b.prelast = now, lat, n_vic, now + lat, n_vic > 0
+        after_step((c, s, ss, fe, w, a, eng, rec, ctl, n_ready), now, _step_tokens, _step_preemptions, _silence,
+                   _step_records)
+        n_ready = s.nready
         b.peak, s.nsteps = max(b.peak, o_n.used), s.nsteps + 1
     s.turned, b.idle, s.now = turned, idle, now
     hold(owned)

@@ -579,3 +579,23 @@ def test_frames_owed_behind_an_engine_slower_than_the_clock_stay_in_the_loop():
     late = fast.frames.done_s - fast.frames.tick_s
     assert late.max() > 40 * c.stream.frame_period_s  # (the engine fell that far behind the clock)
     assert fast.fast_steps >= 0.95 * steps, (fast.fast_steps, steps)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["step-by-step", "compiled"])
+def test_what_follows_a_step_is_recorded_with_it_in_its_order(fast):
+    """What follows a step, in front_rules.after_step's order: its tokens, its preemptions, the lockstep silence
+    they release, then the records. 150 sessions in lockstep on a 300-block pool outgrow it and are preempted;
+    each of their silent frames is answered once its tick's running frames are done, by the step that finishes
+    them: every frame answered as a step ends is in that step's row (frames and silent frames: recorded after the
+    silence), and the run's peak of blocks used is the most any step's row holds (taken with the step's tokens,
+    before its preemptions)."""
+    c = calibration.load("moshi-7b-h200")
+    c = replace(c, engine=replace(c.engine, num_blocks=300))
+    sc = Scenario(c, KVPolicy.sinks(16, 16, 256), Arrivals("all", sessions=150), 10.0, seed=3, phases="aligned")
+    res = run(sc, fast_forward=fast)
+    st, fr = res.steps, res.frames
+    at_end = fr.groupby("done_s")[["frames", "silent"]].sum().reindex(st.t_s + st.step_s).fillna(0)
+    assert res.summary["silent_preempted_fraction"] > 0.2  # (the run has the silent frames this is about)
+    assert st.frames_done.tolist() == at_end.frames.astype(int).tolist()
+    assert st.silent_frames.tolist() == at_end.silent.astype(int).tolist()
+    assert res.summary["peak_used_blocks"] == st.resident_blocks.max() == 300
