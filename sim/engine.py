@@ -17,7 +17,8 @@ step there is the engine model's own (``serving.engine_step`` on its arrays). A 
 act (a stall; with the driver's loop, a preemption or a request left waiting) is handed back once taken
 (:meth:`FrontEnd._after_step` does the rest); the span stops before a turn the loop does not restate (the length
 limit, an admission, the next arrival) and the step-by-step path takes it from there; tests compare the two bit for
-bit.
+bit. A span that ended at its own bounds (its steps, its rows) leaves the turn there to the next call, which takes
+it first.
 """
 
 from __future__ import annotations
@@ -112,18 +113,24 @@ class SimEngine(FrontEnd):
         paused = False  # ... and paused after it: it goes on from there
         while self.now < self.horizon:
             if not turned or paused:
-                if not turned:
+                span = None
+                # the compiled loop takes the turn at self.now itself when it was running at its last call (a span
+                # ends at its bounds as often as at an event); where it cannot, this path takes it and calls again
+                if self.fast_forward and (turned or self._last_span):
+                    span = self._compiled_span(self.now, turned)
+                if span is None and not turned:
                     self._turn(self.now)
-                if self.fast_forward:
-                    span = self._compiled_span(self.now)
-                    if span is not None:
-                        end, turned, paused, taken = span
-                        yield env.timeout(max(0.0, end - env.now))
-                        self.now = end
-                        if taken is not None:  # the loop took a step whose aftermath is this path's
-                            self._after_step(*taken)
-                            turned = paused = False
-                        continue
+                    turned = True
+                    if self.fast_forward:
+                        span = self._compiled_span(self.now, True)
+                if span is not None:
+                    end, turned, paused, taken = span
+                    yield env.timeout(max(0.0, end - env.now))
+                    self.now = end
+                    if taken is not None:  # the loop took a step whose aftermath is this path's
+                        self._after_step(*taken)
+                        turned = paused = False
+                    continue
             turned = paused = False
             if self._steps_now():
                 start = self.now
@@ -223,11 +230,12 @@ class SimEngine(FrontEnd):
         p, r = d.table()
         return span.CORRELATED, span.Draws(none, d.step_scores(steps), shared, own, p, r), d.weights()
 
-    def _compiled_span(self, now: float):
+    def _compiled_span(self, now: float, turn_taken: bool = True):
         """Turns and steps of a steady span in :func:`metronome.sim.fastpath.run_span` (compiled), from just
-        after the turn at ``now``; returns (where it stopped, whether the turn there is taken, whether it paused
-        after it, and the (start, latency, record) of a step the loop took whose aftermath is this path's, or None),
-        or None when it could not take a single step (the step-by-step path goes on)."""
+        after the turn at ``now`` (``turn_taken``) or from that turn; returns (where it stopped, whether the turn there
+        is taken, whether it paused after it, and the (start, latency, record) of a step the loop took whose
+        aftermath is this path's, or None), or None when it could not take a single step, nor the turn it was
+        asked to take (the step-by-step path goes on, and takes that turn)."""
         from metronome.sim import fastpath as fp
 
         start = self._compiled_start(now)
@@ -254,18 +262,25 @@ class SimEngine(FrontEnd):
         rec = recorder.Rows(st.store("t_s"), st.store("step_s"), *(st.store(c) for c in recorder.STEP_BLOCK),
                             recorder.FrameRows(*self._frame_stores()))
         state["step0"], state["nrows"] = st.rows, fr.rows
+        state["turned"] = span.TURN_TAKEN if turn_taken else span.TURN_CALLER
         na0 = self.next_arrival
         fp.run_span(conf, state, np.array(self.lat.coefficients, dtype=np.float64), sess, self.session_arrays(), fe,
                     m.arrays(), draws, rec, ctl)
         s = state[0]
         n, turned, end = int(s["nsteps"]), int(s["turned"]), float(s["now"])
         self._front_books(fe, s, na0, dep0, seq0)
-        self._last_span = n
+        self._compiled_records(n, int(s["nrows"]))  # (a turn alone may have answered frames)
         if n == 0 and end == now and turned not in (span.PAST_HORIZON, span.PAUSED, span.STEP_TAKEN):
+            if s["took"]:  # it took the turn asked of it, and could go no further
+                if self.check_invariants:
+                    self.assert_invariants()
+                return end, True, False, None
+            if turn_taken:  # (a turn it could not take is no sign of a span without steps: the next call goes on)
+                self._last_span = 0
             return None
+        self._last_span = n
         self.n_steps += n
         self.fast_steps += n
-        self._compiled_records(n, int(s["nrows"]))
         if turned == span.PAST_HORIZON:  # its last step outlives the run: SimPy stops while it runs
             self.now = end
             return float(s["out_s"]), False, False, None

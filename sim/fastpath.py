@@ -503,15 +503,16 @@ def _engine_step(now, c, coef, eng, dr, fe, idle, step_no, sframe):
 
 @nb.njit(cache=True)
 def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
-    """Turns and steps from just after the caller's turn at ``state.now`` until the next event, ``max_steps`` or
-    what this loop does not restate. The records' arrays are updated in place, the steps and frames written to
-    ``rec`` and ``state`` says where it stopped (``turned``)."""
+    """Turns and steps from ``state.now`` until the next event, ``max_steps`` or what this loop does not restate:
+    from just after the caller's turn there (``state.turned`` TURN_TAKEN), or from that turn itself (TURN_CALLER;
+    ``state.took`` says whether this loop took it). The records' arrays are updated in place, the steps and frames
+    written to ``rec`` and ``state`` says where it stopped (``turned``)."""
     # the arguments live as long as this call: inside it they need no reference counts (compiled.borrowed)
     coef, live = borrowed((coef, live))
     ss, fe, eng, dr, rec, ctl = borrowed(ss), borrowed(fe), borrowed(eng), borrowed(dr), borrowed(rec), borrowed(ctl)
     c, s, b = conf[0], state[0], fe.books[0]
-    now, idle, turned = s.now, b.idle, TURN_TAKEN  # (the caller's turn at `now` is done)
-    s.nsteps = s.nfirst = s.nreadmit = s.ndrop = 0
+    now, idle, turned = s.now, b.idle, s.turned
+    s.nsteps = s.nfirst = s.nreadmit = s.ndrop = s.took = 0
     owned, ok, n_ready = span.allocate(live, ss, c, c.ans_cap + fe.pend.shape[0], eng.status.size)
     w = borrowed(owned)  # (held to the end: hold)
     a = Tally(ss.pslot, ss.s_frames, ss.s_silent, w.key, w.who, w.tok)
@@ -520,7 +521,7 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
         if turned == TURN_CALLER:
             if not _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready):
                 break
-            n_ready = 0
+            n_ready, s.took = 0, s.took + 1
             if now >= c.t_pause:  # the turn is taken: the caller looks, then calls again from here
                 turned = PAUSED
                 break

@@ -49,16 +49,17 @@ CONF = np.dtype([("max_steps", np.int64), ("ans_cap", np.int64), ("f_lo", np.int
 # plan found for the phases after it (front_rules.turn): the sessions it visits and the wheel's slots due (nvisit,
 # ndue), where the departures due end (depend), the sessions it admits (nadm), and the answers written at the
 # moment (nans); after a step (front_rules.after_step), what the step found and what each phase leaves the next
-# (the fields from step_start on: fastpath's phases say which). The front end's own counters (the next arrival,
-# the admissions' sequence, the latest frame handed to the engine, the peak of blocks used, t_sat, whether the last
-# step preempted, whether the engine waited since its last step) are in its books (front_rules.BOOK_FIELDS,
-# Front.books), which the loop writes in place.
+# (the fields from step_start up to nready: fastpath's phases say which); the turns the loop took (took: whether
+# it took the one at the start of the span, when the caller left it, STATE.turned on the way in). The front end's
+# own counters (the next arrival, the admissions' sequence, the latest frame handed to the engine, the peak of
+# blocks used, t_sat, whether the last step preempted, whether the engine waited since its last step) are in its
+# books (front_rules.BOOK_FIELDS, Front.books), which the loop writes in place.
 STATE = np.dtype([("now", np.float64), ("out_s", np.float64), ("nrun", np.int64), ("npf", np.int64),
                   ("nfirst", np.int64), ("nreadmit", np.int64), ("ndrop", np.int64), ("step0", np.int64),
                   ("nsteps", np.int64), ("nrows", np.int64), ("turned", np.int64), ("nvisit", np.int64),
                   ("ndue", np.int64), ("depend", np.int64), ("nadm", np.int64), ("nans", np.int64),
                   ("step_start", np.float64), ("step_s", np.float64), ("nvic", np.int64), ("ndone", np.int64),
-                  ("tokens_out", np.int64), ("nready", np.int64)], align=True)
+                  ("tokens_out", np.int64), ("nready", np.int64), ("took", np.int64)], align=True)
 # the front end's queues as the loop keeps them: its FCFS queue, the departures booked (in time order), the frames
 # owed in lockstep (session, frame, tokens got), its books of them (front_rules.BOOKS, the front end's own record:
 # one element, written in place), the session of each request slot and whether a frame was handed to
