@@ -37,10 +37,12 @@ def percentile_threshold(total, q):
 
 @compiled.counted
 def percentile_whole(v, w, q):
-    """:func:`percentiles_whole` at one ``q``."""
+    """:func:`percentiles_whole` at one ``q``, selected (:func:`select_whole`): an admission controller's interval
+    (a few thousand samples) is far below a bracket's worth, and this is compiled into the simulator's loop, where
+    the bracket's code would only be more to compile."""
     qs = np.empty(1)
     qs[0] = q
-    return percentiles_whole(v, w, qs)[0]
+    return select_whole(v, w, qs)[0]
 
 
 # From this many samples on, a percentile is bracketed by a sample first (:func:`ranks_in_brackets`): a run's
