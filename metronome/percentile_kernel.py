@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numba as nb
 import numpy as np
 
 from metronome import compiled
@@ -151,7 +152,9 @@ def weigh_bracket(v, w, lo, hi, bv, bw):
     return below, inside, k
 
 
-@compiled.counted
+# (spliced into each caller, numba IR: compiled apart it was one more function to compile into the simulator's
+# loop, which an admission controller's percentile reaches)
+@nb.njit(cache=True, inline="always")
 def select_whole(v, w, qs):
     """:func:`percentiles_whole` by a weighted quickselect (:func:`select_ranks`)."""
     total = 0.0
