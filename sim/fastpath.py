@@ -428,10 +428,13 @@ def _step_tokens(x, now):
 @_spliced
 def _step_preemptions(x, now):
     """The engine's preemptions and the deadlock rule's victims (found by reaction.react as the step ended), each
-    losing its place (reaction.preempt_all), dated at the step's start."""
+    losing its place (reaction.preempt_all), dated at the step's start; a step that preempted holds admission back
+    for a turn; the peak of blocks used, as the step left them (FrontEnd._step_preemptions)."""
     c, s, ss, fe, w, a, eng, _, _, _ = x
+    b = fe.books[0]
     if s.nvic:
         s.nans = reaction.preempt_all(s.step_start, s.nvic, c, s, ss, fe, w, a, eng, s.nans)
+    b.prelast, b.peak = s.nvic > 0, max(b.peak, eng.o_n[0].used)
 
 
 @_spliced
@@ -516,7 +519,6 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
     owned, ok, n_ready = span.allocate(live, ss, c, c.ans_cap + fe.pend.shape[0], eng.status.size)
     w = borrowed(owned)  # (held to the end: hold)
     a = Tally(ss.pslot, ss.s_frames, ss.s_silent, w.key, w.who, w.tok)
-    o_n = eng.o_n[0]
     while ok:
         if turned == TURN_CALLER:
             if not _turn(now, c, s, ss, fe, w, a, eng, rec, ctl, n_ready):
@@ -541,11 +543,10 @@ def run_span(conf, state, coef, live, ss, fe, eng, dr, rec, ctl):
         if turned != TURN_CALLER:  # (SimPy stops a run during a step that outlives it; STEP_TAKEN: it took `lat`)
             s.out_s = now + lat if turned == PAST_HORIZON else lat
             break
-        s.step_start, s.step_s, s.nvic, now, b.prelast = now, lat, n_vic, now + lat, n_vic > 0
+        s.step_start, s.step_s, s.nvic, now = now, lat, n_vic, now + lat
         after_step((c, s, ss, fe, w, a, eng, rec, ctl, n_ready), now, _step_tokens, _step_preemptions, _silence,
                    _step_records)
-        n_ready = s.nready
-        b.peak, s.nsteps = max(b.peak, o_n.used), s.nsteps + 1
+        n_ready, s.nsteps = s.nready, s.nsteps + 1
     s.turned, b.idle, s.now = turned, idle, now
     hold(owned)
 
