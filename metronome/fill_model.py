@@ -50,8 +50,8 @@ from scipy import integrate, stats
 
 from metronome import compiled, throughput
 from metronome.calibration import Calibration
-from metronome.kv_policy import KVPolicy, cdiv, resident_tokens_of
-from metronome.serving import check_phases, resident_tokens_jit
+from metronome.kv_policy import KVPolicy, cdiv
+from metronome.serving import RESIDENCY_PARTS, check_phases, resident_tokens_jit
 from metronome.workload import Durations
 
 
@@ -794,4 +794,4 @@ class _LazyClock:
 
 
 # (before any clock runs: the cohorts compile the policy's residency in from another module)
-CLOCK_FORM = compiled.guard(_cohorts, (resident_tokens_of,))
+CLOCK_FORM = compiled.guard(_cohorts, RESIDENCY_PARTS)

@@ -41,6 +41,14 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+def blocks_in(n, bs):
+    """``floor(n / bs)``: the whole blocks of ``bs`` tokens in ``n`` tokens (ints or numpy integer arrays, ``n``
+    negative too). Compiled code divides by a shift where ``bs`` is a power of two (serving.blocks_in's
+    compiled form): the block size is known only at run time, and the simulator's loop divides by it several
+    times for each request of each step."""
+    return n // bs
+
+
 NO_WINDOW = 1 << 62
 """The window of a policy that keeps everything: residency's formula with this window and no sinks is plain
 ``cdiv(n, bs)`` (no block ever leaves), so one formula serves every policy."""
@@ -52,14 +60,14 @@ def resident_blocks_of(n, bs, sink_blocks, window):
 
     The one statement of residency: :meth:`KVPolicy.resident_blocks` calls it on ints and numpy arrays, and the
     engine step (:func:`metronome.serving.engine_step`) compiles it, so it is written in what numba compiles."""
-    lo = np.maximum(n - window + 1, 0) // bs  # the first window block (vLLM: computed − sliding_window + 1)
-    return np.minimum(lo, sink_blocks) + (n + bs - 1) // bs - lo
+    lo = blocks_in(np.maximum(n - window + 1, 0), bs)  # the first window block (vLLM: computed − sliding_window + 1)
+    return np.minimum(lo, sink_blocks) + blocks_in(n + bs - 1, bs) - lo
 
 
 def resident_tokens_of(n, bs, sink_blocks, window):
     """Tokens stored in the blocks :func:`resident_blocks_of` keeps (a partly filled last block counts its filled
     slots)."""
-    lo = np.maximum(n - window + 1, 0) // bs
+    lo = blocks_in(np.maximum(n - window + 1, 0), bs)
     return np.minimum(lo, sink_blocks) * bs + (n - lo * bs)
 
 

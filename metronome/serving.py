@@ -53,11 +53,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-from numba.extending import register_jitable
+from numba.core import types
+from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.extending import overload, register_jitable
 
 from metronome import compiled
 from metronome.errors import MetronomeError
-from metronome.kv_policy import KVPolicy, resident_blocks_of, resident_tokens_of
+from metronome.kv_policy import KVPolicy, blocks_in, resident_blocks_of, resident_tokens_of
 
 # ------------------------------------------------------------------------------------------ frame clock
 _TICK_EPS = 1e-9
@@ -245,7 +247,7 @@ def gate_blocks(tokens, bs, cap, slots):
     ``slots`` block slots: ``max(min(cdiv(tokens, bs), cap) − slots, 0)``. The one statement of the gate: the
     front end asks it through :func:`admission_need_blocks`, and the engine step compiles it (ints, numpy arrays
     and numba alike)."""
-    return np.maximum(np.minimum((tokens + bs - 1) // bs, cap) - slots, 0)
+    return np.maximum(np.minimum(blocks_in(tokens + bs - 1, bs), cap) - slots, 0)
 
 
 def admission_need_blocks(policy: KVPolicy, tokens: int, cap_blocks: int | None, slots: int = 0) -> int:
@@ -352,8 +354,29 @@ def record(dtype, **fields) -> np.recarray:
     return r
 
 # the policy's residency, compiled: the engine step's and the fill model's clock (one dispatcher each, one cache)
+@overload(blocks_in)
+def _blocks_in_compiled(n, bs):
+    """:func:`metronome.kv_policy.blocks_in` in compiled code: a block size that is a power of two (vLLM's are)
+    divides by a shift (an arithmetic shift floors, negatives included, as ``//`` does). A division by a
+    number known only at run time takes tens of cycles, and the engine step divides by the block size several
+    times for each request it schedules: a few per cent of the simulator's loop."""
+    if not (isinstance(n, types.Integer) and isinstance(bs, types.Integer)):
+        return lambda n, bs: n // bs
+
+    def impl(n, bs):
+        if bs > 0 and bs & (bs - 1) == 0:
+            return n >> trailing_zeros(bs)
+        return n // bs
+    return impl
+
+
+# what compiles the policy's residency into its caller: a caller's cache guard names these (compiled.guard)
+RESIDENCY_PARTS = (blocks_in, _blocks_in_compiled, resident_blocks_of, resident_tokens_of)
 resident_blocks_jit = compiled.counted(resident_blocks_of)
 resident_tokens_jit = compiled.counted(resident_tokens_of)
+# (numba keeps their machine code under kv_policy's name and checks kv_policy.py alone: guarded against a change of
+# the compiled blocks_in above, which they compile in)
+RESIDENT_FORM = compiled.guard(resident_blocks_jit, (_blocks_in_compiled,))
 gate_blocks_jit = compiled.counted(gate_blocks)  # (the compiled loop's front end asks it too)
 
 
@@ -363,10 +386,10 @@ def resume_need(tokens, computed, held, bs, cap, sink_blocks, window):
     needs before vLLM schedules the rest of it: the full-sequence gate's, or the allocation's once its
     out-of-window blocks are freed, whichever is larger, and at least one (it is starved for *something*). The one
     statement: :func:`blocks_to_resume` asks it for a policy, the compiled loop on the engine's arrays."""
-    slots = (computed + bs - 1) // bs
+    slots = blocks_in(computed + bs - 1, bs)
     gate = gate_blocks_jit(tokens, bs, cap, slots)
     freed = held - resident_blocks_jit(computed, bs, sink_blocks, window) if computed else 0
-    alloc = (tokens + bs - 1) // bs - slots - freed
+    alloc = blocks_in(tokens + bs - 1, bs) - slots - freed
     return max(gate, alloc, 1)
 
 
@@ -427,7 +450,7 @@ def _alloc(s, k, admitting, lim, cnt, computed, ntok, slots, held, reached):
     bs = lim.block_size
     wm = lim.watermark if admitting and cnt.n_run > 0 else 0
     free = lim.num_blocks - cnt.used
-    need = max((computed[s] + k + bs - 1) // bs - slots[s], 0)
+    need = max(blocks_in(computed[s] + k + bs - 1, bs) - slots[s], 0)
     if admitting:
         gate = gate_blocks_jit(min(ntok[s], lim.max_len), bs, lim.cap, slots[s])
         if gate + wm > free:
@@ -785,7 +808,7 @@ def _resume_many(slots_, chunks, max_tokens, cnt, status, computed, ntok, out, m
 
 
 # what the compiled step takes in from another module: the policy's residency
-STEP_FORM = compiled.guard(engine_step, (resident_blocks_of, resident_tokens_of))
+STEP_FORM = compiled.guard(engine_step, RESIDENCY_PARTS)
 
 
 @dataclass

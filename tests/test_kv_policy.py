@@ -290,3 +290,31 @@ def test_a_rebase_keeps_the_sinks_and_the_last_tokens_by_hand():
     assert kept == [] and ch == list(range(16)) + list(range(78, 100)) + chunk
     assert serving.rebase_keep_tokens(unb, 1000) == 500 and serving.rebase_keep_tokens(unb, 1000, unbounded=16) == 16
     assert serving.rebase_keep_tokens(sinks, 1000, unbounded=16) == 48
+
+
+def test_compiled_blocks_in_floors_as_python_does():
+    """Compiled code divides by a block size that is a power of two with a shift (serving's compiled form of
+    kv_policy.blocks_in), by any other with a division: either way the floor Python's // gives, negatives and
+    zero included."""
+    import numba as nb
+
+    from metronome import serving  # noqa: F401 (registers the compiled form)
+    from metronome.kv_policy import blocks_in
+
+    f = nb.njit(lambda n, bs: blocks_in(n, bs))
+    for bs in (1, 2, 4, 16, 64, 3, 12, 48):
+        for n in range(-3 * bs - 2, 5 * bs + 3):
+            assert f(n, bs) == n // bs, (n, bs)
+
+
+@given(st.sampled_from([1, 2, 16, 32, 3, 12]), st.sampled_from(["unbounded", "window", "sinks"]),
+       st.integers(0, 3000))
+def test_the_compiled_residency_matches_a_brute_force_paged_cache(bs, kind, n):
+    """What the engine step compiles (serving.resident_blocks_jit, resident_tokens_jit) keeps what a paged cache
+    keeps, for block sizes that are powers of two (a shift) and others (a division)."""
+    from metronome.serving import resident_blocks_jit, resident_tokens_jit
+
+    p = {"unbounded": KVPolicy.unbounded(bs), "window": KVPolicy.window(bs, 7 * bs + 5),
+         "sinks": KVPolicy.sinks(bs, bs + 1, 7 * bs + 5)}[kind]
+    assert resident_blocks_jit(n, *p.residency()) == blocks_brute(p, n)
+    assert resident_tokens_jit(n, *p.residency()) == len(kept_positions(p, n))
