@@ -97,8 +97,10 @@ def step_inputs(batch, context_tokens, new_tokens, moe_route):
     (:func:`metronome.fit.fit_step_latency`) and the simulator's compiled loop (which compiles this very
     function) all read it, so a new term is a coefficient, its unit and its input here. Plain arithmetic
     only, for the compiler."""
-    return (1.0, batch, context_tokens, new_tokens, 1.0 - (1.0 - moe_route) ** new_tokens,
-            context_tokens / (batch + (batch == 0)))
+    # (a dense model's 0 without the power: 1 − 1^n is 0 exactly, and a power is a call into the maths library,
+    # which the simulator's loop made at every step)
+    moe = 1.0 - (1.0 - moe_route) ** new_tokens if moe_route else 0.0 * new_tokens
+    return (1.0, batch, context_tokens, new_tokens, moe, context_tokens / (batch + (batch == 0)))
 
 
 def sum_terms(terms) -> dict[str, float]:
