@@ -25,7 +25,7 @@ from metronome.front_end import FrontEndOptions, Roster, tokens_within
 from metronome.kv_policy import KVPolicy
 from metronome.outputs import atomic_dir, write_json
 from metronome.results import (COLLAPSE_SILENT_FRACTION, REFUSED_REASONS, collapse_decided,  # noqa: F401 (re-export)
-                               RunCounts, shared_summary)
+                               RunCounts, count_total, shared_summary)
 from metronome.workload import Arrivals, Durations, draw, draw_phases
 
 from metronome.sim.engine import SimEngine
@@ -300,15 +300,17 @@ def summarize(sc: Scenario, eng: SimEngine, steps: pd.DataFrame, frames: pd.Data
                 v = steps[col].to_numpy()
                 bad |= (v < lo) | (v > hi)
         outside = int(bad.sum())
-    # goodput: frames delivered non-silent and on time, per simulated second
-    on_time = ~(frames["late"].to_numpy() > 0)
-    good = int(((frames["frames"].to_numpy() - frames["silent"].to_numpy()) * on_time).sum())
     shared = shared_summary(frames, steps["step_s"].to_numpy(), eng.t_sat, RunCounts(
         peak_used_blocks=eng.peak_used, usable_blocks=eng.num_blocks,
         preemptions=int(sessions["preemptions"].sum()), rebases=int(sessions["rebases"].sum()),
         sessions_offered=len(sessions),
         sessions_admitted=int(np.isfinite(sessions["admitted_s"].to_numpy()).sum()),
         sessions_refused=int(sessions["end_reason"].isin(REFUSED_REASONS).sum())))
+    # goodput: frames delivered non-silent and on time, per simulated second (every non-silent frame, less those
+    # of the rows that missed their deadline: few rows)
+    late = np.flatnonzero(frames["late"].to_numpy() > 0)
+    good = shared["frames"] - shared["silent_frames"] - count_total(
+        frames["frames"].to_numpy()[late] - frames["silent"].to_numpy()[late])
 
     def r(x, nd=6):
         return None if x is None else round(float(x), nd)

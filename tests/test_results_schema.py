@@ -346,3 +346,35 @@ def test_a_live_runs_controller_summary_counts_draining_intervals(tmp_path):
     assert out["controller"]["cuts"] == 1 and out["controller"]["draining_intervals"] == 2
     assert json.loads((tmp_path / "summary.json").read_text())["controller"]["draining_intervals"] == 2
     assert set(pd.read_parquet(tmp_path / "controller.parquet").decision) == {"decrease", "draining"}
+
+
+def test_the_counts_of_int32_frame_rows_are_summed_past_int32():
+    """The simulator's frame rows hold their counts as int32; the summary adds them as int64 (compiled,
+    results.count_total), so totals past 2**31 come out whole. Four rows of 2**30 frames, one of them late, each
+    with 2**29 silent ones and 3·2**29 tokens: the totals by hand."""
+    big = np.full(4, 2 ** 30, np.int32)
+    zero = np.zeros(4, np.int32)
+    rows = {"tick_s": np.arange(4.0), "latency_s": np.full(4, 0.01), "frames": big, "silent": big // 2,
+            "silent_preempted": big // 2, "silent_waiting": zero, "silent_departed": zero,
+            "late": np.array([0, 0, 0, 2 ** 30], np.int32), "tokens": 3 * (big // 2)}
+    out = results.shared_summary(rows, np.full(3, 0.02), None, results.RunCounts(
+        peak_used_blocks=0, usable_blocks=1, preemptions=0, rebases=0, sessions_offered=0, sessions_admitted=0,
+        sessions_refused=0))
+    assert out["frames"] == 2 ** 32 and out["silent_frames"] == 2 ** 31
+    assert out["tokens_total"] == 6 * 2 ** 30
+    assert out["silent_preempted_fraction"] == 0.5 and out["deadline_miss_fraction"] == 0.25
+
+
+def test_goodput_counts_the_non_silent_frames_of_the_rows_on_time():
+    """goodput_frames_per_s: frames answered non-silent on time, per simulated second. A run tight against its
+    deadline (some of its rows late, most not) on a pool too small for all its sessions (some of its frames silent
+    while they wait), counted from its frames table row by row."""
+    sc = sim.make_scenario("moshi-7b-h200", sessions=300, horizon=20.0, deadline=0.06, num_blocks=3000, kv="sinks",
+                           window=368, sinks=16)
+    r = sim.run(sc)
+    good = 0
+    for frames, silent, late in zip(r.frames["frames"], r.frames["silent"], r.frames["late"]):
+        if late == 0:
+            good += int(frames) - int(silent)
+    assert 0 < r.summary["deadline_miss_fraction"] < 0.5 and r.summary["silent_frame_fraction"] > 0
+    assert r.summary["goodput_frames_per_s"] == round(good / 20.0, 4)
