@@ -88,14 +88,63 @@ def forget_other_forms(where: Path, module: str, form: str) -> bool:
 
 def guard(dispatcher, parts) -> str:
     """Guard the cache of ``dispatcher``'s module against changes in ``parts``, what it compiles in from other
-    modules (call it at import, before any of the module's compiled functions runs). Returns the form."""
-    form = form_of(parts)
+    modules, and in how this module has numba index arrays (:func:`indexes_never_negative`); call it at import,
+    before any of the module's compiled functions runs. Returns the form."""
+    form = form_of((*parts, _index_as_given))
     try:
         where = Path(dispatcher._cache._cache_path)  # numba's cache folder for the module (not public API)
     except AttributeError:  # another numba: no guard, as numba itself has none
         return form
     forget_other_forms(where, Path(dispatcher.py_func.__code__.co_filename).stem, form)
     return form
+
+
+# The modules whose compiled code indexes arrays as given (indexes_never_negative), by the prefix numba's mangled
+# names of their functions begin with
+_NEVER_NEGATIVE: set[str] = set()
+
+
+def indexes_never_negative(module: str) -> None:
+    """Declare that the compiled code of ``module`` (its functions, and what numba splices into them) never
+    indexes an array with a negative integer: numba then indexes as given, without Python's wrap-around. Call it
+    at import, before anything of the module is compiled; its cache is guarded by the module's own source.
+
+    numba turns every ``a[i]`` with a signed ``i`` into ``a[i + len(a) if i < 0 else i]``. In the simulator's loop
+    the indices are sessions, slots and places read from arrays, which LLVM cannot prove non-negative, and the loop
+    holds a few hundred arrays, whose sizes it keeps on the stack: the wrap-around (a load, a compare and a select
+    at each index) was about a seventh of the loop's time. What it costs: a negative index in such a module reads
+    outside its array, as an index past the end already does (numba checks no bounds by default); with
+    ``NUMBA_BOUNDSCHECK=1`` both raise IndexError (tests/test_fastpath_cache.py runs the loop so)."""
+    _NEVER_NEGATIVE.add("_ZN" + "".join(f"{len(p)}{p}" for p in module.split(".")))
+    _index_as_given()
+
+
+def _never_negative(name: str) -> bool:
+    """Whether the function of mangled name ``name`` belongs to a module declared by
+    :func:`indexes_never_negative` (its prefix, then the length of the function's own name)."""
+    for prefix in _NEVER_NEGATIVE:
+        if name.startswith(prefix) and name[len(prefix):len(prefix) + 1].isdigit():
+            return True
+    return False
+
+
+def _index_as_given() -> None:
+    """Have numba index arrays as given in the functions of the modules :func:`indexes_never_negative` names
+    (numba's ``fix_integer_index``, which its array indexing calls for each integer index; not public API: with
+    a numba without it, indices wrap around as before)."""
+    from numba.np import arrayobj
+
+    wrap = getattr(arrayobj, "fix_integer_index", None)
+    if wrap is None or getattr(wrap, "as_given", False):
+        return
+
+    def fix_integer_index(context, builder, idxty, idx, size):
+        if idxty.signed and _never_negative(builder.function.name):
+            return context.cast(builder, idx, idxty, types.intp)
+        return wrap(context, builder, idxty, idx, size)
+
+    fix_integer_index.as_given = True
+    arrayobj.fix_integer_index = fix_integer_index
 
 
 @intrinsic

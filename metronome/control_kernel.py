@@ -40,6 +40,8 @@ from metronome.percentile_kernel import (BRACKET_MIN, BRACKET_SAMPLE, REL_EPS, p
                                          percentile_threshold, percentile_whole, percentiles_whole, ranks_in_brackets,
                                          select_whole, whole_rank, whole_weights)
 
+compiled.indexes_never_negative(__name__)  # (before anything of this module is compiled)
+
 # A controller's records are numpy structured arrays, not named tuples: numba compiles a field of a record to a
 # load or store at a fixed offset (what an index into a float array was), the state must be written in place (a
 # named tuple is immutable), a record handed to a function is one pointer (a named tuple of 17 floats is 17

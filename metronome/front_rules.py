@@ -32,6 +32,8 @@ import numpy as np
 
 from metronome import compiled, serving
 
+compiled.indexes_never_negative(__name__)  # (before anything of this module is compiled)
+
 # front-end states of a session (a session's life: metronome.front_end)
 NOT_ARRIVED, WAITING, PREFILL, RUNNING, ENDED, REFUSED, QUEUED = 0, 1, 2, 3, 4, 5, 6
 

@@ -61,6 +61,8 @@ from metronome import compiled
 from metronome.errors import MetronomeError
 from metronome.kv_policy import KVPolicy, blocks_in, resident_blocks_of, resident_tokens_of
 
+compiled.indexes_never_negative(__name__)  # (before anything of this module is compiled)
+
 # ------------------------------------------------------------------------------------------ frame clock
 _TICK_EPS = 1e-9
 

@@ -43,6 +43,8 @@ from metronome.sim.span import inlined as _inlined
 from metronome.sim.span import njit as _njit
 from metronome.sim.span import spliced as _spliced
 
+compiled.indexes_never_negative(__name__)  # (before anything of this module is compiled)
+
 # the step model's form, a session's first frame and what a silent frame is, compiled from their one statement
 _step_inputs = nb.njit(cache=True)(step_inputs)
 

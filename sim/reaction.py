@@ -17,6 +17,8 @@ from metronome.serving import abort_slot, deadlock_pick, resume_need
 from metronome.sim import span
 from metronome.sim.span import STEP_TAKEN, TURN_CALLER, W_CODE, X_CODE, inlined, spliced
 
+compiled.indexes_never_negative(__name__)  # (before anything of this module is compiled)
+
 
 @inlined
 def victims(ss, fe, w, eng):

@@ -21,6 +21,8 @@ from metronome.front_rules import ENDED
 from metronome.results import weighted_percentile
 from metronome.serving import PHASE_SLOTS, key_order_in, merge_order
 
+compiled.indexes_never_negative(__name__)  # (before anything of this module is compiled)
+
 STEP_COLUMNS = (
     "t_s", "step_s", "batch", "new_tokens", "context_tokens", "resident_blocks", "free_blocks",
     "tokens_out", "frames_done", "silent_frames", "preemptions", "running", "waiting",

@@ -19,6 +19,8 @@ from metronome.front_rules import live as _live
 from metronome.serving import frame_tick as _tick
 from metronome.serving import PHASE_SLOTS, EngineModel, key_order_work
 
+compiled.indexes_never_negative(__name__)  # (before anything of this module is compiled)
+
 P_CODE = EngineModel.PAUSED_CODE
 W_CODE, X_CODE = EngineModel.WAITING_CODE, EngineModel.PREEMPTED_CODE  # waiting: new or resumed; preempted
 

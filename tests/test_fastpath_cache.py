@@ -2,10 +2,14 @@
 (metronome/compiled.py): the engine step takes in the policy's residency, the simulator's loop the engine step,
 the step model and the jitter ratio."""
 
+import json
 import os
+import subprocess
+import sys
 import types
 
 import numba as nb
+import numpy as np
 import pytest
 
 from metronome import compiled, serving
@@ -120,3 +124,78 @@ def test_a_cache_written_before_an_argument_class_moved_is_compiled_again(tmp_pa
         assert out.returncode == 0 and out.stdout.strip() == "1.0", out.stderr[-2000:]
     else:  # (numba as it is: the reason the patch exists; should numba read it one day, the patch can go)
         assert out.returncode != 0 and "Can't get attribute 'Old'" in out.stderr, out.stderr[-2000:]
+
+
+def _indexer(module: str):
+    """``a[i]`` compiled as a function of module ``module``, with numba's bounds check."""
+    ns = {"__name__": module}
+    exec("def get(a, i):\n    return a[i]\n", ns)
+    return nb.njit(boundscheck=True)(ns["get"])
+
+
+def test_a_module_declared_never_negative_indexes_its_arrays_as_given():
+    """compiled.indexes_never_negative: numba indexes the arrays of a declared module's functions as given (no
+    wrap-around), so a negative index is out of bounds there (numba's bounds check raises), while elsewhere it
+    still counts from the end."""
+    compiled.indexes_never_negative("metronome_test_as_given")
+    a = np.arange(5.0)
+    as_given, wraps = _indexer("metronome_test_as_given"), _indexer("metronome_test_wraps")
+    assert wraps(a, -1) == 4.0 and as_given(a, 4) == 4.0 and as_given(a, 0) == 0.0
+    with pytest.raises(IndexError):
+        as_given(a, -1)
+    # the loop's module is declared (by the prefix of its functions' mangled names), a module named like it not
+    assert compiled._never_negative("_ZN9metronome3sim8fastpath8run_spanB3v12B40c8tJTIeFIjx")
+    assert not compiled._never_negative("_ZN9metronome3sim9fastpaths8run_spanB3v12B40c8tJTIeFIjx")
+
+
+# Runs that reach every part of the loop's modules: churn under AIMD (arrivals, departures, admissions, the
+# controller), both phase regimes, correlated step jitter, a pool that runs dry (preemptions, the deadlock rule,
+# readmissions), history past max_model_len (rebases), the memory ceiling (sessions waiting)
+_BOUNDS_CASES = """
+from dataclasses import replace
+from metronome import calibration
+from metronome.sim import scenario as sim
+
+
+def cases():
+    c = calibration.load("moshi-7b-h200")
+    short = replace(c, model=replace(c.model, max_model_len_tokens=600))
+    spells = replace(c, step_latency=replace(c.step_latency, jitter=((0.0, 0.85), (0.5, 1.0), (0.99, 1.5), (1.0, 2.0)),
+                                             frame_first_s=0.001, jitter_shared=0.6, jitter_tau_s=1.0,
+                                             jitter_frame=0.1))
+    bound = dict(kv="sinks", sinks=16, window=368)
+    churn = dict(bound, arrival_rate=1.5, session_duration="exp:300", admission="aimd", deadline=0.04)
+    return {
+        "realistic": sim.make_scenario(c, **churn, horizon=120.0),
+        "realistic aligned": sim.make_scenario(c, **churn, horizon=60.0, phases="aligned"),
+        "correlated jitter": sim.make_scenario(spells, **churn, horizon=60.0),
+        "dry pool": sim.make_scenario(c, kv="unbounded", sessions=300, horizon=40.0, num_blocks=2000),
+        "ceiling": sim.make_scenario(c, kv="sinks", sinks=64, window=2048, sessions=500, horizon=10.0),
+        "rebase": sim.make_scenario(short, kv="sinks", sinks=16, window=256, sessions=20, horizon=120.0),
+    }
+
+
+def summaries():
+    out = {}
+    for name, sc in cases().items():
+        r = sim.run(sc)
+        out[name] = {k: v for k, v in r.summary.items() if k != "wall_s"} | {"loop_steps": r.fast_steps}
+    return out
+"""
+
+
+def test_the_loop_indexes_no_array_out_of_bounds(tmp_path):
+    """The loop's modules index their arrays as given (compiled.indexes_never_negative): no index there may be
+    negative. Runs that reach each part of the loop, compiled afresh with numba's bounds check on (an index that
+    is negative, or past an array's end, raises), give the summaries they give without it."""
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
+    code = _BOUNDS_CASES + "\nimport json\nprint(json.dumps(summaries()))\n"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checked = json.loads(proc.stdout.strip().splitlines()[-1])
+    ns = {}
+    exec(_BOUNDS_CASES, ns)
+    here = json.loads(json.dumps(ns["summaries"]()))
+    assert checked == here
+    assert all(s["loop_steps"] > 0 for s in here.values())
+    assert here["rebase"]["rebases"] > 0 and here["dry pool"]["preemptions"] > 0
