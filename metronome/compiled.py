@@ -112,7 +112,7 @@ def indexes_never_negative(module: str) -> None:
     numba turns every ``a[i]`` with a signed ``i`` into ``a[i + len(a) if i < 0 else i]``. In the simulator's loop
     the indices are sessions, slots and places read from arrays, which LLVM cannot prove non-negative, and the loop
     holds a few hundred arrays, whose sizes it keeps on the stack: the wrap-around (a load, a compare and a select
-    at each index) was about a seventh of the loop's time. What it costs: a negative index in such a module reads
+    at each index) was about a fifth of the loop's time. What it costs: a negative index in such a module reads
     outside its array, as an index past the end already does (numba checks no bounds by default); with
     ``NUMBA_BOUNDSCHECK=1`` both raise IndexError (tests/test_fastpath_cache.py runs the loop so)."""
     _NEVER_NEGATIVE.add("_ZN" + "".join(f"{len(p)}{p}" for p in module.split(".")))
