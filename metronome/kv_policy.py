@@ -43,9 +43,9 @@ def cdiv(a, b):
 
 def blocks_in(n, bs):
     """``floor(n / bs)``: the whole blocks of ``bs`` tokens in ``n`` tokens (ints or numpy integer arrays, ``n``
-    negative too). Compiled code divides by a shift where ``bs`` is a power of two (serving.blocks_in's
-    compiled form): the block size is known only at run time, and the simulator's loop divides by it several
-    times for each request of each step."""
+    negative too). Compiled code divides by a shift where ``bs`` is a power of two (its compiled form, in
+    :mod:`metronome.serving`): the block size is known only at run time, and the simulator's loop divides by it
+    several times for each request of each step."""
     return n // bs
 
 

@@ -355,7 +355,7 @@ def record(dtype, **fields) -> np.recarray:
         r[name] = value
     return r
 
-# the policy's residency, compiled: the engine step's and the fill model's clock (one dispatcher each, one cache)
+
 @overload(blocks_in)
 def _blocks_in_compiled(n, bs):
     """:func:`metronome.kv_policy.blocks_in` in compiled code: a block size that is a power of two (vLLM's are)
@@ -374,6 +374,7 @@ def _blocks_in_compiled(n, bs):
 
 # what compiles the policy's residency into its caller: a caller's cache guard names these (compiled.guard)
 RESIDENCY_PARTS = (blocks_in, _blocks_in_compiled, resident_blocks_of, resident_tokens_of)
+# the policy's residency, compiled: the engine step's and the fill model's clock (one dispatcher each, one cache)
 resident_blocks_jit = compiled.counted(resident_blocks_of)
 resident_tokens_jit = compiled.counted(resident_tokens_of)
 # (numba keeps their machine code under kv_policy's name and checks kv_policy.py alone: guarded against a change of
