@@ -291,10 +291,10 @@ def _counts(x) -> np.ndarray:
 
 
 def count_total(x) -> int:
-    """The sum of counts ``x`` (:func:`_counts`), exactly: added as int64 in compiled code. numpy sums an integer
-    narrower than int64 by casting it to int64 in buffered chunks, and the simulator's counts are int32: summed
-    that way, the count columns of a realistic hour's two million frame rows cost as much again as the rest of
-    its summary's sums."""
+    """The sum of counts ``x`` (:func:`_counts`), exactly: added as int64 in compiled code, in one pass over them
+    as they are. numpy sums an integer narrower than int64 (the simulator's counts are int32) by casting it to int64
+    in buffered chunks first; over a realistic hour's two million frame rows either way is bound by reading them
+    from memory, so what this saves is small (docs/history/benchmarks.md)."""
     return int(whole_total(_as_writable_type(_counts(x))))
 
 

@@ -160,9 +160,9 @@ from metronome.sim import scenario as sim
 def cases():
     c = calibration.load("moshi-7b-h200")
     short = replace(c, model=replace(c.model, max_model_len_tokens=600))
-    spells = replace(c, step_latency=replace(c.step_latency, jitter=((0.0, 0.85), (0.5, 1.0), (0.99, 1.5), (1.0, 2.0)),
-                                             frame_first_s=0.001, jitter_shared=0.6, jitter_tau_s=1.0,
-                                             jitter_frame=0.1))
+    jitter = ((0.0, 0.85), (0.5, 1.0), (0.99, 1.5), (1.0, 2.0))
+    spells = replace(c, step_latency=replace(c.step_latency, jitter=jitter, frame_first_s=0.001, jitter_shared=0.6,
+                                             jitter_tau_s=1.0, jitter_frame=0.1))
     bound = dict(kv="sinks", sinks=16, window=368)
     churn = dict(bound, arrival_rate=1.5, session_duration="exp:300", admission="aimd", deadline=0.04)
     return {
